@@ -1,0 +1,29 @@
+# Set-up and the two everyday commands. `make demo` and `make test` build .venv on first use.
+# Keep your own torch (e.g. a CUDA build): make demo VENV_ARGS=--system-site-packages
+# or pick the build: make demo TORCH_SPEC="torch==2.6.0"
+PYTHON ?= python3
+VENV ?= .venv
+VENV_ARGS ?=
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: demo test lint bench clean-demo
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test,plot]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu.yaml train/medusa.py
+	$(PY) -m infer bench --heads outputs/medusa-demo --json outputs/medusa-demo/bench.json
+
+test: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest
+
+clean-demo:
+	rm -rf outputs/medusa-demo

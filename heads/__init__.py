@@ -1,0 +1,1 @@
+"""Drafters (Medusa heads, EAGLE layers), their config and files. Nothing here trains or decodes."""

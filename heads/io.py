@@ -1,0 +1,106 @@
+"""Saving and loading drafters: `config.json` + `model.safetensors` (drafter weights only) + a model card."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from heads.config import HeadsConfig
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call `write(tmp_path)` then rename onto `path`, so a crash never leaves a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def model_card(config: HeadsConfig, extra: str = "") -> str:
+    base = config.base_model or "unknown"
+    return f"""---
+base_model: {base}
+library_name: selfspec
+tags: [speculative-decoding, {config.kind}, selfspec]
+---
+# {config.kind} drafter for {base}
+
+{config.num_heads} {config.kind} heads x {config.num_layers} residual block(s), hidden size {config.hidden_size},
+vocabulary {config.vocab_size}. Decoding with them is lossless: greedy output is token-identical to the
+target's own, sampled output has the target's distribution.
+
+```python
+from infer.generate import SpeculativeModel
+model = SpeculativeModel.from_pretrained("path/to/this/folder")
+```
+{extra}"""
+
+
+class PretrainedHeads(nn.Module):
+    """`save_pretrained` / `from_pretrained` for a drafter holding a `HeadsConfig` as `self.config`."""
+
+    config: HeadsConfig
+
+    def save_pretrained(self, directory: str | Path, card_extra: str = "") -> None:
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        atomic_write(out / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(self.config.to_json()))
+        atomic_write(out / "README.md", lambda tmp: Path(tmp).write_text(model_card(self.config, card_extra)))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> PretrainedHeads:
+        directory = Path(directory)
+        config = HeadsConfig.load(directory)
+        weights = directory / WEIGHTS_NAME
+        if not weights.is_file():
+            raise FileNotFoundError(f"{directory} has config.json but no {WEIGHTS_NAME}")
+        model = cls(config)
+        state = load_file(str(weights), device=str(device))
+        expected = set(model.state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"{weights} does not match its config.json ({config.kind}, {config.num_heads} heads x "
+                f"{config.num_layers} layers): missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        model.load_state_dict(state, strict=True)
+        return model.to(device=device, dtype=getattr(torch, config.dtype))
+
+
+def check_compatible(config: HeadsConfig, target: nn.Module) -> None:
+    """Fail with both values named when heads were trained for a target of another shape."""
+    hidden = target.config.hidden_size
+    vocab = target.get_output_embeddings().weight.shape[0]
+    if config.hidden_size != hidden:
+        raise ValueError(
+            f"heads expect hidden size {config.hidden_size} but the target {config.base_model or ''} has "
+            f"hidden size {hidden}: these heads were trained for another model"
+        )
+    if config.vocab_size != vocab:
+        raise ValueError(
+            f"heads expect vocabulary size {config.vocab_size} but the target has {vocab} "
+            "(lm_head rows): these heads were trained for another model or tokenizer"
+        )
+
+
+def load_heads(directory: str | Path, device: str | torch.device = "cpu") -> PretrainedHeads:
+    """Load any selfspec drafter directory, dispatching on `kind` in its config.json."""
+    from heads.medusa import MedusaHeads  # imported here: medusa.py builds on this module
+
+    classes = {"medusa": MedusaHeads}
+    return classes[HeadsConfig.load(directory).kind].from_pretrained(directory, device)

@@ -1,0 +1,64 @@
+"""Medusa heads: K small residual MLPs on the target's last hidden state, each with a vocab projection.
+
+Head k (0-based) reads the hidden state at position t and predicts the token at t + 2 + k: the
+target's own lm_head already predicts t + 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from heads.config import HeadsConfig
+from heads.io import PretrainedHeads
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), with W zero-initialised so a fresh head starts as the identity."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+def _head(config: HeadsConfig) -> nn.Sequential:
+    # A fresh block per layer: `[ResBlock(h)] * n` would share one module's weights.
+    layers: list[nn.Module] = [ResBlock(config.hidden_size) for _ in range(config.num_layers)]
+    if not config.share_lm_head:
+        layers.append(nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+    return nn.Sequential(*layers)
+
+
+class MedusaHeads(PretrainedHeads):
+    """K heads; parameter names `heads.{k}.{layer}.linear.*` and `heads.{k}.{num_layers}.weight`."""
+
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__()
+        if config.kind != "medusa":
+            raise ValueError(f"MedusaHeads needs a config of kind 'medusa', got {config.kind!r}")
+        self.config = config
+        self.heads = nn.ModuleList(_head(config) for _ in range(config.num_heads))
+
+    def init_from_lm_head(self, lm_head: nn.Module) -> None:
+        """Copy the target's lm_head into every head's projection (Medusa's initialisation)."""
+        if self.config.share_lm_head:
+            return
+        weight = lm_head.weight
+        for head in self.heads:
+            head[-1].weight.data.copy_(weight.data.to(head[-1].weight.dtype))
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """hidden (..., H) -> logits (K, ..., V). `lm_head` is the target's, needed when shared."""
+        if hidden.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"hidden states have size {hidden.shape[-1]} but the heads expect {self.config.hidden_size}"
+            )
+        if self.config.share_lm_head:
+            if lm_head is None:
+                raise ValueError("these heads share the target's lm_head: pass lm_head=model.get_output_embeddings()")
+            return torch.stack([lm_head(head(hidden)) for head in self.heads])
+        return torch.stack([head(hidden) for head in self.heads])

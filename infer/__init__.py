@@ -1,0 +1,1 @@
+"""Speculative decoding: draft trees, one-forward verification, lossless acceptance, the decode loop."""

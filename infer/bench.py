@@ -1,0 +1,147 @@
+"""Benchmark decoding methods on the same prompts, in one process, against `model.generate` greedy.
+
+Reports per method: tokens/s (all prompts' new tokens over their wall time), speedup vs the
+baseline measured in the same run (aggregate and median per prompt), tau (tokens per decode-phase
+target forward), target forwards, and whether every output equals the baseline's token ids.
+Methods run interleaved prompt by prompt so that machine noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from heads.demo import stdlib_files
+from infer.generate import SpeculativeModel
+
+Runner = Callable[[torch.Tensor], tuple[list[int], dict | None]]
+
+
+def default_prompts(n: int = 16, context_lines: int = 12) -> list[str]:
+    """Openings of functions from the demo corpus's test split: some lines of context, the `def` line
+    and its next line (often the docstring's start). Spread over files, deterministic."""
+    prompts = []
+    files = stdlib_files("test")
+    for path in files:
+        lines = path.read_text(errors="replace").splitlines(keepends=True)
+        defs = [i for i, line in enumerate(lines) if re.match(r"\s*def \w+\(.*\):\s*$", line)]
+        if len(defs) < 2:
+            continue
+        i = defs[len(defs) // 2]  # one function from the middle of each file
+        prompts.append("".join(lines[max(0, i - context_lines) : i + 2]))
+    step = max(1, len(prompts) // n)
+    return prompts[::step][:n]
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """A .jsonl file with one {"prompt": "..."} per line."""
+    prompts = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            record = json.loads(line)
+            if "prompt" not in record:
+                raise ValueError(f"{path}:{n} has no \"prompt\" field")
+            prompts.append(record["prompt"])
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def hf_generate_runner(model, max_new_tokens: int, eos: int | list[int] | None, pad: int | None) -> Runner:
+    def run(ids: torch.Tensor) -> tuple[list[int], dict | None]:
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+        return out[0, ids.shape[1] :].tolist(), None
+
+    return run
+
+
+def speculative_runner(spec: SpeculativeModel, max_new_tokens: int, eos: int | list[int] | None) -> Runner:
+    def run(ids: torch.Tensor) -> tuple[list[int], dict | None]:
+        out = spec.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        return out[0, ids.shape[1] :].tolist(), spec.last_stats.as_dict()
+
+    return run
+
+
+def top2_margin(model, prompt_ids: torch.Tensor, new_ids: list[int], position: int) -> float:
+    """The target's top-1 minus top-2 logit where the baseline chose new_ids[position]: a near-tie check."""
+    ids = torch.cat([prompt_ids[0], torch.tensor(new_ids[:position], dtype=torch.long)])[None]
+    with torch.no_grad():
+        logits = model(ids.to(model.device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], warmup: int = 1) -> dict:
+    """Run every method on every prompt (interleaved); the first method is the baseline."""
+    encoded = [tokenizer(p, return_tensors="pt").input_ids.to(model.device) for p in prompts]
+    for ids in encoded[:warmup]:
+        for run in runners.values():
+            run(ids)
+    names = list(runners)
+    outs = {n: [] for n in names}
+    secs = {n: [] for n in names}
+    stats = {n: [] for n in names}
+    for ids in encoded:
+        for name in names:
+            t = time.perf_counter()
+            new, st = runners[name](ids)
+            secs[name].append(time.perf_counter() - t)
+            outs[name].append(new)
+            stats[name].append(st)
+    base = names[0]
+    result = {"baseline": base, "num_prompts": len(prompts), "methods": {}}
+    base_tps = sum(map(len, outs[base])) / sum(secs[base])
+    for name in names:
+        tokens = sum(map(len, outs[name]))
+        tps = tokens / sum(secs[name])
+        per_prompt = [
+            (len(o) / s) / (len(b) / bs) for o, s, b, bs in zip(outs[name], secs[name], outs[base], secs[base]) if b
+        ]
+        entry = {
+            "tokens_per_s": tps,
+            "speedup": tps / base_tps,
+            "median_speedup": statistics.median(per_prompt),
+            "new_tokens": tokens,
+            "identical_to_baseline": all(o == b for o, b in zip(outs[name], outs[base])),
+        }
+        st = [s for s in stats[name] if s]
+        if st:
+            steps = sum(s["decode_steps"] for s in st)
+            entry |= {
+                "tau": sum(s["decode_tokens"] for s in st) / max(1, steps),
+                "target_forwards": sum(s["target_forwards"] for s in st),
+                "ms_per_step": {k: 1e3 * sum(s[f"{k}_s"] for s in st) / max(1, steps)
+                                for k in ("draft", "verify", "bookkeeping")},
+            }
+        else:
+            entry |= {"tau": 1.0, "target_forwards": tokens}
+        mismatches = []
+        for i, (o, b) in enumerate(zip(outs[name], outs[base])):
+            if o != b:
+                pos = next((j for j, (x, y) in enumerate(zip(o, b)) if x != y), min(len(o), len(b)))
+                margin = top2_margin(model, encoded[i], b, pos) if pos < len(b) else None
+                mismatches.append({"prompt": i, "position": pos, "top2_logit_margin": margin})
+        if mismatches:
+            entry["mismatches"] = mismatches
+        result["methods"][name] = entry
+    return result
+
+
+def format_table(result: dict) -> str:
+    head = f"{'method':<14}{'tokens/s':>10}{'speedup':>9}{'median':>8}{'tau':>7}{'fwd':>7}  identical  ms/step draft/verify/book"
+    rows = [head, "-" * len(head)]
+    for name, m in result["methods"].items():
+        split = m.get("ms_per_step")
+        split_s = "/".join(f"{split[k]:.1f}" for k in ("draft", "verify", "bookkeeping")) if split else "-"
+        rows.append(
+            f"{name:<14}{m['tokens_per_s']:>10.1f}{m['speedup']:>8.2f}x{m['median_speedup']:>7.2f}x"
+            f"{m['tau']:>7.2f}{m['target_forwards']:>7d}  {'yes' if m['identical_to_baseline'] else 'NO':<9}  {split_s}"
+        )
+    return "\n".join(rows)

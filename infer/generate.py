@@ -1,0 +1,195 @@
+"""SpeculativeModel: the decode loop. Propose a tree, verify it in one target forward, accept, commit.
+
+Greedy output is token-identical to the target's own greedy decoding; sampled output has exactly
+the target's distribution (see verify.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from heads.demo import resolve_model
+from heads.io import check_compatible, load_heads
+from infer.cache import keep_accepted, new_cache
+from infer.proposers import MedusaProposer, Proposer
+from infer.target import Target
+from infer.verify import SamplingParams, accept, sample_token
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Counters of one generate call. tau counts decode steps only (bonus token included)."""
+
+    new_tokens: int = 0
+    target_forwards: int = 0  # prefill included
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    accept_lengths: list[int] = dataclasses.field(default_factory=list)  # tokens produced per decode step
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    bookkeeping_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.decode_tokens / self.decode_steps if self.decode_steps else 0.0
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["tau"] = self.tau
+        return out
+
+
+def _eos_set(eos_token_id: int | list[int] | None) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+
+
+class SpeculativeModel:
+    """A frozen target plus a proposer; `generate` mirrors `model.generate` for batch size 1."""
+
+    def __init__(self, model: torch.nn.Module, proposer: Proposer) -> None:
+        self.target = Target(model)
+        self.proposer = proposer
+        self.model = model
+        self.last_stats = GenerationStats()
+        self.last_tokens: list[int] = []  # new token ids of the last call
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        heads_dir: str | Path,
+        model: torch.nn.Module | None = None,
+        dtype: torch.dtype | str | None = None,
+        device: str | torch.device = "cpu",
+        tree: list[list[int]] | None = None,
+    ) -> SpeculativeModel:
+        """Load heads and the target named in their config (or use `model`)."""
+        heads = load_heads(heads_dir, device=device)
+        if model is None:
+            if not heads.config.base_model:
+                raise ValueError(f"{heads_dir}/config.json names no base_model: pass model=... explicitly")
+            model = AutoModelForCausalLM.from_pretrained(
+                resolve_model(heads.config.base_model), dtype=dtype or heads.config.dtype
+            ).to(device)
+        elif dtype is not None:
+            model = model.to(dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+        check_compatible(heads.config, model)
+        model_dtype = next(model.parameters()).dtype
+        heads = heads.to(dtype=model_dtype)
+        return cls(model, MedusaProposer(heads, model.get_output_embeddings(), tree))
+
+    @torch.no_grad()
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_token_id: int | list[int] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[list[int]]:
+        """Yield the new token ids of each step (the first from prefill), stopping at EOS or the budget."""
+        if input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"speculative decoding here is batch size 1; got a batch of {input_ids.shape[0]}")
+            input_ids = input_ids[0]
+        if input_ids.numel() == 0:
+            raise ValueError("the prompt is empty: give at least one token (e.g. the tokenizer's bos token)")
+        if max_new_tokens < 1:
+            return
+        params = SamplingParams(temperature, top_k, top_p)
+        if eos_token_id is None:
+            eos_token_id = getattr(self.model.generation_config, "eos_token_id", None)
+        eos = _eos_set(eos_token_id)
+        target, tree = self.target, self.proposer.tree
+        stats = self.last_stats = GenerationStats()
+        self.last_tokens = emitted = []
+        bias = tree.attention_bias(target.dtype)
+        cache = new_cache(self.model, input_ids.numel() + max_new_tokens + tree.size)
+
+        # 0. prefill: the prompt once; its last logits give the first token (the first tree root)
+        t0 = time.perf_counter()
+        logits, hidden = target.prefill(input_ids.to(target.device)[None], cache)
+        root = sample_token(logits, params, generator)
+        prefix_len = input_ids.numel()
+        first = int(root)
+        stats.target_forwards += 1
+        stats.new_tokens = 1
+        stats.prefill_s = time.perf_counter() - t0
+        emitted.append(first)
+        yield [first]
+        if first in eos or max_new_tokens == 1:
+            return
+
+        while True:
+            # 1. propose: the drafter fills the tree below the root
+            t1 = time.perf_counter()
+            tokens = self.proposer.propose(root, hidden)  # (N,)
+            # 2. verify: one target forward over every node
+            t2 = time.perf_counter()
+            logits, hiddens = target.verify(tokens, tree, bias, prefix_len, cache)  # (N, V), (N, H)
+            # 3. accept: the deepest node whose path the target agrees with, plus a bonus token
+            end, bonus = accept(logits, tokens, tree, params, generator)
+            t3 = time.perf_counter()
+            path = tree.paths[end]  # (D+1,) root first
+            host = torch.cat([tree.depths[end].view(1), tokens[path], bonus.view(1)]).tolist()  # the one sync
+            length = host[0] + 1
+            new = host[2 : 1 + length] + [host[-1]]  # accepted drafted tokens, then the bonus
+            # 4. commit: the cache keeps prefix + accepted path; the bonus is the next root
+            keep_accepted(cache, prefix_len, path, length)
+            prefix_len += length
+            root, hidden = bonus, hiddens[end]
+            stats.target_forwards += 1
+            stats.decode_steps += 1
+            stats.decode_tokens += len(new)
+            stats.accept_lengths.append(len(new))
+            # 5. stop at EOS or the budget, exactly where plain decoding would
+            budget = max_new_tokens - stats.new_tokens
+            done = len(new) >= budget
+            new = new[:budget]
+            for i, tok in enumerate(new):
+                if tok in eos:
+                    new, done = new[: i + 1], True
+                    break
+            stats.new_tokens += len(new)
+            stats.draft_s += t2 - t1
+            stats.verify_s += t3 - t2
+            stats.bookkeeping_s += time.perf_counter() - t3
+            emitted.extend(new)
+            yield new
+            if done:
+                return
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, **kwargs) -> torch.Tensor:
+        """Like `model.generate` (batch 1): returns (1, prompt + new) token ids. See `decode` for options."""
+        prompt = input_ids if input_ids.dim() == 2 else input_ids[None]
+        new = [t for step in self.decode(prompt, max_new_tokens, **kwargs) for t in step]
+        return torch.cat([prompt.cpu(), torch.tensor([new], dtype=prompt.dtype)], dim=1)
+
+    def stream(self, input_ids: torch.Tensor, tokenizer, max_new_tokens: int = 128, **kwargs) -> Iterator[str]:
+        """Yield text pieces as steps are accepted. Each piece is the text the newest ids add when decoded
+        after a few earlier ids (so tokenizers that drop a leading space at the start still join right);
+        a piece ending mid-character waits for the next step."""
+        ids: list[int] = []
+        prefix, read = 0, 0  # ids[prefix:read] is context already printed; ids[read:] is not printed yet
+        for step in self.decode(input_ids, max_new_tokens, **kwargs):
+            ids.extend(step)
+            before = tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
+            after = tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                yield after[len(before) :]
+                prefix, read = read, len(ids)
+        if read < len(ids):  # whatever was held back at the end
+            before = tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
+            after = tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+            if len(after) > len(before):
+                yield after[len(before) :]

@@ -1,0 +1,128 @@
+"""Draft trees as one frozen value: parents, depths, ancestor mask, children and root-to-node paths.
+
+Node 0 is the root: the token the target already chose (not yet in the KV cache). Nodes are in
+breadth-first order, so a parent always comes before its children. A static Medusa tree is given
+as "choices": one path of per-depth top-k ranks per node, e.g. [[0], [1], [0, 0]] is
+
+    root ── r0 ── r0
+        └── r1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    parents: torch.Tensor  # (N,) parent node index; -1 for the root
+    depths: torch.Tensor  # (N,) 0 for the root
+    ranks: torch.Tensor  # (N,) rank of the node's token among its depth's draft candidates
+    ancestors: torch.Tensor  # (N, N) bool: [i, j] is True when j is i or an ancestor of i
+    children: torch.Tensor  # (N, C) child node indices in sibling order (best first), -1 padded
+    paths: torch.Tensor  # (N, D+1) root-to-node node indices, padded with the node itself
+
+    @property
+    def size(self) -> int:
+        return self.parents.shape[0]
+
+    @property
+    def max_depth(self) -> int:
+        return self.paths.shape[1] - 1
+
+    def attention_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask (1, 1, N, N) among tree nodes: 0 along ancestors, the dtype's minimum elsewhere.
+
+        Additive rather than bool: eager attention silently misreads a bool mask.
+        """
+        bias = torch.zeros(self.ancestors.shape, dtype=dtype, device=self.ancestors.device)
+        return bias.masked_fill_(~self.ancestors, torch.finfo(dtype).min)[None, None]
+
+    def to(self, device: torch.device | str) -> Tree:
+        return Tree(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
+
+def tree_from_parents(parents: list[int], ranks: list[int]) -> Tree:
+    """Build a Tree from parent indices (breadth-first order, root first with parent -1)."""
+    n = len(parents)
+    if n == 0 or parents[0] != -1:
+        raise ValueError("a tree starts with its root, whose parent is -1")
+    depths = [0] * n
+    for i in range(1, n):
+        if not 0 <= parents[i] < i:
+            raise ValueError(f"node {i} has parent {parents[i]}: parents must come before their children")
+        depths[i] = depths[parents[i]] + 1
+    if any(depths[i] < depths[i - 1] for i in range(1, n)):
+        raise ValueError("tree nodes must be in breadth-first order (non-decreasing depth)")
+    max_depth = max(depths)
+    ancestors = torch.zeros(n, n, dtype=torch.bool)
+    paths = torch.empty(n, max_depth + 1, dtype=torch.long)
+    kids: list[list[int]] = [[] for _ in range(n)]
+    for i in range(n):
+        chain, j = [], i
+        while j != -1:
+            chain.append(j)
+            ancestors[i, j] = True
+            j = parents[j]
+        chain.reverse()
+        paths[i] = torch.tensor(chain + [i] * (max_depth + 1 - len(chain)))
+        if i:
+            kids[parents[i]].append(i)
+    width = max(1, max(len(k) for k in kids))
+    children = torch.full((n, width), -1, dtype=torch.long)
+    for i, k in enumerate(kids):
+        k.sort(key=lambda c: ranks[c])
+        children[i, : len(k)] = torch.tensor(k, dtype=torch.long)
+    return Tree(
+        parents=torch.tensor(parents, dtype=torch.long),
+        depths=torch.tensor(depths, dtype=torch.long),
+        ranks=torch.tensor(ranks, dtype=torch.long),
+        ancestors=ancestors,
+        children=children,
+        paths=paths,
+    )
+
+
+def tree_from_choices(choices: list[list[int]]) -> Tree:
+    """Static tree from Medusa-style choices; every prefix of a choice must be a choice too."""
+    paths = sorted({tuple(c) for c in choices}, key=lambda c: (len(c), c))
+    if not paths or any(len(p) == 0 or min(p) < 0 for p in paths):
+        raise ValueError("tree choices must be non-empty lists of non-negative top-k ranks, e.g. [[0], [1], [0, 0]]")
+    index = {(): 0}
+    parents, ranks = [-1], [0]
+    for p in paths:
+        if p[:-1] not in index:
+            raise ValueError(f"tree choice {list(p)} has no parent {list(p[:-1])}: add it to the choices")
+        index[p] = len(parents)
+        parents.append(index[p[:-1]])
+        ranks.append(p[-1])
+    return tree_from_parents(parents, ranks)
+
+
+def chain_choices(depth: int) -> list[list[int]]:
+    """A single top-1 chain of `depth` drafted tokens: [[0], [0, 0], ...]."""
+    return [[0] * d for d in range(1, depth + 1)]
+
+
+def best_choices(accuracy: torch.Tensor, num_nodes: int) -> list[list[int]]:
+    """The `num_nodes` choices with the highest estimated acceptance probability.
+
+    `accuracy[d, r]` estimates how often rank r of depth d's candidates is the target's token. A
+    path's value is the product along it, so a child never beats its parent and the greedy pick is
+    ancestor-closed; this maximises the expected number of accepted tokens for that node budget.
+    """
+    depth, width = accuracy.shape
+    acc = accuracy.tolist()
+    frontier = [(-acc[0][r], (r,)) for r in range(width)]
+    heapq.heapify(frontier)
+    chosen: list[list[int]] = []
+    while frontier and len(chosen) < num_nodes:
+        neg_value, path = heapq.heappop(frontier)
+        chosen.append(list(path))
+        if len(path) < depth:
+            for r in range(width):
+                heapq.heappush(frontier, (neg_value * acc[len(path)][r], (*path, r)))
+    return chosen

@@ -1,0 +1,120 @@
+"""Acceptance over a verified tree: greedy matching and lossless tree rejection sampling.
+
+Variable names follow the speculative-sampling papers: p is the target's distribution. Drafted
+children here are point proposals (picked deterministically by rank), so child x of a node is
+accepted with probability p(x); on rejection p(x) is zeroed and p renormalised before the next
+sibling is tried; if every child is rejected the bonus token is drawn from what is left of p.
+Everything is batched over nodes: no per-candidate host sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from infer.tree import Tree
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean no truncation."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits (..., V) -> the distribution p that plain sampling would draw from, (..., V) float32."""
+    logits = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest set reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def greedy_children(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
+    """(N,) bool: node i is its parent's pick, i.e. its token is the target's argmax at the parent."""
+    argmax = logits.argmax(-1)  # (N,)
+    picked = tokens == argmax[tree.parents.clamp(min=0)]
+    picked[0] = True
+    return picked
+
+
+def sampled_children(p: torch.Tensor, tokens: torch.Tensor, tree: Tree, generator: torch.Generator | None) -> torch.Tensor:
+    """(N,) bool: the child each node's rejection walk over its children accepts (at most one per node)."""
+    kids = tree.children  # (N, C)
+    valid = kids >= 0
+    kid_tokens = tokens[kids.clamp(min=0)]  # (N, C)
+    p_kid = torch.gather(p, 1, kid_tokens) * valid  # (N, C) p(x_j) at the parent
+    used = torch.cumsum(p_kid, dim=1) - p_kid  # mass of the siblings tried before x_j
+    accept_prob = p_kid / (1.0 - used).clamp(min=1e-12)
+    u = torch.rand(kids.shape, generator=generator, device=p.device)
+    accepted = (u < accept_prob) & valid
+    first = accepted.int().argmax(dim=1)  # first accepted sibling, if any
+    has = accepted.any(dim=1)
+    chosen = torch.where(has, kids.gather(1, first[:, None])[:, 0], 0)  # (N,) node index, root if none
+    picked = torch.zeros(tokens.shape, dtype=torch.bool, device=p.device).scatter(0, chosen, has)
+    picked[0] = True
+    return picked
+
+
+def accepted_end(picked: torch.Tensor, tree: Tree) -> torch.Tensor:
+    """The deepest node whose whole root path was picked (a 0-dim tensor)."""
+    ok = ~(tree.ancestors & ~picked[None, :]).any(dim=1)  # (N,)
+    return torch.where(ok, tree.depths, -1).argmax()
+
+
+def residual_sample(
+    p_end: torch.Tensor, kid_tokens: torch.Tensor, valid: torch.Tensor, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Draw the bonus token from p at the last accepted node with its rejected children's tokens removed."""
+    keep = torch.ones_like(p_end).scatter_reduce(0, kid_tokens, (~valid).to(p_end.dtype), reduce="amin")
+    residual = p_end * keep
+    total = residual.sum()
+    # All of p on rejected children has probability zero of happening; fall back to p itself.
+    residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p_end)
+    return torch.multinomial(residual, 1, generator=generator)[0]
+
+
+def accept(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    tree: Tree,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify one tree: logits (N, V) at every node, tokens (N,) -> (end node, bonus token), both 0-dim."""
+    if params.greedy:
+        end = accepted_end(greedy_children(logits, tokens, tree), tree)
+        return end, logits[end].argmax()
+    p = target_probs(logits, params)
+    end = accepted_end(sampled_children(p, tokens, tree, generator), tree)
+    kids = tree.children[end]  # (C,) all rejected, since none was picked
+    return end, residual_sample(p[end], tokens[kids.clamp(min=0)], kids >= 0, generator)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token from a single position's logits (V,), as plain decoding would choose it."""
+    if params.greedy:
+        return logits.argmax()
+    return torch.multinomial(target_probs(logits, params), 1, generator=generator)[0]

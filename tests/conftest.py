@@ -1,0 +1,108 @@
+"""Fixtures: tiny random-weight causal LMs of five architectures, and the shipped demo target."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+VOCAB = 96
+ARCHS = ("llama", "qwen2", "mistral", "gpt2", "gemma")
+
+
+def tiny_config(arch: str, vocab: int = VOCAB):
+    common = dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=48, n_layer=2, n_head=4, n_positions=512, **common)
+    llama_like = dict(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, **common,
+    )
+    if arch == "llama":
+        return LlamaConfig(**llama_like)
+    if arch == "qwen2":
+        return Qwen2Config(**llama_like)
+    if arch == "mistral":
+        return MistralConfig(sliding_window=None, **llama_like)
+    if arch == "gemma":
+        return GemmaConfig(head_dim=12, **llama_like)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str, vocab: int = VOCAB, seed: int = 0, attn: str = "sdpa", scale: float = 0.3) -> torch.nn.Module:
+    """A 2-layer, 48-wide random model; weights of std `scale` so its greedy output is not one repeated token."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab), attn_implementation=attn)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, scale)
+    return model.eval()
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def model(arch) -> torch.nn.Module:
+    return tiny_model(arch)
+
+
+@pytest.fixture(scope="session")
+def demo_target():
+    from heads.demo import MODELS_DIR
+
+    path = MODELS_DIR / "demo-target"
+    if not (path / "config.json").is_file():
+        pytest.skip("the demo target is not built")
+    from transformers import AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+TOKENIZER_TEXT = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    x = 0\n    y = 1\n"
+    "for i in range(10):\n    print(i, 'hello world')\n"
+)
+
+
+def tiny_tokenizer(vocab: int = VOCAB):
+    """A character-level BPE tokenizer of exactly `vocab` entries, with bos/eos/pad and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<bos>", "<eos>", "<unk>"],
+                                  initial_alphabet=list(" \n:()+,.'=<>|/abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_"))
+    tok.train_from_iterator([TOKENIZER_TEXT] * 4, trainer)
+    tok.decoder = decoders.Fuse()  # tokens are plain substrings: decode by concatenation
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>")
+    fast.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    )
+    assert len(fast) <= vocab, len(fast)
+    return fast
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    """A saved tiny Llama target + tokenizer, loadable with from_pretrained like any hub model."""
+    path = tmp_path / "tiny-target"
+    tiny_model("llama").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path

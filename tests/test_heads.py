@@ -1,0 +1,79 @@
+import pytest
+import torch
+from conftest import VOCAB, tiny_model
+
+from heads.config import HeadsConfig
+from heads.io import check_compatible, load_heads
+from heads.medusa import MedusaHeads
+
+
+def make(num_layers=2, share=False):
+    return MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=VOCAB, num_heads=3, num_layers=num_layers,
+                                   share_lm_head=share, base_model="tiny"))
+
+
+def test_blocks_are_separate_modules_and_start_as_identity():
+    heads = make()
+    blocks = [b for head in heads.heads for b in head[:-1]]
+    assert len({id(b.linear.weight) for b in blocks}) == 6
+    block = heads.heads[0][0]
+    assert torch.count_nonzero(block.linear.weight) == 0  # W starts at zero: the block adds only SiLU(b)
+    x = torch.randn(5, 48)
+    torch.testing.assert_close(block(x), x + torch.nn.functional.silu(block.linear.bias))
+
+
+def test_projection_starts_as_the_target_lm_head():
+    model = tiny_model("llama")
+    heads = make(num_layers=1)
+    heads.init_from_lm_head(model.get_output_embeddings())
+    for head in heads.heads:
+        assert torch.equal(head[-1].weight, model.get_output_embeddings().weight)
+    logits = heads(torch.randn(2, 48))
+    assert logits.shape == (3, 2, VOCAB)
+
+
+def test_shared_lm_head_has_no_projection_and_needs_the_lm_head():
+    model = tiny_model("llama")
+    heads = make(share=True)
+    assert not any(n.endswith(f"{2}.weight") and "linear" not in n for n, _ in heads.named_parameters())
+    with pytest.raises(ValueError, match="lm_head"):
+        heads(torch.randn(2, 48))
+    assert heads(torch.randn(2, 48), model.get_output_embeddings()).shape == (3, 2, VOCAB)
+
+
+def test_save_load_round_trip(tmp_path):
+    heads = make()
+    for p in heads.parameters():
+        torch.nn.init.normal_(p)
+    heads.save_pretrained(tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"config.json", "model.safetensors", "README.md"}
+    loaded = load_heads(tmp_path)
+    assert loaded.config == heads.config
+    for name, value in heads.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value)
+    assert "base_model: tiny" in (tmp_path / "README.md").read_text()
+
+
+def test_load_rejects_weights_that_do_not_match_config(tmp_path):
+    make(num_layers=2).save_pretrained(tmp_path)
+    cfg = (tmp_path / "config.json").read_text().replace('"num_layers": 2', '"num_layers": 1')
+    (tmp_path / "config.json").write_text(cfg)
+    with pytest.raises(ValueError, match="missing|unexpected"):
+        load_heads(tmp_path)
+
+
+def test_config_rejects_unknown_keys_and_missing_files(tmp_path):
+    with pytest.raises(ValueError, match="unknown key.*medusa_num_heads"):
+        HeadsConfig.from_dict({"medusa_num_heads": 5})
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_heads(tmp_path)
+
+
+def test_mismatched_target_names_both_sizes():
+    heads = make()
+    other = tiny_model("llama", vocab=VOCAB + 4)
+    with pytest.raises(ValueError, match=rf"vocabulary size {VOCAB} .* has {VOCAB + 4}"):
+        check_compatible(heads.config, other)
+    wide = MedusaHeads(HeadsConfig(hidden_size=64, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="hidden size 64 .* hidden size 48"):
+        check_compatible(wide.config, tiny_model("llama"))

@@ -1,0 +1,121 @@
+"""Speculative sampling must reproduce the target's exact distribution (computed by enumeration)."""
+
+import itertools
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import infer.verify as verify
+from heads.config import HeadsConfig
+from heads.medusa import MedusaHeads
+from infer.generate import SpeculativeModel
+from infer.proposers import MedusaProposer
+
+V = 8
+STEPS = 2  # the joint distribution of the first two tokens: 64 outcomes
+RUNS = 1500
+CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Plain sampling's distribution, written independently of infer.verify."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    order = probs.argsort(descending=True).tolist()
+    keep = order[:top_k] if top_k else order
+    kept = probs[keep] / probs[keep].sum()
+    mass, nucleus = 0.0, []
+    for tok, q in zip(keep, kept.tolist()):
+        nucleus.append(tok)
+        mass += q
+        if mass >= top_p:
+            break
+    out = torch.zeros_like(probs)
+    out[nucleus] = probs[nucleus]
+    return out / out.sum()
+
+
+def exact_joint(model, prompt, params) -> dict[tuple[int, ...], float]:
+    joint = {}
+    for seq in itertools.product(range(V), repeat=STEPS):
+        prob = 1.0
+        for i in range(STEPS):
+            ids = torch.cat([prompt[0], torch.tensor(seq[:i], dtype=torch.long)])[None]
+            with torch.no_grad():
+                logits = model(ids).logits[0, -1]
+            prob *= float(reference_probs(logits, *params)[seq[i]])
+        joint[seq] = prob
+    return joint
+
+
+def chi_square(counts: dict, expected: dict, runs: int) -> tuple[float, int]:
+    """Pearson chi-square over cells with expected count >= 5 (the rest pooled into one cell)."""
+    stat, dof, pooled_obs, pooled_exp = 0.0, -1, 0.0, 0.0
+    for key, p in expected.items():
+        e, o = p * runs, counts.get(key, 0)
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            dof += 1
+        else:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-9)
+        dof += 1
+    return stat, dof
+
+
+def run_sampling(spec, prompt, params) -> dict:
+    gen = torch.Generator().manual_seed(1234)
+    counts = {}
+    for _ in range(RUNS):
+        out = spec.generate(prompt, max_new_tokens=STEPS, temperature=params[0], top_k=params[1], top_p=params[2],
+                            eos_token_id=[], generator=gen)
+        key = tuple(out[0, prompt.shape[1]:].tolist())
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def make_spec(seed: int):
+    model = tiny_model("llama", vocab=V, seed=seed, scale=0.08)  # a flat-ish p: many outcomes
+    heads = MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=V, num_heads=3))
+    heads.init_from_lm_head(model.get_output_embeddings())  # drafts the target's own top tokens: many accepts
+    return model, SpeculativeModel(model, MedusaProposer(heads, model.get_output_embeddings(), CHOICES))
+
+
+# Chi-square critical values at p = 0.001 are below dof + 3.3 * sqrt(2 dof) + 6 for these sizes.
+def critical(dof: int) -> float:
+    return dof + 3.3 * (2 * dof) ** 0.5 + 6
+
+
+@pytest.mark.parametrize("params", [(1.0, 0, 1.0), (0.7, 6, 0.9)])
+def test_speculative_sampling_matches_target_distribution(params):
+    model, spec = make_spec(seed=5)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    expected = exact_joint(model, prompt, params)
+    counts = run_sampling(spec, prompt, params)
+    stat, dof = chi_square(counts, expected, RUNS)
+    assert stat < critical(dof), f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
+    assert sum(spec.last_stats.accept_lengths) >= 1
+
+
+def test_the_distribution_check_catches_lossy_acceptance(monkeypatch):
+    """Accepting any drafted child whose p(x) >= 0.05 (a 'typical'-style rule) must fail the same check."""
+
+    def lossy(p, tokens, tree, generator):
+        kids = tree.children
+        valid = kids >= 0
+        p_kid = torch.gather(p, 1, tokens[kids.clamp(min=0)]) * valid
+        ok = (p_kid >= 0.05) & valid
+        first = ok.int().argmax(1)
+        has = ok.any(1)
+        chosen = torch.where(has, kids.gather(1, first[:, None])[:, 0], 0)
+        picked = torch.zeros(tokens.shape, dtype=torch.bool).scatter(0, chosen, has)
+        picked[0] = True
+        return picked
+
+    monkeypatch.setattr(verify, "sampled_children", lossy)
+    params = (1.0, 0, 1.0)
+    model, spec = make_spec(seed=5)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    stat, dof = chi_square(run_sampling(spec, prompt, params), exact_joint(model, prompt, params), RUNS)
+    assert stat > critical(dof)

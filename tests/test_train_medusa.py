@@ -1,0 +1,92 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train.medusa as medusa_recipe
+from heads.io import load_heads
+from train.config import ConfigError, load_config
+from train.medusa import MedusaConfig, medusa_labels, run
+
+
+def test_medusa_labels_shift():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    mask = torch.tensor([[1, 1, 1, 1, 0, 1]]).bool()
+    labels, ok = medusa_labels(ids, mask, 0)
+    assert labels[0, :4].tolist() == [12, 13, 14, 15]
+    assert ok[0].tolist() == [True, True, False, True, False, False]
+    labels, ok = medusa_labels(ids, mask, 1)
+    assert labels[0, :3].tolist() == [13, 14, 15] and ok[0].tolist() == [True, False, True, False, False, False]
+    assert not medusa_labels(ids, mask, 4)[1].any()
+
+
+def _args(tiny_model_dir, data, out, **extra):
+    args = {"model": tiny_model_dir, "dataset": data, "output_dir": out, "max_length": 32, "max_steps": 6,
+            "per_device_train_batch_size": 4, "eval_steps": 3, "save_steps": 2, "learning_rate": 1e-2,
+            "num_heads": 2, "max_minutes": 0, "logging_steps": 1, "tree_nodes": 5} | extra
+    return [x for k, v in args.items() for x in (f"--{k}", str(v))]
+
+
+@pytest.fixture
+def text_data(tmp_path):
+    from conftest import TOKENIZER_TEXT
+
+    path = tmp_path / "code.txt"
+    path.write_text(TOKENIZER_TEXT * 40)
+    return path
+
+
+def test_training_lowers_loss_changes_heads_and_freezes_target(tiny_model_dir, text_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "heads"
+    result = run(load_config(MedusaConfig, _args(tiny_model_dir, text_data, out, max_steps=12)))
+    history = result["history"]
+    assert history[-1][1]["loss"] < history[0][1]["loss"]
+    trained = result["heads"].state_dict()
+    for name, before in result["initial"].items():
+        assert not torch.equal(trained[name].cpu(), before.cpu()), f"{name} did not change"
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    for name, param in result["target"].state_dict().items():
+        if name in original:
+            assert torch.equal(param.cpu(), original[name]), f"target parameter {name} changed"
+    loaded = load_heads(out)
+    assert loaded.config.tree and len(loaded.config.tree) == 5
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, trained[name].cpu())
+    assert len(list((out / "checkpoints").glob("step-*"))) == 2  # save_total_limit
+
+
+def test_resume_after_interruption_matches_uninterrupted_run(tiny_model_dir, text_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    full = run(load_config(MedusaConfig, _args(tiny_model_dir, text_data, tmp_path / "full")))
+
+    calls = {"n": 0}
+    original_loss = medusa_recipe.MedusaMethod.loss
+
+    def crashing_loss(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 4:  # after the step-2 checkpoint
+            raise RuntimeError("simulated crash")
+        return original_loss(self, batch)
+
+    monkeypatch.setattr(medusa_recipe.MedusaMethod, "loss", crashing_loss)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(load_config(MedusaConfig, _args(tiny_model_dir, text_data, tmp_path / "resumed")))
+    monkeypatch.setattr(medusa_recipe.MedusaMethod, "loss", original_loss)
+    state = json.loads((tmp_path / "resumed/checkpoints/step-2/trainer_state.json").read_text())
+    assert state["step"] == 2
+    resumed = run(load_config(MedusaConfig, _args(tiny_model_dir, text_data, tmp_path / "resumed", resume="latest")))
+    for name, value in full["heads"].state_dict().items():
+        torch.testing.assert_close(resumed["heads"].state_dict()[name], value, rtol=0, atol=1e-6)
+
+
+def test_unknown_and_mistyped_options_are_errors():
+    with pytest.raises(ConfigError, match="unknown key.*'num_hedas'.*Valid keys:.*num_heads"):
+        load_config(MedusaConfig, ["--num_hedas", "3"])
+    with pytest.raises(ConfigError, match="--max_steps expects int"):
+        load_config(MedusaConfig, ["--max_steps", "ten"])
+    with pytest.raises(ValueError, match="report_to"):
+        load_config(MedusaConfig, ["--report_to", "mlflow"])
+    cfg = load_config(MedusaConfig, ["--num_heads=3", "--share_lm_head", "--resume", "latest"])
+    assert cfg.num_heads == 3 and cfg.share_lm_head is True and cfg.resume == "latest"

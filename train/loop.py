@@ -1,0 +1,274 @@
+"""The one accelerate training loop every drafter recipe shares: setup -> train -> save.
+
+A recipe supplies a `Method`: the trainable module, its loss on a batch (the frozen target runs
+inside, without gradients), its evaluation, and how to save. This loop owns the accelerator,
+optimizer, cosine schedule, gradient accumulation and clipping, mixed precision, atomic
+checkpoints, exact resume (step, optimizer, scheduler, RNG and data position) and logging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
+
+from heads.demo import resolve_model
+from train.data import load_examples, split_examples
+
+REPORTERS = ("none", "wandb", "tensorboard")
+PRECISIONS = ("no", "bf16", "fp16")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Options every drafter recipe shares; the defaults train on the demo target on CPU."""
+
+    model: str = "demo"  # any HF causal LM name or path; `demo` is the shipped target
+    dataset: str = "stdlib"  # stdlib | file.txt | folder | file.json(l) | a datasets name
+    eval_dataset: str | None = None  # default: the stdlib validation split, or a held-out slice
+    eval_fraction: float = 0.02
+    output_dir: str = "outputs/medusa-demo"
+    max_steps: int = -1  # optimizer steps; -1 means num_epochs
+    num_epochs: float = 1.0
+    max_minutes: float = 0.0  # > 0: stop (and save) when this wall-clock budget is spent
+    learning_rate: float = 1e-3
+    warmup_ratio: float = 0.05
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_length: int = 512
+    mixed_precision: str = "no"  # no | bf16 | fp16
+    seed: int = 0
+    save_steps: int = 500
+    save_total_limit: int = 2
+    eval_steps: int = 100
+    eval_batches: int = 16  # cap on validation batches per evaluation
+    logging_steps: int = 10
+    resume: str | None = None  # `latest` (in output_dir) or a checkpoint folder
+    report_to: str = "none"  # none | wandb | tensorboard
+    run_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.report_to not in REPORTERS:
+            raise ValueError(f"report_to must be one of {REPORTERS}, got {self.report_to!r}")
+        if self.mixed_precision not in PRECISIONS:
+            raise ValueError(f"mixed_precision must be one of {PRECISIONS}, got {self.mixed_precision!r}")
+        if self.max_steps <= 0 and self.num_epochs <= 0:
+            raise ValueError("set max_steps > 0 or num_epochs > 0")
+
+
+class Method(Protocol):
+    """What a recipe gives the loop."""
+
+    trainable: torch.nn.Module
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss to minimise and detached scalars to log (read only at logging steps: no sync per step)."""
+        ...
+
+    def evaluate(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]: ...
+
+    def save(self, module: torch.nn.Module, output_dir: Path, metrics: dict[str, float]) -> None: ...
+
+
+class Examples(Dataset):
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return self.tensors["input_ids"].shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.tensors.items()}
+
+
+def load_frozen_target(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """The target and its tokenizer; every target parameter is frozen."""
+    path = resolve_model(name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def datasets_for(cfg: TrainConfig, tokenizer) -> tuple[dict, dict]:
+    train = load_examples(cfg.dataset, tokenizer, cfg.max_length)
+    if cfg.eval_dataset:
+        return train, load_examples(cfg.eval_dataset, tokenizer, cfg.max_length, split="validation")
+    if cfg.dataset in ("stdlib", "demo"):
+        return train, load_examples("stdlib", tokenizer, cfg.max_length, split="validation")
+    return split_examples(train, cfg.eval_fraction, cfg.seed)
+
+
+def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    # Several CPU processes need gloo, or accelerate reports one process per rank and shards nothing.
+    multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if multi_cpu else []
+    return Accelerator(
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        mixed_precision=cfg.mixed_precision,
+        log_with=None if cfg.report_to == "none" else cfg.report_to,
+        project_dir=cfg.output_dir,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        kwargs_handlers=handlers,
+    )
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a half-written one is still a dot-folder and never listed)."""
+    found = [p for p in (output_dir / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: dict[str, Any], keep: int) -> Path:
+    """save_state into a temporary folder, then rename: a crash mid-write leaves no loadable half-checkpoint."""
+    root = output_dir / "checkpoints"
+    final = root / f"step-{state['step']}"
+    tmp = root / f".tmp-step-{state['step']}"
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in checkpoints(output_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def find_resume(cfg: TrainConfig) -> Path | None:
+    if not cfg.resume:
+        return None
+    if cfg.resume in ("latest", "true", "auto"):
+        found = checkpoints(Path(cfg.output_dir))
+        if not found:
+            raise FileNotFoundError(f"--resume latest: no checkpoint under {cfg.output_dir}/checkpoints")
+        return found[-1]
+    path = Path(cfg.resume)
+    if not (path / "trainer_state.json").is_file():
+        raise FileNotFoundError(f"--resume {path}: not a complete checkpoint (no trainer_state.json)")
+    return path
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def train(
+    cfg: TrainConfig, accelerator: Accelerator, method: Method, train_data: dict, eval_data: dict
+) -> list[tuple[int, dict[str, float]]]:
+    """Run the loop; returns the validation history [(step, metrics)]. `method.save` writes the result."""
+    output_dir = Path(cfg.output_dir)
+    main = accelerator.is_main_process
+    trainable = method.trainable
+    params = [p for p in trainable.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the drafter has no trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    loader = DataLoader(Examples(train_data), batch_size=cfg.per_device_train_batch_size, shuffle=True, drop_last=True)
+    eval_loader = DataLoader(Examples(eval_data), batch_size=cfg.per_device_eval_batch_size)
+    per_epoch = max(1, len(loader) // (cfg.gradient_accumulation_steps * accelerator.num_processes))
+    total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(per_epoch * cfg.num_epochs)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total), total)
+    # Every rank evaluates the same batches, so the main rank's numbers are the run's numbers.
+    trainable, optimizer, loader, scheduler = accelerator.prepare(trainable, optimizer, loader, scheduler)
+    method.trainable = trainable
+
+    step, epoch, batches_done = 0, 0, 0
+    resume_from = find_resume(cfg)
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        state = json.loads((resume_from / "trainer_state.json").read_text())
+        step, epoch, batches_done = state["step"], state["epoch"], state["batches_done"]
+        accelerator.print(f"resumed from {resume_from} at step {step} (epoch {epoch}, batch {batches_done})")
+
+    if cfg.report_to != "none":
+        accelerator.init_trackers(cfg.run_name or output_dir.name, config=dataclasses.asdict(cfg))
+    accelerator.print(
+        f"training {sum(p.numel() for p in params) / 1e6:.2f} M parameters for {total} steps "
+        f"({len(train_data['input_ids'])} examples of {cfg.max_length} tokens, {per_epoch} steps per epoch)"
+    )
+    bar = tqdm(total=total, initial=step, disable=not main, desc="train", dynamic_ncols=True)
+    history: list[tuple[int, dict[str, float]]] = []
+    metrics: dict[str, float] = {}
+    if step == 0 and total > 0:
+        metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator.device)
+        history.append((0, metrics))
+        bar.write("step 0: " + format_metrics(metrics))
+    start = time.time()
+    stop = step >= total
+    while not stop:
+        loader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
+        for batch in batches:
+            trainable.train()
+            with accelerator.accumulate(trainable), accelerator.autocast():
+                loss, logs = method.loss(batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(trainable.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            batches_done += 1
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            bar.update(1)
+            out_of_time = cfg.max_minutes > 0 and time.time() - start > cfg.max_minutes * 60
+            stop = step >= total or out_of_time
+            if step % cfg.logging_steps == 0:
+                logs = {"train/" + k: float(v) for k, v in logs.items()} | {"lr": scheduler.get_last_lr()[0]}
+                bar.set_postfix(loss=f"{logs['train/loss']:.3f}")
+                accelerator.log(logs, step=step)
+            if step % cfg.eval_steps == 0 or stop:
+                metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator.device)
+                history.append((step, metrics))
+                accelerator.log({"eval/" + k: v for k, v in metrics.items()}, step=step)
+                bar.write(f"step {step}: " + format_metrics(metrics))
+            if step % cfg.save_steps == 0 or stop:
+                state = {"step": step, "epoch": epoch, "batches_done": batches_done, "metrics": metrics}
+                save_checkpoint(accelerator, output_dir, state, cfg.save_total_limit)
+            if stop:
+                if out_of_time:
+                    accelerator.print(f"stopping at step {step}: the {cfg.max_minutes}-minute budget is spent")
+                break
+        else:
+            epoch, batches_done = epoch + 1, 0
+    bar.close()
+    accelerator.wait_for_everyone()
+    if main:
+        method.save(accelerator.unwrap_model(trainable), output_dir, metrics)
+    accelerator.end_training()
+    return history
+
+
+@torch.no_grad()
+def run_eval(method: Method, loader: DataLoader, max_batches: int, device: torch.device) -> dict[str, float]:
+    method.trainable.eval()
+    batches = [{k: v.to(device) for k, v in b.items()} for b in itertools.islice(loader, max_batches)]
+    return method.evaluate(batches)
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items() if not k.startswith("rank_acc"))

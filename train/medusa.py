@@ -1,0 +1,159 @@
+"""Train Medusa heads on a frozen causal LM.
+
+    accelerate launch train/medusa.py                        # demo target, stdlib corpus, CPU, < 10 min
+    accelerate launch train/medusa.py --config configs/medusa/llama3-8b-sharegpt.yaml
+
+Head k (0-based) learns the token k + 2 positions ahead from the target's last hidden state; the
+loss is cross-entropy weighted by head_decay**k, on loss-mask positions only. At the end the heads
+are saved with a default tree fitted to their measured top-k accuracies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import set_seed
+
+from heads.config import HeadsConfig
+from heads.medusa import MedusaHeads
+from infer.tree import best_choices
+from train.config import load_config
+from train.loop import TrainConfig, datasets_for, format_metrics, load_frozen_target, make_accelerator, train
+
+RANKS = 10  # top-k depth of the accuracy table the default tree is fitted to
+
+
+@dataclasses.dataclass
+class MedusaConfig(TrainConfig):
+    output_dir: str = "outputs/medusa-demo"
+    max_steps: int = 400
+    max_minutes: float = 9.0
+    learning_rate: float = 1e-3
+    max_length: int = 256
+    per_device_train_batch_size: int = 8
+    num_heads: int = 4
+    num_layers: int = 1
+    head_decay: float = 0.8  # weight of head k's loss is head_decay ** k
+    share_lm_head: bool = False  # Medusa's later format: heads reuse the target's lm_head (frozen)
+    save_steps: int = 200
+    tree_nodes: int = 24  # size of the default tree stored with the heads
+
+
+def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels for head k (0-based): the token k + 2 positions after each input position.
+
+        input    [x0, x1, x2, x3, x4, x5]     hidden h_t has read x0..x_t
+        lm_head   h_t -> x_{t+1}               (the target's own prediction)
+        head 0    h_t -> x_{t+2}:  labels [x2, x3, x4, x5, -, -]
+        head 1    h_t -> x_{t+3}:  labels [x3, x4, x5, -, -, -]
+
+    Returns labels (B, T) and a mask (B, T) that is False where no label exists or the label's
+    position is outside the loss mask.
+    """
+    shift = k + 2
+    labels = torch.zeros_like(input_ids)
+    mask = torch.zeros_like(loss_mask, dtype=torch.bool)
+    if shift < input_ids.shape[1]:
+        labels[:, :-shift] = input_ids[:, shift:]
+        mask[:, :-shift] = loss_mask[:, shift:].bool()
+    return labels, mask
+
+
+class MedusaMethod:
+    def __init__(self, cfg: MedusaConfig, target, heads: MedusaHeads) -> None:
+        self.cfg, self.target, self.trainable = cfg, target, heads
+        self.lm_head = target.get_output_embeddings()
+
+    def _hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():  # the frozen target; base_model skips its lm_head
+            out = self.target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return out.last_hidden_state  # (B, T, H)
+
+    def _per_head(self, batch: dict[str, torch.Tensor]):
+        hidden = self._hidden(batch)
+        for k, head in enumerate(self.trainable.heads):
+            logits = head(hidden)  # (B, T, V)
+            if self.cfg.share_lm_head:
+                logits = self.lm_head(logits)
+            labels, mask = medusa_labels(batch["input_ids"], batch["loss_mask"], k)
+            yield k, logits[mask].float(), labels[mask]
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        total, logs = 0.0, {}
+        for k, logits, labels in self._per_head(batch):
+            ce = F.cross_entropy(logits, labels) if labels.numel() else logits.sum() * 0.0
+            total = total + self.cfg.head_decay**k * ce
+            logs[f"head{k}_loss"] = ce.detach()
+        logs["loss"] = total.detach()
+        return total, logs
+
+    def evaluate(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        K = self.cfg.num_heads
+        loss_sum, hits, count = torch.zeros(K), torch.zeros(K, RANKS), torch.zeros(K)
+        for batch in batches:
+            for k, logits, labels in self._per_head(batch):
+                loss_sum[k] += F.cross_entropy(logits, labels, reduction="sum").item()
+                top = logits.topk(RANKS, dim=-1).indices  # (M, R)
+                hits[k] += (top == labels[:, None]).sum(0).cpu()
+                count[k] += labels.numel()
+        count = count.clamp(min=1)
+        metrics = {"loss": float((loss_sum / count * self.cfg.head_decay ** torch.arange(K)).sum())}
+        for k in range(K):
+            metrics[f"head{k}_loss"] = float(loss_sum[k] / count[k])
+            metrics[f"head{k}_top1"] = float(hits[k, 0] / count[k])
+            for r in range(RANKS):
+                metrics[f"rank_acc/{k}/{r}"] = float(hits[k, r] / count[k])
+        return metrics
+
+    def save(self, heads: MedusaHeads, output_dir: Path, metrics: dict[str, float]) -> None:
+        K = self.cfg.num_heads
+        if metrics:
+            acc = torch.tensor([[metrics[f"rank_acc/{k}/{r}"] for r in range(RANKS)] for k in range(K)])
+            heads.config.tree = best_choices(acc.clamp(min=1e-6), self.cfg.tree_nodes)
+        table = "\n".join(f"| {k} | {metrics.get(f'head{k}_top1', 0):.3f} | {metrics.get(f'head{k}_loss', 0):.3f} |"
+                          for k in range(K))
+        card = f"\n## Validation (last evaluation)\n\n| head | top-1 | loss |\n|---|---|---|\n{table}\n"
+        heads.save_pretrained(output_dir, card_extra=card)
+
+
+def run(cfg: MedusaConfig) -> dict:
+    """Set up, train and save; returns the target, the trained heads and the validation history."""
+    accelerator = make_accelerator(cfg)
+    set_seed(cfg.seed)
+    target, tokenizer = load_frozen_target(cfg.model, accelerator.device)
+    heads_cfg = HeadsConfig(
+        kind="medusa",
+        base_model=cfg.model,
+        hidden_size=target.config.hidden_size,
+        vocab_size=target.get_output_embeddings().weight.shape[0],
+        num_heads=cfg.num_heads,
+        num_layers=cfg.num_layers,
+        share_lm_head=cfg.share_lm_head,
+    )
+    heads = MedusaHeads(heads_cfg)
+    heads.init_from_lm_head(target.get_output_embeddings())
+    heads.to(accelerator.device)
+    initial = {k: v.detach().clone() for k, v in heads.state_dict().items()}
+    with accelerator.main_process_first():
+        train_data, eval_data = datasets_for(cfg, tokenizer)
+    method = MedusaMethod(cfg, target, heads)
+    history = train(cfg, accelerator, method, train_data, eval_data)
+    if accelerator.is_main_process and history:
+        print(f"\nvalidation: {format_metrics(history[-1][1])}")
+        print(f"saved Medusa heads to {cfg.output_dir}")
+        print(f"generate with:  python -m infer generate --heads {cfg.output_dir} --prompt 'def parse('")
+        print(f"benchmark with: python -m infer bench --heads {cfg.output_dir}")
+    return {"target": target, "heads": accelerator.unwrap_model(method.trainable), "initial": initial,
+            "history": history}
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(load_config(MedusaConfig, sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()
