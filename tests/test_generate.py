@@ -28,7 +28,8 @@ def oracle_heads_model(model):
 
 
 def plain_greedy(model, prompt, n, eos=None):
-    out = model.generate(prompt, max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    kwargs = {} if eos is None else {"eos_token_id": eos}  # an explicit None would switch EOS off
+    out = model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs)
     return out[0, prompt.shape[1]:].tolist()
 
 
@@ -73,3 +74,34 @@ def test_rejects_batches_and_empty_prompts(model):
         spec.generate(torch.ones(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="empty"):
         spec.generate(torch.ones(1, 0, dtype=torch.long))
+
+
+def self_distilled_heads(model, prompts, steps=150) -> MedusaHeads:
+    """Heads trained (with the recipe's own loss) on the model's greedy continuations of `prompts`."""
+    from train.medusa import MedusaConfig, MedusaMethod
+
+    seqs = model.generate(prompts, max_new_tokens=48, do_sample=False, min_new_tokens=48, pad_token_id=0)
+    batch = {"input_ids": seqs, "attention_mask": torch.ones_like(seqs), "loss_mask": torch.ones_like(seqs).bool()}
+    heads = random_heads(model, scale=0.0, num_heads=4)
+    method = MedusaMethod(MedusaConfig(num_heads=4), model, heads)
+    opt = torch.optim.Adam(heads.parameters(), lr=3e-2)
+    for _ in range(steps):
+        loss, _ = method.loss(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return heads.eval()
+
+
+def test_greedy_identical_with_trained_heads(model):
+    prompts = torch.randint(3, VOCAB, (4, 6), generator=torch.Generator().manual_seed(7))
+    heads = self_distilled_heads(model, prompts)
+    spec = SpeculativeModel(model, MedusaProposer(heads, model.get_output_embeddings(), CHOICES))
+    taus = []
+    for i, length in enumerate((6, 4, 2)):
+        prompt = prompts[i : i + 1, :length]  # seen in training (6), or shorter cuts of seen prompts
+        ref = plain_greedy(model, prompt, 48)
+        out = spec.generate(prompt, max_new_tokens=48)[0, length:].tolist()
+        assert out == ref
+        taus.append(spec.last_stats.tau)
+    assert max(taus) > 1.5  # trained heads get drafts accepted, so multi-token paths are exercised
