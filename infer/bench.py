@@ -145,3 +145,34 @@ def format_table(result: dict) -> str:
             f"{m['tau']:>7.2f}{m['target_forwards']:>7d}  {'yes' if m['identical_to_baseline'] else 'NO':<9}  {split_s}"
         )
     return "\n".join(rows)
+
+
+@torch.no_grad()
+def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int = 7) -> dict[int, float]:
+    """Median seconds of one target forward of n tree nodes on top of a cached prefix, for each n."""
+    from infer.cache import new_cache
+    from infer.target import Target
+    from infer.tree import tree_from_parents
+
+    target = Target(model)
+    vocab = target.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(target.device)
+    out = {}
+    for n in sizes:
+        tree = tree_from_parents([-1] + [0] * (n - 1), list(range(n))).to(target.device)  # a star: one level
+        bias = tree.attention_bias(target.dtype)
+        tokens = torch.randint(0, vocab, (n,), generator=gen).to(target.device)
+        times = []
+        for _ in range(repeats + 1):
+            cache = new_cache(model, prefix_len + n)
+            target.prefill(prefix, cache)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            target.verify(tokens, tree, bias, prefix_len, cache)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out[n] = statistics.median(times[1:])
+    return out

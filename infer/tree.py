@@ -126,3 +126,30 @@ def best_choices(accuracy: torch.Tensor, num_nodes: int) -> list[list[int]]:
             for r in range(width):
                 heapq.heappush(frontier, (neg_value * acc[len(path)][r], (*path, r)))
     return chosen
+
+
+def expected_accepted(accuracy: torch.Tensor, choices: list[list[int]]) -> float:
+    """Expected drafted tokens accepted per step: the sum over nodes of their path's acceptance estimate."""
+    total = 0.0
+    for path in choices:
+        value = 1.0
+        for depth, rank in enumerate(path):
+            value *= float(accuracy[depth, rank])
+        total += value
+    return total
+
+
+def fit_tree(accuracy: torch.Tensor, latency: dict[int, float]) -> tuple[list[list[int]], list[dict]]:
+    """Choose the tree size that maximises expected tokens per second.
+
+    `latency[n]` is the target's forward time with n tree nodes (root included); a step with n nodes
+    yields 1 + expected_accepted tokens. Returns the best choices and a row per size (for printing).
+    """
+    rows = []
+    for n in sorted(latency):
+        choices = best_choices(accuracy, n - 1) if n > 1 else []
+        tokens = 1.0 + expected_accepted(accuracy, choices)
+        rows.append({"nodes": n, "ms": 1e3 * latency[n], "tokens_per_step": tokens, "tokens_per_s": tokens / latency[n],
+                     "choices": choices})
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    return best["choices"], rows

@@ -3,7 +3,7 @@ import torch
 
 from infer.cache import keep_accepted, new_cache
 from infer.target import Target
-from infer.tree import best_choices, chain_choices, tree_from_choices
+from infer.tree import best_choices, chain_choices, fit_tree, tree_from_choices
 
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [2, 0]]
 
@@ -84,3 +84,15 @@ def test_cache_after_acceptance_equals_plain_cache(arch):
     for mine, ref in zip(cache.layers, plain.layers):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-5)
+
+
+def test_fit_tree_picks_a_smaller_tree_when_latency_grows_faster():
+    acc = torch.tensor([[0.7, 0.15, 0.05, 0.02], [0.5, 0.15, 0.05, 0.02], [0.4, 0.1, 0.05, 0.02]])
+    sizes = [1, 4, 8, 16, 32, 64]
+    flat = {n: 0.010 * (1 + 0.01 * n) for n in sizes}  # a GPU-like curve: nodes are almost free
+    steep = {n: 0.010 * (1 + 0.08 * n) for n in sizes}  # a CPU-like curve: every node costs
+    flat_choices, _ = fit_tree(acc, flat)
+    steep_choices, rows = fit_tree(acc, steep)
+    assert len(steep_choices) < len(flat_choices)
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    assert best["choices"] == steep_choices and best["tokens_per_step"] > 1

@@ -9,6 +9,7 @@ checkpoints, exact resume (step, optimizer, scheduler, RNG and data position) an
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -25,7 +26,9 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
 from heads.demo import resolve_model
-from train.data import load_examples, split_examples
+from heads.io import atomic_write
+from train.data import cache_dir, load_examples, split_examples
+from train.distill import regenerate
 
 REPORTERS = ("none", "wandb", "tensorboard")
 PRECISIONS = ("no", "bf16", "fp16")
@@ -39,6 +42,9 @@ class TrainConfig:
     dataset: str = "stdlib"  # stdlib | file.txt | folder | file.json(l) | a datasets name
     eval_dataset: str | None = None  # default: the stdlib validation split, or a held-out slice
     eval_fraction: float = 0.02
+    max_train_examples: int = 0  # > 0: use only this many (seeded random) training examples
+    self_distill: bool = False  # train on the target's own greedy continuations (see train/distill.py)
+    distill_prompt_tokens: int = 32  # with self_distill: tokens kept from the data as each prompt
     output_dir: str = "outputs/medusa-demo"
     max_steps: int = -1  # optimizer steps; -1 means num_epochs
     num_epochs: float = 1.0
@@ -105,13 +111,45 @@ def load_frozen_target(name: str, device: torch.device, dtype: torch.dtype = tor
     return model, tokenizer
 
 
-def datasets_for(cfg: TrainConfig, tokenizer) -> tuple[dict, dict]:
+def datasets_for(cfg: TrainConfig, tokenizer, target=None) -> tuple[dict, dict]:
+    """Train and validation examples; with `self_distill` both hold the target's own continuations."""
     train = load_examples(cfg.dataset, tokenizer, cfg.max_length)
     if cfg.eval_dataset:
-        return train, load_examples(cfg.eval_dataset, tokenizer, cfg.max_length, split="validation")
-    if cfg.dataset in ("stdlib", "demo"):
-        return train, load_examples("stdlib", tokenizer, cfg.max_length, split="validation")
-    return split_examples(train, cfg.eval_fraction, cfg.seed)
+        evals = load_examples(cfg.eval_dataset, tokenizer, cfg.max_length, split="validation")
+    elif cfg.dataset in ("stdlib", "demo"):
+        evals = load_examples("stdlib", tokenizer, cfg.max_length, split="validation")
+    else:
+        train, evals = split_examples(train, cfg.eval_fraction, cfg.seed)
+    if cfg.max_train_examples > 0:
+        train = subset(train, cfg.max_train_examples, cfg.seed)
+    if cfg.self_distill:
+        if target is None:
+            raise ValueError("self_distill needs the target model")
+        evals = subset(evals, cfg.eval_batches * cfg.per_device_eval_batch_size, cfg.seed)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        train, evals = (distilled(cfg, target, ex, pad, name) for ex, name in ((train, "train"), (evals, "eval")))
+    return train, evals
+
+
+def subset(examples: dict, count: int, seed: int) -> dict:
+    """A seeded random subset of `count` examples (all of them when there are fewer)."""
+    n = examples["input_ids"].shape[0]
+    if count >= n:
+        return examples
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count].sort().values
+    return {k: v[idx] for k, v in examples.items()}
+
+
+def distilled(cfg: TrainConfig, target, examples: dict, pad: int, name: str) -> dict:
+    """Self-distilled examples, cached on disk by the model, the data and the prompt length."""
+    digest = hashlib.sha1(examples["input_ids"].numpy().tobytes())
+    digest.update(f"{cfg.model}|{cfg.distill_prompt_tokens}|{sum(p.sum().item() for p in target.parameters())}".encode())
+    path = cache_dir() / f"distill-{name}-{digest.hexdigest()[:16]}.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=True)
+    out = regenerate(target, examples, cfg.distill_prompt_tokens, pad_token_id=pad)
+    atomic_write(path, lambda tmp: torch.save(out, tmp))
+    return out
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:

@@ -20,7 +20,8 @@ from accelerate.utils import set_seed
 
 from heads.config import HeadsConfig
 from heads.medusa import MedusaHeads
-from infer.tree import best_choices
+from infer.bench import forward_latency
+from infer.tree import best_choices, fit_tree
 from train.config import load_config
 from train.loop import TrainConfig, datasets_for, format_metrics, load_frozen_target, make_accelerator, train
 
@@ -40,7 +41,7 @@ class MedusaConfig(TrainConfig):
     head_decay: float = 0.8  # weight of head k's loss is head_decay ** k
     share_lm_head: bool = False  # Medusa's later format: heads reuse the target's lm_head (frozen)
     save_steps: int = 200
-    tree_nodes: int = 24  # size of the default tree stored with the heads
+    tree_nodes: int = 0  # nodes of the default tree stored with the heads; 0 fits it to this machine's latency
 
 
 def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,11 +110,25 @@ class MedusaMethod:
                 metrics[f"rank_acc/{k}/{r}"] = float(hits[k, r] / count[k])
         return metrics
 
+    def fit_tree(self, accuracy: torch.Tensor) -> list[list[int]]:
+        """Measure the target's forward time against tree size here and keep the fastest expected tree."""
+        latency = forward_latency(self.target, [1, 4, 8, 12, 16, 24, 32, 48, 64])
+        choices, rows = fit_tree(accuracy, latency)
+        print("tree fitted to this machine (expected tokens per step from validation top-k accuracy):")
+        for r in rows:
+            mark = " <- chosen" if r["choices"] == choices else ""
+            print(f"  {r['nodes']:3d} nodes: {r['ms']:6.2f} ms/forward, {r['tokens_per_step']:.2f} tokens/step, "
+                  f"{r['tokens_per_s']:7.1f} tokens/s{mark}")
+        return choices
+
     def save(self, heads: MedusaHeads, output_dir: Path, metrics: dict[str, float]) -> None:
         K = self.cfg.num_heads
         if metrics:
-            acc = torch.tensor([[metrics[f"rank_acc/{k}/{r}"] for r in range(RANKS)] for k in range(K)])
-            heads.config.tree = best_choices(acc.clamp(min=1e-6), self.cfg.tree_nodes)
+            acc = torch.tensor([[metrics[f"rank_acc/{k}/{r}"] for r in range(RANKS)] for k in range(K)]).clamp(min=1e-6)
+            if self.cfg.tree_nodes > 0:
+                heads.config.tree = best_choices(acc, self.cfg.tree_nodes)
+            else:
+                heads.config.tree = self.fit_tree(acc)
         table = "\n".join(f"| {k} | {metrics.get(f'head{k}_top1', 0):.3f} | {metrics.get(f'head{k}_loss', 0):.3f} |"
                           for k in range(K))
         card = f"\n## Validation (last evaluation)\n\n| head | top-1 | loss |\n|---|---|---|\n{table}\n"
@@ -139,7 +154,7 @@ def run(cfg: MedusaConfig) -> dict:
     heads.to(accelerator.device)
     initial = {k: v.detach().clone() for k, v in heads.state_dict().items()}
     with accelerator.main_process_first():
-        train_data, eval_data = datasets_for(cfg, tokenizer)
+        train_data, eval_data = datasets_for(cfg, tokenizer, target)
     method = MedusaMethod(cfg, target, heads)
     history = train(cfg, accelerator, method, train_data, eval_data)
     if accelerator.is_main_process and history:
