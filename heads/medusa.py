@@ -14,7 +14,7 @@ from heads.io import PretrainedHeads
 
 
 class ResBlock(nn.Module):
-    """x + SiLU(W x + b), with W zero-initialised so a fresh head starts as the identity."""
+    """x + SiLU(W x + b), with W zero-initialised so a fresh block only adds the constant SiLU(b)."""
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
@@ -51,8 +51,11 @@ class MedusaHeads(PretrainedHeads):
         for head in self.heads:
             head[-1].weight.data.copy_(weight.data.to(head[-1].weight.dtype))
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """hidden (..., H) -> logits (K, ..., V). `lm_head` is the target's, needed when shared."""
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> tuple[torch.Tensor, ...]:
+        """hidden (..., H) -> K logits tensors (..., V), one per head. `lm_head` is the target's, needed when shared.
+
+        Training calls this (not the heads one by one) so that a DDP wrapper syncs gradients.
+        """
         if hidden.shape[-1] != self.config.hidden_size:
             raise ValueError(
                 f"hidden states have size {hidden.shape[-1]} but the heads expect {self.config.hidden_size}"
@@ -60,5 +63,5 @@ class MedusaHeads(PretrainedHeads):
         if self.config.share_lm_head:
             if lm_head is None:
                 raise ValueError("these heads share the target's lm_head: pass lm_head=model.get_output_embeddings()")
-            return torch.stack([lm_head(head(hidden)) for head in self.heads])
-        return torch.stack([head(hidden) for head in self.heads])
+            return tuple(lm_head(head(hidden)) for head in self.heads)
+        return tuple(head(hidden) for head in self.heads)

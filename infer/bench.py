@@ -151,7 +151,7 @@ def format_table(result: dict) -> str:
 def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int = 7) -> dict[int, float]:
     """Median seconds of one target forward of n tree nodes on top of a cached prefix, for each n."""
     from infer.cache import new_cache
-    from infer.target import Target
+    from infer.target import Target, TreeMask
     from infer.tree import tree_from_parents
 
     target = Target(model)
@@ -161,7 +161,7 @@ def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int
     out = {}
     for n in sizes:
         tree = tree_from_parents([-1] + [0] * (n - 1), list(range(n))).to(target.device)  # a star: one level
-        bias = tree.attention_bias(target.dtype)
+        mask = TreeMask(tree, prefix_len, target.dtype, target.device)
         tokens = torch.randint(0, vocab, (n,), generator=gen).to(target.device)
         times = []
         for _ in range(repeats + 1):
@@ -170,7 +170,7 @@ def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int
             if target.device.type == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            target.verify(tokens, tree, bias, prefix_len, cache)
+            target.verify(tokens, tree, mask, prefix_len, cache)
             if target.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)

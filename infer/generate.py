@@ -18,7 +18,7 @@ from heads.demo import resolve_model
 from heads.io import check_compatible, load_heads
 from infer.cache import keep_accepted, new_cache
 from infer.proposers import MedusaProposer, Proposer
-from infer.target import Target
+from infer.target import Target, TreeMask
 from infer.verify import SamplingParams, accept, sample_token
 
 
@@ -113,8 +113,9 @@ class SpeculativeModel:
         target, tree = self.target, self.proposer.tree
         stats = self.last_stats = GenerationStats()
         self.last_tokens = emitted = []
-        bias = tree.attention_bias(target.dtype)
-        cache = new_cache(self.model, input_ids.numel() + max_new_tokens + tree.size)
+        max_len = input_ids.numel() + max_new_tokens + tree.size
+        cache = new_cache(self.model, max_len)
+        mask = TreeMask(tree, max_len, target.dtype, target.device)
 
         # 0. prefill: the prompt once; its last logits give the first token (the first tree root)
         t0 = time.perf_counter()
@@ -136,22 +137,18 @@ class SpeculativeModel:
             tokens = self.proposer.propose(root, hidden)  # (N,)
             # 2. verify: one target forward over every node
             t2 = time.perf_counter()
-            logits, hiddens = target.verify(tokens, tree, bias, prefix_len, cache)  # (N, V), (N, H)
+            logits, hiddens = target.verify(tokens, tree, mask, prefix_len, cache)  # (N, V), (N, H)
             # 3. accept: the deepest node whose path the target agrees with, plus a bonus token
             end, bonus = accept(logits, tokens, tree, params, generator)
             t3 = time.perf_counter()
-            path = tree.paths[end]  # (D+1,) root first
-            host = torch.cat([tree.depths[end].view(1), tokens[path], bonus.view(1)]).tolist()  # the one sync
+            path = tree.paths.index_select(0, end)[0]  # (D+1,) root first
+            host = torch.cat([tree.depths.index_select(0, end), tokens[path], bonus.view(1)]).tolist()  # the one sync
             length = host[0] + 1
             new = host[2 : 1 + length] + [host[-1]]  # accepted drafted tokens, then the bonus
             # 4. commit: the cache keeps prefix + accepted path; the bonus is the next root
             keep_accepted(cache, prefix_len, path, length)
             prefix_len += length
-            root, hidden = bonus, hiddens[end]
-            stats.target_forwards += 1
-            stats.decode_steps += 1
-            stats.decode_tokens += len(new)
-            stats.accept_lengths.append(len(new))
+            root, hidden = bonus, hiddens.index_select(0, end)[0]
             # 5. stop at EOS or the budget, exactly where plain decoding would
             budget = max_new_tokens - stats.new_tokens
             done = len(new) >= budget
@@ -160,6 +157,10 @@ class SpeculativeModel:
                 if tok in eos:
                     new, done = new[: i + 1], True
                     break
+            stats.target_forwards += 1
+            stats.decode_steps += 1
+            stats.decode_tokens += len(new)
+            stats.accept_lengths.append(len(new))
             stats.new_tokens += len(new)
             stats.draft_s += t2 - t1
             stats.verify_s += t3 - t2
@@ -173,7 +174,7 @@ class SpeculativeModel:
         """Like `model.generate` (batch 1): returns (1, prompt + new) token ids. See `decode` for options."""
         prompt = input_ids if input_ids.dim() == 2 else input_ids[None]
         new = [t for step in self.decode(prompt, max_new_tokens, **kwargs) for t in step]
-        return torch.cat([prompt.cpu(), torch.tensor([new], dtype=prompt.dtype)], dim=1)
+        return torch.cat([prompt, torch.tensor([new], dtype=prompt.dtype, device=prompt.device)], dim=1)
 
     def stream(self, input_ids: torch.Tensor, tokenizer, max_new_tokens: int = 128, **kwargs) -> Iterator[str]:
         """Yield text pieces as steps are accepted. Each piece is the text the newest ids add when decoded

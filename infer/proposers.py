@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from heads.medusa import MedusaHeads
-from infer.tree import Tree, best_choices, tree_from_choices, tree_from_parents
+from infer.tree import Tree, best_choices, tree_from_choices
 
 
 class Proposer(Protocol):
@@ -36,7 +36,8 @@ class MedusaProposer:
     name = "medusa"
 
     def __init__(self, heads: MedusaHeads, lm_head: torch.nn.Module, choices: list[list[int]] | None = None) -> None:
-        choices = choices or heads.config.tree or default_medusa_choices(heads.config.num_heads)
+        if choices is None:
+            choices = heads.config.tree if heads.config.tree is not None else default_medusa_choices(heads.config.num_heads)
         tree = tree_from_choices(choices)
         if tree.max_depth > heads.config.num_heads:
             raise ValueError(
@@ -49,12 +50,12 @@ class MedusaProposer:
         self.tree = tree.to(device)
         self.node_head = (self.tree.depths[1:] - 1).clone()  # (N-1,) which head drafts each node
         self.node_rank = self.tree.ranks[1:].clone()  # (N-1,) which of its top-k
-        self.top_k = int(self.node_rank.max()) + 1
+        self.top_k = int(self.node_rank.max()) + 1 if len(choices) else 1
         self.dtype = next(heads.parameters()).dtype
 
     @torch.no_grad()
     def propose(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.heads(hidden.to(self.dtype), self.lm_head)  # (K, V)
+        logits = torch.stack(self.heads(hidden.to(self.dtype), self.lm_head))  # (K, V)
         top = logits.topk(self.top_k, dim=-1).indices  # (K, k)
         return torch.cat([root.view(1), top[self.node_head, self.node_rank]])  # (N,)
 
@@ -65,7 +66,7 @@ class NoDraft:
     name = "plain"
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.tree = tree_from_parents([-1], [0]).to(device)
+        self.tree = tree_from_choices([]).to(device)
 
     def propose(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return root.view(1)

@@ -11,11 +11,37 @@ from transformers import DynamicCache
 from infer.tree import Tree
 
 
+class TreeMask:
+    """The additive 4D verification mask, allocated once per generation: prefix columns stay 0 (visible)
+    and the tree's own (N, N) block moves right as the prefix grows, so no step rebuilds the prefix part."""
+
+    def __init__(self, tree: Tree, max_prefix: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.block = tree.attention_bias(dtype).to(device)  # (1, 1, N, N)
+        self.n = tree.size
+        self.buffer = torch.zeros(1, 1, self.n, max_prefix + self.n, dtype=dtype, device=device)
+        self.placed: int | None = None
+
+    def at(self, prefix_len: int) -> torch.Tensor:
+        """(1, 1, N, prefix_len + N) view: all prefix columns visible, tree columns by ancestry."""
+        n = self.n
+        if self.placed is not None:
+            self.buffer[..., self.placed : self.placed + n] = 0
+        self.buffer[..., prefix_len : prefix_len + n] = self.block
+        self.placed = prefix_len
+        return self.buffer[..., : prefix_len + n]
+
+
 class Target:
     """A frozen HF causal LM and how to call it: the cache keyword, logits_to_keep, hidden states."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model.eval()
+        attn = getattr(model.config, "_attn_implementation", None) or "eager"
+        if attn not in ("eager", "sdpa"):
+            raise ValueError(
+                f"tree verification passes a custom 4D attention mask, which attn_implementation={attn!r} does not "
+                "take as given; load the target with attn_implementation='sdpa' (or 'eager')"
+            )
         params = inspect.signature(model.forward).parameters
         # transformers renamed `past_key_values` to `cache`; use whichever this version has.
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -36,19 +62,13 @@ class Target:
 
     @torch.no_grad()
     def verify(
-        self, tokens: torch.Tensor, tree: Tree, bias: torch.Tensor, prefix_len: int, cache: DynamicCache
+        self, tokens: torch.Tensor, tree: Tree, mask: TreeMask, prefix_len: int, cache: DynamicCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ONE forward over all tree nodes on top of the cache -> logits (N, V), last hidden states (N, H).
-
-        `bias` is the tree's additive mask (1, 1, N, N) in the model's dtype; the prefix columns are added here.
-        """
-        n = tokens.shape[0]
-        prefix = torch.zeros(1, 1, n, prefix_len, dtype=bias.dtype, device=bias.device)
-        mask = torch.cat([prefix, bias], dim=-1)  # (1, 1, N, prefix_len + N)
+        """ONE forward over all tree nodes on top of the cache -> logits (N, V), last hidden states (N, H)."""
         positions = (prefix_len + tree.depths)[None]  # (1, N)
         out = self.model(
             input_ids=tokens[None],
-            attention_mask=mask,
+            attention_mask=mask.at(prefix_len),
             position_ids=positions,
             use_cache=True,
             output_hidden_states=True,

@@ -50,6 +50,8 @@ def tree_from_parents(parents: list[int], ranks: list[int]) -> Tree:
     n = len(parents)
     if n == 0 or parents[0] != -1:
         raise ValueError("a tree starts with its root, whose parent is -1")
+    if len(ranks) != n:
+        raise ValueError(f"a tree needs one rank per node: {n} parents but {len(ranks)} ranks")
     depths = [0] * n
     for i in range(1, n):
         if not 0 <= parents[i] < i:
@@ -87,9 +89,12 @@ def tree_from_parents(parents: list[int], ranks: list[int]) -> Tree:
 
 
 def tree_from_choices(choices: list[list[int]]) -> Tree:
-    """Static tree from Medusa-style choices; every prefix of a choice must be a choice too."""
+    """Static tree from Medusa-style choices; every prefix of a choice must be a choice too.
+
+    No choices at all is the root alone: plain one-token decoding.
+    """
     paths = sorted({tuple(c) for c in choices}, key=lambda c: (len(c), c))
-    if not paths or any(len(p) == 0 or min(p) < 0 for p in paths):
+    if any(len(p) == 0 or min(p) < 0 for p in paths):
         raise ValueError("tree choices must be non-empty lists of non-negative top-k ranks, e.g. [[0], [1], [0, 0]]")
     index = {(): 0}
     parents, ranks = [-1], [0]

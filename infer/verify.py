@@ -79,9 +79,15 @@ def sampled_children(p: torch.Tensor, tokens: torch.Tensor, tree: Tree, generato
 
 
 def accepted_end(picked: torch.Tensor, tree: Tree) -> torch.Tensor:
-    """The deepest node whose whole root path was picked (a 0-dim tensor)."""
+    """The deepest node whose whole root path was picked, as a (1,) tensor (index_select-ready, no sync)."""
     ok = ~(tree.ancestors & ~picked[None, :]).any(dim=1)  # (N,)
-    return torch.where(ok, tree.depths, -1).argmax()
+    return torch.where(ok, tree.depths, -1).argmax().view(1)
+
+
+def draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One sample from p (V,) as a 0-dim tensor: argmax of p / E with E ~ Exp(1), exact and without a host sync."""
+    e = torch.empty_like(p).exponential_(1.0, generator=generator)
+    return (p / e).argmax()
 
 
 def residual_sample(
@@ -93,7 +99,7 @@ def residual_sample(
     total = residual.sum()
     # All of p on rejected children has probability zero of happening; fall back to p itself.
     residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p_end)
-    return torch.multinomial(residual, 1, generator=generator)[0]
+    return draw(residual, generator)
 
 
 def accept(
@@ -103,18 +109,18 @@ def accept(
     params: SamplingParams,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify one tree: logits (N, V) at every node, tokens (N,) -> (end node, bonus token), both 0-dim."""
+    """Verify one tree: logits (N, V) at every node, tokens (N,) -> end node (1,) and bonus token (0-dim)."""
     if params.greedy:
         end = accepted_end(greedy_children(logits, tokens, tree), tree)
-        return end, logits[end].argmax()
+        return end, logits.index_select(0, end)[0].argmax()
     p = target_probs(logits, params)
     end = accepted_end(sampled_children(p, tokens, tree, generator), tree)
-    kids = tree.children[end]  # (C,) all rejected, since none was picked
-    return end, residual_sample(p[end], tokens[kids.clamp(min=0)], kids >= 0, generator)
+    kids = tree.children.index_select(0, end)[0]  # (C,) all rejected, since none was picked
+    return end, residual_sample(p.index_select(0, end)[0], tokens[kids.clamp(min=0)], kids >= 0, generator)
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token from a single position's logits (V,), as plain decoding would choose it."""
     if params.greedy:
         return logits.argmax()
-    return torch.multinomial(target_probs(logits, params), 1, generator=generator)[0]
+    return draw(target_probs(logits, params), generator)

@@ -48,8 +48,8 @@ def test_greedy_identical_to_generate(model, seed):
 def test_greedy_stops_at_eos_like_generate(model):
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, VOCAB, (1, 9), generator=gen)
-    ref = plain_greedy(model, prompt, 30, eos=None)
-    eos = ref[11]  # a token that will appear mid-generation: both must stop right after it
+    free = model.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)  # no EOS
+    eos = free[0, 9 + 11].item()  # a token that will appear mid-generation: both must stop right after it
     ref_eos = plain_greedy(model, prompt, 30, eos=eos)
     spec = oracle_heads_model(model)
     out = spec.generate(prompt, max_new_tokens=30, eos_token_id=eos)[0, 9:].tolist()

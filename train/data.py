@@ -88,6 +88,8 @@ def chat_example(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], 
     Each prefix messages[:i+1] is rendered; an assistant turn owns the characters its rendering adds,
     and a token is trained on when it starts inside such a span.
     """
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError("conversation data needs a fast tokenizer (character offsets); load it with use_fast=True")
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("conversation data needs a tokenizer with a chat template (tokenizer.chat_template is empty)")
     spans, previous = [], ""

@@ -75,6 +75,14 @@ class TrainConfig:
             raise ValueError(f"mixed_precision must be one of {PRECISIONS}, got {self.mixed_precision!r}")
         if self.max_steps <= 0 and self.num_epochs <= 0:
             raise ValueError("set max_steps > 0 or num_epochs > 0")
+        for name in ("save_steps", "eval_steps", "logging_steps", "gradient_accumulation_steps",
+                     "per_device_train_batch_size", "per_device_eval_batch_size", "eval_batches", "max_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
 
 
 class Method(Protocol):
@@ -225,9 +233,17 @@ def train(
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     loader = DataLoader(Examples(train_data), batch_size=cfg.per_device_train_batch_size, shuffle=True, drop_last=True)
     eval_loader = DataLoader(Examples(eval_data), batch_size=cfg.per_device_eval_batch_size)
-    per_epoch = max(1, len(loader) // (cfg.gradient_accumulation_steps * accelerator.num_processes))
+    per_epoch = len(loader) // (cfg.gradient_accumulation_steps * accelerator.num_processes)
+    if per_epoch == 0:
+        raise ValueError(
+            f"{len(train_data['input_ids'])} training examples make no full optimizer step at batch size "
+            f"{cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} accumulation x "
+            f"{accelerator.num_processes} processes: add data or lower the batch size"
+        )
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(per_epoch * cfg.num_epochs)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total), total)
+    # accelerate steps a prepared scheduler once per process per optimizer step: size it the same way.
+    procs = accelerator.num_processes
+    scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total) * procs, total * procs)
     # Every rank evaluates the same batches, so the main rank's numbers are the run's numbers.
     trainable, optimizer, loader, scheduler = accelerator.prepare(trainable, optimizer, loader, scheduler)
     method.trainable = trainable
@@ -273,7 +289,9 @@ def train(
                 continue
             step += 1
             bar.update(1)
-            out_of_time = cfg.max_minutes > 0 and time.time() - start > cfg.max_minutes * 60
+            out_of_time = cfg.max_minutes > 0 and step % cfg.logging_steps == 0 and ranks_agree(
+                accelerator, time.time() - start > cfg.max_minutes * 60
+            )
             stop = step >= total or out_of_time
             if step % cfg.logging_steps == 0:
                 logs = {"train/" + k: float(v) for k, v in logs.items()} | {"lr": scheduler.get_last_lr()[0]}
@@ -299,6 +317,15 @@ def train(
         method.save(accelerator.unwrap_model(trainable), output_dir, metrics)
     accelerator.end_training()
     return history
+
+
+def ranks_agree(accelerator: Accelerator, flag: bool) -> bool:
+    """The main rank's decision, shared with every rank (so all stop at the same step)."""
+    if accelerator.num_processes == 1:
+        return flag
+    from accelerate.utils import broadcast
+
+    return bool(broadcast(torch.tensor([int(flag)], device=accelerator.device)).item())
 
 
 @torch.no_grad()

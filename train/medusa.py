@@ -76,10 +76,7 @@ class MedusaMethod:
 
     def _per_head(self, batch: dict[str, torch.Tensor]):
         hidden = self._hidden(batch)
-        for k, head in enumerate(self.trainable.heads):
-            logits = head(hidden)  # (B, T, V)
-            if self.cfg.share_lm_head:
-                logits = self.lm_head(logits)
+        for k, logits in enumerate(self.trainable(hidden, self.lm_head)):  # logits (B, T, V)
             labels, mask = medusa_labels(batch["input_ids"], batch["loss_mask"], k)
             yield k, logits[mask].float(), labels[mask]
 
