@@ -1,7 +1,7 @@
 import pytest
 import torch
-from conftest import VOCAB
 
+from conftest import VOCAB
 from heads.config import HeadsConfig
 from heads.medusa import MedusaHeads
 from infer.generate import SpeculativeModel

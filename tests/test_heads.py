@@ -1,7 +1,7 @@
 import pytest
 import torch
-from conftest import VOCAB, tiny_model
 
+from conftest import VOCAB, tiny_model
 from heads.config import HeadsConfig
 from heads.io import check_compatible, load_heads
 from heads.medusa import MedusaHeads

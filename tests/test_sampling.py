@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_model
 
 import infer.verify as verify
+from conftest import tiny_model
 from heads.config import HeadsConfig
 from heads.medusa import MedusaHeads
 from infer.generate import SpeculativeModel
