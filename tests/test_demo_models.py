@@ -41,3 +41,21 @@ def test_demo_target_beats_gzip_on_the_test_split():
     model_bpb = nll / math.log(2) / len(data)
     gzip_bpb = 8 * len(gzip.compress(data, compresslevel=9)) / len(data)
     assert model_bpb < gzip_bpb, (model_bpb, gzip_bpb)
+
+
+def test_speculative_greedy_on_the_demo_target_is_identical(demo_target):
+    """The shipped model in fp32 with untrained heads (each projection a copy of the lm_head)."""
+    from heads.config import HeadsConfig
+    from heads.medusa import MedusaHeads
+    from infer.bench import default_prompts
+    from infer.generate import SpeculativeModel
+    from infer.proposers import MedusaProposer
+
+    model, tok = demo_target
+    heads = MedusaHeads(HeadsConfig(hidden_size=model.config.hidden_size, vocab_size=len(tok), num_heads=4))
+    heads.init_from_lm_head(model.get_output_embeddings())
+    spec = SpeculativeModel(model, MedusaProposer(heads, model.get_output_embeddings()))
+    for prompt in default_prompts(2):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        ref = model.generate(ids, max_new_tokens=48, do_sample=False)
+        assert spec.generate(ids, max_new_tokens=48).tolist() == ref.tolist()

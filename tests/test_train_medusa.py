@@ -90,3 +90,17 @@ def test_unknown_and_mistyped_options_are_errors():
         load_config(MedusaConfig, ["--report_to", "mlflow"])
     cfg = load_config(MedusaConfig, ["--num_heads=3", "--share_lm_head", "--resume", "latest"])
     assert cfg.num_heads == 3 and cfg.share_lm_head is True and cfg.resume == "latest"
+
+
+@pytest.mark.parametrize("reporter", ["wandb", "tensorboard"])
+def test_logging_backends_write_runs_offline(reporter, tiny_model_dir, text_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    (tmp_path / "wandb").mkdir()
+    out = tmp_path / "heads"
+    run(load_config(MedusaConfig, _args(tiny_model_dir, text_data, out, max_steps=2, report_to=reporter)))
+    if reporter == "wandb":
+        assert list((tmp_path / "wandb").rglob("offline-run-*"))
+    else:
+        assert list(out.rglob("events.out.tfevents.*"))
