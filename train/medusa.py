@@ -36,6 +36,7 @@ class MedusaConfig(TrainConfig):
     learning_rate: float = 1e-3
     max_length: int = 256
     per_device_train_batch_size: int = 8
+    mixed_precision: str = "bf16"  # also on CPU: recent x86 CPUs run bf16 matmuls several times faster
     num_heads: int = 4
     num_layers: int = 1
     head_decay: float = 0.8  # weight of head k's loss is head_decay ** k
