@@ -100,6 +100,17 @@ def stream_nll(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int, max_win
     return total, count
 
 
+def cpu_name() -> str:
+    """The CPU's model name where the OS says it, else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def compressor_bpb(data: bytes) -> dict[str, float]:
     return {
         "gzip -9": 8 * len(gzip.compress(data, compresslevel=9)) / len(data),
@@ -136,7 +147,7 @@ and quality tests: a real model that exists without a model hub.
   {cfg.max_minutes:g}-minute wall-clock budget; bf16 autocast; random {cfg.seq_len}-token windows, seed {cfg.seed}.
   The step count depends on the machine's speed; `--max_minutes 0 --max_steps {info['steps']}` replays the same
   number of steps with a step-based cosine.
-- Time and hardware: {info['minutes']:.1f} minutes on {info['hardware']} ({cfg.threads} threads), torch {torch.__version__}.
+- Time and hardware: {info['minutes']:.1f} minutes on {info['hardware']} ({cfg.threads} threads), torch {torch.__version__}.{info.get('note', '')}
 
 ## Validation loss (nats per token, {cfg.eval_batches} windows)
 
@@ -242,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         "train_tokens": len(train_ids),
         "epochs": step * cfg.batch_size * cfg.seq_len / len(train_ids),
         "minutes": minutes,
-        "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} CPU threads",
+        "hardware": cpu_name(),
         "curve": curve,
         "test_bpb": nll / math.log(2) / len(test_bytes),
         "test_bytes": len(test_bytes),
