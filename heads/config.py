@@ -22,7 +22,7 @@ class HeadsConfig:
     num_heads: int = 4  # Medusa: head k predicts the token k+1 positions after the target's next token
     num_layers: int = 1  # residual blocks per head
     share_lm_head: bool = False  # reuse the target's lm_head instead of one projection per head
-    dtype: str = "float32"
+    dtype: str = "float32"  # the dtype the drafter was trained with and its tree fitted for; the default at inference
     tree: list[list[int]] | None = None  # default static tree ("choices"); None uses infer's default
 
     def __post_init__(self) -> None:

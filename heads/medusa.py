@@ -63,5 +63,6 @@ class MedusaHeads(PretrainedHeads):
         if self.config.share_lm_head:
             if lm_head is None:
                 raise ValueError("these heads share the target's lm_head: pass lm_head=model.get_output_embeddings()")
-            return tuple(lm_head(head(hidden)) for head in self.heads)
+            # One lm_head call for all heads: the projection is read from memory once, not K times.
+            return tuple(lm_head(torch.stack([head(hidden) for head in self.heads])).unbind(0))
         return tuple(head(hidden) for head in self.heads)

@@ -69,13 +69,17 @@ def speculative_runner(spec: SpeculativeModel, max_new_tokens: int, eos: int | l
     return run
 
 
-def top2_margin(model, prompt_ids: torch.Tensor, new_ids: list[int], position: int) -> float:
-    """The target's top-1 minus top-2 logit where the baseline chose new_ids[position]: a near-tie check."""
-    ids = torch.cat([prompt_ids[0], torch.tensor(new_ids[:position], dtype=torch.long)])[None]
+def top2_margin(model, prompt_ids: torch.Tensor, new_ids: list[int], position: int) -> tuple[float, bool]:
+    """The target's top-1 minus top-2 logit where the baseline chose new_ids[position], and whether that is
+    a near-tie: within 4 units in the last place of the model's dtype at that logit's size, where a
+    different but equally valid summation order (a tree forward vs a one-token forward) can flip argmax."""
+    ids = torch.cat([prompt_ids[0].cpu(), torch.tensor(new_ids[:position], dtype=torch.long)])[None]
     with torch.no_grad():
-        logits = model(ids.to(model.device)).logits[0, -1].float()
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
+        logits = model(ids.to(model.device)).logits[0, -1]
+    top = logits.float().topk(2).values
+    margin = float(top[0] - top[1])
+    ulp = torch.finfo(logits.dtype).eps * max(1.0, abs(float(top[0])))
+    return margin, margin <= 4 * ulp
 
 
 def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], warmup: int = 1) -> dict:
@@ -126,10 +130,11 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], 
         for i, (o, b) in enumerate(zip(outs[name], outs[base])):
             if o != b:
                 pos = next((j for j, (x, y) in enumerate(zip(o, b)) if x != y), min(len(o), len(b)))
-                margin = top2_margin(model, encoded[i], b, pos) if pos < len(b) else None
-                mismatches.append({"prompt": i, "position": pos, "top2_logit_margin": margin})
+                margin, tie = top2_margin(model, encoded[i], b, pos) if pos < len(b) else (None, False)
+                mismatches.append({"prompt": i, "position": pos, "top2_logit_margin": margin, "near_tie": tie})
         if mismatches:
             entry["mismatches"] = mismatches
+            entry["all_mismatches_near_ties"] = all(m["near_tie"] for m in mismatches)
         result["methods"][name] = entry
     return result
 
@@ -137,14 +142,20 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], 
 def format_table(result: dict) -> str:
     head = f"{'method':<14}{'tokens/s':>10}{'speedup':>9}{'median':>8}{'tau':>7}{'fwd':>7}  identical  ms/step draft/verify/book"
     rows = [head, "-" * len(head)]
+    notes = []
     for name, m in result["methods"].items():
         split = m.get("ms_per_step")
         split_s = "/".join(f"{split[k]:.1f}" for k in ("draft", "verify", "bookkeeping")) if split else "-"
+        same = "yes" if m["identical_to_baseline"] else ("ties" if m.get("all_mismatches_near_ties") else "NO")
         rows.append(
             f"{name:<14}{m['tokens_per_s']:>10.1f}{m['speedup']:>8.2f}x{m['median_speedup']:>7.2f}x"
-            f"{m['tau']:>7.2f}{m['target_forwards']:>7d}  {'yes' if m['identical_to_baseline'] else 'NO':<9}  {split_s}"
+            f"{m['tau']:>7.2f}{m['target_forwards']:>7d}  {same:<9}  {split_s}"
         )
-    return "\n".join(rows)
+        for mm in m.get("mismatches", []):
+            kind = "a near-tie" if mm["near_tie"] else "NOT a near-tie: a bug"
+            notes.append(f"{name}: prompt {mm['prompt']} differs from the baseline at new token {mm['position']}; "
+                         f"top-2 logit margin there {mm['top2_logit_margin']}, {kind}")
+    return "\n".join(rows + notes)
 
 
 @torch.no_grad()

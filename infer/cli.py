@@ -26,6 +26,7 @@ def _load(args: argparse.Namespace):
     if not name:
         raise SystemExit("error: the heads name no base model; pass --model")
     path = resolve_model(name)
+    args.dtype = args.dtype or config.dtype
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     tree = json.loads(args.tree) if args.tree else None
@@ -94,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--heads", required=True, help="a trained heads directory")
         p.add_argument("--model", help="target model name or path (default: the heads' base_model; `demo` works)")
-        p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+        p.add_argument("--dtype", choices=list(DTYPES), help="default: the dtype the heads were trained with")
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         p.add_argument("--tree", help='static tree as JSON choices, e.g. "[[0], [1], [0, 0]]"')
         p.add_argument("--max-new-tokens", type=int, default=128)

@@ -106,3 +106,13 @@ def tiny_model_dir(tmp_path):
     tiny_model("llama").save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps process-wide singletons; tests that build Accelerators of different settings need them reset."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

@@ -17,7 +17,8 @@ def trained_heads(tiny_model_dir, tmp_path, monkeypatch):
     data.write_text(TOKENIZER_TEXT * 30)
     out = tmp_path / "heads"
     args = {"model": tiny_model_dir, "dataset": data, "output_dir": out, "max_length": 32, "max_steps": 4,
-            "per_device_train_batch_size": 4, "eval_steps": 4, "num_heads": 3, "max_minutes": 0, "tree_nodes": 8}
+            "per_device_train_batch_size": 4, "eval_steps": 4, "num_heads": 3, "max_minutes": 0, "tree_nodes": 8,
+            "self_distill": False, "max_train_examples": 0, "mixed_precision": "no"}
     run(load_config(MedusaConfig, [x for k, v in args.items() for x in (f"--{k}", str(v))]))
     return out
 

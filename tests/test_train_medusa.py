@@ -24,7 +24,8 @@ def test_medusa_labels_shift():
 def _args(tiny_model_dir, data, out, **extra):
     args = {"model": tiny_model_dir, "dataset": data, "output_dir": out, "max_length": 32, "max_steps": 6,
             "per_device_train_batch_size": 4, "eval_steps": 3, "save_steps": 2, "learning_rate": 1e-2,
-            "num_heads": 2, "max_minutes": 0, "logging_steps": 1, "tree_nodes": 5} | extra
+            "num_heads": 2, "max_minutes": 0, "logging_steps": 1, "tree_nodes": 5, "self_distill": False,
+            "share_lm_head": False, "max_train_examples": 0, "mixed_precision": "no"} | extra
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 
 
@@ -37,10 +38,15 @@ def text_data(tmp_path):
     return path
 
 
-def test_training_lowers_loss_changes_heads_and_freezes_target(tiny_model_dir, text_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("variant", [{}, {"share_lm_head": True, "self_distill": True, "max_train_examples": 24, "mixed_precision": "bf16",
+                                      "distill_prompt_tokens": 8}],
+                         ids=["medusa1", "shared-lm-head+self-distill+bf16"])
+def test_training_lowers_loss_changes_heads_and_freezes_target(
+    variant, tiny_model_dir, text_data, tmp_path, monkeypatch
+):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "heads"
-    result = run(load_config(MedusaConfig, _args(tiny_model_dir, text_data, out, max_steps=12)))
+    result = run(load_config(MedusaConfig, _args(tiny_model_dir, text_data, out, max_steps=12, **variant)))
     history = result["history"]
     assert history[-1][1]["loss"] < history[0][1]["loss"]
     trained = result["heads"].state_dict()
@@ -49,11 +55,12 @@ def test_training_lowers_loss_changes_heads_and_freezes_target(tiny_model_dir, t
     original = load_file(str(tiny_model_dir / "model.safetensors"))
     for name, param in result["target"].state_dict().items():
         if name in original:
-            assert torch.equal(param.cpu(), original[name]), f"target parameter {name} changed"
+            # loaded in the run's precision (bf16 for mixed precision), then never touched
+            assert torch.equal(param.cpu(), original[name].to(param.dtype)), f"target parameter {name} changed"
     loaded = load_heads(out)
     assert loaded.config.tree and len(loaded.config.tree) == 5
     for name, value in loaded.state_dict().items():
-        assert torch.equal(value, trained[name].cpu())
+        assert torch.equal(value, trained[name].cpu().to(value.dtype))  # loaded in the config's dtype
     assert len(list((out / "checkpoints").glob("step-*"))) == 2  # save_total_limit
 
 

@@ -17,7 +17,7 @@ def regenerate(
     model,
     examples: dict[str, torch.Tensor],
     prompt_tokens: int,
-    batch_size: int = 32,
+    batch_size: int = 64,
     pad_token_id: int = 0,
     show_progress: bool = True,
 ) -> dict[str, torch.Tensor]:

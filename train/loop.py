@@ -68,6 +68,11 @@ class TrainConfig:
     report_to: str = "none"  # none | wandb | tensorboard
     run_name: str | None = None
 
+    @property
+    def target_dtype(self) -> torch.dtype:
+        """The frozen target needs no fp32 master weights: keep it in the mixed-precision dtype."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision, torch.float32)
+
     def __post_init__(self) -> None:
         if self.report_to not in REPORTERS:
             raise ValueError(f"report_to must be one of {REPORTERS}, got {self.report_to!r}")
