@@ -14,7 +14,7 @@ from infer.proposers import MedusaProposer
 
 V = 8
 STEPS = 2  # the joint distribution of the first two tokens: 64 outcomes
-RUNS = 1500
+RUNS = 3000
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
