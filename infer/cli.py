@@ -67,7 +67,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from infer.generate import SpeculativeModel
     from infer.proposers import NoDraft
 
-    torch.set_num_threads(args.threads) if args.threads else None
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer, spec = _load(args)
     prompts = load_prompts(args.prompts) if args.prompts else default_prompts(args.num_prompts)
     eos = model.generation_config.eos_token_id
