@@ -29,6 +29,12 @@ def atomic_write(path: Path, write: Any) -> None:
             os.remove(tmp)
 
 
+def _shape(config: HeadsConfig) -> str:
+    if config.kind == "eagle":
+        return f"EAGLE draft model: fc (2H -> H) + {config.num_layers} Llama decoder layer(s) on the target's features"
+    return f"{config.num_heads} Medusa heads x {config.num_layers} residual block(s)"
+
+
 def model_card(config: HeadsConfig, extra: str = "") -> str:
     base = config.base_model or "unknown"
     return f"""---
@@ -38,8 +44,7 @@ tags: [speculative-decoding, {config.kind}, selfspec]
 ---
 # {config.kind} drafter for {base}
 
-{config.num_heads} {config.kind} heads x {config.num_layers} residual block(s), hidden size {config.hidden_size},
-vocabulary {config.vocab_size}. Decoding with them is lossless: greedy output is token-identical to the
+{_shape(config)}, hidden size {config.hidden_size}, vocabulary {config.vocab_size}. Decoding with them is lossless: greedy output is token-identical to the
 target's own, sampled output has the target's distribution.
 
 ```python
@@ -75,8 +80,7 @@ class PretrainedHeads(nn.Module):
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
             raise ValueError(
-                f"{weights} does not match its config.json ({config.kind}, {config.num_heads} heads x "
-                f"{config.num_layers} layers): missing {missing[:5]}, unexpected {unexpected[:5]}"
+                f"{weights} does not match its config.json ({_shape(config)}): missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
         model.load_state_dict(state, strict=True)
         return model.to(device=device, dtype=getattr(torch, config.dtype))
@@ -100,7 +104,8 @@ def check_compatible(config: HeadsConfig, target: nn.Module) -> None:
 
 def load_heads(directory: str | Path, device: str | torch.device = "cpu") -> PretrainedHeads:
     """Load any selfspec drafter directory, dispatching on `kind` in its config.json."""
-    from heads.medusa import MedusaHeads  # imported here: medusa.py builds on this module
+    from heads.eagle import EagleDraft  # imported here: the drafters build on this module
+    from heads.medusa import MedusaHeads
 
-    classes = {"medusa": MedusaHeads}
+    classes = {"medusa": MedusaHeads, "eagle": EagleDraft}
     return classes[HeadsConfig.load(directory).kind].from_pretrained(directory, device)

@@ -162,7 +162,8 @@ def format_table(result: dict) -> str:
 def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int = 7) -> dict[int, float]:
     """Median seconds of one target forward of n tree nodes on top of a cached prefix, for each n."""
     from infer.cache import new_cache
-    from infer.target import Target, TreeMask
+    from infer.mask import PrefixMask
+    from infer.target import Target
     from infer.tree import tree_from_parents
 
     target = Target(model)
@@ -172,7 +173,7 @@ def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int
     out = {}
     for n in [sizes[0]] + list(sizes):  # the first size twice: its first pass warms up the kernels
         tree = tree_from_parents([-1] + [0] * (n - 1), list(range(n))).to(target.device)  # a star: one level
-        mask = TreeMask(tree, prefix_len, target.dtype, target.device)
+        mask = PrefixMask(n, prefix_len + n, target.dtype, target.device)
         tokens = torch.randint(0, vocab, (n,), generator=gen).to(target.device)
         times = []
         for _ in range(repeats + 1):

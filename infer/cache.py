@@ -32,3 +32,11 @@ def keep_accepted(cache: DynamicCache, prefix_len: int, path: torch.Tensor, leng
             kv = getattr(layer, name)  # (B, H, S, D)
             kv[:, :, prefix_len : prefix_len + length] = kv.index_select(2, src)
             setattr(layer, name, kv[:, :, : prefix_len + length])
+
+
+def truncate(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` positions of every layer (DynamicCache.crop's meaning changed across versions)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys[:, :, :length]
+            layer.values = layer.values[:, :, :length]

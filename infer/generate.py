@@ -17,8 +17,10 @@ from transformers import AutoModelForCausalLM
 from heads.demo import resolve_model
 from heads.io import check_compatible, load_heads
 from infer.cache import keep_accepted, new_cache
+from infer.eagle import EagleProposer, draft_dtype
+from infer.mask import PrefixMask
 from infer.proposers import MedusaProposer, Proposer
-from infer.target import Target, TreeMask
+from infer.target import Target
 from infer.verify import SamplingParams, accept, sample_token
 
 
@@ -31,6 +33,7 @@ class GenerationStats:
     decode_steps: int = 0
     decode_tokens: int = 0
     accept_lengths: list[int] = dataclasses.field(default_factory=list)  # tokens produced per decode step
+    step_times: list[float] = dataclasses.field(default_factory=list)  # seconds per decode step
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -52,6 +55,18 @@ def _eos_set(eos_token_id: int | list[int] | None) -> set[int]:
     return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
 
 
+def proposer_for(heads: torch.nn.Module, model: torch.nn.Module, tree: list[list[int]] | None = None,
+                 **eagle_options: int | None) -> Proposer:
+    """The proposer that drafts with these heads on this target."""
+    if heads.config.kind == "eagle":
+        choices = tree if tree is not None else heads.config.tree
+        return EagleProposer(heads, model.get_input_embeddings(), model.get_output_embeddings(), choices=choices,
+                             **eagle_options)
+    if eagle_options and any(v is not None for v in eagle_options.values()):
+        raise ValueError(f"depth/top_k/total_tokens shape EAGLE's dynamic tree; {heads.config.kind} heads take `tree`")
+    return MedusaProposer(heads, model.get_output_embeddings(), tree)
+
+
 class SpeculativeModel:
     """A frozen target plus a proposer; `generate` mirrors `model.generate` for batch size 1."""
 
@@ -70,8 +85,13 @@ class SpeculativeModel:
         dtype: torch.dtype | str | None = None,
         device: str | torch.device = "cpu",
         tree: list[list[int]] | None = None,
+        **eagle_options: int | None,
     ) -> SpeculativeModel:
-        """Load heads and the target named in their config (or use `model`)."""
+        """Load a drafter and the target named in its config (or use `model`).
+
+        `tree` fixes a static tree (Medusa choices; EAGLE-1 style for EAGLE); `eagle_options` (depth,
+        top_k, total_tokens) override an EAGLE drafter's dynamic-tree defaults.
+        """
         heads = load_heads(heads_dir, device=device)
         if model is None:
             if not heads.config.base_model:
@@ -83,8 +103,10 @@ class SpeculativeModel:
             model = model.to(dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         check_compatible(heads.config, model)
         model_dtype = next(model.parameters()).dtype
+        if heads.config.kind == "eagle":
+            model_dtype = draft_dtype(next(model.parameters()).device, model_dtype)
         heads = heads.to(dtype=model_dtype)
-        return cls(model, MedusaProposer(heads, model.get_output_embeddings(), tree))
+        return cls(model, proposer_for(heads, model, tree, **eagle_options))
 
     @torch.no_grad()
     def decode(
@@ -110,18 +132,21 @@ class SpeculativeModel:
         if eos_token_id is None:
             eos_token_id = getattr(self.model.generation_config, "eos_token_id", None)
         eos = _eos_set(eos_token_id)
-        target, tree = self.target, self.proposer.tree
+        target, proposer = self.target, self.proposer
         stats = self.last_stats = GenerationStats()
         self.last_tokens = emitted = []
-        max_len = input_ids.numel() + max_new_tokens + tree.size
+        prefix_len = input_ids.numel()
+        max_len = prefix_len + max_new_tokens + proposer.max_nodes
         cache = new_cache(self.model, max_len)
-        mask = TreeMask(tree, max_len, target.dtype, target.device)
+        mask = PrefixMask(proposer.max_nodes, max_len, target.dtype, target.device)
+        context = torch.empty(max_len, dtype=torch.long, device=target.device)  # every token so far, then the root
+        context[:prefix_len] = input_ids
+        proposer.reset(max_len)
 
         # 0. prefill: the prompt once; its last logits give the first token (the first tree root)
         t0 = time.perf_counter()
-        logits, hidden = target.prefill(input_ids.to(target.device)[None], cache)
-        root = sample_token(logits, params, generator)
-        prefix_len = input_ids.numel()
+        logits, hiddens = target.prefill(context[None, :prefix_len], cache)
+        context[prefix_len] = root = sample_token(logits, params, generator)
         first = int(root)
         stats.target_forwards += 1
         stats.new_tokens = 1
@@ -132,23 +157,26 @@ class SpeculativeModel:
             return
 
         while True:
-            # 1. propose: the drafter fills the tree below the root
+            # 1. propose: the drafter builds a tree below the root
             t1 = time.perf_counter()
-            tokens = self.proposer.propose(root, hidden)  # (N,)
+            tokens, tree = proposer.propose(context[: prefix_len + 1], hiddens)  # (N,)
             # 2. verify: one target forward over every node
             t2 = time.perf_counter()
-            logits, hiddens = target.verify(tokens, tree, mask, prefix_len, cache)  # (N, V), (N, H)
+            logits, node_hiddens = target.verify(tokens, tree, mask, prefix_len, cache)  # (N, V), (N, H)
             # 3. accept: the deepest node whose path the target agrees with, plus a bonus token
             end, bonus = accept(logits, tokens, tree, params, generator)
             t3 = time.perf_counter()
-            path = tree.paths.index_select(0, end)[0]  # (D+1,) root first
-            host = torch.cat([tree.depths.index_select(0, end), tokens[path], bonus.view(1)]).tolist()  # the one sync
+            path = tree.paths.index_select(0, end)[0]  # (D+1,) root first, padded with the end node
+            path_tokens = tokens[path]
+            host = torch.cat([tree.depths.index_select(0, end), path_tokens, bonus.view(1)]).tolist()  # the one sync
             length = host[0] + 1
             new = host[2 : 1 + length] + [host[-1]]  # accepted drafted tokens, then the bonus
             # 4. commit: the cache keeps prefix + accepted path; the bonus is the next root
             keep_accepted(cache, prefix_len, path, length)
+            context[prefix_len : prefix_len + path.numel()] = path_tokens  # the padding is overwritten later
+            context[prefix_len + length] = bonus
+            hiddens = node_hiddens.index_select(0, path[:length])
             prefix_len += length
-            root, hidden = bonus, hiddens.index_select(0, end)[0]
             # 5. stop at EOS or the budget, exactly where plain decoding would
             budget = max_new_tokens - stats.new_tokens
             done = len(new) >= budget
@@ -164,7 +192,9 @@ class SpeculativeModel:
             stats.new_tokens += len(new)
             stats.draft_s += t2 - t1
             stats.verify_s += t3 - t2
-            stats.bookkeeping_s += time.perf_counter() - t3
+            t4 = time.perf_counter()
+            stats.bookkeeping_s += t4 - t3
+            stats.step_times.append(t4 - t1)
             emitted.extend(new)
             yield new
             if done:

@@ -1,4 +1,4 @@
-"""Proposers: given the root token and the target's last hidden state, draft the tree's tokens.
+"""Proposers: given the context and the target's newest hidden states, draft a tree of tokens.
 
 A proposer never calls the target; the decode loop verifies what it drafts.
 """
@@ -15,10 +15,20 @@ from infer.tree import Tree, best_choices, tree_from_choices
 
 class Proposer(Protocol):
     name: str
-    tree: Tree
+    max_nodes: int  # the largest tree it drafts, root included: sizes the target's cache and mask
 
-    def propose(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """root () token id, hidden (H,) target state that produced it -> tokens (N,) for `self.tree`."""
+    def reset(self, max_length: int) -> None:
+        """A new sequence of at most `max_length` tokens starts: drop any state from the last one."""
+        ...
+
+    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> tuple[torch.Tensor, Tree]:
+        """Draft the next tree.
+
+        context (L,): every token so far, ending with the root (the target's newest token, not yet
+        in its cache). hiddens (m, H): the target's last hidden states that produced the newest m
+        tokens of the context (the prompt's at the first call, the accepted path's after that).
+        Returns the tree's tokens (N,), root first, and the tree.
+        """
         ...
 
 
@@ -45,6 +55,7 @@ class MedusaProposer:
                 "use a shallower tree (--tree) or more heads"
             )
         device = next(heads.parameters()).device
+        self.max_nodes = tree.size
         self.heads = heads.eval()
         self.lm_head = lm_head
         self.tree = tree.to(device)
@@ -53,11 +64,14 @@ class MedusaProposer:
         self.top_k = int(self.node_rank.max()) + 1 if len(choices) else 1
         self.dtype = next(heads.parameters()).dtype
 
+    def reset(self, max_length: int) -> None:
+        pass  # stateless: every step reads only the newest hidden state
+
     @torch.no_grad()
-    def propose(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        logits = torch.stack(self.heads(hidden.to(self.dtype), self.lm_head))  # (K, V)
+    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> tuple[torch.Tensor, Tree]:
+        logits = torch.stack(self.heads(hiddens[-1].to(self.dtype), self.lm_head))  # (K, V)
         top = logits.topk(self.top_k, dim=-1).indices  # (K, k)
-        return torch.cat([root.view(1), top[self.node_head, self.node_rank]])  # (N,)
+        return torch.cat([context[-1:], top[self.node_head, self.node_rank]]), self.tree  # (N,)
 
 
 class NoDraft:
@@ -65,8 +79,13 @@ class NoDraft:
 
     name = "plain"
 
+    max_nodes = 1
+
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.tree = tree_from_choices([]).to(device)
 
-    def propose(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return root.view(1)
+    def reset(self, max_length: int) -> None:
+        pass
+
+    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> tuple[torch.Tensor, Tree]:
+        return context[-1:], self.tree

@@ -8,27 +8,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from infer.mask import PrefixMask
 from infer.tree import Tree
-
-
-class TreeMask:
-    """The additive 4D verification mask, allocated once per generation: prefix columns stay 0 (visible)
-    and the tree's own (N, N) block moves right as the prefix grows, so no step rebuilds the prefix part."""
-
-    def __init__(self, tree: Tree, max_prefix: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.block = tree.attention_bias(dtype).to(device)  # (1, 1, N, N)
-        self.n = tree.size
-        self.buffer = torch.zeros(1, 1, self.n, max_prefix + self.n, dtype=dtype, device=device)
-        self.placed: int | None = None
-
-    def at(self, prefix_len: int) -> torch.Tensor:
-        """(1, 1, N, prefix_len + N) view: all prefix columns visible, tree columns by ancestry."""
-        n = self.n
-        if self.placed is not None:
-            self.buffer[..., self.placed : self.placed + n] = 0
-        self.buffer[..., prefix_len : prefix_len + n] = self.block
-        self.placed = prefix_len
-        return self.buffer[..., : prefix_len + n]
 
 
 class Target:
@@ -53,22 +34,22 @@ class Target:
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids (1, T) -> logits (V,) and last hidden state (H,) at the last prompt position."""
+        """input_ids (1, T) -> logits (V,) at the last position and last hidden states (T, H) at every position."""
         kwargs = {self.cache_kw: cache, "use_cache": True, "output_hidden_states": True}
         if self.keep_kw:
             kwargs[self.keep_kw] = 1
         out = self.model(input_ids=input_ids, **kwargs)
-        return out.logits[0, -1], out.hidden_states[-1][0, -1]
+        return out.logits[0, -1], out.hidden_states[-1][0]
 
     @torch.no_grad()
     def verify(
-        self, tokens: torch.Tensor, tree: Tree, mask: TreeMask, prefix_len: int, cache: DynamicCache
+        self, tokens: torch.Tensor, tree: Tree, mask: PrefixMask, prefix_len: int, cache: DynamicCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """ONE forward over all tree nodes on top of the cache -> logits (N, V), last hidden states (N, H)."""
         positions = (prefix_len + tree.depths)[None]  # (1, N)
         out = self.model(
             input_ids=tokens[None],
-            attention_mask=mask.at(prefix_len),
+            attention_mask=mask.at(prefix_len, tree.ancestors),
             position_ids=positions,
             use_cache=True,
             output_hidden_states=True,

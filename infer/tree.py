@@ -33,14 +33,6 @@ class Tree:
     def max_depth(self) -> int:
         return self.paths.shape[1] - 1
 
-    def attention_bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask (1, 1, N, N) among tree nodes: 0 along ancestors, the dtype's minimum elsewhere.
-
-        Additive rather than bool: eager attention silently misreads a bool mask.
-        """
-        bias = torch.zeros(self.ancestors.shape, dtype=dtype, device=self.ancestors.device)
-        return bias.masked_fill_(~self.ancestors, torch.finfo(dtype).min)[None, None]
-
     def to(self, device: torch.device | str) -> Tree:
         return Tree(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 
@@ -59,33 +51,61 @@ def tree_from_parents(parents: list[int], ranks: list[int]) -> Tree:
         depths[i] = depths[parents[i]] + 1
     if any(depths[i] < depths[i - 1] for i in range(1, n)):
         raise ValueError("tree nodes must be in breadth-first order (non-decreasing depth)")
-    max_depth = max(depths)
-    ancestors = torch.zeros(n, n, dtype=torch.bool)
-    paths = torch.empty(n, max_depth + 1, dtype=torch.long)
-    kids: list[list[int]] = [[] for _ in range(n)]
-    for i in range(n):
-        chain, j = [], i
-        while j != -1:
-            chain.append(j)
-            ancestors[i, j] = True
-            j = parents[j]
-        chain.reverse()
-        paths[i] = torch.tensor(chain + [i] * (max_depth + 1 - len(chain)))
-        if i:
-            kids[parents[i]].append(i)
-    width = max(1, max(len(k) for k in kids))
-    children = torch.full((n, width), -1, dtype=torch.long)
-    for i, k in enumerate(kids):
-        k.sort(key=lambda c: ranks[c])
-        children[i, : len(k)] = torch.tensor(k, dtype=torch.long)
-    return Tree(
-        parents=torch.tensor(parents, dtype=torch.long),
-        depths=torch.tensor(depths, dtype=torch.long),
-        ranks=torch.tensor(ranks, dtype=torch.long),
-        ancestors=ancestors,
-        children=children,
-        paths=paths,
-    )
+    width = max([parents.count(i) for i in range(n)] + [1])
+    return build_tree(torch.tensor(parents), torch.tensor(ranks), max(depths), width)
+
+
+def build_tree(parents: torch.Tensor, ranks: torch.Tensor, max_depth: int, width: int) -> Tree:
+    """Tree fields from a valid parent vector, with tensor ops only (no host sync), so a drafter can
+    build its tree on the device every step. `max_depth` bounds the depth (paths are that wide) and
+    `width` the children per node; siblings are ordered by rank, ties by index."""
+    n, device = parents.shape[0], parents.device
+    idx = torch.arange(n, device=device)
+    ancestors = torch.eye(n, dtype=torch.bool, device=device)
+    depths = torch.zeros(n, dtype=torch.long, device=device)
+    chain = [idx]  # chain[j][i]: the j-th ancestor of node i (0: itself), -1 above the root
+    up = parents
+    for _ in range(max_depth):
+        valid = up >= 0
+        ancestors |= torch.nn.functional.one_hot(up.clamp(min=0), n).bool() & valid[:, None]
+        depths += valid
+        chain.append(up)
+        up = torch.where(valid, parents[up.clamp(min=0)], -1)
+    chain_t = torch.stack(chain, dim=1)  # (N, D+1)
+    back = depths[:, None] - torch.arange(max_depth + 1, device=device)[None]  # ancestor at depth t is chain[d - t]
+    paths = torch.where(back >= 0, chain_t.gather(1, back.clamp(min=0)), idx[:, None])
+    before = (ranks[None, :] < ranks[:, None]) | ((ranks[None, :] == ranks[:, None]) & (idx[None, :] < idx[:, None]))
+    slot = ((parents[None, :] == parents[:, None]) & before).sum(1)  # (N,) place among its siblings
+    flat = torch.full((n * width + 1,), -1, dtype=torch.long, device=device)  # the extra slot takes the root
+    target = torch.where(idx > 0, parents.clamp(min=0) * width + slot, n * width)
+    children = flat.scatter(0, target, idx)[:-1].view(n, width)
+    return Tree(parents=parents, depths=depths, ranks=ranks, ancestors=ancestors, children=children, paths=paths)
+
+
+def select_tree(
+    scores: torch.Tensor, parents: torch.Tensor, ranks: torch.Tensor, total_tokens: int, max_depth: int, width: int
+) -> tuple[torch.Tensor, Tree]:
+    """EAGLE-2's dynamic tree from drafted candidates: keep the `total_tokens` with the best cumulative
+    draft log-probability and return their candidate indices (ascending) and the Tree they form under the root.
+
+    Candidates are in depth order; `parents[c]` is the candidate c extends (-1: the root) and
+    `ranks[c]` its rank among its siblings. Scores must fall strictly along every path (see
+    `descend`), so any top-n set contains its ancestors: the result is always a tree.
+    """
+    chosen = scores.topk(min(total_tokens, scores.shape[0])).indices.sort().values  # depth order kept
+    up = parents[chosen]
+    # a chosen candidate's parent is chosen too: its tree index is its place in `chosen`, plus the root
+    tree_parents = torch.where(up >= 0, torch.searchsorted(chosen, up.clamp(min=0)) + 1, 0)
+    root = torch.full((1,), -1, dtype=torch.long, device=scores.device)
+    tree = build_tree(torch.cat([root, tree_parents]), torch.cat([root.new_zeros(1), ranks[chosen]]), max_depth, width)
+    return chosen, tree
+
+
+def descend(parent_scores: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """Children's cumulative scores: parent + log-prob, forced strictly below the parent even where
+    the log-prob rounds to 0, so that top-n selection stays ancestor-closed."""
+    parent = parent_scores[..., None].expand_as(logprobs)
+    return torch.minimum(parent + logprobs, torch.nextafter(parent, torch.full_like(parent, -torch.inf)))
 
 
 def tree_from_choices(choices: list[list[int]]) -> Tree:

@@ -8,7 +8,9 @@ import torch
 import infer.verify as verify
 from conftest import tiny_model
 from heads.config import HeadsConfig
+from heads.eagle import EagleDraft, layer_fields
 from heads.medusa import MedusaHeads
+from infer.eagle import EagleProposer
 from infer.generate import SpeculativeModel
 from infer.proposers import MedusaProposer
 
@@ -75,8 +77,18 @@ def run_sampling(spec, prompt, params) -> dict:
     return counts
 
 
-def make_spec(seed: int):
+def make_spec(seed: int, kind: str = "medusa"):
     model = tiny_model("llama", vocab=V, seed=seed, scale=0.08)  # a flat-ish p: many outcomes
+    if kind == "eagle":
+        torch.manual_seed(seed)
+        draft = EagleDraft(HeadsConfig(kind="eagle", hidden_size=48, vocab_size=V, layer=layer_fields(model.config),
+                                       depth=3, top_k=3, total_tokens=8))
+        with torch.no_grad():  # fc passes the feature through, so the drafter proposes the target's own top tokens
+            draft.fc.weight.zero_()
+            draft.fc.weight[:, 48:].copy_(torch.eye(48))
+            draft.fc.bias.zero_()
+        proposer = EagleProposer(draft, model.get_input_embeddings(), model.get_output_embeddings())
+        return model, SpeculativeModel(model, proposer)
     heads = MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=V, num_heads=3))
     heads.init_from_lm_head(model.get_output_embeddings())  # drafts the target's own top tokens: many accepts
     return model, SpeculativeModel(model, MedusaProposer(heads, model.get_output_embeddings(), CHOICES))
@@ -87,9 +99,10 @@ def critical(dof: int) -> float:
     return dof + 3.3 * (2 * dof) ** 0.5 + 6
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
 @pytest.mark.parametrize("params", [(1.0, 0, 1.0), (0.7, 6, 0.9)])
-def test_speculative_sampling_matches_target_distribution(params):
-    model, spec = make_spec(seed=5)
+def test_speculative_sampling_matches_target_distribution(params, kind):
+    model, spec = make_spec(seed=5, kind=kind)
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     expected = exact_joint(model, prompt, params)
     counts = run_sampling(spec, prompt, params)

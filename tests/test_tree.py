@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from infer.cache import keep_accepted, new_cache
-from infer.target import Target, TreeMask
+from infer.mask import PrefixMask
+from infer.target import Target
 from infer.tree import best_choices, chain_choices, fit_tree, tree_from_choices
 
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [2, 0]]
@@ -53,7 +54,7 @@ def test_tree_logits_equal_each_path_run_plainly(arch, attn):
     tokens = _tree_tokens(tree, gen)
     cache = new_cache(model, 64)
     target.prefill(prompt, cache)
-    logits, hidden = target.verify(tokens, tree, TreeMask(tree, 7, target.dtype, target.device), 7, cache)
+    logits, hidden = target.verify(tokens, tree, PrefixMask(tree.size, 7 + tree.size, target.dtype, target.device), 7, cache)
     for node in range(tree.size):
         path = tree.paths[node][: int(tree.depths[node]) + 1]
         seq = torch.cat([prompt[0], tokens[path]])[None]
@@ -74,7 +75,7 @@ def test_cache_after_acceptance_equals_plain_cache(arch):
     tokens = _tree_tokens(tree, gen)
     cache = new_cache(model, 64)
     target.prefill(prompt, cache)
-    target.verify(tokens, tree, TreeMask(tree, 6, target.dtype, target.device), 6, cache)
+    target.verify(tokens, tree, PrefixMask(tree.size, 6 + tree.size, target.dtype, target.device), 6, cache)
     end = 9  # choice [0, 1, 0]: root -> 1 -> 5 -> 9
     path = tree.paths[end]
     keep_accepted(cache, 6, path, 4)

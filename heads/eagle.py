@@ -1,0 +1,123 @@
+"""EAGLE draft model (EAGLE-1/2): autoregression on the target's own features.
+
+At position t the drafter reads the target's feature f_t (the hidden state its lm_head reads) and
+the embedding of the token x_{t+1} that followed, maps [embedding; feature] (2H) to H with `fc`,
+runs Llama decoder layer(s) and outputs a prediction of f_{t+1}; the target's frozen lm_head turns
+it into a distribution over x_{t+2}. Fed its own predictions, it drafts several tokens ahead.
+
+Parameter names follow the EAGLE-1 checkpoints: `fc.weight` / `fc.bias` and `layers.{i}.*` from
+transformers' `LlamaDecoderLayer`, with no input norm on the first layer. The target's embedding
+and lm_head are passed in, never copied into the drafter.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from heads.config import HeadsConfig
+from heads.io import PretrainedHeads
+
+
+def _rope(config: Any) -> dict[str, Any]:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope = dict(rope)
+    if rope and "rope_type" not in rope and all(isinstance(v, dict) for v in rope.values()):
+        rope = dict(rope.get("full_attention") or next(iter(rope.values())))  # per-layer-type RoPE (Gemma 3)
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", float(getattr(config, "rope_theta", None) or 10000.0))
+    return rope
+
+
+def layer_fields(target_config: Any) -> dict[str, Any]:
+    """The draft decoder layer's shape for a target of any architecture: the target's attention heads,
+    MLP width, norm epsilon and RoPE, laid out as a Llama layer (what EAGLE checkpoints use)."""
+    c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    hidden, heads = c.hidden_size, c.num_attention_heads
+    act = getattr(c, "hidden_act", None)
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(c, "head_dim", None) or hidden // heads,
+        "intermediate_size": getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden,
+        "rms_norm_eps": float(getattr(c, "rms_norm_eps", None) or getattr(c, "layer_norm_epsilon", None) or 1e-6),
+        "rope_parameters": _rope(c),
+        "max_position_embeddings": getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", 2048),
+        "hidden_act": act if isinstance(act, str) else "silu",
+    }
+
+
+def llama_config(config: HeadsConfig) -> LlamaConfig:
+    """The LlamaConfig the draft layers are built from (attention through SDPA with an explicit mask)."""
+    lc = LlamaConfig(hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                     num_hidden_layers=config.num_layers, **(config.layer or {}))
+    lc._attn_implementation = "sdpa"
+    return lc
+
+
+def causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) 0/1 padding mask -> boolean (B, 1, T, T) causal mask (True = visible) hiding padded keys.
+
+    Every position sees at least itself, so no row is empty (an empty row makes attention NaN).
+    """
+    T = attention_mask.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
+    visible = causal[None] & attention_mask.bool()[:, None, :]
+    return (visible | torch.eye(T, dtype=torch.bool, device=visible.device))[:, None]
+
+
+class EagleDraft(PretrainedHeads):
+    """fc (2H -> H) + Llama decoder layer(s); predicts the next feature. See the module docstring."""
+
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__()
+        if config.kind != "eagle":
+            raise ValueError(f"EagleDraft needs a config of kind 'eagle', got {config.kind!r}")
+        self.config = config
+        lc = llama_config(config)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(lc, i) for i in range(config.num_layers))
+        self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1: fc's output goes straight into attention
+        self.rotary_emb = LlamaRotaryEmbedding(lc)  # inv_freq is a non-persistent buffer: not in the weights
+        params = inspect.signature(LlamaDecoderLayer.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        embed: nn.Module,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+    ) -> torch.Tensor:
+        """features (B, T, H) = f_t, input_ids (B, T) = x_{t+1} -> predicted f_{t+1} (B, T, H).
+
+        `embed` is the target's input embedding. `attention_mask` (B, 1, T, past + T) is boolean
+        (True = visible) or additive; None means causal over the cache and these T positions. `cache`
+        (a transformers Cache) keeps the drafter's keys and values across calls; `position_ids`
+        default to continuing from the cached length.
+        """
+        if features.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"features have size {features.shape[-1]} but the drafter expects {self.config.hidden_size}"
+            )
+        x = self.fc(torch.cat([embed(input_ids).to(features.dtype), features], dim=-1))
+        T = x.shape[1]
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=x.device)[None]
+        if attention_mask is None:
+            attention_mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)[None, None]
+        position_embeddings = self.rotary_emb(x, position_ids)
+        for layer in self.layers:
+            out = layer(x, attention_mask=attention_mask, position_ids=position_ids,
+                        position_embeddings=position_embeddings, use_cache=cache is not None,
+                        **{self._cache_kw: cache})
+            x = out[0] if isinstance(out, tuple) else out
+        return x

@@ -1,0 +1,213 @@
+"""EAGLE: the dynamic tree, the drafter's tree expansion and cache, and lossless decoding with it."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import VOCAB, tiny_model
+from heads.config import HeadsConfig
+from heads.eagle import EagleDraft, layer_fields
+from heads.io import load_heads
+from infer.eagle import EagleProposer
+from infer.generate import SpeculativeModel
+from infer.target import Target
+from infer.tree import descend, select_tree, tree_from_parents
+
+STATIC = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def random_draft(model, seed=0, **config) -> EagleDraft:
+    torch.manual_seed(seed)
+    cfg = HeadsConfig(kind="eagle", hidden_size=model.config.hidden_size, vocab_size=VOCAB,
+                      layer=layer_fields(model.config), **({"depth": 4, "top_k": 3, "total_tokens": 10} | config))
+    return EagleDraft(cfg).eval()
+
+
+def proposer(model, draft, **kwargs) -> EagleProposer:
+    return EagleProposer(draft, model.get_input_embeddings(), model.get_output_embeddings(), **kwargs)
+
+
+def plain_greedy(model, prompt, n):
+    return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+
+
+# ---------------------------------------------------------------- the dynamic tree
+
+
+def hand_made_candidates():
+    """top_k 2, depth 3. Depth 1: c0 -0.1, c1 -1.0 (children of the root). Depth 2 expands the
+    frontier {c0, c1}: c2 -0.3, c3 -2.0 (of c0), c4 -1.2, c5 -3.0 (of c1). Depth 3 expands the best
+    two of depth 2, {c2, c4}: c6 -0.5, c7 -2.5 (of c2), c8 -1.5, c9 -4.0 (of c4)."""
+    scores = torch.tensor([-0.1, -1.0, -0.3, -2.0, -1.2, -3.0, -0.5, -2.5, -1.5, -4.0])
+    parents = torch.tensor([-1, -1, 0, 0, 1, 1, 2, 2, 4, 4])
+    ranks = torch.tensor([0, 1, 0, 1, 0, 1, 0, 1, 0, 1])
+    return scores, parents, ranks
+
+
+def test_select_tree_keeps_the_best_scores_as_a_tree():
+    scores, parents, ranks = hand_made_candidates()
+    chosen, tree = select_tree(scores, parents, ranks, total_tokens=5, max_depth=3, width=2)
+    # the five best: c0 -0.1, c2 -0.3, c6 -0.5, c1 -1.0, c4 -1.2 -> nodes 1..5 in depth order
+    assert chosen.tolist() == [0, 1, 2, 4, 6]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 2, 3]
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 3]  # verification positions are prefix_len + depth
+    assert tree.children.tolist() == [[1, 2], [3, -1], [4, -1], [5, -1], [-1, -1], [-1, -1]]
+    assert tree.paths.tolist() == [[0, 0, 0, 0], [0, 1, 1, 1], [0, 2, 2, 2], [0, 1, 3, 3], [0, 2, 4, 4],
+                                   [0, 1, 3, 5]]  # retrieval: root-to-node, padded with the node
+    expected_mask = [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0],
+                     [1, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]]
+    assert tree.ancestors.int().tolist() == expected_mask
+    # the same tree as the host-side builder makes from the parent list
+    ref = tree_from_parents([-1, 0, 0, 1, 2, 3], [0, 0, 1, 0, 0, 0])
+    for field in ("parents", "depths", "ancestors", "children"):
+        assert torch.equal(getattr(tree, field), getattr(ref, field)), field
+
+
+def test_selection_is_ancestor_closed_even_with_zero_log_probs():
+    gen = torch.Generator().manual_seed(0)
+    k, depth = 3, 4
+    for _ in range(50):
+        scores = [torch.log_softmax(torch.randn(k, generator=gen) * 3, -1)]
+        parents, ranks = [torch.full((k,), -1)], [torch.arange(k)]
+        front, front_index, offset = scores[0], torch.arange(k), k
+        for _ in range(depth - 1):
+            logp = torch.log_softmax(torch.randn(k, k, generator=gen) * 5, -1).sort(-1, descending=True).values
+            logp[0, 0] = 0.0  # a certain child: its score must still fall below its parent's
+            child = descend(front, logp).flatten()
+            scores.append(child)
+            parents.append(front_index.repeat_interleave(k))
+            ranks.append(torch.arange(k).repeat(k))
+            best = child.topk(k).indices
+            front, front_index, offset = child[best], offset + best, offset + k * k
+        all_scores, all_parents = torch.cat(scores), torch.cat(parents)
+        total = int(torch.randint(1, all_scores.numel() + 1, (1,), generator=gen))
+        chosen, tree = select_tree(all_scores, all_parents, torch.cat(ranks), total, depth, k)
+        kept = set(chosen.tolist())
+        assert all(all_parents[c] < 0 or int(all_parents[c]) in kept for c in kept)
+        assert tree.size == total + 1
+
+
+def test_descend_is_strictly_below_the_parent():
+    parent = torch.tensor([-3.0, 0.0])
+    child = descend(parent, torch.zeros(2, 2))
+    assert (child < parent[:, None]).all()
+
+
+# ---------------------------------------------------------------- the drafter
+
+
+def _prefill(model, prompt):
+    target = Target(model)
+    from infer.cache import new_cache
+
+    logits, hiddens = target.prefill(prompt, new_cache(model, 64))
+    return logits.argmax().view(1), hiddens
+
+
+@pytest.mark.parametrize("choices", [None, STATIC], ids=["dynamic", "static"])
+def test_drafted_tokens_equal_plain_drafter_runs_along_each_path(choices):
+    """Every tree node's token is what the drafter, run plainly (no cache, no tree mask) over the
+    confirmed pairs and the node's drafted ancestors, ranks at the node's rank."""
+    model = tiny_model("llama")
+    draft = random_draft(model, seed=3)
+    prop = proposer(model, draft, choices=choices)
+    prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    root, hiddens = _prefill(model, prompt)
+    context = torch.cat([prompt[0], root])
+    prop.reset(64)
+    tokens, tree = prop.propose(context, hiddens)
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    with torch.no_grad():
+        for node in range(1, tree.size):
+            path = tree.paths[node][: int(tree.depths[node]) + 1].tolist()
+            feats, ids = hiddens, context[1:]
+            for child in path[1:]:
+                out = draft(feats[None], ids[None], embed)[0]
+                ranked = lm_head(out[-1]).topk(int(tree.ranks[child]) + 1).indices
+                if child == node:
+                    assert int(tokens[child]) == int(ranked[-1]), (node, path)
+                feats = torch.cat([feats, out[-1:]])
+                ids = torch.cat([ids, tokens[child].view(1)])
+
+
+def test_drafter_cache_holds_exactly_the_confirmed_pairs():
+    model = tiny_model("qwen2")
+    draft = random_draft(model, seed=1)
+    prop = proposer(model, draft)
+    spec = SpeculativeModel(model, prop)
+    prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    out = spec.generate(prompt, max_new_tokens=20)
+    assert spec.last_stats.decode_steps > 1
+    # the confirmed pairs at the last step: (f_t, x_{t+1}) for every token up to that step's root
+    confirmed = out[:, : prop.length + 1]
+    with torch.no_grad():
+        features = model(confirmed, output_hidden_states=True).hidden_states[-1]
+        plain = DynamicCache()
+        draft(features[:, :-1], confirmed[:, 1:], model.get_input_embeddings(), cache=plain)
+    for mine, ref in zip(prop.cache.layers, plain.layers):
+        torch.testing.assert_close(mine.keys[:, :, : prop.length], ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values[:, :, : prop.length], ref.values, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- lossless decoding
+
+
+@pytest.mark.parametrize("choices", [None, STATIC], ids=["dynamic", "static"])
+def test_greedy_identical_to_generate_with_a_random_drafter(model, choices):
+    spec = SpeculativeModel(model, proposer(model, random_draft(model), choices=choices))
+    gen = torch.Generator().manual_seed(5)
+    for length in (1, 6):
+        prompt = torch.randint(3, VOCAB, (1, length), generator=gen)
+        for n in (1, 3, 30):
+            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(model, prompt, n)
+
+
+def self_distilled_draft(model, prompts, steps=150) -> EagleDraft:
+    """A drafter trained with the recipe's own loss on the model's greedy continuations of `prompts`."""
+    from train.eagle import EagleConfig, EagleMethod
+
+    seqs = model.generate(prompts, max_new_tokens=48, do_sample=False, min_new_tokens=48, pad_token_id=0)
+    batch = {"input_ids": seqs, "attention_mask": torch.ones_like(seqs), "loss_mask": torch.ones_like(seqs).bool()}
+    draft = random_draft(model, depth=4, top_k=3, total_tokens=12)
+    method = EagleMethod(EagleConfig(), model, draft, [])
+    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss, _ = method.loss(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return draft.eval()
+
+
+def test_greedy_identical_with_a_trained_drafter(model):
+    prompts = torch.randint(3, VOCAB, (4, 6), generator=torch.Generator().manual_seed(7))
+    spec = SpeculativeModel(model, proposer(model, self_distilled_draft(model, prompts)))
+    taus = []
+    for i, length in enumerate((6, 3)):
+        prompt = prompts[i : i + 1, :length]
+        assert spec.generate(prompt, max_new_tokens=48)[0, length:].tolist() == plain_greedy(model, prompt, 48)
+        taus.append(spec.last_stats.tau)
+    assert max(taus) > 1.5  # trained: multi-token paths are accepted
+
+
+def test_save_load_round_trip_and_no_target_weights(tmp_path):
+    model = tiny_model("llama")
+    draft = random_draft(model)
+    draft.config.base_model = "tiny"
+    draft.save_pretrained(tmp_path)
+    loaded = load_heads(tmp_path)
+    assert isinstance(loaded, EagleDraft) and loaded.config == draft.config
+    names = set(loaded.state_dict())
+    assert "fc.weight" in names and "fc.bias" in names and "layers.0.post_attention_layernorm.weight" in names
+    assert not any("embed" in n or "lm_head" in n or "input_layernorm" in n.split("layers.0.")[-1] for n in names)
+    for name, value in draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value)
+    card = (tmp_path / "README.md").read_text()
+    assert "eagle" in card and "base_model: tiny" in card
+
+
+def test_features_of_the_wrong_size_are_a_clear_error():
+    model = tiny_model("llama")
+    draft = random_draft(model)
+    with pytest.raises(ValueError, match="features have size 32 but the drafter expects 48"):
+        draft(torch.zeros(1, 2, 32), torch.zeros(1, 2, dtype=torch.long), model.get_input_embeddings())
