@@ -100,6 +100,14 @@ def tiny_tokenizer(vocab: int = VOCAB):
 
 
 @pytest.fixture
+def text_data(tmp_path):
+    """A small plain-text training file of code."""
+    path = tmp_path / "code.txt"
+    path.write_text(TOKENIZER_TEXT * 40)
+    return path
+
+
+@pytest.fixture
 def tiny_model_dir(tmp_path):
     """A saved tiny Llama target + tokenizer, loadable with from_pretrained like any hub model."""
     path = tmp_path / "tiny-target"

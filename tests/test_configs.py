@@ -6,15 +6,16 @@ import pytest
 import yaml
 
 from train.config import load_config
+from train.eagle import EagleConfig
 from train.medusa import MedusaConfig
 from train.target import TargetConfig
 
 CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").rglob("*.yaml"))
-RECIPES = {"train/medusa.py": MedusaConfig, "train/target.py": TargetConfig}
+RECIPES = {"train/medusa.py": MedusaConfig, "train/eagle.py": EagleConfig, "train/target.py": TargetConfig}
 
 
 def test_there_are_configs():
-    assert len(CONFIGS) >= 4
+    assert len(CONFIGS) >= 8
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
@@ -28,6 +29,7 @@ def test_config_parses_and_opens_with_its_command(path):
         load_config(RECIPES[recipe], ["--config", str(path)])
 
 
-def test_demo_yaml_equals_the_no_argument_defaults():
-    path = next(p for p in CONFIGS if p.name == "demo.yaml" and p.parent.name == "medusa")
-    assert load_config(MedusaConfig, ["--config", str(path)]) == MedusaConfig()
+@pytest.mark.parametrize("recipe, cls", [("medusa", MedusaConfig), ("eagle", EagleConfig)])
+def test_demo_yaml_equals_the_no_argument_defaults(recipe, cls):
+    path = next(p for p in CONFIGS if p.name == "demo.yaml" and p.parent.name == recipe)
+    assert load_config(cls, ["--config", str(path)]) == cls()

@@ -29,14 +29,6 @@ def _args(tiny_model_dir, data, out, **extra):
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 
 
-@pytest.fixture
-def text_data(tmp_path):
-    from conftest import TOKENIZER_TEXT
-
-    path = tmp_path / "code.txt"
-    path.write_text(TOKENIZER_TEXT * 40)
-    return path
-
 
 @pytest.mark.parametrize("variant", [{}, {"share_lm_head": True, "self_distill": True, "max_train_examples": 24, "mixed_precision": "bf16",
                                       "distill_prompt_tokens": 8}],

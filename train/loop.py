@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
+from heads.config import HeadsConfig
 from heads.demo import resolve_model
 from heads.io import atomic_write
 from train.data import cache_dir, load_examples, split_examples
@@ -50,6 +51,8 @@ class TrainConfig:
     num_epochs: float = 1.0
     max_minutes: float = 0.0  # > 0: stop (and save) when this wall-clock budget is spent
     learning_rate: float = 1e-3
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
     warmup_ratio: float = 0.05
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -235,7 +238,8 @@ def train(
     params = [p for p in trainable.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the drafter has no trainable parameters")
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay)
     loader = DataLoader(Examples(train_data), batch_size=cfg.per_device_train_batch_size, shuffle=True, drop_last=True)
     eval_loader = DataLoader(Examples(eval_data), batch_size=cfg.per_device_eval_batch_size)
     per_epoch = len(loader) // (cfg.gradient_accumulation_steps * accelerator.num_processes)
@@ -279,7 +283,7 @@ def train(
     while not stop:
         loader.set_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
-        for batch in batches:
+        for batch in batches_keeping_rng(batches):
             trainable.train()
             with accelerator.accumulate(trainable), accelerator.autocast():
                 loss, logs = method.loss(batch)
@@ -324,6 +328,22 @@ def train(
     return history
 
 
+def batches_keeping_rng(loader: DataLoader):
+    """Yield the loader's batches without letting the loading touch the global RNG: starting an epoch
+    draws a worker seed from it. The training step's stream (e.g. EAGLE's feature noise) then depends
+    only on the steps taken, so a resumed run continues exactly where the checkpoint left it."""
+    iterator = iter(loader)
+    while True:
+        state = torch.get_rng_state()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        finally:
+            torch.set_rng_state(state)
+        yield batch
+
+
 def ranks_agree(accelerator: Accelerator, flag: bool) -> bool:
     """The main rank's decision, shared with every rank (so all stop at the same step)."""
     if accelerator.num_processes == 1:
@@ -338,6 +358,20 @@ def run_eval(method: Method, loader: DataLoader, max_batches: int, device: torch
     method.trainable.eval()
     batches = [{k: v.to(device) for k, v in b.items()} for b in itertools.islice(loader, max_batches)]
     return method.evaluate(batches)
+
+
+def heads_config(cfg: TrainConfig, target, kind: str, **fields: Any) -> HeadsConfig:
+    """The drafter's config: the target's shapes and name, the run's dtype (the default at inference)."""
+    return HeadsConfig(kind=kind, base_model=cfg.model, hidden_size=target.config.hidden_size,
+                       vocab_size=target.get_output_embeddings().weight.shape[0],
+                       dtype=str(cfg.target_dtype).removeprefix("torch."), **fields)
+
+
+def report_saved(cfg: TrainConfig, history: list[tuple[int, dict[str, float]]], what: str) -> None:
+    print(f"\nvalidation: {format_metrics(history[-1][1])}")
+    print(f"saved {what} to {cfg.output_dir}")
+    print(f"generate with:  python -m infer generate --heads {cfg.output_dir} --prompt 'def parse('")
+    print(f"benchmark with: python -m infer bench --heads {cfg.output_dir}")
 
 
 def format_metrics(metrics: dict[str, float]) -> str:

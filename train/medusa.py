@@ -18,12 +18,19 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
 
-from heads.config import HeadsConfig
 from heads.medusa import MedusaHeads
 from infer.bench import forward_latency
 from infer.tree import best_choices, fit_tree
 from train.config import load_config
-from train.loop import TrainConfig, datasets_for, format_metrics, load_frozen_target, make_accelerator, train
+from train.loop import (
+    TrainConfig,
+    datasets_for,
+    heads_config,
+    load_frozen_target,
+    make_accelerator,
+    report_saved,
+    train,
+)
 
 RANKS = 10  # top-k depth of the accuracy table the default tree is fitted to
 
@@ -142,16 +149,8 @@ def run(cfg: MedusaConfig) -> dict:
     accelerator = make_accelerator(cfg)
     set_seed(cfg.seed)
     target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
-    heads_cfg = HeadsConfig(
-        kind="medusa",
-        base_model=cfg.model,
-        hidden_size=target.config.hidden_size,
-        vocab_size=target.get_output_embeddings().weight.shape[0],
-        num_heads=cfg.num_heads,
-        num_layers=cfg.num_layers,
-        share_lm_head=cfg.share_lm_head,
-        dtype=str(cfg.target_dtype).removeprefix("torch."),  # the default inference dtype, as trained and fitted
-    )
+    heads_cfg = heads_config(cfg, target, "medusa", num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+                             share_lm_head=cfg.share_lm_head)
     heads = MedusaHeads(heads_cfg)
     heads.init_from_lm_head(target.get_output_embeddings())
     heads.to(accelerator.device)
@@ -161,10 +160,7 @@ def run(cfg: MedusaConfig) -> dict:
     method = MedusaMethod(cfg, target, heads)
     history = train(cfg, accelerator, method, train_data, eval_data)
     if accelerator.is_main_process and history:
-        print(f"\nvalidation: {format_metrics(history[-1][1])}")
-        print(f"saved Medusa heads to {cfg.output_dir}")
-        print(f"generate with:  python -m infer generate --heads {cfg.output_dir} --prompt 'def parse('")
-        print(f"benchmark with: python -m infer bench --heads {cfg.output_dir}")
+        report_saved(cfg, history, "Medusa heads")
     return {"target": target, "heads": accelerator.unwrap_model(method.trainable), "initial": initial,
             "history": history}
 

@@ -1,0 +1,95 @@
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train.eagle as eagle_recipe
+from conftest import tiny_model
+from heads.eagle import EagleDraft
+from heads.io import load_heads
+from infer.tune import tune_eagle
+from train.config import ConfigError, load_config
+from train.eagle import EagleConfig, run
+
+
+def _args(model_dir, data, out, **extra):
+    args = {"model": model_dir, "dataset": data, "output_dir": out, "max_length": 32, "max_steps": 6,
+            "per_device_train_batch_size": 4, "eval_steps": 3, "save_steps": 2, "learning_rate": 3e-3,
+            "max_minutes": 0, "logging_steps": 1, "self_distill": False, "max_train_examples": 0,
+            "mixed_precision": "no", "depth": 3, "top_k": 2, "total_tokens": 6} | extra
+    return [x for k, v in args.items() for x in (f"--{k}", str(v))]
+
+
+
+@pytest.mark.parametrize("variant", [{}, {"self_distill": True, "max_train_examples": 24, "mixed_precision": "bf16",
+                                      "distill_prompt_tokens": 8}], ids=["fp32", "self-distill+bf16"])
+def test_training_lowers_loss_changes_the_drafter_only(variant, tiny_model_dir, text_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "eagle"
+    result = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, out, max_steps=12, **variant)))
+    history = result["history"]
+    assert history[-1][1]["loss"] < history[0][1]["loss"]
+    trained = result["draft"].state_dict()
+    for name, before in result["initial"].items():
+        if name.endswith("layernorm.weight") and torch.equal(trained[name].cpu(), before.cpu()):
+            continue  # an RMSNorm gain may legitimately sit still for a few steps
+        assert not torch.equal(trained[name].cpu(), before.cpu()), f"{name} did not change"
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    for name, param in result["target"].state_dict().items():
+        if name in original:
+            assert torch.equal(param.cpu(), original[name].to(param.dtype)), f"target parameter {name} changed"
+    loaded = load_heads(out)
+    assert isinstance(loaded, EagleDraft)
+    assert (loaded.config.depth, loaded.config.top_k, loaded.config.total_tokens) == (3, 2, 6)
+    assert not any("embed" in name or "lm_head" in name for name in loaded.state_dict())
+
+
+def test_cached_features_train_like_online_features(tiny_model_dir, text_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    online = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "a", noise=0)))
+    cached = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "b", noise=0,
+                                                cache_features=True)))
+    printed = capsys.readouterr().out
+    assert "caching target features for train" in printed and "MiB on disk" in printed
+    assert list((tmp_path / "cache").rglob("features-train-*.pt"))
+    for name, value in online["draft"].state_dict().items():
+        torch.testing.assert_close(cached["draft"].state_dict()[name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_after_interruption_matches_uninterrupted_run(tiny_model_dir, text_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    full = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "full")))
+    original_loss = eagle_recipe.EagleMethod.loss
+    calls = {"n": 0}
+
+    def crashing_loss(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("simulated crash")
+        return original_loss(self, batch)
+
+    monkeypatch.setattr(eagle_recipe.EagleMethod, "loss", crashing_loss)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "resumed")))
+    monkeypatch.setattr(eagle_recipe.EagleMethod, "loss", original_loss)
+    resumed = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "resumed", resume="latest")))
+    for name, value in full["draft"].state_dict().items():
+        torch.testing.assert_close(resumed["draft"].state_dict()[name], value, rtol=0, atol=1e-6)
+
+
+def test_unknown_options_are_errors():
+    with pytest.raises(ConfigError, match="unknown key.*'w_clss'.*Valid keys:.*w_cls"):
+        load_config(EagleConfig, ["--w_clss", "0.2"])
+    cfg = load_config(EagleConfig, ["--noise", "0.05", "--cache_features"])
+    assert cfg.noise == 0.05 and cfg.cache_features is True
+
+
+def test_tune_measures_every_setting_and_keeps_the_fastest():
+    model = tiny_model("llama")
+    from test_eagle import random_draft
+
+    draft = random_draft(model)
+    prompts = [torch.randint(3, 90, (5,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    best, rows = tune_eagle(model, draft, prompts, [(2, 2, 3), (3, 2, 6)], max_new_tokens=12)
+    assert [(r["depth"], r["top_k"], r["total_tokens"]) for r in rows] == [(2, 2, 3), (3, 2, 6)]
+    assert best is max(rows, key=lambda r: r["tokens_per_s"])
+    assert all(r["tau"] >= 1 and r["ms_per_step"] > 0 for r in rows)

@@ -1,0 +1,222 @@
+"""Train an EAGLE draft model (EAGLE-1/2) on a frozen causal LM.
+
+    accelerate launch train/eagle.py                        # demo target, stdlib corpus, CPU, < 15 min
+    accelerate launch train/eagle.py --config configs/eagle/llama3-8b-sharegpt.yaml
+
+The frozen target computes features f (its last hidden states, what its lm_head reads) online,
+without gradients. The drafter reads (f_t + noise, embedding of x_{t+1}) and predicts f_{t+1}:
+loss = SmoothL1(prediction, f_{t+1}) + w_cls * cross-entropy of its token distribution against the
+target's distribution at t+1 (soft labels), on loss-mask positions. At the end the dynamic tree
+(depth, top_k, total_tokens) is fitted to this machine by decoding validation prompts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import set_seed
+
+from heads.eagle import EagleDraft, causal_mask, layer_fields
+from heads.io import atomic_write
+from infer.eagle import draft_dtype
+from infer.tune import eagle_grid, format_rows, tune_eagle
+from train.config import load_config
+from train.data import cache_dir
+from train.loop import (
+    TrainConfig,
+    datasets_for,
+    heads_config,
+    load_frozen_target,
+    make_accelerator,
+    report_saved,
+    train,
+)
+from train.medusa import medusa_labels
+
+RANKS = 10  # validation reports how often the target's token is in the drafter's top-r, r < RANKS
+
+
+@dataclasses.dataclass
+class EagleConfig(TrainConfig):
+    output_dir: str = "outputs/eagle-demo"
+    max_steps: int = 2400  # about 10 minutes here; max_minutes stops a slower machine in time
+    max_minutes: float = 10.5
+    learning_rate: float = 1e-3
+    adam_beta2: float = 0.95
+    max_grad_norm: float = 0.5
+    warmup_ratio: float = 0.02
+    max_length: int = 192
+    per_device_train_batch_size: int = 8
+    mixed_precision: str = "bf16"
+    self_distill: bool = True  # learn what the target itself says: the drafter imitates it at decode time
+    max_train_examples: int = 1024  # the same self-distilled set as the Medusa demo (shared cache)
+    eval_steps: int = 250
+    save_steps: int = 500
+    num_layers: int = 1  # draft decoder layers
+    fc_bias: bool = True
+    w_cls: float = 0.1  # weight of the soft-label token loss next to the feature regression
+    noise: float = 0.1  # uniform U(-noise, noise) added to the input features while training
+    cache_features: bool = False  # compute the target's features once and keep them on disk for every epoch
+    depth: int = 0  # dynamic tree defaults stored with the drafter; 0 fits all three to this machine
+    top_k: int = 0
+    total_tokens: int = 0
+    tune_prompts: int = 6  # validation prompts decoded per tree setting when fitting
+    tune_new_tokens: int = 128  # as many as the bench: the truncated last step weighs less
+
+
+class EagleMethod:
+    def __init__(self, cfg: EagleConfig, target, draft: EagleDraft, tune_prompts: list[torch.Tensor]) -> None:
+        self.cfg, self.target, self.trainable, self.tune_prompts = cfg, target, draft, tune_prompts
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+
+    def features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The target's last hidden states (B, T, H), from the batch when cached on disk."""
+        if "features" in batch:
+            return batch["features"]
+        with torch.no_grad():
+            out = self.target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return out.last_hidden_state
+
+    def _predict(self, batch: dict[str, torch.Tensor], noise: float):
+        """Predicted and true next features and the target's logits at the masked pairs.
+
+        Pair t reads (f_t, x_{t+1}) and predicts f_{t+1}, whose logits predict x_{t+2}: a pair counts
+        where x_{t+2} is in the loss mask (the same positions as Medusa's first head).
+        """
+        feats = self.features(batch)
+        inputs = feats[:, :-1].to(next(self.trainable.parameters()).dtype)  # evaluation runs without autocast
+        if noise > 0:
+            inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
+        attn = batch["attention_mask"][:, 1:]
+        pred = self.trainable(inputs, batch["input_ids"][:, 1:], self.embed, attention_mask=causal_mask(attn))
+        keep = medusa_labels(batch["input_ids"], batch["loss_mask"], 0)[1][:, :-1] & attn.bool()
+        true = feats[:, 1:][keep]
+        with torch.no_grad():
+            target_logits = self.logits(true)
+        return pred[keep], true, target_logits
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's frozen lm_head on (predicted) features, as float32."""
+        return self.lm_head(features.to(self.lm_head.weight.dtype)).float()
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        pred, true, target_logits = self._predict(batch, self.cfg.noise)
+        if pred.shape[0] == 0:
+            zero = pred.sum() * 0.0
+            return zero, {"loss": zero.detach(), "reg_loss": zero.detach(), "cls_loss": zero.detach()}
+        reg = F.smooth_l1_loss(pred.float(), true.float())
+        logq = torch.log_softmax(self.logits(pred), dim=-1)
+        cls = -(target_logits.softmax(-1) * logq).sum(-1).mean()
+        total = reg + self.cfg.w_cls * cls
+        return total, {"loss": total.detach(), "reg_loss": reg.detach(), "cls_loss": cls.detach()}
+
+    def evaluate(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        reg, cls, hits, count = 0.0, 0.0, torch.zeros(RANKS), 0
+        for batch in batches:
+            pred, true, target_logits = self._predict(batch, 0.0)
+            if pred.shape[0] == 0:
+                continue
+            logits = self.logits(pred)
+            reg += F.smooth_l1_loss(pred.float(), true.float(), reduction="none").mean(-1).sum().item()
+            cls += -(target_logits.softmax(-1) * logits.log_softmax(-1)).sum().item()
+            top = logits.topk(RANKS, dim=-1).indices
+            hits += (top == target_logits.argmax(-1, keepdim=True)).sum(0).cpu()
+            count += pred.shape[0]
+        count = max(count, 1)
+        metrics = {"loss": (reg + self.cfg.w_cls * cls) / count, "reg_loss": reg / count, "cls_loss": cls / count,
+                   "top1": float(hits[0] / count), "top5": float(hits[:5].sum() / count)}
+        for r in range(RANKS):
+            metrics[f"rank_acc/{r}"] = float(hits[r] / count)
+        return metrics
+
+    def fit_tree(self, draft: EagleDraft) -> dict:
+        """Decode validation prompts with each tree setting here and keep the fastest."""
+        param = next(self.target.parameters())
+        draft = copy.deepcopy(draft).to(dtype=draft_dtype(param.device, param.dtype)).eval()
+        best, rows = tune_eagle(self.target, draft, self.tune_prompts, eagle_grid(), self.cfg.tune_new_tokens)
+        print("dynamic tree fitted to this machine (greedy decoding of validation prompts):")
+        print(format_rows(rows, best))
+        return best
+
+    def save(self, draft: EagleDraft, output_dir: Path, metrics: dict[str, float]) -> None:
+        cfg = self.cfg
+        if cfg.depth and cfg.top_k and cfg.total_tokens:
+            draft.config.depth, draft.config.top_k, draft.config.total_tokens = cfg.depth, cfg.top_k, cfg.total_tokens
+        elif self.tune_prompts:
+            best = self.fit_tree(draft)
+            draft.config.depth, draft.config.top_k, draft.config.total_tokens = (
+                best["depth"], best["top_k"], best["total_tokens"])
+        card = (f"\n## Validation (last evaluation)\n\ntop-1 agreement with the target {metrics.get('top1', 0):.3f}, "
+                f"top-5 {metrics.get('top5', 0):.3f}; dynamic tree: depth {draft.config.depth}, top_k "
+                f"{draft.config.top_k}, total_tokens {draft.config.total_tokens}\n")
+        draft.save_pretrained(output_dir, card_extra=card)
+
+
+def calibration_prompts(eval_data: dict, count: int, length: int) -> list[torch.Tensor]:
+    """The first `length` tokens of up to `count` validation examples (padding dropped)."""
+    prompts = []
+    for ids, attn in zip(eval_data["input_ids"][:count], eval_data["attention_mask"][:count]):
+        prompt = ids[: min(length, int(attn.sum()))]
+        if prompt.numel():
+            prompts.append(prompt)
+    return prompts
+
+
+def cached_features(cfg: EagleConfig, target, examples: dict, name: str, batch_size: int = 16) -> dict:
+    """`examples` plus the target's features, computed once and memory-mapped from disk afterwards."""
+    n, t = examples["input_ids"].shape
+    hidden = target.config.hidden_size
+    dtype = next(target.parameters()).dtype
+    digest = hashlib.sha1(examples["input_ids"].numpy().tobytes())
+    digest.update(f"{cfg.model}|{dtype}|{sum(p.sum().item() for p in target.parameters())}".encode())
+    path = cache_dir() / f"features-{name}-{digest.hexdigest()[:16]}.pt"
+    if not path.is_file():
+        size = n * t * hidden * torch.finfo(dtype).bits // 8
+        print(f"caching target features for {name}: {n} x {t} tokens x {hidden} ({dtype}) = "
+              f"{size / 2**20:.0f} MiB on disk at {path}")
+        out = torch.empty(n, t, hidden, dtype=dtype)
+        with torch.no_grad():
+            for i in range(0, n, batch_size):
+                ids = examples["input_ids"][i : i + batch_size].to(target.device)
+                attn = examples["attention_mask"][i : i + batch_size].to(target.device)
+                out[i : i + batch_size] = target.base_model(input_ids=ids, attention_mask=attn).last_hidden_state.cpu()
+        atomic_write(path, lambda tmp: torch.save(out, tmp))
+    return examples | {"features": torch.load(path, weights_only=True, mmap=True)}
+
+
+def run(cfg: EagleConfig) -> dict:
+    """Set up, train and save; returns the target, the trained drafter and the validation history."""
+    accelerator = make_accelerator(cfg)
+    set_seed(cfg.seed)
+    target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
+    heads_cfg = heads_config(cfg, target, "eagle", num_layers=cfg.num_layers, fc_bias=cfg.fc_bias,
+                             layer=layer_fields(target.config))
+    draft = EagleDraft(heads_cfg).to(accelerator.device)
+    initial = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+    with accelerator.main_process_first():
+        train_data, eval_data = datasets_for(cfg, tokenizer, target)
+        if cfg.cache_features:
+            train_data = cached_features(cfg, target, train_data, "train")
+            eval_data = cached_features(cfg, target, eval_data, "eval")
+    prompts = calibration_prompts(eval_data, cfg.tune_prompts, cfg.distill_prompt_tokens)
+    method = EagleMethod(cfg, target, draft, prompts)
+    history = train(cfg, accelerator, method, train_data, eval_data)
+    if accelerator.is_main_process and history:
+        report_saved(cfg, history, "the EAGLE drafter")
+    return {"target": target, "draft": accelerator.unwrap_model(method.trainable), "initial": initial,
+            "history": history}
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(load_config(EagleConfig, sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()
