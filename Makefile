@@ -19,11 +19,12 @@ $(VENV)/.installed: pyproject.toml
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu.yaml train/medusa.py
-	$(PY) -m infer bench --heads outputs/medusa-demo --json outputs/medusa-demo/bench.json
+	$(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu.yaml train/eagle.py
+	$(PY) -m infer bench --heads outputs/medusa-demo --heads outputs/eagle-demo --json outputs/bench-demo.json
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
 clean-demo:
-	rm -rf outputs/medusa-demo
+	rm -rf outputs/medusa-demo outputs/eagle-demo outputs/bench-demo.json

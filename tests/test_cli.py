@@ -1,8 +1,12 @@
 import json
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from heads.config import HeadsConfig
+from heads.eagle import EagleDraft, layer_fields
+from heads.medusa import MedusaHeads
 from infer.cli import main as cli
 from train.config import load_config
 from train.medusa import MedusaConfig, run
@@ -21,6 +25,35 @@ def trained_heads(tiny_model_dir, tmp_path, monkeypatch):
             "self_distill": False, "max_train_examples": 0, "mixed_precision": "no"}
     run(load_config(MedusaConfig, [x for k, v in args.items() for x in (f"--{k}", str(v))]))
     return out
+
+
+@pytest.fixture
+def medusa_dir(tiny_model_dir, tmp_path):
+    """Untrained Medusa heads for the tiny target, saved (no training: decoding stays exact anyway)."""
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    heads = MedusaHeads(HeadsConfig(kind="medusa", base_model=str(tiny_model_dir), hidden_size=config.hidden_size,
+                                    vocab_size=config.vocab_size, num_heads=3))
+    heads.save_pretrained(tmp_path / "medusa-heads")
+    return tmp_path / "medusa-heads"
+
+
+@pytest.fixture
+def eagle_dir(tiny_model_dir, tmp_path):
+    """An untrained EAGLE drafter for the tiny target with a small dynamic tree (at most 8 drafted nodes)."""
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    draft = EagleDraft(HeadsConfig(kind="eagle", base_model=str(tiny_model_dir), hidden_size=config.hidden_size,
+                                   vocab_size=config.vocab_size, layer=layer_fields(config), depth=3, top_k=3,
+                                   total_tokens=8))
+    draft.save_pretrained(tmp_path / "eagle-heads")
+    return tmp_path / "eagle-heads"
+
+
+def greedy_reference(model_dir, prompt: str, max_new_tokens: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = AutoTokenizer.from_pretrained(model_dir)(prompt, return_tensors="pt").input_ids
+    return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
 
 
 def test_generate_json_equals_transformers_greedy(trained_heads, tiny_model_dir, tmp_path, capsys):
@@ -56,3 +89,46 @@ def test_bench_writes_every_method(trained_heads, tmp_path, capsys):
 def test_missing_heads_dir_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no config.json"):
         cli(["generate", "--heads", str(tmp_path / "nope"), "--prompt", "x"])
+
+
+def test_bench_compares_several_drafters_on_one_target(medusa_dir, eagle_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "class Point:"}\n')
+    out = tmp_path / "bench.json"
+    cli(["bench", "--heads", str(medusa_dir), "--heads", str(eagle_dir), "--heads", str(medusa_dir),
+         "--prompts", str(prompts), "--max-new-tokens", "8", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert list(result["methods"]) == ["hf_generate", "plain", "medusa", "eagle", "medusa-2"]
+    for m in result["methods"].values():
+        assert m["identical_to_baseline"] is True
+    assert result["tree_nodes"] == {"medusa": 25, "eagle": 9, "medusa-2": 25}  # 24 default choices; 8 + root
+    assert result["dtype"] == "float32"
+    err = capsys.readouterr().err
+    assert "medusa 25, eagle 9, medusa-2 25" in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--depth", "2"], "--depth shape EAGLE's dynamic tree, but the heads are medusa heads"),
+    (["--top-k", "2", "--total-tokens", "4"], "--draft-top-k, --total-tokens shape EAGLE's dynamic tree, but"),
+    (["--depth", "2", "--tree", "[[0]]"], "give one or the other"),
+])
+def test_eagle_options_with_medusa_heads_are_a_clear_error(medusa_dir, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        cli(["bench", "--heads", str(medusa_dir), "--num-prompts", "1", *extra])
+
+
+def test_generate_with_eagle_heads_and_tree_options(eagle_dir, tiny_model_dir, tmp_path, monkeypatch):
+    from infer.generate import SpeculativeModel
+
+    loaded = []
+    load = SpeculativeModel.from_pretrained.__func__
+    monkeypatch.setattr(SpeculativeModel, "from_pretrained",
+                        classmethod(lambda cls, *a, **kw: loaded.append(load(cls, *a, **kw)) or loaded[-1]))
+    out = tmp_path / "gen.json"
+    cli(["generate", "--heads", str(eagle_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "12",
+         "--depth", "2", "--draft-top-k", "2", "--total-tokens", "4", "--quiet", "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert record["token_ids"] == greedy_reference(tiny_model_dir, "def add(a, b):", 12)
+    proposer = loaded[0].proposer
+    assert (proposer.name, proposer.depth, proposer.top_k, proposer.max_nodes) == ("eagle", 2, 2, 5)  # 4 + root
+    assert max(record["stats"]["accept_lengths"]) <= 3  # depth 2: two drafted tokens and the bonus at most
