@@ -29,7 +29,10 @@ def draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
 
 
 class EagleProposer:
-    """Drafts with an `EagleDraft` on the target's features; dynamic (EAGLE-2) unless `choices` are given."""
+    """Drafts with an `EagleDraft` on the target's features; dynamic (EAGLE-2) unless `choices` are given.
+
+    It holds the drafter's cache for the sequence being decoded: one generation at a time per proposer.
+    """
 
     name = "eagle"
 
@@ -49,12 +52,13 @@ class EagleProposer:
         self.lm_dtype = lm_head.weight.dtype
         self.device = next(draft.parameters()).device
         self.dtype = next(draft.parameters()).dtype
-        self.depth = depth or cfg.depth
-        self.top_k = top_k or cfg.top_k
-        self.total_tokens = total_tokens or cfg.total_tokens
+        self.depth = depth if depth is not None else cfg.depth
+        self.top_k = top_k if top_k is not None else cfg.top_k
+        self.total_tokens = total_tokens if total_tokens is not None else cfg.total_tokens
         for name in ("depth", "top_k", "total_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EAGLE {name} must be >= 1, got {getattr(self, name)}")
+        self.depth = min(self.depth, self.total_tokens)  # a kept tree is never deeper than its node count
         self.static: Tree | None = None
         if choices is not None:
             self.static = tree_from_choices(choices).to(self.device)
@@ -81,7 +85,9 @@ class EagleProposer:
         """
         mask = self.mask.at(self.length, visible) if self.length else None  # None: causal (the prompt, first)
         out = self.draft(features[None], tokens[None], self.embed, mask, position[None], self.cache)[0]
-        return out, torch.log_softmax(self.lm_head(out.to(self.lm_dtype)).float(), dim=-1)
+        logp = torch.log_softmax(self.lm_head(out.to(self.lm_dtype)).float(), dim=-1)
+        # a finite floor keeps scores strictly falling along paths (NaN would break the tree selection)
+        return out, logp.nan_to_num(nan=-1e4, neginf=-1e4)
 
     @torch.no_grad()
     def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> tuple[torch.Tensor, Tree]:

@@ -33,6 +33,7 @@ class GenerationStats:
     decode_steps: int = 0
     decode_tokens: int = 0
     accept_lengths: list[int] = dataclasses.field(default_factory=list)  # tokens produced per decode step
+    accepted_drafts: list[int] = dataclasses.field(default_factory=list)  # drafted tokens accepted, before any cut
     step_times: list[float] = dataclasses.field(default_factory=list)  # seconds per decode step
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -173,7 +174,7 @@ class SpeculativeModel:
             new = host[2 : 1 + length] + [host[-1]]  # accepted drafted tokens, then the bonus
             # 4. commit: the cache keeps prefix + accepted path; the bonus is the next root
             keep_accepted(cache, prefix_len, path, length)
-            context[prefix_len : prefix_len + path.numel()] = path_tokens  # the padding is overwritten later
+            context[prefix_len : prefix_len + length] = path_tokens[:length]
             context[prefix_len + length] = bonus
             hiddens = node_hiddens.index_select(0, path[:length])
             prefix_len += length
@@ -189,6 +190,7 @@ class SpeculativeModel:
             stats.decode_steps += 1
             stats.decode_tokens += len(new)
             stats.accept_lengths.append(len(new))
+            stats.accepted_drafts.append(length - 1)
             stats.new_tokens += len(new)
             stats.draft_s += t2 - t1
             stats.verify_s += t3 - t2

@@ -18,10 +18,10 @@ from infer.eagle import EagleProposer
 from infer.generate import SpeculativeModel
 
 
-def eagle_grid(depths: Sequence[int] = (3, 4, 5, 6, 8),
-               widths: Sequence[tuple[int, int]] = ((2, 32), (4, 16), (4, 32), (8, 32))) -> list[tuple[int, int, int]]:
-    """(depth, top_k, total_tokens) settings: every depth with every (top_k, total_tokens) pair."""
-    return [(depth, k, total) for depth, (k, total) in itertools.product(depths, widths)]
+def eagle_grid(depths: Sequence[int] = (3, 4, 5, 6, 8), top_ks: Sequence[int] = (2, 4, 8),
+               totals: Sequence[int] = (16, 32)) -> list[tuple[int, int, int]]:
+    """Every (depth, top_k, total_tokens) combination."""
+    return list(itertools.product(depths, top_ks, totals))
 
 
 @torch.no_grad()

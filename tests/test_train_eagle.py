@@ -50,7 +50,7 @@ def test_cached_features_train_like_online_features(tiny_model_dir, text_data, t
                                                 cache_features=True)))
     printed = capsys.readouterr().out
     assert "caching target features for train" in printed and "MiB on disk" in printed
-    assert list((tmp_path / "cache").rglob("features-train-*.pt"))
+    assert list((tmp_path / "cache").rglob("features-train-*.bin"))
     for name, value in online["draft"].state_dict().items():
         torch.testing.assert_close(cached["draft"].state_dict()[name], value, rtol=1e-4, atol=1e-5)
 
@@ -81,6 +81,23 @@ def test_unknown_options_are_errors():
         load_config(EagleConfig, ["--w_clss", "0.2"])
     cfg = load_config(EagleConfig, ["--noise", "0.05", "--cache_features"])
     assert cfg.noise == 0.05 and cfg.cache_features is True
+
+
+def test_training_fits_the_tree_when_none_is_given(tiny_model_dir, text_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    args = _args(tiny_model_dir, text_data, tmp_path / "fit", max_steps=2, depth=0, top_k=0, total_tokens=0,
+                 tune_depths="2,3", tune_top_ks=2, tune_totals=4, tune_prompts=2, tune_new_tokens=8)
+    run(load_config(EagleConfig, args))
+    printed = capsys.readouterr().out
+    assert "dynamic tree fitted to this machine" in printed and printed.count("tokens/s") == 2
+    chosen = next(line for line in printed.splitlines() if "<- chosen" in line)
+    config = load_heads(tmp_path / "fit").config
+    assert f"depth {config.depth:2d}  top_k  2  total_tokens   4" in chosen
+
+
+def test_a_partly_fixed_tree_is_an_error():
+    with pytest.raises(ValueError, match="all of depth, top_k and total_tokens"):
+        load_config(EagleConfig, ["--depth", "4"])
 
 
 def test_tune_measures_every_setting_and_keeps_the_fastest():

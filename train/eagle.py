@@ -66,8 +66,18 @@ class EagleConfig(TrainConfig):
     depth: int = 0  # dynamic tree defaults stored with the drafter; 0 fits all three to this machine
     top_k: int = 0
     total_tokens: int = 0
+    tune_depths: list[int] = dataclasses.field(default_factory=lambda: [3, 4, 5, 6, 8])  # the grid fitted over
+    tune_top_ks: list[int] = dataclasses.field(default_factory=lambda: [2, 4, 8])
+    tune_totals: list[int] = dataclasses.field(default_factory=lambda: [16, 32])
     tune_prompts: int = 6  # validation prompts decoded per tree setting when fitting
     tune_new_tokens: int = 128  # as many as the bench: the truncated last step weighs less
+
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        given = [self.depth > 0, self.top_k > 0, self.total_tokens > 0]
+        if any(given) and not all(given):
+            raise ValueError("set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)")
 
 
 class EagleMethod:
@@ -81,7 +91,8 @@ class EagleMethod:
         if "features" in batch:
             return batch["features"]
         with torch.no_grad():
-            out = self.target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            out = self.target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                         use_cache=False)
         return out.last_hidden_state
 
     def _predict(self, batch: dict[str, torch.Tensor], noise: float):
@@ -140,7 +151,8 @@ class EagleMethod:
         """Decode validation prompts with each tree setting here and keep the fastest."""
         param = next(self.target.parameters())
         draft = copy.deepcopy(draft).to(dtype=draft_dtype(param.device, param.dtype)).eval()
-        best, rows = tune_eagle(self.target, draft, self.tune_prompts, eagle_grid(), self.cfg.tune_new_tokens)
+        grid = eagle_grid(self.cfg.tune_depths, self.cfg.tune_top_ks, self.cfg.tune_totals)
+        best, rows = tune_eagle(self.target, draft, self.tune_prompts, grid, self.cfg.tune_new_tokens)
         print("dynamic tree fitted to this machine (greedy decoding of validation prompts):")
         print(format_rows(rows, best))
         return best
@@ -172,23 +184,29 @@ def calibration_prompts(eval_data: dict, count: int, length: int) -> list[torch.
 def cached_features(cfg: EagleConfig, target, examples: dict, name: str, batch_size: int = 16) -> dict:
     """`examples` plus the target's features, computed once and memory-mapped from disk afterwards."""
     n, t = examples["input_ids"].shape
-    hidden = target.config.hidden_size
+    hidden = target.config.get_text_config().hidden_size
     dtype = next(target.parameters()).dtype
     digest = hashlib.sha1(examples["input_ids"].numpy().tobytes())
     digest.update(f"{cfg.model}|{dtype}|{sum(p.sum().item() for p in target.parameters())}".encode())
-    path = cache_dir() / f"features-{name}-{digest.hexdigest()[:16]}.pt"
+    path = cache_dir() / f"features-{name}-{digest.hexdigest()[:16]}.bin"
+    size = n * t * hidden * torch.finfo(dtype).bits // 8
     if not path.is_file():
-        size = n * t * hidden * torch.finfo(dtype).bits // 8
         print(f"caching target features for {name}: {n} x {t} tokens x {hidden} ({dtype}) = "
               f"{size / 2**20:.0f} MiB on disk at {path}")
-        out = torch.empty(n, t, hidden, dtype=dtype)
-        with torch.no_grad():
-            for i in range(0, n, batch_size):
-                ids = examples["input_ids"][i : i + batch_size].to(target.device)
-                attn = examples["attention_mask"][i : i + batch_size].to(target.device)
-                out[i : i + batch_size] = target.base_model(input_ids=ids, attention_mask=attn).last_hidden_state.cpu()
-        atomic_write(path, lambda tmp: torch.save(out, tmp))
-    return examples | {"features": torch.load(path, weights_only=True, mmap=True)}
+
+        def write(tmp: str) -> None:  # straight into a file-backed tensor: RAM never holds them all
+            out = torch.from_file(tmp, shared=True, size=n * t * hidden, dtype=dtype).view(n, t, hidden)
+            with torch.no_grad():
+                for i in range(0, n, batch_size):
+                    ids = examples["input_ids"][i : i + batch_size].to(target.device)
+                    attn = examples["attention_mask"][i : i + batch_size].to(target.device)
+                    hidden_states = target.base_model(input_ids=ids, attention_mask=attn, use_cache=False)
+                    out[i : i + batch_size] = hidden_states.last_hidden_state.cpu()
+            del out
+
+        atomic_write(path, write)
+    features = torch.from_file(str(path), shared=False, size=n * t * hidden, dtype=dtype).view(n, t, hidden)
+    return examples | {"features": features}
 
 
 def run(cfg: EagleConfig) -> dict:
@@ -210,7 +228,8 @@ def run(cfg: EagleConfig) -> dict:
     history = train(cfg, accelerator, method, train_data, eval_data)
     if accelerator.is_main_process and history:
         report_saved(cfg, history, "the EAGLE drafter")
-    return {"target": target, "draft": accelerator.unwrap_model(method.trainable), "initial": initial,
+    return {"target": target, "draft": accelerator.unwrap_model(method.trainable, keep_fp32_wrapper=False),
+            "initial": initial,
             "history": history}
 
 

@@ -323,7 +323,7 @@ def train(
     bar.close()
     accelerator.wait_for_everyone()
     if main:
-        method.save(accelerator.unwrap_model(trainable), output_dir, metrics)
+        method.save(accelerator.unwrap_model(trainable, keep_fp32_wrapper=False), output_dir, metrics)
     accelerator.end_training()
     return history
 
@@ -362,7 +362,7 @@ def run_eval(method: Method, loader: DataLoader, max_batches: int, device: torch
 
 def heads_config(cfg: TrainConfig, target, kind: str, **fields: Any) -> HeadsConfig:
     """The drafter's config: the target's shapes and name, the run's dtype (the default at inference)."""
-    return HeadsConfig(kind=kind, base_model=cfg.model, hidden_size=target.config.hidden_size,
+    return HeadsConfig(kind=kind, base_model=cfg.model, hidden_size=target.config.get_text_config().hidden_size,
                        vocab_size=target.get_output_embeddings().weight.shape[0],
                        dtype=str(cfg.target_dtype).removeprefix("torch."), **fields)
 

@@ -83,7 +83,8 @@ class MedusaMethod:
 
     def _hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():  # the frozen target; base_model skips its lm_head
-            out = self.target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            out = self.target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                         use_cache=False)
         return out.last_hidden_state  # (B, T, H)
 
     def _per_head(self, batch: dict[str, torch.Tensor]):
@@ -161,7 +162,8 @@ def run(cfg: MedusaConfig) -> dict:
     history = train(cfg, accelerator, method, train_data, eval_data)
     if accelerator.is_main_process and history:
         report_saved(cfg, history, "Medusa heads")
-    return {"target": target, "heads": accelerator.unwrap_model(method.trainable), "initial": initial,
+    return {"target": target, "heads": accelerator.unwrap_model(method.trainable, keep_fp32_wrapper=False),
+            "initial": initial,
             "history": history}
 
 
