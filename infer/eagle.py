@@ -19,7 +19,9 @@ from transformers import DynamicCache
 from heads.eagle import EagleDraft
 from infer.cache import truncate
 from infer.mask import PrefixMask
+from infer.proposers import Draft
 from infer.tree import Tree, descend, select_tree, tree_from_choices
+from infer.verify import SamplingParams
 
 
 def draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
@@ -71,7 +73,7 @@ class EagleProposer:
             self.max_nodes = min(self.total_tokens, self.top_k + (self.depth - 1) * self.top_k**2) + 1
         self.reset(0)
 
-    def reset(self, max_length: int) -> None:
+    def reset(self, max_length: int, params: SamplingParams | None = None, generator=None) -> None:
         self.cache = DynamicCache()
         self.length = 0  # confirmed positions in the drafter's cache
         draft_columns = max(self.max_nodes, self.depth * self.top_k)
@@ -90,7 +92,7 @@ class EagleProposer:
         return out, logp.nan_to_num(nan=-1e4, neginf=-1e4)
 
     @torch.no_grad()
-    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> tuple[torch.Tensor, Tree]:
+    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
         m = hiddens.shape[0]
         truncate(self.cache, self.length)  # drop the last step's draft nodes
         # the confirmed pairs (f_t, x_{t+1}); the last one holds the root, so its output drafts depth 1
@@ -100,8 +102,8 @@ class EagleProposer:
         self.length += m
         root_feature, root_logp = feats[-1], logp[-1]
         if self.static is not None:
-            return self._static(context[-1:], root_feature, root_logp)
-        return self._dynamic(context[-1:], root_feature, root_logp)
+            return Draft(*self._static(context[-1:], root_feature, root_logp))
+        return Draft(*self._dynamic(context[-1:], root_feature, root_logp))
 
     def _dynamic(self, root: torch.Tensor, root_feature: torch.Tensor, root_logp: torch.Tensor) -> tuple[torch.Tensor, Tree]:
         k, device = self.top_k, self.device

@@ -34,6 +34,7 @@ class GenerationStats:
     decode_tokens: int = 0
     accept_lengths: list[int] = dataclasses.field(default_factory=list)  # tokens produced per decode step
     accepted_drafts: list[int] = dataclasses.field(default_factory=list)  # drafted tokens accepted, before any cut
+    drafted: list[int] = dataclasses.field(default_factory=list)  # tree nodes drafted per step (root excluded)
     step_times: list[float] = dataclasses.field(default_factory=list)  # seconds per decode step
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -142,7 +143,7 @@ class SpeculativeModel:
         mask = PrefixMask(proposer.max_nodes, max_len, target.dtype, target.device)
         context = torch.empty(max_len, dtype=torch.long, device=target.device)  # every token so far, then the root
         context[:prefix_len] = input_ids
-        proposer.reset(max_len)
+        proposer.reset(max_len, params, generator)
 
         # 0. prefill: the prompt once; its last logits give the first token (the first tree root)
         t0 = time.perf_counter()
@@ -160,12 +161,13 @@ class SpeculativeModel:
         while True:
             # 1. propose: the drafter builds a tree below the root
             t1 = time.perf_counter()
-            tokens, tree = proposer.propose(context[: prefix_len + 1], hiddens)  # (N,)
+            draft = proposer.propose(context[: prefix_len + 1], hiddens)
+            tokens, tree = draft.tokens, draft.tree  # (N,)
             # 2. verify: one target forward over every node
             t2 = time.perf_counter()
             logits, node_hiddens = target.verify(tokens, tree, mask, prefix_len, cache)  # (N, V), (N, H)
             # 3. accept: the deepest node whose path the target agrees with, plus a bonus token
-            end, bonus = accept(logits, tokens, tree, params, generator)
+            end, bonus = accept(logits, tokens, tree, params, generator, draft.probs)
             t3 = time.perf_counter()
             path = tree.paths.index_select(0, end)[0]  # (D+1,) root first, padded with the end node
             path_tokens = tokens[path]
@@ -191,6 +193,7 @@ class SpeculativeModel:
             stats.decode_tokens += len(new)
             stats.accept_lengths.append(len(new))
             stats.accepted_drafts.append(length - 1)
+            stats.drafted.append(tree.size - 1)
             stats.new_tokens += len(new)
             stats.draft_s += t2 - t1
             stats.verify_s += t3 - t2

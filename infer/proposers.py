@@ -5,29 +5,42 @@ A proposer never calls the target; the decode loop verifies what it drafts.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
 
 from heads.medusa import MedusaHeads
 from infer.tree import Tree, best_choices, tree_from_choices
+from infer.verify import SamplingParams
+
+
+@dataclasses.dataclass
+class Draft:
+    """What a proposer drafts for one step."""
+
+    tokens: torch.Tensor  # (N,) the tree's tokens, root first
+    tree: Tree
+    # (N, V) the distribution each node's token was sampled from (row 0 unused), for rejection
+    # sampling with min(1, p/q); None when tokens were picked deterministically (point proposals)
+    probs: torch.Tensor | None = None
 
 
 class Proposer(Protocol):
     name: str
     max_nodes: int  # the largest tree it drafts, root included: sizes the target's cache and mask
 
-    def reset(self, max_length: int) -> None:
-        """A new sequence of at most `max_length` tokens starts: drop any state from the last one."""
+    def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
+        """A new sequence of at most `max_length` tokens starts (decoded with `params`): drop old state."""
         ...
 
-    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> tuple[torch.Tensor, Tree]:
+    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
         """Draft the next tree.
 
         context (L,): every token so far, ending with the root (the target's newest token, not yet
-        in its cache). hiddens (m, H): the target's last hidden states that produced the newest m
-        tokens of the context (the prompt's at the first call, the accepted path's after that).
-        Returns the tree's tokens (N,), root first, and the tree.
+        in its cache); it only ever grows at the end. hiddens (m, H): the target's last hidden
+        states that produced the newest m tokens of the context (the prompt's at the first call,
+        the accepted path's after that).
         """
         ...
 
@@ -64,14 +77,14 @@ class MedusaProposer:
         self.top_k = int(self.node_rank.max()) + 1 if len(choices) else 1
         self.dtype = next(heads.parameters()).dtype
 
-    def reset(self, max_length: int) -> None:
+    def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
         pass  # stateless: every step reads only the newest hidden state
 
     @torch.no_grad()
-    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> tuple[torch.Tensor, Tree]:
+    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
         logits = torch.stack(self.heads(hiddens[-1].to(self.dtype), self.lm_head))  # (K, V)
         top = logits.topk(self.top_k, dim=-1).indices  # (K, k)
-        return torch.cat([context[-1:], top[self.node_head, self.node_rank]]), self.tree  # (N,)
+        return Draft(torch.cat([context[-1:], top[self.node_head, self.node_rank]]), self.tree)
 
 
 class NoDraft:
@@ -84,8 +97,8 @@ class NoDraft:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.tree = tree_from_choices([]).to(device)
 
-    def reset(self, max_length: int) -> None:
+    def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
         pass
 
-    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> tuple[torch.Tensor, Tree]:
-        return context[-1:], self.tree
+    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
+        return Draft(context[-1:], self.tree)

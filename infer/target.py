@@ -33,13 +33,16 @@ class Target:
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids (1, T) -> logits (V,) at the last position and last hidden states (T, H) at every position."""
-        kwargs = {self.cache_kw: cache, "use_cache": True, "output_hidden_states": True}
+    def prefill(
+        self, input_ids: torch.Tensor, cache: DynamicCache, hidden: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids (1, T) after the cached tokens -> logits (V,) at the last position and the last
+        hidden states (T, H) at every position (None without `hidden`)."""
+        kwargs = {self.cache_kw: cache, "use_cache": True, "output_hidden_states": hidden}
         if self.keep_kw:
             kwargs[self.keep_kw] = 1
         out = self.model(input_ids=input_ids, **kwargs)
-        return out.logits[0, -1], out.hidden_states[-1][0]
+        return out.logits[0, -1], out.hidden_states[-1][0] if hidden else None
 
     @torch.no_grad()
     def verify(

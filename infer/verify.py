@@ -1,9 +1,11 @@
 """Acceptance over a verified tree: greedy matching and lossless tree rejection sampling.
 
-Variable names follow the speculative-sampling papers: p is the target's distribution. Drafted
-children here are point proposals (picked deterministically by rank), so child x of a node is
+Variable names follow the speculative-sampling papers: p is the target's distribution, q the
+draft's. Children picked deterministically (by rank) are point proposals: child x of a node is
 accepted with probability p(x); on rejection p(x) is zeroed and p renormalised before the next
-sibling is tried; if every child is rejected the bonus token is drawn from what is left of p.
+sibling is tried. Children sampled from a draft distribution q (a draft model's chain) are
+accepted with probability min(1, p(x) / q(x)); on rejection p becomes the normalised residual
+(p - q)+. Either way, if every child is rejected the bonus token is drawn from what is left of p.
 Everything is batched over nodes: no per-candidate host sync.
 """
 
@@ -78,6 +80,33 @@ def sampled_children(p: torch.Tensor, tokens: torch.Tensor, tree: Tree, generato
     return picked
 
 
+def sampled_children_from(
+    p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, tree: Tree, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Children drawn from q: `q[i]` is the distribution node i's token was sampled from. Returns the
+    picked mask (N,) and, per node, what is left of p after its rejected children (N, V)."""
+    kids = tree.children  # (N, C)
+    valid = kids >= 0
+    u = torch.rand(kids.shape, generator=generator, device=p.device)
+    left = p
+    done = torch.zeros(kids.shape[0], dtype=torch.bool, device=p.device)
+    chosen = torch.zeros(kids.shape[0], dtype=torch.long, device=p.device)
+    for c in range(kids.shape[1]):  # siblings in order; a chain has one
+        kid = kids[:, c].clamp(min=0)
+        x, q_kid = tokens[kid][:, None], q[kid]  # (N, 1), (N, V)
+        trying = valid[:, c] & ~done
+        ok = trying & (u[:, c] * q_kid.gather(1, x)[:, 0] < left.gather(1, x)[:, 0])  # P = min(1, p(x)/q(x))
+        chosen = torch.where(ok, kids[:, c], chosen)
+        done |= ok
+        residual = (left - q_kid).clamp(min=0)
+        total = residual.sum(-1, keepdim=True)
+        residual = torch.where(total > 0, residual / total.clamp(min=1e-30), left)
+        left = torch.where((trying & ~ok)[:, None], residual, left)
+    picked = torch.zeros(tokens.shape, dtype=torch.bool, device=p.device).scatter(0, chosen, done)
+    picked[0] = True
+    return picked, left
+
+
 def accepted_end(picked: torch.Tensor, tree: Tree) -> torch.Tensor:
     """The deepest node whose whole root path was picked, as a (1,) tensor (index_select-ready, no sync)."""
     ok = ~(tree.ancestors & ~picked[None, :]).any(dim=1)  # (N,)
@@ -108,12 +137,21 @@ def accept(
     tree: Tree,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    draft_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify one tree: logits (N, V) at every node, tokens (N,) -> end node (1,) and bonus token (0-dim)."""
+    """Verify one tree: logits (N, V) at every node, tokens (N,) -> end node (1,) and bonus token (0-dim).
+
+    `draft_probs` (N, V): the distribution each node's token was sampled from; None when the tokens
+    were picked deterministically (point proposals).
+    """
     if params.greedy:
         end = accepted_end(greedy_children(logits, tokens, tree), tree)
         return end, logits.index_select(0, end)[0].argmax()
     p = target_probs(logits, params)
+    if draft_probs is not None:
+        picked, left = sampled_children_from(p, draft_probs, tokens, tree, generator)
+        end = accepted_end(picked, tree)
+        return end, draw(left.index_select(0, end)[0], generator)
     end = accepted_end(sampled_children(p, tokens, tree, generator), tree)
     kids = tree.children.index_select(0, end)[0]  # (C,) all rejected, since none was picked
     return end, residual_sample(p.index_select(0, end)[0], tokens[kids.clamp(min=0)], kids >= 0, generator)

@@ -115,7 +115,8 @@ def test_drafted_tokens_equal_plain_drafter_runs_along_each_path(choices):
     root, hiddens = _prefill(model, prompt)
     context = torch.cat([prompt[0], root])
     prop.reset(64)
-    tokens, tree = prop.propose(context, hiddens)
+    draft_out = prop.propose(context, hiddens)
+    tokens, tree = draft_out.tokens, draft_out.tree
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     with torch.no_grad():
         for node in range(1, tree.size):

@@ -1,0 +1,60 @@
+"""Prompt lookup: draft the continuation of the latest earlier occurrence of the context's last n-gram.
+
+No model and no training: code and chat often repeat what is already in the context. An n-gram
+index (n-gram -> positions after it) is updated with the new tokens only, so a step costs the
+same however long the context is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infer.proposers import Draft
+from infer.tree import chain_choices, tree_from_choices
+from infer.verify import SamplingParams
+
+
+class PromptLookupProposer:
+    """Proposes up to `num_tokens` tokens; tries the longest n-gram first (max_ngram down to min_ngram)."""
+
+    name = "prompt_lookup"
+
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1,
+                 device: torch.device | str = "cpu") -> None:
+        if num_tokens < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need num_tokens >= 1 and 1 <= min_ngram <= max_ngram, got {num_tokens}, "
+                             f"{min_ngram}, {max_ngram}")
+        self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
+        self.max_nodes = num_tokens + 1
+        self.device = torch.device(device)
+        self.chains = [tree_from_choices(chain_choices(n)).to(self.device) for n in range(num_tokens + 1)]
+        self.reset(0, SamplingParams(), None)
+
+    def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.tokens: list[int] = []
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence sits
+
+    def _extend(self, new: list[int]) -> None:
+        for tok in new:
+            self.tokens.append(tok)
+            end = len(self.tokens)
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                if end > n:  # the n-gram ending just before the newest token now has a continuation
+                    self.index[tuple(self.tokens[end - 1 - n : end - 1])] = end - 1
+
+    def lookup(self) -> list[int]:
+        """The continuation after the latest earlier occurrence of the longest matching suffix n-gram."""
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(self.tokens) <= n:
+                continue
+            start = self.index.get(tuple(self.tokens[-n:]))
+            if start is not None:
+                return self.tokens[start : start + self.num_tokens]
+        return []
+
+    @torch.no_grad()
+    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
+        self._extend(context[len(self.tokens) :].tolist())  # only the new tokens cross to the host
+        guess = self.lookup()
+        tokens = torch.tensor([self.tokens[-1], *guess], dtype=torch.long, device=self.device)
+        return Draft(tokens, self.chains[len(guess)])

@@ -1,0 +1,87 @@
+"""The seed algorithm's draft-model drafter and prompt lookup, in the shared decode loop."""
+
+import pytest
+import torch
+
+from conftest import VOCAB, tiny_model
+from infer.draft_model import DraftModelProposer
+from infer.generate import SpeculativeModel
+from infer.prompt_lookup import PromptLookupProposer
+from infer.target import Target
+from infer.verify import SamplingParams
+
+
+def plain_greedy(model, prompt, n):
+    return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("draft_arch", ["llama", "gpt2"])
+def test_draft_model_greedy_identical_to_generate(model, draft_arch):
+    draft = tiny_model(draft_arch, seed=1)
+    spec = SpeculativeModel(model, DraftModelProposer(draft, num_tokens=3, vocab_size=VOCAB))
+    gen = torch.Generator().manual_seed(3)
+    for length in (1, 7):
+        prompt = torch.randint(3, VOCAB, (1, length), generator=gen)
+        for n in (1, 4, 30):
+            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(model, prompt, n)
+
+
+def test_draft_model_that_is_the_target_is_always_accepted():
+    model = tiny_model("llama")
+    spec = SpeculativeModel(model, DraftModelProposer(model, num_tokens=4))
+    prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    out = spec.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    assert out[0, 5:].tolist() == model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None,
+                                                 pad_token_id=0)[0, 5:].tolist()
+    stats = spec.last_stats
+    assert all(a == d for a, d in zip(stats.accepted_drafts, stats.drafted))  # its own argmax: every draft kept
+    assert stats.tau == pytest.approx(5.0, abs=0.3)  # 4 drafted + 1 bonus per step (the last step is cut)
+
+
+def test_draft_model_keeps_its_cache_in_step_with_the_context():
+    from transformers import DynamicCache
+
+    model, draft = tiny_model("llama"), tiny_model("qwen2", seed=2)
+    prop = DraftModelProposer(draft, num_tokens=3)
+    spec = SpeculativeModel(model, prop)
+    prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    out = spec.generate(prompt, max_new_tokens=25, eos_token_id=[])
+    # the last step's context (up to its root) was cached, then the 2 drafted tokens fed after it
+    confirmed = prop.cache.get_seq_length() - (prop.num_tokens - 1)
+    assert spec.last_stats.decode_steps > 1 and 6 < confirmed <= out.shape[1]
+    plain = DynamicCache()
+    Target(draft).prefill(out[:, :confirmed], plain, hidden=False)
+    for mine, ref in zip(prop.cache.layers, plain.layers):
+        torch.testing.assert_close(mine.keys[:, :, :confirmed], ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values[:, :, :confirmed], ref.values, atol=1e-5, rtol=1e-5)
+
+
+def test_draft_model_vocabulary_mismatch_is_a_clear_error():
+    with pytest.raises(ValueError, match="96 vocabulary rows but the target has 50"):
+        DraftModelProposer(tiny_model("llama"), vocab_size=50)
+
+
+def test_prompt_lookup_finds_the_latest_longest_match():
+    prop = PromptLookupProposer(num_tokens=3, max_ngram=2)
+    prop.reset(0, SamplingParams(), None)
+    prop._extend([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
+    assert prop.lookup() == [9, 2, 6]  # "6 7" last seen before "9 2 6 7"
+    prop._extend([3])
+    assert prop.lookup() == []  # "7 3" and "3" never seen before
+    prop._extend([5])
+    assert prop.lookup() == [6, 7, 8]  # "3 5" unseen, "5" seen at the start
+
+
+def test_prompt_lookup_greedy_identical_and_accepts_repeats(model):
+    spec = SpeculativeModel(model, PromptLookupProposer(num_tokens=5, device="cpu"))
+    gen = torch.Generator().manual_seed(4)
+    for length in (1, 9):
+        prompt = torch.randint(3, VOCAB, (1, length), generator=gen)
+        for n in (1, 6, 40):
+            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(model, prompt, n)
+    # a prompt that repeats itself while the model repeats it too: lookups get accepted
+    loop = plain_greedy(model, torch.tensor([[3, 4, 5]]), 60)
+    prompt = torch.tensor([[3, 4, 5, *loop[:40]]])
+    spec.generate(prompt, max_new_tokens=20, eos_token_id=[])
+    if len(set(loop[20:40])) < 10:  # the random model settled into a loop, as tiny random models do
+        assert max(spec.last_stats.accepted_drafts) > 0
