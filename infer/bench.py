@@ -53,10 +53,20 @@ def load_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
-def hf_generate_runner(model, max_new_tokens: int, eos: int | list[int] | None, pad: int | None) -> Runner:
+def hf_runner(model, max_new_tokens: int, eos: int | list[int] | None, pad: int | None, **generate_kwargs) -> Runner:
+    """`model.generate` greedy (plus e.g. `assistant_model=` or `prompt_lookup_num_tokens=`); a forward hook
+    counts the target's forward passes, so its tau is measured the same way as ours."""
+
     def run(ids: torch.Tensor) -> tuple[list[int], dict | None]:
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
-        return out[0, ids.shape[1] :].tolist(), None
+        calls = [0]
+        handle = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        try:
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=pad, **generate_kwargs)
+        finally:
+            handle.remove()
+        new = out[0, ids.shape[1] :].tolist()
+        return new, {"target_forwards": calls[0], "decode_steps": calls[0] - 1, "decode_tokens": len(new) - 1}
 
     return run
 
@@ -82,8 +92,24 @@ def top2_margin(model, prompt_ids: torch.Tensor, new_ids: list[int], position: i
     return margin, margin <= 4 * ulp
 
 
-def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], warmup: int = 1) -> dict:
-    """Run every method on every prompt (interleaved); the first method is the baseline."""
+def chain_acceptance(accepted: list[int], drafted: list[int]) -> dict:
+    """The per-token acceptance rate alpha of a chain drafter, and the seed paper's tokens per target pass.
+
+    Each step drafts gamma tokens; tokens are accepted up to the first rejection, so alpha is estimated
+    as accepted / tried, where a step tried its accepted tokens plus the rejected one (if any). The
+    prediction (1 - alpha^(gamma+1)) / (1 - alpha) is averaged over the steps' gamma (prompt lookup
+    drafts a varying number; a step with nothing drafted yields exactly one token).
+    """
+    tried = sum(a + (a < d) for a, d in zip(accepted, drafted))
+    alpha = sum(accepted) / tried if tried else 0.0
+    per_step = [(d + 1) if alpha == 1 else (1 - alpha ** (d + 1)) / (1 - alpha) for d in drafted]
+    return {"alpha": alpha, "predicted_tau": statistics.fmean(per_step) if per_step else 1.0}
+
+
+def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], warmup: int = 1,
+              chains: frozenset[str] = frozenset()) -> dict:
+    """Run every method on every prompt (interleaved); the first method is the baseline. Methods named
+    in `chains` draft chains and also get alpha and the seed paper's predicted tau."""
     encoded = [tokenizer(p, return_tensors="pt").input_ids.to(model.device) for p in prompts]
     for ids in encoded[:warmup]:
         for run in runners.values():
@@ -92,13 +118,19 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], 
     outs = {n: [] for n in names}
     secs = {n: [] for n in names}
     stats = {n: [] for n in names}
+    memory: dict[str, float] = {}
+    cuda = torch.device(model.device).type == "cuda"
     for ids in encoded:
         for name in names:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
             new, st = runners[name](ids)
             secs[name].append(time.perf_counter() - t)
             outs[name].append(new)
             stats[name].append(st)
+            if cuda:  # peak memory is only measured where torch tracks it (CUDA)
+                memory[name] = max(memory.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
     base = names[0]
     result = {"baseline": base, "num_prompts": len(prompts), "methods": {}}
     base_tps = sum(map(len, outs[base])) / sum(secs[base])
@@ -116,16 +148,17 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], 
             "identical_to_baseline": all(o == b for o, b in zip(outs[name], outs[base])),
         }
         st = [s for s in stats[name] if s]
-        if st:
-            steps = sum(s["decode_steps"] for s in st)
-            entry |= {
-                "tau": sum(s["decode_tokens"] for s in st) / max(1, steps),
-                "target_forwards": sum(s["target_forwards"] for s in st),
-                "ms_per_step": {k: 1e3 * sum(s[f"{k}_s"] for s in st) / max(1, steps)
-                                for k in ("draft", "verify", "bookkeeping")},
-            }
-        else:
-            entry |= {"tau": 1.0, "target_forwards": tokens}
+        steps = sum(s["decode_steps"] for s in st)
+        entry |= {"tau": sum(s["decode_tokens"] for s in st) / max(1, steps),
+                  "target_forwards": sum(s["target_forwards"] for s in st)}
+        if st and "draft_s" in st[0]:
+            entry["ms_per_step"] = {k: 1e3 * sum(s[f"{k}_s"] for s in st) / max(1, steps)
+                                    for k in ("draft", "verify", "bookkeeping")}
+            entry["accept_lengths"] = [n for s in st for n in s["accept_lengths"]]
+        if name in chains and st:
+            entry |= chain_acceptance([a for s in st for a in s["accepted_drafts"]], [d for s in st for d in s["drafted"]])
+        if name in memory:
+            entry["peak_memory_mb"] = memory[name]
         mismatches = []
         for i, (o, b) in enumerate(zip(outs[name], outs[base])):
             if o != b:
@@ -151,11 +184,48 @@ def format_table(result: dict) -> str:
             f"{name:<14}{m['tokens_per_s']:>10.1f}{m['speedup']:>8.2f}x{m['median_speedup']:>7.2f}x"
             f"{m['tau']:>7.2f}{m['target_forwards']:>7d}  {same:<9}  {split_s}"
         )
+        if "alpha" in m:
+            notes.append(f"{name}: acceptance rate alpha {m['alpha']:.3f}; the seed paper's formula predicts tau "
+                         f"{m['predicted_tau']:.2f}, measured {m['tau']:.2f}")
+        if "peak_memory_mb" in m:
+            notes.append(f"{name}: peak memory {m['peak_memory_mb']:.0f} MiB")
         for mm in m.get("mismatches", []):
             kind = "a near-tie" if mm["near_tie"] else "NOT a near-tie: a bug"
             notes.append(f"{name}: prompt {mm['prompt']} differs from the baseline at new token {mm['position']}; "
                          f"top-2 logit margin there {mm['top2_logit_margin']}, {kind}")
     return "\n".join(rows + notes)
+
+
+def plot_bench(result: dict, path: str | Path) -> None:
+    """tokens/s and tau per method, and each speculative method's distribution of tokens per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = result["methods"]
+    names = list(methods)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    axes[0].bar(names, [methods[n]["tokens_per_s"] for n in names], color="tab:blue")
+    axes[0].set_ylabel("tokens / s")
+    axes[1].bar(names, [methods[n]["tau"] for n in names], color="tab:green")
+    axes[1].set_ylabel("tau (tokens per target forward)")
+    for ax in axes[:2]:
+        ax.tick_params(axis="x", rotation=45)
+    lengths = {n: methods[n]["accept_lengths"] for n in names if methods[n].get("accept_lengths")}
+    if lengths:
+        top = max(max(v) for v in lengths.values())
+        bins = [x - 0.5 for x in range(1, top + 2)]
+        for n, v in lengths.items():
+            axes[2].hist(v, bins=bins, histtype="step", density=True, linewidth=1.5, label=n)
+        axes[2].legend()
+    axes[2].set_xlabel("tokens produced per decode step")
+    axes[2].set_ylabel("fraction of steps")
+    title = f"{result.get('num_prompts', '?')} prompts x {result.get('max_new_tokens', '?')} new tokens, "
+    fig.suptitle(title + f"{result.get('dtype', '')}, {result.get('threads', '?')} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 @torch.no_grad()

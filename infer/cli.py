@@ -1,4 +1,8 @@
-"""`python -m infer generate | bench`: speculative decoding from the command line."""
+"""`python -m infer generate | bench`: speculative decoding from the command line.
+
+Drafters: trained heads directories (`--heads`, Medusa or EAGLE), a separate small draft model
+(`--draft-model`, the seed paper's algorithm) or prompt lookup (`--prompt-lookup`).
+"""
 
 from __future__ import annotations
 
@@ -50,7 +54,8 @@ def _eagle_options(args: argparse.Namespace, configs: list[HeadsConfig]) -> dict
 
 
 def _load(args: argparse.Namespace, heads_dirs: list[str]) -> tuple[Any, Any, list[SpeculativeModel]]:
-    """The target (loaded once), its tokenizer, and one SpeculativeModel per heads directory on it."""
+    """The target (loaded once), its tokenizer, and one SpeculativeModel per drafter on it: each heads
+    directory, then the draft model and prompt lookup when asked for."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from heads.demo import resolve_model
@@ -58,7 +63,7 @@ def _load(args: argparse.Namespace, heads_dirs: list[str]) -> tuple[Any, Any, li
 
     configs = _configs(heads_dirs)
     options = _eagle_options(args, configs)
-    name = args.model or configs[0].base_model
+    name = args.model or (configs[0].base_model if configs else "demo")
     if not name:
         raise SystemExit("error: the heads name no base model; pass --model")
     if not args.model:
@@ -67,8 +72,9 @@ def _load(args: argparse.Namespace, heads_dirs: list[str]) -> tuple[Any, Any, li
                 print(f"note: --heads {heads} was trained on {config.base_model or 'an unnamed model'}, "
                       f"benchmarked on {name}", file=sys.stderr)
     path = resolve_model(name)
-    args.dtype = args.dtype or configs[0].dtype
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).to(args.device).eval()
+    dtype = DTYPES[args.dtype] if args.dtype else DTYPES[configs[0].dtype] if configs else "auto"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    args.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     tokenizer = AutoTokenizer.from_pretrained(path)
     try:
         tree = json.loads(args.tree) if args.tree else None
@@ -81,7 +87,28 @@ def _load(args: argparse.Namespace, heads_dirs: list[str]) -> tuple[Any, Any, li
             specs.append(SpeculativeModel.from_pretrained(heads, model=model, device=args.device, tree=tree, **kwargs))
         except ValueError as e:
             raise SystemExit(f"error: --heads {heads}: {e}") from None
+    if args.draft_model:
+        specs.append(SpeculativeModel(model, _draft_proposer(args, model)))
+    if args.prompt_lookup:
+        from infer.prompt_lookup import PromptLookupProposer
+
+        specs.append(SpeculativeModel(model, PromptLookupProposer(args.prompt_lookup_tokens, device=args.device)))
     return model, tokenizer, specs
+
+
+def _draft_proposer(args: argparse.Namespace, model: Any):
+    """The draft-model drafter: `--draft-model` loaded in the target's dtype on its device."""
+    from transformers import AutoModelForCausalLM
+
+    from heads.demo import resolve_model
+    from infer.draft_model import DraftModelProposer
+
+    try:
+        path = resolve_model(args.draft_model)
+        draft = AutoModelForCausalLM.from_pretrained(path, dtype=next(model.parameters()).dtype).to(args.device).eval()
+        return DraftModelProposer(draft, args.num_draft_tokens, model.get_output_embeddings().weight.shape[0])
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --draft-model {args.draft_model}: {e}") from None
 
 
 def method_names(specs: list[SpeculativeModel]) -> list[str]:
@@ -95,7 +122,10 @@ def method_names(specs: list[SpeculativeModel]) -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    model, tokenizer, (spec,) = _load(args, [args.heads])
+    given = sum(map(bool, (args.heads, args.draft_model, args.prompt_lookup)))
+    if given != 1:
+        raise SystemExit("error: generate takes exactly one drafter: --heads DIR, --draft-model PATH or --prompt-lookup")
+    model, tokenizer, (spec,) = _load(args, [args.heads] if args.heads else [])
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -119,8 +149,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from infer.bench import (
         default_prompts,
         format_table,
-        hf_generate_runner,
+        hf_runner,
         load_prompts,
+        plot_bench,
         run_bench,
         speculative_runner,
     )
@@ -129,27 +160,84 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer, specs = _load(args, args.heads)
+    model, tokenizer, specs = _load(args, args.heads or [])
     prompts = load_prompts(args.prompts) if args.prompts else default_prompts(args.num_prompts)
     eos = model.generation_config.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     n = args.max_new_tokens
     runners = {
-        "hf_generate": hf_generate_runner(model, n, eos, pad),
+        "hf_generate": hf_runner(model, n, eos, pad),
         "plain": speculative_runner(SpeculativeModel(model, NoDraft(args.device)), n, eos),
     }
+    # transformers' own speculative decoding next to ours, with the same draft model / lookup length
+    draft = next((s.proposer.draft.model for s in specs if s.proposer.name == "draft_model"), None)
+    if draft is not None:
+        runners["hf_assisted"] = hf_runner(model, n, eos, pad, assistant_model=draft)
+    if args.prompt_lookup:
+        runners["hf_prompt_lookup"] = hf_runner(model, n, eos, pad, prompt_lookup_num_tokens=args.prompt_lookup_tokens)
     tree_nodes = {}
     for name, spec in zip(method_names(specs), specs):
         runners[name] = speculative_runner(spec, n, eos)
         tree_nodes[name] = spec.proposer.max_nodes
     trees = ", ".join(f"{name} {size}" for name, size in tree_nodes.items())
     print(f"benchmarking {len(prompts)} prompts x {n} new tokens, {args.dtype}, {torch.get_num_threads()} threads, "
-          f"trees of at most {trees} nodes", file=sys.stderr)
-    result = run_bench(model, tokenizer, runners, prompts)
+          f"trees of at most {trees or 'no'} nodes", file=sys.stderr)
+    chains = frozenset(name for name in tree_nodes if name.split("-")[0] in ("draft_model", "prompt_lookup"))
+    result = run_bench(model, tokenizer, runners, prompts, chains=chains)
     result |= {"dtype": args.dtype, "max_new_tokens": n, "threads": torch.get_num_threads(), "tree_nodes": tree_nodes}
     print(format_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        plot_bench(result, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+
+
+def calibration_prompts(tokenizer, path: str | None, count: int, length: int = 32) -> list[torch.Tensor]:
+    """Prompts to measure acceptance on: a .jsonl of {"prompt": ...}, else openings of files from the
+    demo corpus's validation split (never trained on)."""
+    from heads.demo import stdlib_texts
+    from infer.bench import load_prompts
+
+    if path:
+        texts = load_prompts(path)[:count]
+    else:
+        texts = [t for t in stdlib_texts("validation") if len(t) > 400]
+        texts = texts[:: max(1, len(texts) // count)][:count]
+    return [tokenizer(t, return_tensors="pt").input_ids[0, :length] for t in texts]
+
+
+def cmd_tune(args: argparse.Namespace) -> None:
+    from heads.io import atomic_write
+    from infer.eagle import EagleProposer
+    from infer.tune import eagle_grid, format_rows, tune_eagle, tune_medusa
+
+    model, tokenizer, (spec,) = _load(args, [args.heads])
+    prompts = [p.to(args.device) for p in calibration_prompts(tokenizer, args.prompts, args.num_prompts)]
+    proposer = spec.proposer
+    config = proposer.draft.config if isinstance(proposer, EagleProposer) else proposer.heads.config
+    print(f"measuring on {len(prompts)} calibration prompts, {args.dtype}, {torch.get_num_threads()} threads",
+          file=sys.stderr)
+    if isinstance(proposer, EagleProposer):
+        best, rows = tune_eagle(model, proposer.draft, prompts, eagle_grid(), args.max_new_tokens)
+        print("EAGLE dynamic tree, measured by greedy decoding (tau, median step time):")
+        print(format_rows(rows, best))
+        config.depth, config.top_k, config.total_tokens = best["depth"], best["top_k"], best["total_tokens"]
+        chosen = f"depth {config.depth}, top_k {config.top_k}, total_tokens {config.total_tokens}"
+    else:
+        choices, rows, accuracy = tune_medusa(model, proposer.heads, prompts)
+        print("Medusa heads' top-1..3 accuracy on the target's own continuations:")
+        for k, row in enumerate(accuracy.tolist()):
+            print(f"  head {k}: " + " ".join(f"{a:.3f}" for a in row[:3]))
+        print("static tree by size (target forward time here x expected accepted tokens):")
+        for r in rows:
+            mark = " <- chosen" if r["choices"] == choices else ""
+            print(f"  {r['nodes']:3d} nodes: {r['ms']:6.2f} ms/forward, {r['tokens_per_step']:.2f} tokens/step, "
+                  f"{r['tokens_per_s']:7.1f} tokens/s{mark}")
+        config.tree = choices
+        chosen = f"a {len(choices) + 1}-node tree"
+    atomic_write(Path(args.heads, "config.json"), lambda tmp: Path(tmp).write_text(config.to_json()))
+    print(f"stored {chosen} as the default in {args.heads}/config.json (the most tokens per second measured here)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,14 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p: argparse.ArgumentParser, several: bool) -> None:
         if several:
-            p.add_argument("--heads", required=True, action="append",
+            p.add_argument("--heads", action="append",
                            help="a trained heads directory (Medusa or EAGLE); repeat it to compare several drafters "
                                 "of one target in the same run")
         else:
-            p.add_argument("--heads", required=True, help="a trained heads directory (Medusa or EAGLE)")
-        p.add_argument("--model", help="target model name or path (default: the (first) heads' base_model; "
-                                       "`demo` works)")
-        p.add_argument("--dtype", choices=list(DTYPES), help="default: the dtype the (first) heads were trained with")
+            p.add_argument("--heads", help="a trained heads directory (Medusa or EAGLE)")
+        p.add_argument("--draft-model", help="a small causal LM with the target's tokenizer drafts chains (the seed "
+                                             "paper's algorithm); `demo-draft` is the shipped one")
+        p.add_argument("--num-draft-tokens", type=int, default=4, help="gamma: tokens the draft model proposes per step")
+        p.add_argument("--prompt-lookup", action="store_true",
+                       help="draft the continuation of the latest earlier match of the context's last n-gram")
+        p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="longest prompt-lookup proposal")
+        p.add_argument("--model", help="target model name or path (default: the (first) heads' base_model, or `demo`)")
+        p.add_argument("--dtype", choices=list(DTYPES),
+                       help="default: the dtype the (first) heads were trained with, else the model's own")
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         p.add_argument("--tree", help='static tree as JSON choices, e.g. "[[0], [1], [0, 0]]" (for EAGLE heads: '
                                       "EAGLE-1 style instead of the dynamic tree)")
@@ -198,7 +292,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", help='a .jsonl file of {"prompt": ...} (default: demo test-split functions)')
     bench.add_argument("--num-prompts", type=int, default=16)
     bench.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    bench.add_argument("--plot", help="draw tokens/s, tau and tokens per step per method into this PNG")
     bench.set_defaults(func=cmd_bench)
+
+    tune = sub.add_parser("tune", help="fit the heads' default tree to this machine and store it in their config.json")
+    tune.add_argument("--heads", required=True, help="a trained heads directory (Medusa or EAGLE)")
+    tune.add_argument("--model", help="target model name or path (default: the heads' base_model)")
+    tune.add_argument("--dtype", choices=list(DTYPES), help="default: the dtype the heads were trained with")
+    tune.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    tune.add_argument("--prompts", help='calibration .jsonl of {"prompt": ...} (default: the demo validation split)')
+    tune.add_argument("--num-prompts", type=int, default=6)
+    tune.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt and EAGLE setting")
+    tune.set_defaults(func=cmd_tune, tree=None, draft_model=None, prompt_lookup=False, depth=None, draft_top_k=None,
+                      total_tokens=None)
     return parser
 
 

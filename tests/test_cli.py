@@ -132,3 +132,80 @@ def test_generate_with_eagle_heads_and_tree_options(eagle_dir, tiny_model_dir, t
     proposer = loaded[0].proposer
     assert (proposer.name, proposer.depth, proposer.top_k, proposer.max_nodes) == ("eagle", 2, 2, 5)  # 4 + root
     assert max(record["stats"]["accept_lengths"]) <= 3  # depth 2: two drafted tokens and the bonus at most
+
+
+@pytest.fixture
+def draft_model_dir(tmp_path):
+    """A different tiny model with the target's vocabulary, saved like a hub draft model."""
+    from conftest import tiny_model
+
+    path = tmp_path / "tiny-draft"
+    tiny_model("gpt2", seed=1).save_pretrained(path)
+    return path
+
+
+def test_bench_races_transformers_speculative_decoding(tiny_model_dir, draft_model_dir, eagle_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):\\n    return a + b\\n\\ndef add(a, b):"}\n{"prompt": "class Point:"}\n')
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    cli(["bench", "--model", str(tiny_model_dir), "--heads", str(eagle_dir), "--draft-model", str(draft_model_dir),
+         "--num-draft-tokens", "3", "--prompt-lookup", "--prompts", str(prompts), "--max-new-tokens", "16",
+         "--json", str(out), "--plot", str(plot)])
+    result = json.loads(out.read_text())
+    assert list(result["methods"]) == ["hf_generate", "plain", "hf_assisted", "hf_prompt_lookup", "eagle",
+                                       "draft_model", "prompt_lookup"]
+    for name, m in result["methods"].items():
+        assert m["identical_to_baseline"] is True, name
+        assert m["tau"] >= 1 and m["target_forwards"] >= 2
+    assert result["methods"]["hf_generate"]["tau"] == 1.0  # one forward per token, counted by the hook
+    for name in ("draft_model", "prompt_lookup"):
+        m = result["methods"][name]
+        assert 0 <= m["alpha"] <= 1 and m["predicted_tau"] >= 1
+    assert "alpha" not in result["methods"]["eagle"]
+    assert plot.stat().st_size > 10_000
+
+
+def test_generate_takes_exactly_one_drafter(tiny_model_dir, draft_model_dir, medusa_dir):
+    with pytest.raises(SystemExit, match="exactly one drafter"):
+        cli(["generate", "--model", str(tiny_model_dir), "--prompt", "x"])
+    with pytest.raises(SystemExit, match="exactly one drafter"):
+        cli(["generate", "--heads", str(medusa_dir), "--prompt-lookup", "--prompt", "x"])
+
+
+@pytest.mark.parametrize("flag", ["--draft-model", "--prompt-lookup"])
+def test_generate_with_a_draft_model_or_prompt_lookup(flag, tiny_model_dir, draft_model_dir, tmp_path):
+    out = tmp_path / "gen.json"
+    drafter = [flag, str(draft_model_dir)] if flag == "--draft-model" else [flag]
+    cli(["generate", "--model", str(tiny_model_dir), *drafter, "--prompt", "def add(a, b):", "--max-new-tokens", "20",
+         "--quiet", "--json", str(out)])
+    assert json.loads(out.read_text())["token_ids"] == greedy_reference(tiny_model_dir, "def add(a, b):", 20)
+
+
+def test_tune_stores_a_medusa_tree_and_an_eagle_setting(medusa_dir, eagle_dir, capsys):
+    before = json.loads((medusa_dir / "config.json").read_text())
+    cli(["tune", "--heads", str(medusa_dir), "--num-prompts", "2"])
+    after = json.loads((medusa_dir / "config.json").read_text())
+    assert after["tree"] and after["tree"] != before["tree"] and "<- chosen" in capsys.readouterr().out
+    cli(["tune", "--heads", str(eagle_dir), "--num-prompts", "2", "--max-new-tokens", "6"])
+    printed = capsys.readouterr().out
+    config = json.loads((eagle_dir / "config.json").read_text())
+    chosen = next(line for line in printed.splitlines() if "<- chosen" in line)
+    assert f"depth {config['depth']:2d}  top_k {config['top_k']:2d}  total_tokens {config['total_tokens']:3d}" in chosen
+    assert "stored depth" in printed
+
+
+def test_tune_prefers_a_smaller_medusa_tree_when_latency_grows_faster():
+    from conftest import tiny_model
+    from infer.tune import tune_medusa
+
+    model = tiny_model("llama")
+    heads = MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=3))
+    heads.init_from_lm_head(model.get_output_embeddings())
+    prompts = [torch.randint(3, 90, (6,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    sizes = [1, 4, 8, 16, 32, 64]
+    flat = {n: 0.010 * (1 + 0.005 * n) for n in sizes}  # a GPU-like curve: nodes are nearly free
+    steep = {n: 0.010 * (1 + 0.1 * n) for n in sizes}  # every node costs a tenth of a forward
+    flat_tree, _, accuracy = tune_medusa(model, heads, prompts, latency=flat)
+    steep_tree, rows, _ = tune_medusa(model, heads, prompts, latency=steep)
+    assert accuracy.shape == (3, 10) and accuracy[0, 0] > 0
+    assert len(steep_tree) < len(flat_tree)
