@@ -20,11 +20,12 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu.yaml train/medusa.py
 	$(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu.yaml train/eagle.py
-	$(PY) -m infer bench --heads outputs/medusa-demo --heads outputs/eagle-demo --json outputs/bench-demo.json
+	$(PY) -m infer bench --heads outputs/medusa-demo --heads outputs/eagle-demo --draft-model demo-draft \
+		--prompt-lookup --lookup-first --json outputs/bench-demo.json --plot outputs/bench-demo.png
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
 clean-demo:
-	rm -rf outputs/medusa-demo outputs/eagle-demo outputs/bench-demo.json
+	rm -rf outputs/medusa-demo outputs/eagle-demo outputs/bench-demo.json outputs/bench-demo.png

@@ -87,6 +87,15 @@ def _load(args: argparse.Namespace, heads_dirs: list[str]) -> tuple[Any, Any, li
             specs.append(SpeculativeModel.from_pretrained(heads, model=model, device=args.device, tree=tree, **kwargs))
         except ValueError as e:
             raise SystemExit(f"error: --heads {heads}: {e}") from None
+        if getattr(args, "lookup_first", False):
+            from infer.prompt_lookup import LookupFirst, PromptLookupProposer
+
+            lookup = PromptLookupProposer(args.prompt_lookup_tokens, device=args.device)
+            if args.command == "generate":
+                specs[-1] = SpeculativeModel(model, LookupFirst(specs[-1].proposer, lookup))
+            else:  # bench both ways, each with its own proposer so they share no drafter state
+                again = SpeculativeModel.from_pretrained(heads, model=model, device=args.device, tree=tree, **kwargs)
+                specs.append(SpeculativeModel(model, LookupFirst(again.proposer, lookup)))
     if args.draft_model:
         specs.append(SpeculativeModel(model, _draft_proposer(args, model)))
     if args.prompt_lookup:
@@ -257,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--prompt-lookup", action="store_true",
                        help="draft the continuation of the latest earlier match of the context's last n-gram")
         p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="longest prompt-lookup proposal")
+        p.add_argument("--lookup-first", action="store_true",
+                       help="with --heads: use prompt lookup on steps where it finds 3 or more tokens, the heads "
+                            "elsewhere (bench runs each heads drafter both ways)")
         p.add_argument("--model", help="target model name or path (default: the (first) heads' base_model, or `demo`)")
         p.add_argument("--dtype", choices=list(DTYPES),
                        help="default: the dtype the (first) heads were trained with, else the model's own")

@@ -85,7 +85,9 @@ class EagleProposer:
         visible (q, n) bool over the newest n cache columns (the draft so far plus these q) -> the
         predicted features (q, H) and their log-probabilities over the vocabulary (q, V).
         """
-        mask = self.mask.at(self.length, visible) if self.length else None  # None: causal (the prompt, first)
+        # None: plain causal attention, right for confirmed pairs; used for more of them than the buffer has rows
+        fits = self.length and visible.shape[0] <= self.mask.buffer.shape[-2]
+        mask = self.mask.at(self.length, visible) if fits else None
         out = self.draft(features[None], tokens[None], self.embed, mask, position[None], self.cache)[0]
         logp = torch.log_softmax(self.lm_head(out.to(self.lm_dtype)).float(), dim=-1)
         # a finite floor keeps scores strictly falling along paths (NaN would break the tree selection)

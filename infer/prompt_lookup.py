@@ -58,3 +58,33 @@ class PromptLookupProposer:
         guess = self.lookup()
         tokens = torch.tensor([self.tokens[-1], *guess], dtype=torch.long, device=self.device)
         return Draft(tokens, self.chains[len(guess)])
+
+
+class LookupFirst:
+    """Prompt lookup where it finds at least `min_tokens` to propose, another drafter elsewhere.
+
+    Repetitive stretches (code, quoting, loops) then cost no draft work at all. The other drafter
+    gets the hidden states of every token confirmed since it last ran, so EAGLE's cache stays in
+    step; drafters that assume they drafted the previous step themselves (a draft model) are refused.
+    """
+
+    def __init__(self, primary, lookup: PromptLookupProposer, min_tokens: int = 3) -> None:
+        if primary.name.startswith("draft_model"):
+            raise ValueError("lookup-first needs a drafter that reads the target's hidden states (Medusa, EAGLE)")
+        self.primary, self.lookup, self.min_tokens = primary, lookup, min_tokens
+        self.name = f"{primary.name}+lookup"
+        self.max_nodes = max(primary.max_nodes, lookup.max_nodes)
+        self.pending: list[torch.Tensor] = []
+
+    def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.primary.reset(max_length, params, generator)
+        self.lookup.reset(max_length, params, generator)
+        self.pending = []
+
+    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
+        self.pending.append(hiddens)
+        draft = self.lookup.propose(context, hiddens)
+        if draft.tokens.numel() - 1 >= self.min_tokens:
+            return draft
+        hiddens, self.pending = torch.cat(self.pending), []
+        return self.primary.propose(context, hiddens)

@@ -149,11 +149,11 @@ def test_bench_races_transformers_speculative_decoding(tiny_model_dir, draft_mod
     prompts.write_text('{"prompt": "def add(a, b):\\n    return a + b\\n\\ndef add(a, b):"}\n{"prompt": "class Point:"}\n')
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     cli(["bench", "--model", str(tiny_model_dir), "--heads", str(eagle_dir), "--draft-model", str(draft_model_dir),
-         "--num-draft-tokens", "3", "--prompt-lookup", "--prompts", str(prompts), "--max-new-tokens", "16",
+         "--num-draft-tokens", "3", "--prompt-lookup", "--lookup-first", "--prompts", str(prompts), "--max-new-tokens", "16",
          "--json", str(out), "--plot", str(plot)])
     result = json.loads(out.read_text())
     assert list(result["methods"]) == ["hf_generate", "plain", "hf_assisted", "hf_prompt_lookup", "eagle",
-                                       "draft_model", "prompt_lookup"]
+                                       "eagle+lookup", "draft_model", "prompt_lookup"]
     for name, m in result["methods"].items():
         assert m["identical_to_baseline"] is True, name
         assert m["tau"] >= 1 and m["target_forwards"] >= 2

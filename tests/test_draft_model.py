@@ -85,3 +85,37 @@ def test_prompt_lookup_greedy_identical_and_accepts_repeats(model):
     spec.generate(prompt, max_new_tokens=20, eos_token_id=[])
     if len(set(loop[20:40])) < 10:  # the random model settled into a loop, as tiny random models do
         assert max(spec.last_stats.accepted_drafts) > 0
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_lookup_first_is_lossless_and_uses_both_drafters(model, kind):
+    from test_eagle import proposer as eagle_proposer
+    from test_eagle import random_draft
+    from test_generate import CHOICES, random_heads
+
+    from infer.prompt_lookup import LookupFirst
+    from infer.proposers import MedusaProposer
+
+    if kind == "eagle":
+        primary = eagle_proposer(model, random_draft(model))
+    else:
+        primary = MedusaProposer(random_heads(model), model.get_output_embeddings(), CHOICES)
+    calls = {"primary": 0}
+    propose = primary.propose
+
+    def counting(*args):
+        calls["primary"] += 1
+        return propose(*args)
+
+    primary.propose = counting
+    spec = SpeculativeModel(model, LookupFirst(primary, PromptLookupProposer(num_tokens=6), min_tokens=2))
+    prompt = torch.tensor([[7, 8, 9, 10]])
+    assert spec.generate(prompt, max_new_tokens=40)[0, 4:].tolist() == plain_greedy(model, prompt, 40)
+    # a prompt that already holds the loop the model is in: lookup drafts, the primary is skipped
+    loop = plain_greedy(model, torch.tensor([[3, 4, 5]]), 40)
+    prompt = torch.tensor([[3, 4, 5, *loop[:30]]])
+    calls["primary"] = 0
+    assert spec.generate(prompt, max_new_tokens=40)[0, 33:].tolist() == plain_greedy(model, prompt, 40)
+    steps = len(spec.last_stats.accept_lengths)
+    if len(set(loop[10:30])) <= 10:  # the random model settled into a loop, as tiny random models do
+        assert calls["primary"] < steps
