@@ -67,9 +67,20 @@ class PretrainedHeads(nn.Module):
         atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(self.config.to_json()))
         atomic_write(out / "README.md", lambda tmp: Path(tmp).write_text(model_card(self.config, card_extra)))
 
+    def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None) -> str:
+        """Save to a temporary folder and upload it with a model card; returns the repo URL."""
+        from heads.hub import push_to_hub
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            return push_to_hub(tmp, repo_id, private=private, token=token)
+
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> PretrainedHeads:
-        directory = Path(directory)
+        """Load from a heads directory or a Hub repo id (downloaded, or read from the HF cache offline)."""
+        from heads.hub import resolve_heads
+
+        directory = resolve_heads(directory)
         config = HeadsConfig.load(directory)
         weights = directory / WEIGHTS_NAME
         if not weights.is_file():
@@ -105,7 +116,9 @@ def check_compatible(config: HeadsConfig, target: nn.Module) -> None:
 def load_heads(directory: str | Path, device: str | torch.device = "cpu") -> PretrainedHeads:
     """Load any selfspec drafter directory, dispatching on `kind` in its config.json."""
     from heads.eagle import EagleDraft  # imported here: the drafters build on this module
+    from heads.hub import resolve_heads
     from heads.medusa import MedusaHeads
 
+    directory = resolve_heads(directory)
     classes = {"medusa": MedusaHeads, "eagle": EagleDraft}
     return classes[HeadsConfig.load(directory).kind].from_pretrained(directory, device)

@@ -25,9 +25,14 @@ EAGLE_OPTIONS = {"depth": "depth", "top_k": "draft_top_k", "total_tokens": "tota
 def _configs(heads_dirs: list[str]) -> list[HeadsConfig]:
     """Each heads directory's HeadsConfig, or a clear error."""
     from heads.config import HeadsConfig
+    from heads.hub import resolve_heads
 
     configs = []
     for heads in heads_dirs:
+        try:
+            heads = resolve_heads(heads)
+        except FileNotFoundError as e:
+            raise SystemExit(f"error: --heads {e}") from None
         if not Path(heads, "config.json").is_file():
             raise SystemExit(
                 f"error: --heads {heads}: no config.json there (train heads with train/medusa.py or train/eagle.py)"
@@ -221,6 +226,9 @@ def cmd_tune(args: argparse.Namespace) -> None:
     from infer.eagle import EagleProposer
     from infer.tune import eagle_grid, format_rows, tune_eagle, tune_medusa
 
+    if not Path(args.heads, "config.json").is_file():
+        raise SystemExit(f"error: --heads {args.heads}: tune stores its result in a local heads directory; "
+                         "download Hub heads first (huggingface-cli download ID --local-dir DIR)")
     model, tokenizer, (spec,) = _load(args, [args.heads])
     prompts = [p.to(args.device) for p in calibration_prompts(tokenizer, args.prompts, args.num_prompts)]
     proposer = spec.proposer
@@ -247,6 +255,16 @@ def cmd_tune(args: argparse.Namespace) -> None:
         chosen = f"a {len(choices) + 1}-node tree"
     atomic_write(Path(args.heads, "config.json"), lambda tmp: Path(tmp).write_text(config.to_json()))
     print(f"stored {chosen} as the default in {args.heads}/config.json (the most tokens per second measured here)")
+
+
+def cmd_push(args: argparse.Namespace) -> None:
+    from heads.hub import push_to_hub
+
+    try:
+        url = push_to_hub(args.heads, args.repo_id, private=args.private or None, token=args.token)
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"pushed {args.heads} to {url}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,6 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--prompts", help='calibration .jsonl of {"prompt": ...} (default: the demo validation split)')
     tune.add_argument("--num-prompts", type=int, default=6)
     tune.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt and EAGLE setting")
+    push = sub.add_parser("push", help="upload a heads directory to the Hugging Face Hub with a model card")
+    push.add_argument("--heads", required=True, help="a heads directory (config.json + model.safetensors)")
+    push.add_argument("--repo-id", required=True, help="e.g. your-name/llama3-8b-medusa")
+    push.add_argument("--private", action="store_true")
+    push.add_argument("--token", help="a Hub token (default: HF_TOKEN or the saved login); never printed")
+    push.set_defaults(func=cmd_push)
+
     tune.set_defaults(func=cmd_tune, tree=None, draft_model=None, prompt_lookup=False, depth=None, draft_top_k=None,
                       total_tokens=None)
     return parser

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -324,6 +325,7 @@ def train(
     accelerator.wait_for_everyone()
     if main:
         method.save(accelerator.unwrap_model(trainable, keep_fp32_wrapper=False), output_dir, metrics)
+        save_recipe(cfg, output_dir)
     accelerator.end_training()
     return history
 
@@ -342,6 +344,15 @@ def batches_keeping_rng(loader: DataLoader):
         finally:
             torch.set_rng_state(state)
         yield batch
+
+
+def save_recipe(cfg: TrainConfig, output_dir: Path) -> None:
+    """The run's options (and its command, when launched as a script) next to the heads, for their model card."""
+    recipe = dataclasses.asdict(cfg)
+    script = Path(sys.argv[0])
+    if script.parent.name == "train" and script.suffix == ".py":
+        recipe["command"] = "accelerate launch " + " ".join([f"train/{script.name}", *sys.argv[1:]])
+    atomic_write(output_dir / "training_args.json", lambda tmp: Path(tmp).write_text(json.dumps(recipe, indent=2)))
 
 
 def ranks_agree(accelerator: Accelerator, flag: bool) -> bool:

@@ -1,0 +1,91 @@
+"""The Hugging Face Hub: heads directories by repo id, and pushing them with a model card.
+
+A token is handed to `huggingface_hub` and nowhere else: never printed, logged or written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from heads.config import HeadsConfig
+from heads.io import WEIGHTS_NAME, atomic_write, model_card
+
+HEAD_FILES = ["config.json", WEIGHTS_NAME, "README.md"]
+RECIPE_NAME = "training_args.json"  # written next to the heads by the training loop
+BENCH_NAME = "bench.json"  # `python -m infer bench --json DIR/bench.json`
+
+
+def resolve_heads(name_or_path: str | Path) -> Path:
+    """A local heads directory as is; otherwise a Hub repo id, downloaded (or found in the HF cache)."""
+    path = Path(name_or_path)
+    if path.is_dir() or path.exists() or str(name_or_path).startswith((".", "/")) or str(name_or_path).count("/") != 1:
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(name_or_path), allow_patterns=HEAD_FILES))
+    except LocalEntryNotFoundError:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        why = "HF_HUB_OFFLINE=1 forbids downloading" if offline else "the Hub could not be reached"
+        raise FileNotFoundError(
+            f"{name_or_path} is not a local directory and not in the Hugging Face cache, and {why}: download it "
+            f"where the Hub is reachable (huggingface-cli download {name_or_path}) or pass a local directory"
+        ) from None
+    except (RepositoryNotFoundError, HfHubHTTPError) as e:
+        raise FileNotFoundError(f"{name_or_path}: no such local directory, and the Hub says: {e}") from None
+
+
+def _bench_table(bench: dict) -> str:
+    rows = ["| method | tokens/s | speedup | tau | identical |", "|---|---|---|---|---|"]
+    for name, m in bench.get("methods", {}).items():
+        rows.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['tau']:.2f} | "
+                    f"{'yes' if m['identical_to_baseline'] else 'no'} |")
+    setup = (f"{bench.get('num_prompts', '?')} prompts x {bench.get('max_new_tokens', '?')} new tokens, greedy, "
+             f"{bench.get('dtype', '?')}, {bench.get('threads', '?')} threads, baseline `model.generate`")
+    return f"\n## Measured (python -m infer bench)\n\n{setup}.\n\n" + "\n".join(rows) + "\n"
+
+
+def card_for(directory: str | Path) -> str:
+    """The model card for a heads directory: metadata linking the base model, the training recipe
+    (from training_args.json) and the bench table (from bench.json) when they are there."""
+    directory = Path(directory)
+    config = HeadsConfig.load(directory)
+    extra = ""
+    recipe = directory / RECIPE_NAME
+    if recipe.is_file():
+        args = json.loads(recipe.read_text())
+        command = args.pop("command", None)
+        lines = "\n".join(f"{k}: {json.dumps(v)}" for k, v in args.items())
+        extra += "\n## Training recipe\n\n" + (f"`{command}`\n\n" if command else "") + f"```yaml\n{lines}\n```\n"
+    bench = directory / BENCH_NAME
+    if bench.is_file():
+        extra += _bench_table(json.loads(bench.read_text()))
+    return model_card(config, extra)
+
+
+def push_to_hub(directory: str | Path, repo_id: str, private: bool | None = None, token: str | None = None,
+                commit_message: str = "Upload speculative-decoding heads with selfspec") -> str:
+    """Upload config.json, model.safetensors and a fresh model card from `directory`; returns the repo URL."""
+    from huggingface_hub import HfApi
+
+    directory = Path(directory)
+    for name in ("config.json", WEIGHTS_NAME):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{directory} has no {name}: push a directory written by save_pretrained")
+    api = HfApi(token=token)
+    url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    with tempfile.TemporaryDirectory() as staging:
+        stage = Path(staging)
+        for name in ("config.json", WEIGHTS_NAME):
+            try:  # heads of a large-vocabulary model are gigabytes: link rather than copy where possible
+                os.link(directory / name, stage / name)
+            except OSError:
+                shutil.copyfile(directory / name, stage / name)
+        atomic_write(stage / "README.md", lambda tmp: Path(tmp).write_text(card_for(directory)))
+        api.upload_folder(repo_id=repo_id, folder_path=stage, commit_message=commit_message, repo_type="model")
+    return str(url)
