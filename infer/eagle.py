@@ -79,16 +79,20 @@ class EagleProposer:
         draft_columns = max(self.max_nodes, self.depth * self.top_k)
         self.mask = PrefixMask(max(self.top_k, self.max_nodes), max_length + draft_columns, self.dtype, self.device)
 
-    def _run(self, features: torch.Tensor, tokens: torch.Tensor, visible: torch.Tensor, position: torch.Tensor):
+    def _run(self, features: torch.Tensor, tokens: torch.Tensor, visible: torch.Tensor, position: torch.Tensor,
+             last_only: bool = False):
         """One drafter call on q new positions after the confirmed ones and the draft so far.
 
         visible (q, n) bool over the newest n cache columns (the draft so far plus these q) -> the
-        predicted features (q, H) and their log-probabilities over the vocabulary (q, V).
+        predicted features (q, H) and their log-probabilities over the vocabulary (q, V), or only the
+        last position's with `last_only` (confirmed pairs: only the newest drafts anything).
         """
         # None: plain causal attention, right for confirmed pairs; used for more of them than the buffer has rows
         fits = self.length and visible.shape[0] <= self.mask.buffer.shape[-2]
         mask = self.mask.at(self.length, visible) if fits else None
         out = self.draft(features[None], tokens[None], self.embed, mask, position[None], self.cache)[0]
+        if last_only:
+            out = out[-1:]
         logp = torch.log_softmax(self.lm_head(out.to(self.lm_dtype)).float(), dim=-1)
         # a finite floor keeps scores strictly falling along paths (NaN would break the tree selection)
         return out, logp.nan_to_num(nan=-1e4, neginf=-1e4)
@@ -100,7 +104,7 @@ class EagleProposer:
         # the confirmed pairs (f_t, x_{t+1}); the last one holds the root, so its output drafts depth 1
         positions = torch.arange(self.length, self.length + m, device=self.device)
         causal = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()
-        feats, logp = self._run(hiddens.to(self.dtype), context[-m:], causal, positions)
+        feats, logp = self._run(hiddens.to(self.dtype), context[-m:], causal, positions, last_only=True)
         self.length += m
         root_feature, root_logp = feats[-1], logp[-1]
         if self.static is not None:
