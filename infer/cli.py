@@ -257,6 +257,37 @@ def cmd_tune(args: argparse.Namespace) -> None:
     print(f"stored {chosen} as the default in {args.heads}/config.json (the most tokens per second measured here)")
 
 
+def cmd_import(args: argparse.Namespace) -> None:
+    from heads.convert import import_heads
+
+    try:
+        heads = import_heads(args.src, args.format, base_model=args.base_model)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    heads.save_pretrained(args.out)
+    print(f"imported {heads.config.kind} heads from {args.src} into {args.out}")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from heads.convert import export_heads
+    from heads.demo import resolve_model
+    from heads.io import check_compatible, load_heads
+
+    heads = load_heads(args.heads)
+    target = None
+    name = args.model or heads.config.base_model
+    if name:  # the target supplies weights some layouts carry (a shared lm_head, EAGLE-1's embedding)
+        target = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=getattr(torch, heads.config.dtype))
+        check_compatible(heads.config, target)
+    try:
+        export_heads(heads, args.format, args.out, target)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"exported {args.heads} as {args.format} into {args.out}")
+
+
 def cmd_push(args: argparse.Namespace) -> None:
     from heads.hub import push_to_hub
 
@@ -333,6 +364,22 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--prompts", help='calibration .jsonl of {"prompt": ...} (default: the demo validation split)')
     tune.add_argument("--num-prompts", type=int, default=6)
     tune.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt and EAGLE setting")
+    from heads.convert import EXPORT_FORMATS
+
+    imp = sub.add_parser("import", help="convert a published Medusa/EAGLE checkpoint into a selfspec heads directory")
+    imp.add_argument("--src", required=True, help="the checkpoint's directory (layout detected from its files)")
+    imp.add_argument("--format", choices=EXPORT_FORMATS, help="the layout, when detection should be overridden")
+    imp.add_argument("--base-model", help="the target it was trained for (default: what its config names)")
+    imp.add_argument("--out", required=True)
+    imp.set_defaults(func=cmd_import)
+
+    exp = sub.add_parser("export", help="write heads in the layout a serving engine loads")
+    exp.add_argument("--heads", required=True, help="a selfspec heads directory or Hub id")
+    exp.add_argument("--format", required=True, choices=EXPORT_FORMATS)
+    exp.add_argument("--model", help="the target, when a layout needs its weights (default: the heads' base_model)")
+    exp.add_argument("--out", required=True)
+    exp.set_defaults(func=cmd_export)
+
     push = sub.add_parser("push", help="upload a heads directory to the Hugging Face Hub with a model card")
     push.add_argument("--heads", required=True, help="a heads directory (config.json + model.safetensors)")
     push.add_argument("--repo-id", required=True, help="e.g. your-name/llama3-8b-medusa")

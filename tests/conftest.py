@@ -124,3 +124,36 @@ def fresh_accelerate_state():
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture
+def medusa_dir(tiny_model_dir, tmp_path):
+    """Untrained Medusa heads for the tiny target, saved (no training: decoding stays exact anyway)."""
+    from transformers import AutoConfig
+
+    from heads.config import HeadsConfig
+    from heads.medusa import MedusaHeads
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    heads = MedusaHeads(HeadsConfig(kind="medusa", base_model=str(tiny_model_dir), hidden_size=config.hidden_size,
+                                    vocab_size=config.vocab_size, num_heads=3))
+    heads.save_pretrained(tmp_path / "medusa-heads")
+    return tmp_path / "medusa-heads"
+
+
+@pytest.fixture
+def eagle_dir(tiny_model_dir, tmp_path):
+    """An untrained EAGLE drafter for the tiny target with a small dynamic tree (at most 8 drafted nodes)."""
+    from transformers import AutoConfig
+
+    from heads.config import HeadsConfig
+    from heads.eagle import EagleDraft, layer_fields
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    draft = EagleDraft(HeadsConfig(kind="eagle", base_model=str(tiny_model_dir), hidden_size=config.hidden_size,
+                                   vocab_size=config.vocab_size, layer=layer_fields(config), depth=3, top_k=3,
+                                   total_tokens=8))
+    draft.save_pretrained(tmp_path / "eagle-heads")
+    return tmp_path / "eagle-heads"

@@ -2,10 +2,9 @@ import json
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from heads.config import HeadsConfig
-from heads.eagle import EagleDraft, layer_fields
 from heads.medusa import MedusaHeads
 from infer.cli import main as cli
 from train.config import load_config
@@ -25,29 +24,6 @@ def trained_heads(tiny_model_dir, tmp_path, monkeypatch):
             "self_distill": False, "max_train_examples": 0, "mixed_precision": "no"}
     run(load_config(MedusaConfig, [x for k, v in args.items() for x in (f"--{k}", str(v))]))
     return out
-
-
-@pytest.fixture
-def medusa_dir(tiny_model_dir, tmp_path):
-    """Untrained Medusa heads for the tiny target, saved (no training: decoding stays exact anyway)."""
-    config = AutoConfig.from_pretrained(tiny_model_dir)
-    torch.manual_seed(0)
-    heads = MedusaHeads(HeadsConfig(kind="medusa", base_model=str(tiny_model_dir), hidden_size=config.hidden_size,
-                                    vocab_size=config.vocab_size, num_heads=3))
-    heads.save_pretrained(tmp_path / "medusa-heads")
-    return tmp_path / "medusa-heads"
-
-
-@pytest.fixture
-def eagle_dir(tiny_model_dir, tmp_path):
-    """An untrained EAGLE drafter for the tiny target with a small dynamic tree (at most 8 drafted nodes)."""
-    config = AutoConfig.from_pretrained(tiny_model_dir)
-    torch.manual_seed(0)
-    draft = EagleDraft(HeadsConfig(kind="eagle", base_model=str(tiny_model_dir), hidden_size=config.hidden_size,
-                                   vocab_size=config.vocab_size, layer=layer_fields(config), depth=3, top_k=3,
-                                   total_tokens=8))
-    draft.save_pretrained(tmp_path / "eagle-heads")
-    return tmp_path / "eagle-heads"
 
 
 def greedy_reference(model_dir, prompt: str, max_new_tokens: int) -> list[int]:

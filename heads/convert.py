@@ -1,0 +1,55 @@
+"""Published drafter checkpoints in, serving-engine layouts out: one entry point for every format.
+
+Import detects the layout from the files (FasterDecoding Medusa v1/v2, vLLM Medusa, SafeAILab
+EAGLE-1); export writes what each engine loads (fastdecoding-medusa, vllm-medusa, eagle1,
+sglang-eagle). The layouts and their sources are in heads/medusa_formats.py and heads/eagle_formats.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from heads.eagle import EagleDraft
+from heads.eagle_formats import EAGLE_FORMATS, detect_eagle_format, export_eagle, import_eagle
+from heads.io import PretrainedHeads
+from heads.medusa import MedusaHeads
+from heads.medusa_formats import MEDUSA_FORMATS, detect_medusa_format, export_medusa, import_medusa
+
+EXPORT_FORMATS = MEDUSA_FORMATS + EAGLE_FORMATS
+
+
+def import_heads(directory: str | Path, format: str | None = None, base_model: str | None = None) -> PretrainedHeads:
+    """Read a published checkpoint (layout detected from its files unless `format` is given)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a directory: download the checkpoint first")
+    medusa, eagle = detect_medusa_format(directory), detect_eagle_format(directory)
+    fmt = format or medusa or eagle
+    if fmt is None:
+        files = sorted(p.name for p in directory.iterdir())
+        raise ValueError(f"{directory} holds no Medusa or EAGLE checkpoint layout this project knows (files: "
+                         f"{files}); pass --format with one of {', '.join(EXPORT_FORMATS)}")
+    if fmt in MEDUSA_FORMATS:
+        return import_medusa(directory, fmt, base_model=base_model)
+    if fmt in EAGLE_FORMATS:
+        return import_eagle(directory, fmt, base_model=base_model)
+    raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
+
+
+def export_heads(heads: PretrainedHeads, fmt: str, out_dir: str | Path, target: nn.Module | None = None) -> None:
+    """Write `heads` in an engine's layout. `target` supplies weights some layouts carry (the lm_head for
+    Medusa heads that share it, the embedding in the EAGLE-1 layout)."""
+    if fmt in MEDUSA_FORMATS:
+        if not isinstance(heads, MedusaHeads):
+            raise ValueError(f"{fmt} is a Medusa layout but these heads are {heads.config.kind}")
+        lm_head = target.get_output_embeddings().weight if target is not None else None
+        export_medusa(heads, fmt, out_dir, lm_head_weight=lm_head)
+    elif fmt in EAGLE_FORMATS:
+        if not isinstance(heads, EagleDraft):
+            raise ValueError(f"{fmt} is an EAGLE layout but these heads are {heads.config.kind}")
+        embed = target.get_input_embeddings().weight if target is not None else None
+        export_eagle(heads, fmt, out_dir, embed_weight=embed)
+    else:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
