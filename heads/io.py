@@ -97,9 +97,35 @@ class PretrainedHeads(nn.Module):
         return model.to(device=device, dtype=getattr(torch, config.dtype))
 
 
+SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _local_config(name: str):
+    """The named model's config if it is on this machine (a directory, `demo`, or the HF cache), else None."""
+    from transformers import AutoConfig
+
+    from heads.demo import resolve_model
+
+    try:
+        return AutoConfig.from_pretrained(resolve_model(name), local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
 def check_compatible(config: HeadsConfig, target: nn.Module) -> None:
-    """Fail with both values named when heads were trained for a target of another shape."""
-    hidden = target.config.hidden_size
+    """Fail with both values named when heads were trained for a target of another shape, or when the base
+    model their config names is on this machine and its architecture differs from the target's."""
+    named = _local_config(config.base_model) if config.base_model else None
+    if named is not None:
+        theirs, ours = named.get_text_config(), target.config.get_text_config()
+        differ = [f"{f} {getattr(theirs, f, None)} vs {getattr(ours, f, None)}" for f in SHAPE_FIELDS
+                  if getattr(theirs, f, None) != getattr(ours, f, None)]
+        if differ:
+            raise ValueError(
+                f"these heads were trained on {config.base_model}, whose architecture differs from the target's "
+                f"({'; '.join(differ)}): use them with the model they were trained on"
+            )
+    hidden = target.config.get_text_config().hidden_size
     vocab = target.get_output_embeddings().weight.shape[0]
     if config.hidden_size != hidden:
         raise ValueError(

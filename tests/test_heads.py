@@ -77,3 +77,19 @@ def test_mismatched_target_names_both_sizes():
     wide = MedusaHeads(HeadsConfig(hidden_size=64, vocab_size=VOCAB))
     with pytest.raises(ValueError, match="hidden size 64 .* hidden size 48"):
         check_compatible(wide.config, tiny_model("llama"))
+
+
+def test_heads_claiming_another_base_model_fail_clearly(tmp_path):
+    from transformers import LlamaConfig
+
+    from conftest import tiny_model
+    from heads.io import check_compatible
+
+    named = tmp_path / "trained-on"
+    LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=96).save_pretrained(named)
+    config = HeadsConfig(base_model=str(named), hidden_size=48, vocab_size=96)
+    with pytest.raises(ValueError, match=r"trained on .*trained-on.*num_hidden_layers 4 vs 2"):
+        check_compatible(config, tiny_model("llama"))
+    check_compatible(HeadsConfig(base_model="someone/not-on-this-machine", hidden_size=48, vocab_size=96),
+                     tiny_model("llama"))  # unknown here: the shapes are all that can be checked
