@@ -53,13 +53,13 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig
 
 from heads.config import DTYPES, HeadsConfig
 from heads.eagle import EagleDraft, layer_fields
-from heads.io import atomic_write, check_compatible
+from heads.io import atomic_write, check_compatible, read_config_json, read_state_dict
 
 EAGLE_FORMATS = ("eagle1", "sglang-eagle")
 ARCHITECTURES = {"eagle1": "LlamaForCausalLM", "sglang-eagle": "LlamaForCausalLMEagle"}
@@ -112,19 +112,6 @@ ENGINE_KEYS = {"safeailab": safeailab_keys, "vllm": vllm_keys, "sglang": sglang_
 # ---------------------------------------------------------------- reading files
 
 
-def _read_config(directory: Path) -> dict[str, Any]:
-    path = directory / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{directory} has no config.json: not an EAGLE checkpoint directory")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not readable JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} holds a {type(raw).__name__}, not a JSON object")
-    return raw
-
-
 def _weight_files(directory: Path) -> list[Path]:
     """The weight files, safetensors first (what vLLM prefers too); a sharded index lists its shards."""
     pairs = ((SAFETENSORS_NAME, "model.safetensors.index.json"), (BIN_NAME, "pytorch_model.bin.index.json"))
@@ -140,27 +127,13 @@ def _weight_files(directory: Path) -> list[Path]:
     raise ValueError(f"{directory} has no {SAFETENSORS_NAME} or {BIN_NAME}: no EAGLE weights to import")
 
 
-def _load_one(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        if path.name.endswith(".safetensors"):
-            return load_file(str(path), device="cpu")
-        state = torch.load(path, map_location="cpu", weights_only=True)  # never unpickle arbitrary objects
-    except Exception as e:  # corrupt, truncated or hostile: one clear error, whatever the library raised
-        raise ValueError(f"cannot read the weights in {path}: {type(e).__name__}: {e}") from None
-    if not isinstance(state, dict) or not all(
-        isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()
-    ):
-        raise ValueError(f"{path} is not a state dict of named tensors")
-    return dict(state)
-
-
 def read_eagle_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of an EAGLE checkpoint directory, by name (`.bin` read with `weights_only=True`)."""
     state: dict[str, torch.Tensor] = {}
     for path in _weight_files(Path(directory)):
         if not path.is_file():
             raise ValueError(f"{path} is listed in the weight index but missing")
-        state.update(_load_one(path))
+        state.update(read_state_dict(path))
     return state
 
 
@@ -192,7 +165,7 @@ def detect_eagle_format(directory: str | Path) -> str | None:
     heads directory, an EAGLE-3 drafter, a full model, no config or weights)."""
     directory = Path(directory)
     try:
-        raw = _read_config(directory)
+        raw = read_config_json(directory)
         if "kind" in raw:  # a selfspec HeadsConfig
             return None
         archs = raw.get("architectures") or []
@@ -253,7 +226,7 @@ def import_eagle(
     not the target's embedding is warned about (the file was made for another model).
     """
     directory = Path(directory)
-    raw = _read_config(directory)
+    raw = read_config_json(directory)
     fmt = format or detect_eagle_format(directory)
     if fmt is None:
         raise ValueError(

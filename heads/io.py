@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -14,6 +15,42 @@ from torch import nn
 from heads.config import HeadsConfig
 
 WEIGHTS_NAME = "model.safetensors"
+
+
+def read_config_json(directory: Path) -> dict[str, Any]:
+    """A checkpoint directory's config.json as a dict, or a ValueError saying what is wrong with it."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{directory} has no config.json: a Medusa or EAGLE checkpoint needs one")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not readable JSON ({e}): fix or re-download the file") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object")
+    return data
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Named tensors from a .safetensors file, or from a pickle read only with torch.load(weights_only=True)."""
+    if path.name.endswith(".safetensors"):
+        try:
+            state = load_file(str(path), device="cpu")
+        except Exception as e:  # corrupt or truncated: one clear error, whatever the library raised
+            raise ValueError(f"cannot read the weights in {path}: not a readable safetensors file ({e}); "
+                             "re-download it") from None
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # weights_only raises UnpicklingError and others for anything but tensors
+            raise ValueError(
+                f"cannot read the weights in {path} with torch.load(weights_only=True): {type(e).__name__}: {e}. "
+                "It must be a plain state_dict of tensors; unpickling arbitrary objects is refused. Convert it "
+                "once, where you trust the file, to safetensors (safetensors.torch.save_file)"
+            ) from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        raise ValueError(f"{path} is not a state dict (a dict of name -> tensor); found {type(state).__name__}")
+    return dict(state)
 
 
 def atomic_write(path: Path, write: Any) -> None:

@@ -71,11 +71,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from heads.config import DTYPES, HeadsConfig
-from heads.io import atomic_write
+from heads.io import atomic_write, read_config_json, read_state_dict
 from heads.medusa import MedusaHeads
 
 MEDUSA_FORMATS = ("fastdecoding-medusa", "vllm-medusa")
@@ -128,47 +127,6 @@ def VLLM_MEDUSA_KEYS(  # noqa: N802
 
 
 # --------------------------------------------------------------------------------------------- reading
-
-
-def _read_config(directory: Path) -> dict[str, Any]:
-    path = directory / "config.json"
-    if not path.is_file():
-        raise ValueError(
-            f"{directory} has no config.json: a Medusa checkpoint needs one (heads, layers, base model)"
-        )
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}): fix or re-download the file") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object")
-    return data
-
-
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """A flat name -> tensor dict from .safetensors, or .pt/.bin read with `weights_only=True`."""
-    if path.suffix == ".safetensors":
-        try:
-            state = load_file(str(path), device="cpu")
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{path} is not a readable safetensors file ({e}): re-download it") from None
-    else:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # weights_only raises UnpicklingError and others for anything but tensors
-            raise ValueError(
-                f"{path} could not be read with torch.load(weights_only=True): {type(e).__name__}: {e}. "
-                "It must be a plain state_dict of tensors; unpickling arbitrary objects is refused. "
-                "Convert it "
-                "once, where you trust the file, to medusa_lm_head.safetensors (safetensors.torch.save_file)"
-            ) from None
-    if not isinstance(state, dict) or not all(
-        isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()
-    ):
-        raise ValueError(
-            f"{path} is not a state_dict (a dict of name -> tensor); found {type(state).__name__}"
-        )
-    return dict(state)
 
 
 def _dtype_name(tensor: torch.Tensor, path: Path) -> str:
@@ -238,13 +196,13 @@ _FD_KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
 
 
 def _import_fastdecoding(directory: Path, base_model: str | None, vocab_size: int | None) -> MedusaHeads:
-    config = _read_config(directory)
+    config = read_config_json(directory)
     path = next((directory / n for n in FASTDECODING_WEIGHTS if (directory / n).is_file()), None)
     if path is None:
         raise ValueError(
             f"{directory} has no {' or '.join(FASTDECODING_WEIGHTS)}: the Medusa heads' weights are missing"
         )
-    state = _load_tensors(path)
+    state = read_state_dict(path)
     parts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
     unknown = []
     for key, tensor in state.items():
@@ -334,7 +292,7 @@ def _vllm_weight_files(directory: Path) -> list[Path]:
 
 
 def _import_vllm(directory: Path, base_model: str | None) -> MedusaHeads:
-    config = _read_config(directory)
+    config = read_config_json(directory)
     cfg_path = directory / "config.json"
     if config.get("model_type") != "medusa":
         raise ValueError(
@@ -352,7 +310,7 @@ def _import_vllm(directory: Path, base_model: str | None) -> MedusaHeads:
         raise ValueError(f"{directory} has config.json but no weights (*.safetensors, *.bin or *.pt)")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        for key, tensor in _load_tensors(f).items():
+        for key, tensor in read_state_dict(f).items():
             state[key.replace("medusa_heads.", "")] = tensor  # as vLLM's load_weights does
     path = files[0]
     vocab_cfg = renamed.get("vocab_size")
