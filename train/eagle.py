@@ -34,7 +34,6 @@ from train.loop import (
     heads_config,
     load_frozen_target,
     make_accelerator,
-    report_saved,
     train,
 )
 from train.medusa import medusa_labels
@@ -81,6 +80,8 @@ class EagleConfig(TrainConfig):
 
 
 class EagleMethod:
+    label = "the EAGLE drafter"
+
     def __init__(self, cfg: EagleConfig, target, draft: EagleDraft, tune_prompts: list[torch.Tensor]) -> None:
         self.cfg, self.target, self.trainable, self.tune_prompts = cfg, target, draft, tune_prompts
         self.embed = target.get_input_embeddings()
@@ -226,11 +227,7 @@ def run(cfg: EagleConfig) -> dict:
     prompts = calibration_prompts(eval_data, cfg.tune_prompts, cfg.distill_prompt_tokens)
     method = EagleMethod(cfg, target, draft, prompts)
     history = train(cfg, accelerator, method, train_data, eval_data)
-    if accelerator.is_main_process and history:
-        report_saved(cfg, history, "the EAGLE drafter")
-    return {"target": target, "draft": accelerator.unwrap_model(method.trainable, keep_fp32_wrapper=False),
-            "initial": initial,
-            "history": history}
+    return {"target": target, "draft": method.trainable, "initial": initial, "history": history}
 
 
 def main(argv: list[str] | None = None) -> None:

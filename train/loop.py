@@ -98,6 +98,7 @@ class Method(Protocol):
     """What a recipe gives the loop."""
 
     trainable: torch.nn.Module
+    label: str  # what is saved, for the closing message ("Medusa heads")
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss to minimise and detached scalars to log (read only at logging steps: no sync per step)."""
@@ -232,7 +233,8 @@ def find_resume(cfg: TrainConfig) -> Path | None:
 def train(
     cfg: TrainConfig, accelerator: Accelerator, method: Method, train_data: dict, eval_data: dict
 ) -> list[tuple[int, dict[str, float]]]:
-    """Run the loop; returns the validation history [(step, metrics)]. `method.save` writes the result."""
+    """Run the loop; returns the validation history [(step, metrics)]. `method.save` writes the result, and
+    `method.trainable` is the trained module again afterwards (unwrapped from accelerate)."""
     output_dir = Path(cfg.output_dir)
     main = accelerator.is_main_process
     trainable = method.trainable
@@ -323,9 +325,12 @@ def train(
             epoch, batches_done = epoch + 1, 0
     bar.close()
     accelerator.wait_for_everyone()
+    method.trainable = accelerator.unwrap_model(trainable, keep_fp32_wrapper=False)
     if main:
-        method.save(accelerator.unwrap_model(trainable, keep_fp32_wrapper=False), output_dir, metrics)
+        method.save(method.trainable, output_dir, metrics)
         save_recipe(cfg, output_dir)
+        if history:
+            report_saved(cfg, history, method.label)
     accelerator.end_training()
     return history
 

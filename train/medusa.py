@@ -28,7 +28,6 @@ from train.loop import (
     heads_config,
     load_frozen_target,
     make_accelerator,
-    report_saved,
     train,
 )
 
@@ -77,6 +76,8 @@ def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> t
 
 
 class MedusaMethod:
+    label = "Medusa heads"
+
     def __init__(self, cfg: MedusaConfig, target, heads: MedusaHeads) -> None:
         self.cfg, self.target, self.trainable = cfg, target, heads
         self.lm_head = target.get_output_embeddings()
@@ -160,11 +161,7 @@ def run(cfg: MedusaConfig) -> dict:
         train_data, eval_data = datasets_for(cfg, tokenizer, target)
     method = MedusaMethod(cfg, target, heads)
     history = train(cfg, accelerator, method, train_data, eval_data)
-    if accelerator.is_main_process and history:
-        report_saved(cfg, history, "Medusa heads")
-    return {"target": target, "heads": accelerator.unwrap_model(method.trainable, keep_fp32_wrapper=False),
-            "initial": initial,
-            "history": history}
+    return {"target": target, "heads": method.trainable, "initial": initial, "history": history}
 
 
 def main(argv: list[str] | None = None) -> None:
