@@ -61,6 +61,11 @@ class EagleProposer:
             if getattr(self, name) < 1:
                 raise ValueError(f"EAGLE {name} must be >= 1, got {getattr(self, name)}")
         self.depth = min(self.depth, self.total_tokens)  # a kept tree is never deeper than its node count
+        # per-step constants of the dynamic tree, made once: frontier slots, each child's rank among its
+        # parent's k, and the frontier's view of its own new cache columns
+        self.slots = torch.arange(self.top_k, device=self.device)
+        self.child_ranks = self.slots.repeat(self.top_k)
+        self.own = torch.eye(self.top_k, dtype=torch.bool, device=self.device)
         self.static: Tree | None = None
         if choices is not None:
             self.static = tree_from_choices(choices).to(self.device)
@@ -116,11 +121,11 @@ class EagleProposer:
         top = root_logp.topk(k)
         scores, tokens = [top.values], [top.indices]
         parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
-        ranks = [torch.arange(k, device=device)]
+        ranks = [self.slots]
         # the frontier: the k best nodes of the newest depth; each runs on its parent's predicted feature
-        front_scores, front_tokens, front_index = top.values, top.indices, torch.arange(k, device=device)
+        front_scores, front_tokens, front_index = top.values, top.indices, self.slots
         front_features = root_feature.expand(k, -1)
-        visible = torch.eye(k, dtype=torch.bool, device=device)  # frontier x draft columns so far
+        visible = self.own  # frontier x draft columns so far
         offset = k  # candidates recorded so far
         for d in range(1, self.depth):
             position = torch.full((k,), self.length - 1 + d, device=device)
@@ -130,12 +135,12 @@ class EagleProposer:
             scores.append(child_scores)
             tokens.append(top.indices.flatten())
             parents.append(front_index.repeat_interleave(k))
-            ranks.append(torch.arange(k, device=device).repeat(k))
+            ranks.append(self.child_ranks)
             best = child_scores.topk(k).indices
             parent_slot = best // k
             front_scores, front_tokens = child_scores[best], tokens[-1][best]
             front_index, front_features = offset + best, feats[parent_slot]
-            visible = torch.cat([visible[parent_slot], torch.eye(k, dtype=torch.bool, device=device)], dim=1)
+            visible = torch.cat([visible[parent_slot], self.own], dim=1)
             offset += k * k
         chosen, tree = select_tree(torch.cat(scores), torch.cat(parents), torch.cat(ranks),
                                    self.max_nodes - 1, self.depth, k)
