@@ -157,3 +157,29 @@ def eagle_dir(tiny_model_dir, tmp_path):
                                    total_tokens=8))
     draft.save_pretrained(tmp_path / "eagle-heads")
     return tmp_path / "eagle-heads"
+
+
+def check_resume(monkeypatch, method_cls, run_to, out_root, key: str) -> None:
+    """Crash a run in its 4th loss call (after the step-2 checkpoint), resume it with `resume=latest`,
+    and require the result to equal an uninterrupted run. `run_to(out_dir, **overrides)` runs the recipe."""
+    import json
+
+    full = run_to(out_root / "full")
+    original_loss = method_cls.loss
+    calls = {"n": 0}
+
+    def crashing_loss(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("simulated crash")
+        return original_loss(self, batch)
+
+    monkeypatch.setattr(method_cls, "loss", crashing_loss)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_to(out_root / "resumed")
+    monkeypatch.setattr(method_cls, "loss", original_loss)
+    state = json.loads((out_root / "resumed/checkpoints/step-2/trainer_state.json").read_text())
+    assert state["step"] == 2
+    resumed = run_to(out_root / "resumed", resume="latest")
+    for name, value in full[key].state_dict().items():
+        torch.testing.assert_close(resumed[key].state_dict()[name], value, rtol=0, atol=1e-6)

@@ -3,7 +3,7 @@ import torch
 from safetensors.torch import load_file
 
 import train.eagle as eagle_recipe
-from conftest import tiny_model
+from conftest import check_resume, tiny_model
 from heads.eagle import EagleDraft
 from heads.io import load_heads
 from infer.tune import tune_eagle
@@ -57,23 +57,11 @@ def test_cached_features_train_like_online_features(tiny_model_dir, text_data, t
 
 def test_resume_after_interruption_matches_uninterrupted_run(tiny_model_dir, text_data, tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
-    full = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "full")))
-    original_loss = eagle_recipe.EagleMethod.loss
-    calls = {"n": 0}
 
-    def crashing_loss(self, batch):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise RuntimeError("simulated crash")
-        return original_loss(self, batch)
+    def run_to(out, **extra):
+        return run(load_config(EagleConfig, _args(tiny_model_dir, text_data, out, **extra)))
 
-    monkeypatch.setattr(eagle_recipe.EagleMethod, "loss", crashing_loss)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "resumed")))
-    monkeypatch.setattr(eagle_recipe.EagleMethod, "loss", original_loss)
-    resumed = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "resumed", resume="latest")))
-    for name, value in full["draft"].state_dict().items():
-        torch.testing.assert_close(resumed["draft"].state_dict()[name], value, rtol=0, atol=1e-6)
+    check_resume(monkeypatch, eagle_recipe.EagleMethod, run_to, tmp_path, "draft")
 
 
 def test_unknown_options_are_errors():

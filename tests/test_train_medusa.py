@@ -1,10 +1,10 @@
-import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import train.medusa as medusa_recipe
+from conftest import check_resume
 from heads.io import load_heads
 from train.config import ConfigError, load_config
 from train.medusa import MedusaConfig, medusa_labels, run
@@ -58,26 +58,11 @@ def test_training_lowers_loss_changes_heads_and_freezes_target(
 
 def test_resume_after_interruption_matches_uninterrupted_run(tiny_model_dir, text_data, tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
-    full = run(load_config(MedusaConfig, _args(tiny_model_dir, text_data, tmp_path / "full")))
 
-    calls = {"n": 0}
-    original_loss = medusa_recipe.MedusaMethod.loss
+    def run_to(out, **extra):
+        return run(load_config(MedusaConfig, _args(tiny_model_dir, text_data, out, **extra)))
 
-    def crashing_loss(self, batch):
-        calls["n"] += 1
-        if calls["n"] == 4:  # after the step-2 checkpoint
-            raise RuntimeError("simulated crash")
-        return original_loss(self, batch)
-
-    monkeypatch.setattr(medusa_recipe.MedusaMethod, "loss", crashing_loss)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(load_config(MedusaConfig, _args(tiny_model_dir, text_data, tmp_path / "resumed")))
-    monkeypatch.setattr(medusa_recipe.MedusaMethod, "loss", original_loss)
-    state = json.loads((tmp_path / "resumed/checkpoints/step-2/trainer_state.json").read_text())
-    assert state["step"] == 2
-    resumed = run(load_config(MedusaConfig, _args(tiny_model_dir, text_data, tmp_path / "resumed", resume="latest")))
-    for name, value in full["heads"].state_dict().items():
-        torch.testing.assert_close(resumed["heads"].state_dict()[name], value, rtol=0, atol=1e-6)
+    check_resume(monkeypatch, medusa_recipe.MedusaMethod, run_to, tmp_path, "heads")
 
 
 def test_unknown_and_mistyped_options_are_errors():
