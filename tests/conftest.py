@@ -183,3 +183,17 @@ def check_resume(monkeypatch, method_cls, run_to, out_root, key: str) -> None:
     resumed = run_to(out_root / "resumed", resume="latest")
     for name, value in full[key].state_dict().items():
         torch.testing.assert_close(resumed[key].state_dict()[name], value, rtol=0, atol=1e-6)
+
+
+def fit_on_own_continuations(model, prompts, method, steps: int, lr: float) -> torch.nn.Module:
+    """Train `method.trainable` with the recipe's own loss on the model's 48-token greedy continuations of
+    `prompts` (what acceptance at decode time rewards); returns it in eval mode."""
+    seqs = model.generate(prompts, max_new_tokens=48, do_sample=False, min_new_tokens=48, pad_token_id=0)
+    batch = {"input_ids": seqs, "attention_mask": torch.ones_like(seqs), "loss_mask": torch.ones_like(seqs).bool()}
+    opt = torch.optim.Adam(method.trainable.parameters(), lr=lr)
+    for _ in range(steps):
+        loss, _ = method.loss(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return method.trainable.eval()

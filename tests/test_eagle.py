@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import VOCAB, tiny_model
+from conftest import VOCAB, fit_on_own_continuations, tiny_model
 from heads.config import HeadsConfig
 from heads.eagle import EagleDraft, layer_fields
 from heads.io import load_heads
@@ -167,17 +167,8 @@ def self_distilled_draft(model, prompts, steps=150) -> EagleDraft:
     """A drafter trained with the recipe's own loss on the model's greedy continuations of `prompts`."""
     from train.eagle import EagleConfig, EagleMethod
 
-    seqs = model.generate(prompts, max_new_tokens=48, do_sample=False, min_new_tokens=48, pad_token_id=0)
-    batch = {"input_ids": seqs, "attention_mask": torch.ones_like(seqs), "loss_mask": torch.ones_like(seqs).bool()}
     draft = random_draft(model, depth=4, top_k=3, total_tokens=12)
-    method = EagleMethod(EagleConfig(), model, draft, [])
-    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss, _ = method.loss(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return draft.eval()
+    return fit_on_own_continuations(model, prompts, EagleMethod(EagleConfig(), model, draft, []), steps, 3e-3)
 
 
 def test_greedy_identical_with_a_trained_drafter(model):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import VOCAB
+from conftest import VOCAB, fit_on_own_continuations
 from heads.config import HeadsConfig
 from heads.medusa import MedusaHeads
 from infer.generate import SpeculativeModel
@@ -80,17 +80,8 @@ def self_distilled_heads(model, prompts, steps=150) -> MedusaHeads:
     """Heads trained (with the recipe's own loss) on the model's greedy continuations of `prompts`."""
     from train.medusa import MedusaConfig, MedusaMethod
 
-    seqs = model.generate(prompts, max_new_tokens=48, do_sample=False, min_new_tokens=48, pad_token_id=0)
-    batch = {"input_ids": seqs, "attention_mask": torch.ones_like(seqs), "loss_mask": torch.ones_like(seqs).bool()}
     heads = random_heads(model, scale=0.0, num_heads=4)
-    method = MedusaMethod(MedusaConfig(num_heads=4), model, heads)
-    opt = torch.optim.Adam(heads.parameters(), lr=3e-2)
-    for _ in range(steps):
-        loss, _ = method.loss(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return heads.eval()
+    return fit_on_own_continuations(model, prompts, MedusaMethod(MedusaConfig(num_heads=4), model, heads), steps, 3e-2)
 
 
 def test_greedy_identical_with_trained_heads(model):
