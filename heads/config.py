@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shipped.models import resolve_model
+
 KINDS = ("medusa", "eagle")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -65,3 +67,43 @@ class HeadsConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {directory}: is this a selfspec heads directory?")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _local_config(name: str):
+    """The named model's config if it is on this machine (a directory, `demo`, or the HF cache), else None."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(resolve_model(name), local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
+def check_compatible(config: HeadsConfig, target: Any) -> None:
+    """Fail with both values named when heads were trained for a target of another shape, or when the base
+    model their config names is on this machine and its architecture differs from the target's."""
+    named = _local_config(config.base_model) if config.base_model else None
+    if named is not None:
+        theirs, ours = named.get_text_config(), target.config.get_text_config()
+        differ = [f"{f} {getattr(theirs, f, None)} vs {getattr(ours, f, None)}" for f in SHAPE_FIELDS
+                  if getattr(theirs, f, None) != getattr(ours, f, None)]
+        if differ:
+            raise ValueError(
+                f"these heads were trained on {config.base_model}, whose architecture differs from the target's "
+                f"({'; '.join(differ)}): use them with the model they were trained on"
+            )
+    hidden = target.config.get_text_config().hidden_size
+    vocab = target.get_output_embeddings().weight.shape[0]
+    if config.hidden_size != hidden:
+        raise ValueError(
+            f"heads expect hidden size {config.hidden_size} but the target {config.base_model or ''} has "
+            f"hidden size {hidden}: these heads were trained for another model"
+        )
+    if config.vocab_size != vocab:
+        raise ValueError(
+            f"heads expect vocabulary size {config.vocab_size} but the target has {vocab} "
+            "(lm_head rows): these heads were trained for another model or tokenizer"
+        )

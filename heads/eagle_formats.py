@@ -57,9 +57,9 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig
 
-from heads.config import DTYPES, HeadsConfig
+from heads.config import DTYPES, HeadsConfig, check_compatible
 from heads.eagle import EagleDraft, layer_fields
-from heads.io import atomic_write, check_compatible, read_config_json, read_state_dict
+from heads.io import atomic_write, read_config_json, read_state_dict
 
 EAGLE_FORMATS = ("eagle1", "sglang-eagle")
 ARCHITECTURES = {"eagle1": "LlamaForCausalLM", "sglang-eagle": "LlamaForCausalLMEagle"}

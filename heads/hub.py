@@ -12,11 +12,36 @@ import tempfile
 from pathlib import Path
 
 from heads.config import HeadsConfig
-from heads.io import WEIGHTS_NAME, atomic_write, model_card
 
+WEIGHTS_NAME = "model.safetensors"
 HEAD_FILES = ["config.json", WEIGHTS_NAME, "README.md"]
 RECIPE_NAME = "training_args.json"  # written next to the heads by the training loop
 BENCH_NAME = "bench.json"  # `python -m infer bench --json DIR/bench.json`
+
+
+def _shape(config: HeadsConfig) -> str:
+    if config.kind == "eagle":
+        return f"EAGLE draft model: fc (2H -> H) + {config.num_layers} Llama decoder layer(s) on the target's features"
+    return f"{config.num_heads} Medusa heads x {config.num_layers} residual block(s)"
+
+
+def model_card(config: HeadsConfig, extra: str = "") -> str:
+    base = config.base_model or "unknown"
+    return f"""---
+base_model: {base}
+library_name: selfspec
+tags: [speculative-decoding, {config.kind}, selfspec]
+---
+# {config.kind} drafter for {base}
+
+{_shape(config)}, hidden size {config.hidden_size}, vocabulary {config.vocab_size}. Decoding with them is lossless: greedy output is token-identical to the
+target's own, sampled output has the target's distribution.
+
+```python
+from infer.generate import SpeculativeModel
+model = SpeculativeModel.from_pretrained("path/to/this/folder")
+```
+{extra}"""
 
 
 def resolve_heads(name_or_path: str | Path) -> Path:
@@ -86,6 +111,6 @@ def push_to_hub(directory: str | Path, repo_id: str, private: bool | None = None
                 os.link(directory / name, stage / name)
             except OSError:
                 shutil.copyfile(directory / name, stage / name)
-        atomic_write(stage / "README.md", lambda tmp: Path(tmp).write_text(card_for(directory)))
+        (stage / "README.md").write_text(card_for(directory))  # a private temporary folder: no other reader
         api.upload_folder(repo_id=repo_id, folder_path=stage, commit_message=commit_message, repo_type="model")
     return str(url)

@@ -174,7 +174,7 @@ def _vocab_for_shared(config: dict[str, Any], base_model: str, vocab_size: int |
     if base_model:
         from transformers import AutoConfig
 
-        from heads.demo import resolve_model
+        from shipped.models import resolve_model
 
         try:
             target = AutoConfig.from_pretrained(resolve_model(base_model))

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from heads.demo import stdlib_files
 from infer.generate import SpeculativeModel
+from shipped.stdlib_corpus import stdlib_files
 
 Runner = Callable[[torch.Tensor], tuple[list[int], dict | None]]
 

@@ -63,8 +63,8 @@ def _load(args: argparse.Namespace, heads_dirs: list[str]) -> tuple[Any, Any, li
     directory, then the draft model and prompt lookup when asked for."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from heads.demo import resolve_model
     from infer.generate import SpeculativeModel
+    from shipped.models import resolve_model
 
     configs = _configs(heads_dirs)
     options = _eagle_options(args, configs)
@@ -114,8 +114,8 @@ def _draft_proposer(args: argparse.Namespace, model: Any):
     """The draft-model drafter: `--draft-model` loaded in the target's dtype on its device."""
     from transformers import AutoModelForCausalLM
 
-    from heads.demo import resolve_model
     from infer.draft_model import DraftModelProposer
+    from shipped.models import resolve_model
 
     try:
         path = resolve_model(args.draft_model)
@@ -210,8 +210,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def calibration_prompts(tokenizer, path: str | None, count: int, length: int = 32) -> list[torch.Tensor]:
     """Prompts to measure acceptance on: a .jsonl of {"prompt": ...}, else openings of files from the
     demo corpus's validation split (never trained on)."""
-    from heads.demo import stdlib_texts
     from infer.bench import load_prompts
+    from shipped.stdlib_corpus import stdlib_texts
 
     if path:
         texts = load_prompts(path)[:count]
@@ -271,9 +271,10 @@ def cmd_import(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
+    from heads.config import check_compatible
     from heads.convert import export_heads
-    from heads.demo import resolve_model
-    from heads.io import check_compatible, load_heads
+    from heads.registry import load_heads
+    from shipped.models import resolve_model
 
     heads = load_heads(args.heads)
     target = None

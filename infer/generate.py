@@ -14,14 +14,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from heads.demo import resolve_model
-from heads.io import check_compatible, load_heads
+from heads.config import check_compatible
+from heads.registry import load_heads
 from infer.cache import keep_accepted, new_cache
 from infer.eagle import EagleProposer, draft_dtype
 from infer.mask import PrefixMask
 from infer.proposers import MedusaProposer, Proposer
 from infer.target import Target
 from infer.verify import SamplingParams, accept, sample_token
+from shipped.models import resolve_model
 
 
 @dataclasses.dataclass

@@ -64,7 +64,7 @@ def model(arch) -> torch.nn.Module:
 
 @pytest.fixture(scope="session")
 def demo_target():
-    from heads.demo import MODELS_DIR
+    from shipped.models import MODELS_DIR
 
     path = MODELS_DIR / "demo-target"
     if not (path / "config.json").is_file():

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from heads.convert import EXPORT_FORMATS
-from heads.io import load_heads
+from heads.registry import load_heads
 from infer.cli import main as cli
 from infer.generate import SpeculativeModel
 

@@ -7,7 +7,8 @@ import math
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from heads.demo import MODELS_DIR, resolve_model, stdlib_texts
+from shipped.models import MODELS_DIR, resolve_model
+from shipped.stdlib_corpus import stdlib_texts
 
 
 def _load(name):

@@ -2,9 +2,9 @@
 
 import pytest
 
-from heads.demo import resolve_model
 from infer.bench import default_prompts
 from infer.generate import SpeculativeModel
+from shipped.models import resolve_model
 from train.eagle import EagleConfig
 from train.eagle import run as run_eagle
 from train.medusa import MedusaConfig

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 from conftest import VOCAB, fit_on_own_continuations, tiny_model
 from heads.config import HeadsConfig
 from heads.eagle import EagleDraft, layer_fields
-from heads.io import load_heads
+from heads.registry import load_heads
 from infer.eagle import EagleProposer
 from infer.generate import SpeculativeModel
 from infer.target import Target

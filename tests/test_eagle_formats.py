@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, LlamaConfig
 
 from conftest import VOCAB, tiny_model
-from heads.config import HeadsConfig
+from heads.config import HeadsConfig, check_compatible
 from heads.eagle import EagleDraft, layer_fields
 from heads.eagle_formats import (
     EAGLE_FORMATS,
@@ -27,7 +27,6 @@ from heads.eagle_formats import (
     read_eagle_weights,
     safeailab_keys,
 )
-from heads.io import check_compatible
 from infer.eagle import EagleProposer
 from infer.generate import SpeculativeModel
 

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from conftest import VOCAB, tiny_model
-from heads.config import HeadsConfig
-from heads.io import check_compatible
+from heads.config import HeadsConfig, check_compatible
 from heads.medusa import MedusaHeads
 from heads.medusa_formats import (
     FASTDECODING_CONFIG_FIELDS,

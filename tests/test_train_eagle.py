@@ -5,7 +5,7 @@ from safetensors.torch import load_file
 import train.eagle as eagle_recipe
 from conftest import check_resume, tiny_model
 from heads.eagle import EagleDraft
-from heads.io import load_heads
+from heads.registry import load_heads
 from infer.tune import tune_eagle
 from train.config import ConfigError, load_config
 from train.eagle import EagleConfig, run

@@ -5,7 +5,7 @@ from safetensors.torch import load_file
 
 import train.medusa as medusa_recipe
 from conftest import check_resume
-from heads.io import load_heads
+from heads.registry import load_heads
 from train.config import ConfigError, load_config
 from train.medusa import MedusaConfig, medusa_labels, run
 

@@ -20,11 +20,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from heads.convert import export_heads
-from heads.demo import resolve_model, stdlib_texts
 from infer.eagle import EagleProposer
 from infer.generate import SpeculativeModel
 from infer.proposers import MedusaProposer
 from infer.tree import chain_choices
+from shipped.models import resolve_model
+from shipped.stdlib_corpus import stdlib_texts
 from train.eagle import EagleConfig
 from train.eagle import run as train_eagle
 from train.medusa import MedusaConfig

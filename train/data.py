@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from heads.demo import stdlib_texts
 from heads.io import atomic_write
+from shipped.stdlib_corpus import stdlib_texts
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",

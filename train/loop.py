@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
 from heads.config import HeadsConfig
-from heads.demo import resolve_model
 from heads.io import atomic_write
+from shipped.models import resolve_model
 from train.data import cache_dir, load_examples, split_examples
 from train.distill import regenerate
 

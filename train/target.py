@@ -24,7 +24,8 @@ import torch
 from tokenizers import ByteLevelBPETokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from heads.demo import resolve_model, stdlib_texts
+from shipped.models import resolve_model
+from shipped.stdlib_corpus import stdlib_texts
 from train.config import load_config
 
 SPECIAL = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}

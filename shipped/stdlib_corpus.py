@@ -1,4 +1,4 @@
-"""The shipped demo target: where its files live and the stdlib corpus it was trained on.
+"""The corpus the shipped demo models were trained on: the running interpreter's standard library.
 
 The split is by file so that no test-split source ever reaches training:
 ``int(sha1(relative_path).hexdigest(), 16) % 100`` below 90 is train, 90-94 validation,
@@ -11,24 +11,7 @@ import hashlib
 import sysconfig
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-MODELS_DIR = REPO_ROOT / "models"
-SHORT_NAMES = {"demo": "demo-target", "demo-target": "demo-target", "demo-draft": "demo-draft"}
 SPLITS = ("train", "validation", "test")
-
-
-def resolve_model(name_or_path: str) -> str:
-    """Map the short names `demo` / `demo-draft` to the shipped model folders; pass anything else through."""
-    if name_or_path in SHORT_NAMES:
-        path = MODELS_DIR / SHORT_NAMES[name_or_path]
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"the shipped model '{name_or_path}' is expected at {path}, but it is missing. "
-                "Run from a clone of the selfspec repository installed with `pip install -e .`, "
-                "or retrain it with `python train/target.py`."
-            )
-        return str(path)
-    return name_or_path
 
 
 def split_of(relative_path: str) -> str:
