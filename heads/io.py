@@ -21,11 +21,8 @@ from heads.errors import disk_full_instead
 from heads.hub import WEIGHTS_NAME, model_card, push_to_hub, resolve_heads
 
 
-def read_config_json(directory: Path) -> dict[str, Any]:
-    """A checkpoint directory's config.json as a dict, or a ValueError saying what is wrong with it."""
-    path = directory / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{directory} has no config.json: a Medusa or EAGLE checkpoint needs one")
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object, or a ValueError naming the file (and the line of a syntax error)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -33,6 +30,14 @@ def read_config_json(directory: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object")
     return data
+
+
+def read_config_json(directory: Path) -> dict[str, Any]:
+    """A checkpoint directory's config.json as a dict, or a ValueError saying what is wrong with it."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{directory} has no config.json: a Medusa or EAGLE checkpoint needs one")
+    return read_json_object(path)
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -57,11 +62,12 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return dict(state)
 
 
-def _file_mode() -> int:
-    """The mode a plainly created file gets here (0644 under the usual umask), for files made by mkstemp (0600)."""
+def file_mode(directory: bool = False) -> int:
+    """The mode a plainly created file (or folder) gets here: 0644 (0755) under the usual umask. For what
+    mkstemp and some libraries create 0600."""
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return (0o777 if directory else 0o666) & ~umask
 
 
 def atomic_write(path: Path, write: Any) -> None:
@@ -72,7 +78,7 @@ def atomic_write(path: Path, write: Any) -> None:
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, _file_mode())
+        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except Exception as e:
         better = disk_full_instead(e, path)

@@ -197,3 +197,12 @@ def fit_on_own_continuations(model, prompts, method, steps: int, lr: float) -> t
         opt.step()
         opt.zero_grad()
     return method.trainable.eval()
+
+
+def medusa_args(model_dir, data, out, **extra) -> list[str]:
+    """Command-line options for a seconds-long Medusa recipe run on a tiny target (overrides in `extra`)."""
+    args = {"model": model_dir, "dataset": data, "output_dir": out, "max_length": 32, "max_steps": 6,
+            "per_device_train_batch_size": 4, "eval_steps": 3, "save_steps": 2, "learning_rate": 1e-2,
+            "num_heads": 2, "max_minutes": 0, "logging_steps": 1, "tree_nodes": 5, "self_distill": False,
+            "share_lm_head": False, "max_train_examples": 0, "mixed_precision": "no"} | extra
+    return [x for k, v in args.items() for x in (f"--{k}", str(v))]

@@ -4,7 +4,7 @@ import torch
 from safetensors.torch import load_file
 
 import train.medusa as medusa_recipe
-from conftest import check_resume
+from conftest import check_resume, medusa_args
 from heads.registry import load_heads
 from train.config import ConfigError, load_config
 from train.medusa import MedusaConfig, medusa_labels, run
@@ -21,12 +21,7 @@ def test_medusa_labels_shift():
     assert not medusa_labels(ids, mask, 4)[1].any()
 
 
-def _args(tiny_model_dir, data, out, **extra):
-    args = {"model": tiny_model_dir, "dataset": data, "output_dir": out, "max_length": 32, "max_steps": 6,
-            "per_device_train_batch_size": 4, "eval_steps": 3, "save_steps": 2, "learning_rate": 1e-2,
-            "num_heads": 2, "max_minutes": 0, "logging_steps": 1, "tree_nodes": 5, "self_distill": False,
-            "share_lm_head": False, "max_train_examples": 0, "mixed_precision": "no"} | extra
-    return [x for k, v in args.items() for x in (f"--{k}", str(v))]
+_args = medusa_args
 
 
 
@@ -45,12 +40,14 @@ def test_training_lowers_loss_changes_heads_and_freezes_target(
     for name, before in result["initial"].items():
         assert not torch.equal(trained[name].cpu(), before.cpu()), f"{name} did not change"
     original = load_file(str(tiny_model_dir / "model.safetensors"))
-    for name, param in result["target"].state_dict().items():
-        if name in original:
-            # loaded in the run's precision (bf16 for mixed precision), then never touched
-            assert torch.equal(param.cpu(), original[name].to(param.dtype)), f"target parameter {name} changed"
+    target = result["target"].state_dict()
+    assert set(target) == set(original)
+    for name, param in target.items():
+        # loaded in the run's precision (bf16 for mixed precision), then never touched
+        assert torch.equal(param.cpu(), original[name].to(param.dtype)), f"target parameter {name} changed"
     loaded = load_heads(out)
     assert loaded.config.tree and len(loaded.config.tree) == 5
+    assert set(loaded.state_dict()) == set(trained)
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, trained[name].cpu().to(value.dtype))  # loaded in the config's dtype
     assert len(list((out / "checkpoints").glob("step-*"))) == 2  # save_total_limit
@@ -76,15 +73,13 @@ def test_unknown_and_mistyped_options_are_errors():
     assert cfg.num_heads == 3 and cfg.share_lm_head is True and cfg.resume == "latest"
 
 
-@pytest.mark.parametrize("reporter", ["wandb", "tensorboard"])
-def test_logging_backends_write_runs_offline(reporter, tiny_model_dir, text_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("reporter, written", [("wandb", "wandb/**/offline-run-*"),
+                                               ("tensorboard", "heads/**/events.out.tfevents.*")])
+def test_logging_backends_write_runs_offline(reporter, written, tiny_model_dir, text_data, tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
     (tmp_path / "wandb").mkdir()
     out = tmp_path / "heads"
     run(load_config(MedusaConfig, _args(tiny_model_dir, text_data, out, max_steps=2, report_to=reporter)))
-    if reporter == "wandb":
-        assert list((tmp_path / "wandb").rglob("offline-run-*"))
-    else:
-        assert list(out.rglob("events.out.tfevents.*"))
+    assert list(tmp_path.glob(written))

@@ -6,6 +6,10 @@ Unknown keys are errors that list the valid ones; values are converted to the fi
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
+import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -66,9 +70,56 @@ def _check_keys(cls: type, keys: list[str], where: str) -> None:
         )
 
 
-def load_config(cls: type[T], argv: list[str] | None = None, config_path: str | None = None) -> T:
-    """Build `cls` from its defaults, an optional YAML (`--config`), then `--key value` overrides."""
+def field_meanings(cls: type) -> dict[str, str]:
+    """Each option's one-line meaning: the comment after its field in the dataclass source. A subclass
+    that only changes a default keeps the meaning its base class gives."""
+    meanings: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        for line in inspect.getsource(klass).splitlines():
+            match = re.match(r"\s{4}(\w+): [^=]+=.*?  # (.+)$", line)
+            if match:
+                meanings[match.group(1)] = match.group(2).strip()
+    return meanings
+
+
+def help_text(cls: type, prog: str) -> str:
+    """`--help`: every option with its default and meaning."""
+    meanings = field_meanings(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        shown = ",".join(map(str, default)) if isinstance(default, list) else default
+        rows.append((f"--{f.name} {shown}", meanings.get(f.name, "")))
+    width = max(len(left) for left, _ in rows) + 2
+    lines = [f"usage: {prog} [--config FILE.yaml] [--key value ...] [--debug]", "",
+             (cls.__doc__ or "").strip(), "",
+             "options (shown with their defaults; a YAML given with --config sets them too, the command line wins):",
+             f"  {'--config FILE.yaml'.ljust(width)}a run config (see configs/); keys are the options below"]
+    lines += [f"  {left.ljust(width)}{meaning}" for left, meaning in rows]
+    lines.append(f"  {'--debug'.ljust(width)}show the full traceback of an error (also SELFSPEC_DEBUG=1)")
+    return "\n".join(lines)
+
+
+def check_finite(config: Any) -> None:
+    """Reject NaN and infinite values in every float option."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{f.name} must be a finite number, got {value}")
+
+
+def load_config(cls: type[T], argv: list[str] | None = None, config_path: str | None = None,
+                prog: str | None = None) -> T:
+    """Build `cls` from its defaults, an optional YAML (`--config`), then `--key value` overrides.
+    `--help` / `-h` prints every option with its default and meaning, and exits."""
     argv = list(argv or [])
+    if "--help" in argv or "-h" in argv:
+        script = Path(sys.argv[0])
+        prog = prog or (f"accelerate launch train/{script.name}" if script.parent.name == "train" else script.name)
+        print(help_text(cls, prog))
+        raise SystemExit(0)
     overrides: dict[str, Any] = {}
     i = 0
     while i < len(argv):
@@ -92,7 +143,12 @@ def load_config(cls: type[T], argv: list[str] | None = None, config_path: str | 
         path = Path(config_path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            line = f" line {where.line + 1}" if where is not None else ""
+            raise ConfigError(f"{path}{line} is not valid YAML: {getattr(e, 'problem', None) or e}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a mapping of key: value, got {type(loaded).__name__}")
         _check_keys(cls, list(loaded), str(path))

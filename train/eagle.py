@@ -15,25 +15,24 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import set_seed
 
 from heads.eagle import EagleDraft, causal_mask, layer_fields
+from heads.errors import run_main
 from heads.io import atomic_write
 from infer.eagle import draft_dtype
 from infer.tune import eagle_grid, format_rows, tune_eagle
-from train.config import load_config
+from train.config import ConfigError, load_config
 from train.data import cache_dir
 from train.loop import (
     TrainConfig,
     datasets_for,
     heads_config,
     load_frozen_target,
-    make_accelerator,
+    start_run,
     train,
 )
 from train.medusa import medusa_labels
@@ -43,8 +42,10 @@ RANKS = 10  # validation reports how often the target's token is in the drafter'
 
 @dataclasses.dataclass
 class EagleConfig(TrainConfig):
+    """Train an EAGLE drafter on a frozen causal LM (defaults: the demo target on CPU, under 15 minutes)."""
+
     output_dir: str = "outputs/eagle-demo"
-    max_steps: int = 2400  # about 10 minutes here; max_minutes stops a slower machine in time
+    max_steps: int = 2400  # optimizer steps (about 10 minutes here; max_minutes stops a slower machine in time)
     max_minutes: float = 10.5
     learning_rate: float = 1e-3
     adam_beta2: float = 0.95
@@ -58,25 +59,34 @@ class EagleConfig(TrainConfig):
     eval_steps: int = 250
     save_steps: int = 500
     num_layers: int = 1  # draft decoder layers
-    fc_bias: bool = True
+    fc_bias: bool = True  # bias on the 2H -> H input projection (vLLM drops it: false for vLLM)
     w_cls: float = 0.1  # weight of the soft-label token loss next to the feature regression
     noise: float = 0.1  # uniform U(-noise, noise) added to the input features while training
     cache_features: bool = False  # compute the target's features once and keep them on disk for every epoch
     depth: int = 0  # dynamic tree defaults stored with the drafter; 0 fits all three to this machine
-    top_k: int = 0
-    total_tokens: int = 0
+    top_k: int = 0  # frontier width and children per expanded node (0: fit here)
+    total_tokens: int = 0  # drafted nodes kept for verification (0: fit here)
     tune_depths: list[int] = dataclasses.field(default_factory=lambda: [3, 4, 5, 6, 8])  # the grid fitted over
-    tune_top_ks: list[int] = dataclasses.field(default_factory=lambda: [2, 4, 8])
-    tune_totals: list[int] = dataclasses.field(default_factory=lambda: [16, 32])
+    tune_top_ks: list[int] = dataclasses.field(default_factory=lambda: [2, 4, 8])  # top_k values fitted over
+    tune_totals: list[int] = dataclasses.field(default_factory=lambda: [16, 32])  # total_tokens values fitted over
     tune_prompts: int = 6  # validation prompts decoded per tree setting when fitting
     tune_new_tokens: int = 128  # as many as the bench: the truncated last step weighs less
 
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("num_layers", "tune_prompts", "tune_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("w_cls", "noise", "depth", "top_k", "total_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("tune_depths", "tune_top_ks", "tune_totals"):
+            if not getattr(self, name) or min(getattr(self, name)) < 1:
+                raise ConfigError(f"--{name} must list positive numbers (e.g. 2,4,8), got {getattr(self, name)}")
         given = [self.depth > 0, self.top_k > 0, self.total_tokens > 0]
         if any(given) and not all(given):
-            raise ValueError("set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)")
+            raise ConfigError("set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)")
 
 
 class EagleMethod:
@@ -166,8 +176,10 @@ class EagleMethod:
             best = self.fit_tree(draft)
             draft.config.depth, draft.config.top_k, draft.config.total_tokens = (
                 best["depth"], best["top_k"], best["total_tokens"])
-        card = (f"\n## Validation (last evaluation)\n\ntop-1 agreement with the target {metrics.get('top1', 0):.3f}, "
-                f"top-5 {metrics.get('top5', 0):.3f}; dynamic tree: depth {draft.config.depth}, top_k "
+        if not metrics:  # the loop always evaluates before saving; never write a card of zeros
+            raise ValueError("no validation metrics for the model card: evaluate before saving")
+        card = (f"\n## Validation (last evaluation)\n\ntop-1 agreement with the target {metrics['top1']:.3f}, "
+                f"top-5 {metrics['top5']:.3f}; dynamic tree: depth {draft.config.depth}, top_k "
                 f"{draft.config.top_k}, total_tokens {draft.config.total_tokens}\n")
         draft.save_pretrained(output_dir, card_extra=card)
 
@@ -212,8 +224,7 @@ def cached_features(cfg: EagleConfig, target, examples: dict, name: str, batch_s
 
 def run(cfg: EagleConfig) -> dict:
     """Set up, train and save; returns the target, the trained drafter and the validation history."""
-    accelerator = make_accelerator(cfg)
-    set_seed(cfg.seed)
+    accelerator = start_run(cfg)
     target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
     heads_cfg = heads_config(cfg, target, "eagle", num_layers=cfg.num_layers, fc_bias=cfg.fc_bias,
                              layer=layer_fields(target.config))
@@ -231,7 +242,8 @@ def run(cfg: EagleConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(load_config(EagleConfig, sys.argv[1:] if argv is None else argv))
+    """The script: options from the command line; a user error ends in one line (exit 2)."""
+    run_main(lambda args: run(load_config(EagleConfig, args)), argv, prog="train/eagle.py")
 
 
 if __name__ == "__main__":

@@ -14,14 +14,15 @@ import itertools
 import json
 import math
 import os
-import shutil
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
@@ -29,6 +30,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedul
 from heads.config import HeadsConfig
 from heads.io import atomic_write
 from shipped.models import resolve_model
+from train.checkpoints import (
+    check_rng_files,
+    check_same_run,
+    find_resume,
+    prepare_output_dir,
+    read_state,
+    save_checkpoint,
+)
+from train.config import ConfigError, check_finite
 from train.data import cache_dir, load_examples, split_examples
 from train.distill import regenerate
 
@@ -43,34 +53,36 @@ class TrainConfig:
     model: str = "demo"  # any HF causal LM name or path; `demo` is the shipped target
     dataset: str = "stdlib"  # stdlib | file.txt | folder | file.json(l) | a datasets name
     eval_dataset: str | None = None  # default: the stdlib validation split, or a held-out slice
-    eval_fraction: float = 0.02
+    eval_fraction: float = 0.02  # the held-out slice of `dataset` used for validation when no eval_dataset
     max_train_examples: int = 0  # > 0: use only this many (seeded random) training examples
     self_distill: bool = False  # train on the target's own greedy continuations (see train/distill.py)
     distill_prompt_tokens: int = 32  # with self_distill: tokens kept from the data as each prompt
-    output_dir: str = "outputs/medusa-demo"
+    output_dir: str = "outputs/medusa-demo"  # where the drafter, its checkpoints and training_args.json go
+    overwrite_output_dir: bool = False  # delete checkpoints another run left in output_dir (else: refuse to start)
     max_steps: int = -1  # optimizer steps; -1 means num_epochs
-    num_epochs: float = 1.0
+    num_epochs: float = 1.0  # epochs over the training data when max_steps is -1
     max_minutes: float = 0.0  # > 0: stop (and save) when this wall-clock budget is spent
-    learning_rate: float = 1e-3
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    warmup_ratio: float = 0.05
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    max_length: int = 512
+    learning_rate: float = 1e-3  # peak AdamW learning rate (cosine decay after warmup)
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.999  # AdamW beta2
+    warmup_ratio: float = 0.05  # fraction of the steps spent warming the learning rate up linearly
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # clip the gradient norm to this (0: no clipping)
+    per_device_train_batch_size: int = 8  # examples per process per micro-batch
+    per_device_eval_batch_size: int = 8  # examples per process per validation batch
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    max_length: int = 512  # tokens per training example (longer text is split, shorter padded)
     mixed_precision: str = "no"  # no | bf16 | fp16
-    seed: int = 0
-    save_steps: int = 500
-    save_total_limit: int = 2
-    eval_steps: int = 100
+    seed: int = 0  # seeds data order, subsets, initialisation and noise
+    save_steps: int = 500  # write a resumable checkpoint every this many steps (and at the end)
+    save_total_limit: int = 2  # checkpoints of this run kept (older ones deleted; 0 keeps all)
+    eval_steps: int = 100  # validate every this many steps (and at the start and the end)
     eval_batches: int = 16  # cap on validation batches per evaluation
-    logging_steps: int = 10
+    logging_steps: int = 10  # log the training loss every this many steps
     resume: str | None = None  # `latest` (in output_dir) or a checkpoint folder
+    resume_allow_changes: bool = False  # resume although batch size, data or model differ from the checkpoint's
     report_to: str = "none"  # none | wandb | tensorboard
-    run_name: str | None = None
+    run_name: str | None = None  # the tracker's run name (default: output_dir's name)
 
     @property
     def target_dtype(self) -> torch.dtype:
@@ -78,20 +90,35 @@ class TrainConfig:
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision, torch.float32)
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.report_to not in REPORTERS:
-            raise ValueError(f"report_to must be one of {REPORTERS}, got {self.report_to!r}")
+            raise ConfigError(f"--report_to must be one of {', '.join(REPORTERS)}, got {self.report_to!r}")
         if self.mixed_precision not in PRECISIONS:
-            raise ValueError(f"mixed_precision must be one of {PRECISIONS}, got {self.mixed_precision!r}")
-        if self.max_steps <= 0 and self.num_epochs <= 0:
-            raise ValueError("set max_steps > 0 or num_epochs > 0")
+            raise ConfigError(f"--mixed_precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"--max_steps must be > 0, or -1 to train num_epochs epochs; got {self.max_steps}")
+        if self.max_steps == -1 and self.num_epochs <= 0:
+            raise ConfigError(f"--num_epochs must be > 0 when max_steps is -1, got {self.num_epochs}")
         for name in ("save_steps", "eval_steps", "logging_steps", "gradient_accumulation_steps",
-                     "per_device_train_batch_size", "per_device_eval_batch_size", "eval_batches", "max_length"):
+                     "per_device_train_batch_size", "per_device_eval_batch_size", "eval_batches", "max_length",
+                     "distill_prompt_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_train_examples", "save_total_limit", "max_minutes", "weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+            raise ConfigError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not 0 < self.eval_fraction < 1:
-            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+            raise ConfigError(f"--eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.self_distill and self.distill_prompt_tokens >= self.max_length:
+            raise ConfigError(f"--distill_prompt_tokens ({self.distill_prompt_tokens}) must be below max_length "
+                              f"({self.max_length}): the rest of each example is what the target writes")
 
 
 class Method(Protocol):
@@ -170,6 +197,15 @@ def distilled(cfg: TrainConfig, target, examples: dict, pad: int, name: str) -> 
     return out
 
 
+def start_run(cfg: TrainConfig) -> Accelerator:
+    """The accelerator, the output folder checked (writable, no other run's checkpoints) before any
+    heavy work, and the seed set."""
+    accelerator = make_accelerator(cfg)
+    prepare_output_dir(accelerator, Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir)
+    set_seed(cfg.seed)
+    return accelerator
+
+
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
     # Several CPU processes need gloo, or accelerate reports one process per rank and shards nothing.
     multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -182,49 +218,6 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         kwargs_handlers=handlers,
     )
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-def checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a half-written one is still a dot-folder and never listed)."""
-    found = [p for p in (output_dir / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: dict[str, Any], keep: int) -> Path:
-    """save_state into a temporary folder, then rename: a crash mid-write leaves no loadable half-checkpoint."""
-    root = output_dir / "checkpoints"
-    final = root / f"step-{state['step']}"
-    tmp = root / f".tmp-step-{state['step']}"
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    if accelerator.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in checkpoints(output_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def find_resume(cfg: TrainConfig) -> Path | None:
-    if not cfg.resume:
-        return None
-    if cfg.resume in ("latest", "true", "auto"):
-        found = checkpoints(Path(cfg.output_dir))
-        if not found:
-            raise FileNotFoundError(f"--resume latest: no checkpoint under {cfg.output_dir}/checkpoints")
-        return found[-1]
-    path = Path(cfg.resume)
-    if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"--resume {path}: not a complete checkpoint (no trainer_state.json)")
-    return path
 
 
 # ---------------------------------------------------------------- the loop
@@ -261,11 +254,20 @@ def train(
     method.trainable = trainable
 
     step, epoch, batches_done = 0, 0, 0
-    resume_from = find_resume(cfg)
+    history: list[tuple[int, dict[str, float]]] = []
+    metrics: dict[str, float] = {}
+    fingerprint = run_fingerprint(cfg, accelerator, trainable, train_data)
+    run_id = uuid.uuid4().hex
+    resume_from = find_resume(cfg.resume, output_dir)
     if resume_from is not None:
+        state = read_state(resume_from)
+        check_same_run(resume_from, state.get("fingerprint", {}), fingerprint, cfg.resume_allow_changes)
+        check_rng_files(resume_from, accelerator.process_index)
         accelerator.load_state(str(resume_from))
-        state = json.loads((resume_from / "trainer_state.json").read_text())
         step, epoch, batches_done = state["step"], state["epoch"], state["batches_done"]
+        run_id = state.get("run_id", run_id)
+        metrics = state.get("metrics") or {}  # a final checkpoint's metrics decide the tree and the card
+        history = [(step, metrics)] if metrics else []
         accelerator.print(f"resumed from {resume_from} at step {step} (epoch {epoch}, batch {batches_done})")
 
     if cfg.report_to != "none":
@@ -275,8 +277,6 @@ def train(
         f"({len(train_data['input_ids'])} examples of {cfg.max_length} tokens, {per_epoch} steps per epoch)"
     )
     bar = tqdm(total=total, initial=step, disable=not main, desc="train", dynamic_ncols=True)
-    history: list[tuple[int, dict[str, float]]] = []
-    metrics: dict[str, float] = {}
     if step == 0 and total > 0:
         metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator.device)
         history.append((0, metrics))
@@ -315,7 +315,8 @@ def train(
                 accelerator.log({"eval/" + k: v for k, v in metrics.items()}, step=step)
                 bar.write(f"step {step}: " + format_metrics(metrics))
             if step % cfg.save_steps == 0 or stop:
-                state = {"step": step, "epoch": epoch, "batches_done": batches_done, "metrics": metrics}
+                state = {"step": step, "epoch": epoch, "batches_done": batches_done, "metrics": metrics,
+                         "run_id": run_id, "fingerprint": fingerprint}
                 save_checkpoint(accelerator, output_dir, state, cfg.save_total_limit)
             if stop:
                 if out_of_time:
@@ -333,6 +334,17 @@ def train(
             report_saved(cfg, history, method.label)
     accelerator.end_training()
     return history
+
+
+def run_fingerprint(cfg: TrainConfig, accelerator: Accelerator, trainable: torch.nn.Module,
+                    train_data: dict) -> dict[str, Any]:
+    """What decides a run's result besides its seed: resuming with any of these changed is refused."""
+    shapes = hashlib.sha1(repr([(n, tuple(p.shape)) for n, p in trainable.named_parameters()]).encode())
+    return {"model": cfg.model, "train_examples": int(train_data["input_ids"].shape[0]),
+            "train_data_sha1": hashlib.sha1(train_data["input_ids"].numpy().tobytes()).hexdigest(),
+            "max_length": cfg.max_length, "per_device_train_batch_size": cfg.per_device_train_batch_size,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "num_processes": accelerator.num_processes, "drafter_shapes_sha1": shapes.hexdigest()}
 
 
 def batches_keeping_rng(loader: DataLoader):

@@ -11,23 +11,22 @@ are saved with a default tree fitted to their measured top-k accuracies.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import set_seed
 
+from heads.errors import run_main
 from heads.medusa import MedusaHeads
 from infer.bench import forward_latency
 from infer.tree import best_choices, fit_tree
-from train.config import load_config
+from train.config import ConfigError, load_config
 from train.loop import (
     TrainConfig,
     datasets_for,
     heads_config,
     load_frozen_target,
-    make_accelerator,
+    start_run,
     train,
 )
 
@@ -36,6 +35,8 @@ RANKS = 10  # top-k depth of the accuracy table the default tree is fitted to
 
 @dataclasses.dataclass
 class MedusaConfig(TrainConfig):
+    """Train Medusa heads on a frozen causal LM (defaults: the demo target on CPU, under 10 minutes)."""
+
     output_dir: str = "outputs/medusa-demo"
     max_steps: int = 400
     max_minutes: float = 7.0
@@ -43,16 +44,26 @@ class MedusaConfig(TrainConfig):
     max_length: int = 192
     per_device_train_batch_size: int = 8
     mixed_precision: str = "bf16"  # also on CPU: recent x86 CPUs run bf16 matmuls several times faster
-    num_heads: int = 4
-    num_layers: int = 1
+    num_heads: int = 4  # heads; head k predicts the token k + 2 positions ahead
+    num_layers: int = 1  # residual blocks per head
     head_decay: float = 0.8  # weight of head k's loss is head_decay ** k
     # Medusa's later format: heads reuse the target's frozen lm_head. On a small target K separate
     # vocabulary projections cost nearly a target forward per draft (memory-bound); one shared is cheap.
-    share_lm_head: bool = True
+    share_lm_head: bool = True  # heads reuse the target's frozen lm_head (else one projection per head)
     self_distill: bool = True  # learn what the target itself says (acceptance at decode time), not the corpus
     max_train_examples: int = 1024  # bounds the self-distillation time (about 2 minutes here)
     save_steps: int = 200
     tree_nodes: int = 0  # nodes of the default tree stored with the heads; 0 fits it to this machine's latency
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("num_heads", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.head_decay <= 1:
+            raise ConfigError(f"--head_decay must be in (0, 1], got {self.head_decay}")
+        if self.tree_nodes < 0:
+            raise ConfigError(f"--tree_nodes must be >= 0 (0 fits the tree here), got {self.tree_nodes}")
 
 
 def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,23 +144,23 @@ class MedusaMethod:
         return choices
 
     def save(self, heads: MedusaHeads, output_dir: Path, metrics: dict[str, float]) -> None:
+        """Heads, the default tree fitted to their validation accuracy, and a card with the numbers."""
         K = self.cfg.num_heads
-        if metrics:
-            acc = torch.tensor([[metrics[f"rank_acc/{k}/{r}"] for r in range(RANKS)] for k in range(K)]).clamp(min=1e-6)
-            if self.cfg.tree_nodes > 0:
-                heads.config.tree = best_choices(acc, self.cfg.tree_nodes)
-            else:
-                heads.config.tree = self.fit_tree(acc)
-        table = "\n".join(f"| {k} | {metrics.get(f'head{k}_top1', 0):.3f} | {metrics.get(f'head{k}_loss', 0):.3f} |"
-                          for k in range(K))
+        if not metrics:  # the loop always evaluates before saving; never write a card of zeros or a null tree
+            raise ValueError("no validation metrics to fit the tree to: evaluate before saving")
+        acc = torch.tensor([[metrics[f"rank_acc/{k}/{r}"] for r in range(RANKS)] for k in range(K)]).clamp(min=1e-6)
+        if self.cfg.tree_nodes > 0:
+            heads.config.tree = best_choices(acc, self.cfg.tree_nodes)
+        else:
+            heads.config.tree = self.fit_tree(acc)
+        table = "\n".join(f"| {k} | {metrics[f'head{k}_top1']:.3f} | {metrics[f'head{k}_loss']:.3f} |" for k in range(K))
         card = f"\n## Validation (last evaluation)\n\n| head | top-1 | loss |\n|---|---|---|\n{table}\n"
         heads.save_pretrained(output_dir, card_extra=card)
 
 
 def run(cfg: MedusaConfig) -> dict:
     """Set up, train and save; returns the target, the trained heads and the validation history."""
-    accelerator = make_accelerator(cfg)
-    set_seed(cfg.seed)
+    accelerator = start_run(cfg)
     target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
     heads_cfg = heads_config(cfg, target, "medusa", num_heads=cfg.num_heads, num_layers=cfg.num_layers,
                              share_lm_head=cfg.share_lm_head)
@@ -165,7 +176,8 @@ def run(cfg: MedusaConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(load_config(MedusaConfig, sys.argv[1:] if argv is None else argv))
+    """The script: options from the command line; a user error ends in one line (exit 2)."""
+    run_main(lambda args: run(load_config(MedusaConfig, args)), argv, prog="train/medusa.py")
 
 
 if __name__ == "__main__":

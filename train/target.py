@@ -16,7 +16,6 @@ import json
 import lzma
 import math
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -24,35 +23,49 @@ import torch
 from tokenizers import ByteLevelBPETokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from heads.errors import run_main
 from shipped.models import resolve_model
 from shipped.stdlib_corpus import stdlib_texts
-from train.config import load_config
+from train.config import ConfigError, check_finite, load_config
 
 SPECIAL = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
 
 
 @dataclasses.dataclass
 class TargetConfig:
-    output_dir: str = "models/demo-target"
+    """Train the demo target (a small Llama code model) from scratch on the stdlib corpus."""
+
+    output_dir: str = "models/demo-target"  # where the model, tokenizer and card are written
     tokenizer: str | None = None  # a saved tokenizer to reuse; None trains one on the train split
-    vocab_size: int = 8192
-    hidden_size: int = 384
-    num_layers: int = 8
-    num_heads: int = 6
-    num_kv_heads: int = 6
-    intermediate_size: int = 1024
-    seq_len: int = 512
-    batch_size: int = 16
-    learning_rate: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    max_steps: int = 100_000
+    vocab_size: int = 8192  # BPE vocabulary size of a newly trained tokenizer
+    hidden_size: int = 384  # model width
+    num_layers: int = 8  # decoder layers
+    num_heads: int = 6  # attention heads
+    num_kv_heads: int = 6  # key/value heads (fewer than num_heads: grouped-query attention)
+    intermediate_size: int = 1024  # MLP width
+    seq_len: int = 512  # tokens per training window
+    batch_size: int = 16  # windows per optimizer step
+    learning_rate: float = 1e-3  # peak AdamW learning rate
+    min_lr_ratio: float = 0.1  # the cosine ends at this fraction of the peak
+    warmup_steps: int = 100  # linear warmup steps
+    weight_decay: float = 0.1  # AdamW weight decay
+    max_steps: int = 100_000  # optimizer steps at most
     max_minutes: float = 50.0  # > 0: the cosine follows the wall clock and training stops at this budget
-    eval_every: int = 100
-    eval_batches: int = 8
-    threads: int = 2
-    seed: int = 0
+    eval_every: int = 100  # validate every this many steps
+    eval_batches: int = 8  # validation windows per evaluation
+    threads: int = 2  # torch CPU threads
+    seed: int = 0  # seeds initialisation and data order
+
+    def __post_init__(self) -> None:
+        check_finite(self)
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "seq_len", "batch_size", "max_steps", "eval_every", "eval_batches", "threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.learning_rate <= 0 or self.max_minutes < 0 or self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ConfigError("--learning_rate must be > 0 and --max_minutes, --warmup_steps, --weight_decay >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 def build_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerFast:
@@ -177,8 +190,12 @@ tokenizer = AutoTokenizer.from_pretrained("{out.as_posix()}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    cfg = load_config(TargetConfig, argv)
+    run_main(train_target, argv, prog="train/target.py")
+
+
+def train_target(argv: list[str]) -> None:
+    """Train the demo target from scratch (see configs/target/)."""
+    cfg = load_config(TargetConfig, argv, prog="python train/target.py")
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
