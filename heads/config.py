@@ -13,6 +13,17 @@ KINDS = ("medusa", "eagle")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object, or a ValueError naming the file (and the line of a syntax error)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not readable JSON ({e}): fix or re-download the file") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object")
+    return data
+
+
 @dataclasses.dataclass
 class HeadsConfig:
     """Shapes and provenance of a drafter; saved as `config.json` next to its weights."""
@@ -34,6 +45,7 @@ class HeadsConfig:
     total_tokens: int = 32  # EAGLE-2 dynamic tree: drafted nodes kept for verification (root not counted)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.kind not in KINDS:
             raise ValueError(f"unknown heads kind {self.kind!r}; supported: {', '.join(KINDS)}")
         if self.dtype not in DTYPES:
@@ -43,6 +55,25 @@ class HeadsConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kind == "eagle" and not self.layer:
             raise ValueError("an eagle config needs `layer`: the decoder layer's LlamaConfig fields")
+
+    def _check_types(self) -> None:
+        """A config.json edited by hand (or written by another tool) fails here, naming the field, not deep inside."""
+        for f in dataclasses.fields(self):
+            value, hint = getattr(self, f.name), str(f.type)
+            if value is None and "None" in hint:
+                continue
+            expected = {"str": str, "int": int, "bool": bool}.get(hint.split(" ")[0])
+            if hint.startswith("list"):
+                ok = isinstance(value, list) and all(
+                    isinstance(path, list) and all(type(i) is int for i in path) for path in value)
+                if not ok:
+                    raise ValueError(f"{f.name} must be a list of lists of ints (tree paths), got {value!r}")
+            elif hint.startswith("dict"):
+                if not isinstance(value, dict):
+                    raise ValueError(f"{f.name} must be a JSON object, got {value!r}")
+            elif expected is not None and not (type(value) is expected or (expected is bool and value in (0, 1)
+                                                                           and type(value) is int)):
+                raise ValueError(f"{f.name} must be {expected.__name__}, got {value!r} ({type(value).__name__})")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -66,7 +97,11 @@ class HeadsConfig:
         path = Path(directory, "config.json")
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {directory}: is this a selfspec heads directory?")
-        return cls.from_dict(json.loads(path.read_text()))
+        data = read_json_object(path)
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
 SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")

@@ -6,7 +6,6 @@ every drafter (save_pretrained / from_pretrained / push_to_hub).
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -16,20 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from heads.config import HeadsConfig
+from heads.config import HeadsConfig, read_json_object
 from heads.errors import disk_full_instead
 from heads.hub import WEIGHTS_NAME, model_card, push_to_hub, resolve_heads
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON file holding an object, or a ValueError naming the file (and the line of a syntax error)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not readable JSON ({e}): fix or re-download the file") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object")
-    return data
 
 
 def read_config_json(directory: Path) -> dict[str, Any]:
@@ -118,7 +106,7 @@ class PretrainedHeads(nn.Module):
         if not weights.is_file():
             raise FileNotFoundError(f"{directory} has config.json but no {WEIGHTS_NAME}")
         model = cls(config)
-        state = load_file(str(weights), device=str(device))
+        state = read_state_dict(weights)
         expected = set(model.state_dict())
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:

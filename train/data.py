@@ -28,16 +28,27 @@ class DataError(ValueError):
     """A dataset that cannot be read as any supported layout."""
 
 
-def _records_from_json(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text()
+def _records_from_json(path: Path) -> list[tuple[str, Any]]:
+    """(where, record) pairs of a .json/.jsonl file; `where` names the file and line for error messages."""
+    text = path.read_text(errors="replace")
     if path.suffix == ".jsonl":
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    data = json.loads(text)
+        records = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    records.append((f"{path} line {number}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path} line {number} is not valid JSON ({e.msg} at column {e.colno})") from None
+        return records
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} line {e.lineno} is not valid JSON ({e.msg} at column {e.colno})") from None
     if isinstance(data, dict) and "data" in data:
         data = data["data"]
     if not isinstance(data, list):
         raise DataError(f"{path} must hold a list of records (or {{'data': [...]}})")
-    return data
+    return [(f"{path} record {i}", r) for i, r in enumerate(data)]
 
 
 def load_records(source: str, split: str = "train") -> list[dict[str, Any]]:
@@ -52,7 +63,7 @@ def load_records(source: str, split: str = "train") -> list[dict[str, Any]]:
         return [r for f in files for r in load_records(str(f), split)]
     if path.is_file():
         if path.suffix in (".json", ".jsonl"):
-            return [_normalise(r, f"{path}") for r in _records_from_json(path)]
+            return [_normalise(r, where) for where, r in _records_from_json(path)]
         return [{"text": path.read_text(errors="replace")}]
     if path.suffix in TEXT_SUFFIXES | {".json", ".jsonl"} or source.startswith((".", "/", "~")):
         raise DataError(f"dataset {source!r} does not exist (no such file or folder)")
@@ -63,23 +74,30 @@ def load_records(source: str, split: str = "train") -> list[dict[str, Any]]:
     except Exception as err:  # the hub and local scripts raise many types; all mean the same to the user
         raise DataError(f"could not load dataset {source!r} ({type(err).__name__}: {err}); give a local file, folder, "
                         "or a `datasets` name that is cached (HF_HUB_OFFLINE=1 blocks downloads)") from err
-    return [_normalise(dict(r), source) for r in ds]
+    return [_normalise(dict(r), f"{source} record {i}") for i, r in enumerate(ds)]
 
 
-def _normalise(record: dict[str, Any], where: str) -> dict[str, Any]:
-    if "messages" in record:
-        return {"messages": [{"role": m["role"], "content": m["content"]} for m in record["messages"]]}
-    if "conversations" in record:
-        msgs = []
-        for turn in record["conversations"]:
-            role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
-            if role is None:
-                raise DataError(f"unknown ShareGPT speaker {turn.get('from')!r} in {where}")
-            msgs.append({"role": role, "content": turn["value"]})
-        return {"messages": msgs}
+def _normalise(record: Any, where: str) -> dict[str, Any]:
+    """A record as {"text": ...} or {"messages": [{"role", "content"}, ...]}; errors name `where` it was."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
+    try:
+        if "messages" in record:
+            return {"messages": [{"role": m["role"], "content": m["content"]} for m in record["messages"]]}
+        if "conversations" in record:
+            msgs = []
+            for turn in record["conversations"]:
+                role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
+                if role is None:
+                    raise DataError(f"{where}: unknown ShareGPT speaker {turn.get('from')!r}")
+                msgs.append({"role": role, "content": turn["value"]})
+            return {"messages": msgs}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise DataError(f"{where}: a turn needs `role`/`content` (messages) or `from`/`value` (ShareGPT); "
+                        f"{type(e).__name__}: {e}") from None
     if "text" in record:
         return {"text": record["text"]}
-    raise DataError(f"records in {where} need a `text`, `messages` or `conversations` field; got {sorted(record)}")
+    raise DataError(f"{where}: records need a `text`, `messages` or `conversations` field; got {sorted(record)}")
 
 
 def chat_example(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:

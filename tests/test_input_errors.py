@@ -1,0 +1,60 @@
+"""Damaged or mistyped input files fail with one message naming the file (and the line or field)."""
+
+import json
+
+import pytest
+
+from heads.config import HeadsConfig
+from heads.registry import load_heads
+from train.data import DataError, load_records
+
+
+def test_a_bad_jsonl_line_is_named(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text('{"text": "ok"}\n\n{"text": "fine"}\n{"text": broken}\n')
+    with pytest.raises(DataError, match=rf"{path} line 4 is not valid JSON \(Expecting value at column 10\)"):
+        load_records(str(path))
+
+
+def test_a_bad_json_file_is_named_with_its_line(tmp_path):
+    path = tmp_path / "data.json"
+    path.write_text('[\n  {"text": "a"},\n  {"text": "b",}\n]\n')
+    with pytest.raises(DataError, match=rf"{path} line 3 is not valid JSON"):
+        load_records(str(path))
+
+
+@pytest.mark.parametrize("record, problem", [
+    ({"messages": [{"role": "user"}]}, r"line 2: a turn needs `role`/`content`"),
+    ({"conversations": [{"from": "alien", "value": "hi"}]}, r"line 2: unknown ShareGPT speaker 'alien'"),
+    ({"prompt": "x"}, r"line 2: records need a `text`, `messages` or `conversations` field; got \['prompt'\]"),
+    (["not", "an", "object"], r"line 2: a record must be a JSON object, got list"),
+])
+def test_a_bad_record_is_named_with_its_line(tmp_path, record, problem):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(DataError, match=rf"{path} {problem}"):
+        load_records(str(path))
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("num_heads", "4", r"num_heads must be int, got '4' \(str\)"),
+    ("hidden_size", 64.0, r"hidden_size must be int, got 64.0 \(float\)"),
+    ("tree", [[0], ["1"]], r"tree must be a list of lists of ints"),
+    ("share_lm_head", "yes", r"share_lm_head must be bool"),
+    ("dtype", "fp8", r"unknown dtype 'fp8'"),
+])
+def test_a_mistyped_heads_config_names_file_and_field(tmp_path, field, value, problem):
+    config = HeadsConfig(hidden_size=64, vocab_size=96).to_dict() | {field: value}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}: {problem}"):
+        load_heads(tmp_path)
+
+
+def test_damaged_heads_files_are_named(tmp_path):
+    (tmp_path / "config.json").write_text('{"kind": "medusa",\n "hidden_size": }')
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'} is not readable JSON .*line 2"):
+        load_heads(tmp_path)
+    (tmp_path / "config.json").write_text(HeadsConfig(hidden_size=64, vocab_size=96).to_json())
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{truncated")
+    with pytest.raises(ValueError, match=rf"cannot read the weights in {tmp_path / 'model.safetensors'}"):
+        load_heads(tmp_path)
