@@ -9,7 +9,7 @@ from typing import Any
 
 from shipped.models import resolve_model
 
-KINDS = ("medusa", "eagle")
+KINDS = ("medusa", "eagle", "eagle3")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -43,6 +43,9 @@ class HeadsConfig:
     depth: int = 6  # EAGLE-2 dynamic tree: draft steps
     top_k: int = 8  # EAGLE-2 dynamic tree: frontier width and children per expanded node
     total_tokens: int = 32  # EAGLE-2 dynamic tree: drafted nodes kept for verification (root not counted)
+    # EAGLE-3 only
+    feature_layers: list[int] | None = None  # target hidden_states indices fused by fc (0 = embeddings), low to high
+    draft_vocab_size: int = 0  # the drafter's own vocabulary (d2t maps it to target ids); 0 = the target's
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -53,8 +56,15 @@ class HeadsConfig:
         for name in ("hidden_size", "vocab_size", "num_heads", "num_layers", "depth", "top_k", "total_tokens"):
             if getattr(self, name) < (0 if name in ("hidden_size", "vocab_size") else 1):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.kind == "eagle" and not self.layer:
-            raise ValueError("an eagle config needs `layer`: the decoder layer's LlamaConfig fields")
+        if self.kind in ("eagle", "eagle3") and not self.layer:
+            raise ValueError(f"an {self.kind} config needs `layer`: the decoder layer's LlamaConfig fields")
+        if self.kind == "eagle3":
+            if not self.feature_layers or min(self.feature_layers) < 0:
+                raise ValueError(f"an eagle3 config needs `feature_layers`: the target hidden_states indices its fc "
+                                 f"fuses (e.g. [2, L // 2, L - 3]), got {self.feature_layers}")
+            if not 0 <= self.draft_vocab_size <= self.vocab_size:
+                raise ValueError(f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}] (0: the target's "
+                                 f"vocabulary), got {self.draft_vocab_size}")
 
     def _check_types(self) -> None:
         """A config.json edited by hand (or written by another tool) fails here, naming the field, not deep inside."""
@@ -63,11 +73,14 @@ class HeadsConfig:
             if value is None and "None" in hint:
                 continue
             expected = {"str": str, "int": int, "bool": bool}.get(hint.split(" ")[0])
-            if hint.startswith("list"):
+            if hint.startswith("list[list"):
                 ok = isinstance(value, list) and all(
                     isinstance(path, list) and all(type(i) is int for i in path) for path in value)
                 if not ok:
                     raise ValueError(f"{f.name} must be a list of lists of ints (tree paths), got {value!r}")
+            elif hint.startswith("list"):
+                if not (isinstance(value, list) and all(type(i) is int for i in value)):
+                    raise ValueError(f"{f.name} must be a list of ints, got {value!r}")
             elif hint.startswith("dict"):
                 if not isinstance(value, dict):
                     raise ValueError(f"{f.name} must be a JSON object, got {value!r}")

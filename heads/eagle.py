@@ -60,6 +60,24 @@ def llama_config(config: HeadsConfig) -> LlamaConfig:
     return lc
 
 
+def cache_keyword() -> str:
+    """The cache argument of transformers' Llama layers: renamed from `past_key_values` in transformers 5."""
+    params = inspect.signature(LlamaDecoderLayer.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class Float32RotaryEmbedding(LlamaRotaryEmbedding):
+    """RoPE whose inverse frequencies stay float32 when the drafter is cast to another dtype: bfloat16 rounds
+    them, which shifts the angle of every position by up to ~0.4% and wrecks positions past a few hundred."""
+
+    def _apply(self, fn, recurse: bool = True):
+        kept = {name: getattr(self, name) for name in ("inv_freq", "original_inv_freq")}
+        super()._apply(fn, recurse)
+        for name, value in kept.items():
+            setattr(self, name, value.to(getattr(self, name).device))  # follow moves, not casts
+        return self
+
+
 def causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) 0/1 padding mask -> boolean (B, 1, T, T) causal mask (True = visible) hiding padded keys.
 
@@ -83,9 +101,20 @@ class EagleDraft(PretrainedHeads):
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
         self.layers = nn.ModuleList(LlamaDecoderLayer(lc, i) for i in range(config.num_layers))
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1: fc's output goes straight into attention
-        self.rotary_emb = LlamaRotaryEmbedding(lc)  # inv_freq is a non-persistent buffer: not in the weights
-        params = inspect.signature(LlamaDecoderLayer.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
+        self.rotary_emb = Float32RotaryEmbedding(lc)  # inv_freq is a non-persistent buffer: not in the weights
+        self._cache_kw = cache_keyword()
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features as this drafter reads them (EAGLE-1: as they are; EAGLE-3 fuses layers)."""
+        return features
+
+    def logits(self, out: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Predicted features (..., H) -> logits over the target's vocabulary through its frozen lm_head."""
+        return lm_head(out.to(lm_head.weight.dtype))
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft token ids as target ids: EAGLE-1 drafts in the target's own vocabulary."""
+        return ids
 
     def forward(
         self,

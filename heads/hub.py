@@ -20,6 +20,9 @@ BENCH_NAME = "bench.json"  # `python -m infer bench --json DIR/bench.json`
 
 
 def _shape(config: HeadsConfig) -> str:
+    if config.kind == "eagle3":
+        return (f"EAGLE-3 draft model: fc over target layers {config.feature_layers} + one decoder layer, "
+                f"draft vocabulary of {config.draft_vocab_size or config.vocab_size} tokens")
     if config.kind == "eagle":
         return f"EAGLE draft model: fc (2H -> H) + {config.num_layers} Llama decoder layer(s) on the target's features"
     return f"{config.num_heads} Medusa heads x {config.num_layers} residual block(s)"

@@ -8,11 +8,12 @@ import torch
 
 from heads.config import HeadsConfig
 from heads.eagle import EagleDraft
+from heads.eagle3 import Eagle3Draft
 from heads.hub import resolve_heads
 from heads.io import PretrainedHeads
 from heads.medusa import MedusaHeads
 
-DRAFTERS: dict[str, type[PretrainedHeads]] = {"medusa": MedusaHeads, "eagle": EagleDraft}
+DRAFTERS: dict[str, type[PretrainedHeads]] = {"medusa": MedusaHeads, "eagle": EagleDraft, "eagle3": Eagle3Draft}
 
 
 def load_heads(directory: str | Path, device: str | torch.device = "cpu") -> PretrainedHeads:

@@ -31,12 +31,12 @@ def draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
 
 
 class EagleProposer:
-    """Drafts with an `EagleDraft` on the target's features; dynamic (EAGLE-2) unless `choices` are given.
+    """Drafts with an `EagleDraft` (or `Eagle3Draft`) on the target's features; dynamic (EAGLE-2) unless
+    `choices` are given. EAGLE-3 reads fused target layers and drafts in its own vocabulary, mapped to
+    target ids before anything leaves the proposer.
 
     It holds the drafter's cache for the sequence being decoded: one generation at a time per proposer.
     """
-
-    name = "eagle"
 
     def __init__(
         self,
@@ -50,8 +50,9 @@ class EagleProposer:
     ) -> None:
         cfg = draft.config
         self.draft = draft.eval()
+        self.name = cfg.kind  # eagle | eagle3
+        self.feature_layers = cfg.feature_layers if cfg.kind == "eagle3" else None  # what the target hands over
         self.embed, self.lm_head = embed, lm_head
-        self.lm_dtype = lm_head.weight.dtype
         self.device = next(draft.parameters()).device
         self.dtype = next(draft.parameters()).dtype
         self.depth = depth if depth is not None else cfg.depth
@@ -98,7 +99,7 @@ class EagleProposer:
         out = self.draft(features[None], tokens[None], self.embed, mask, position[None], self.cache)[0]
         if last_only:
             out = out[-1:]
-        logp = torch.log_softmax(self.lm_head(out.to(self.lm_dtype)).float(), dim=-1)
+        logp = torch.log_softmax(self.draft.logits(out, self.lm_head).float(), dim=-1)  # over the draft vocabulary
         # a finite floor keeps scores strictly falling along paths (NaN would break the tree selection)
         return out, logp.nan_to_num(nan=-1e4, neginf=-1e4)
 
@@ -109,7 +110,7 @@ class EagleProposer:
         # the confirmed pairs (f_t, x_{t+1}); the last one holds the root, so its output drafts depth 1
         positions = torch.arange(self.length, self.length + m, device=self.device)
         causal = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()
-        feats, logp = self._run(hiddens.to(self.dtype), context[-m:], causal, positions, last_only=True)
+        feats, logp = self._run(self.draft.fuse(hiddens.to(self.dtype)), context[-m:], causal, positions, last_only=True)
         self.length += m
         root_feature, root_logp = feats[-1], logp[-1]
         if self.static is not None:
@@ -119,11 +120,11 @@ class EagleProposer:
     def _dynamic(self, root: torch.Tensor, root_feature: torch.Tensor, root_logp: torch.Tensor) -> tuple[torch.Tensor, Tree]:
         k, device = self.top_k, self.device
         top = root_logp.topk(k)
-        scores, tokens = [top.values], [top.indices]
+        scores, tokens = [top.values], [self.draft.to_target(top.indices)]
         parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
         ranks = [self.slots]
         # the frontier: the k best nodes of the newest depth; each runs on its parent's predicted feature
-        front_scores, front_tokens, front_index = top.values, top.indices, self.slots
+        front_scores, front_tokens, front_index = top.values, tokens[0], self.slots
         front_features = root_feature.expand(k, -1)
         visible = self.own  # frontier x draft columns so far
         offset = k  # candidates recorded so far
@@ -133,7 +134,7 @@ class EagleProposer:
             top = logp.topk(k)  # (k, k) children of each frontier node
             child_scores = descend(front_scores, top.values).flatten()
             scores.append(child_scores)
-            tokens.append(top.indices.flatten())
+            tokens.append(self.draft.to_target(top.indices.flatten()))
             parents.append(front_index.repeat_interleave(k))
             ranks.append(self.child_ranks)
             best = child_scores.topk(k).indices
@@ -153,7 +154,7 @@ class EagleProposer:
         features = root_feature.new_empty(tree.size, root_feature.shape[-1])  # the drafter's output at each node
         features[0] = root_feature
         kids = torch.empty(tree.size, width, dtype=torch.long, device=self.device)  # each node's top-`width` tokens
-        kids[0] = root_logp.topk(width).indices
+        kids[0] = self.draft.to_target(root_logp.topk(width).indices)
         for d, (start, end) in enumerate(self.levels[1:], start=1):
             parents = tree.parents[start:end]
             tokens[start:end] = kids[parents].gather(1, tree.ranks[start:end, None])[:, 0]
@@ -163,5 +164,5 @@ class EagleProposer:
             position = torch.full((end - start,), self.length - 1 + d, device=self.device)
             visible = tree.ancestors[start:end, 1:end]
             features[start:end], logp = self._run(features[parents], tokens[start:end], visible, position)
-            kids[start:end] = logp.topk(width).indices
+            kids[start:end] = self.draft.to_target(logp.topk(width).indices)
         return tokens, tree

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from heads.registry import load_heads
 from infer.cache import keep_accepted, new_cache
 from infer.eagle import EagleProposer, draft_dtype
 from infer.mask import PrefixMask
-from infer.proposers import MedusaProposer, Proposer
+from infer.proposers import Draft, MedusaProposer, Proposer
 from infer.target import Target
+from infer.tree import tree_from_choices
 from infer.verify import SamplingParams, accept, sample_token
 from shipped.models import resolve_model
 
@@ -51,6 +53,63 @@ class GenerationStats:
         out["tau"] = self.tau
         return out
 
+    def record_prefill(self, seconds: float) -> None:
+        """The prompt's forward, which also chose the first new token."""
+        self.target_forwards += 1
+        self.new_tokens = 1
+        self.prefill_s = seconds
+
+    def record_step(self, drafted: int, accepted: int, produced: int, start: float, proposed: float,
+                    verified: float) -> None:
+        """One decode step: a tree of `drafted` nodes (root excluded), `accepted` of them on the accepted path
+        (before the budget/EOS cut), `produced` new tokens. `start`, `proposed` and `verified` are the
+        perf_counter times at which the step, its proposal and its verification + acceptance ended; the rest
+        of the step, until now, is bookkeeping."""
+        now = time.perf_counter()
+        self.target_forwards += 1
+        self.decode_steps += 1
+        self.decode_tokens += produced
+        self.new_tokens += produced
+        self.accept_lengths.append(produced)
+        self.accepted_drafts.append(accepted)
+        self.drafted.append(drafted)
+        self.draft_s += proposed - start
+        self.verify_s += verified - proposed
+        self.bookkeeping_s += now - verified
+        self.step_times.append(now - start)
+
+
+def max_positions(config) -> int | None:
+    """How many positions a model embeds: `max_position_embeddings` (`n_positions` in GPT-2-style configs);
+    None when its config names no limit."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions"):
+        limit = getattr(config, name, None)
+        if limit:
+            return int(limit)
+    return None
+
+
+def fit_budget(prompt_len: int, max_new_tokens: int, limit: int | None) -> int:
+    """`max_new_tokens` clipped so that prompt + new tokens fit in `limit` positions (None: no limit).
+    A prompt that leaves no room for a single new token is a ValueError."""
+    if limit is None:
+        return max_new_tokens
+    if prompt_len >= limit:
+        raise ValueError(f"the prompt is {prompt_len} tokens but the model takes at most {limit} positions "
+                         "(max_position_embeddings), so no new token fits after it: shorten the prompt")
+    return min(max_new_tokens, limit - prompt_len)
+
+
+def _cut(new: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
+    """A step's new tokens cut where plain decoding would stop (the budget, or an EOS, kept), and whether it did."""
+    done = len(new) >= budget
+    new = new[:budget]
+    for i, tok in enumerate(new):
+        if tok in eos:
+            return new[: i + 1], True
+    return new, done
+
 
 def _eos_set(eos_token_id: int | list[int] | None) -> set[int]:
     if eos_token_id is None:
@@ -61,7 +120,7 @@ def _eos_set(eos_token_id: int | list[int] | None) -> set[int]:
 def proposer_for(heads: torch.nn.Module, model: torch.nn.Module, tree: list[list[int]] | None = None,
                  **eagle_options: int | None) -> Proposer:
     """The proposer that drafts with these heads on this target."""
-    if heads.config.kind == "eagle":
+    if heads.config.kind in ("eagle", "eagle3"):
         choices = tree if tree is not None else heads.config.tree
         return EagleProposer(heads, model.get_input_embeddings(), model.get_output_embeddings(), choices=choices,
                              **eagle_options)
@@ -74,11 +133,12 @@ class SpeculativeModel:
     """A frozen target plus a proposer; `generate` mirrors `model.generate` for batch size 1."""
 
     def __init__(self, model: torch.nn.Module, proposer: Proposer) -> None:
-        self.target = Target(model)
+        self.target = Target(model, getattr(proposer, "feature_layers", None))
         self.proposer = proposer
         self.model = model
         self.last_stats = GenerationStats()
         self.last_tokens: list[int] = []  # new token ids of the last call
+        self.root_only = tree_from_choices([]).to(self.target.device)  # the tree of a step that drafts nothing
 
     @classmethod
     def from_pretrained(
@@ -106,12 +166,11 @@ class SpeculativeModel:
             model = model.to(dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         check_compatible(heads.config, model)
         model_dtype = next(model.parameters()).dtype
-        if heads.config.kind == "eagle":
+        if heads.config.kind in ("eagle", "eagle3"):
             model_dtype = draft_dtype(next(model.parameters()).device, model_dtype)
         heads = heads.to(dtype=model_dtype)
         return cls(model, proposer_for(heads, model, tree, **eagle_options))
 
-    @torch.no_grad()
     def decode(
         self,
         input_ids: torch.Tensor,
@@ -122,24 +181,42 @@ class SpeculativeModel:
         eos_token_id: int | list[int] | None = None,
         generator: torch.Generator | None = None,
     ) -> Iterator[list[int]]:
-        """Yield the new token ids of each step (the first from prefill), stopping at EOS or the budget."""
+        """Yield the new token ids of each step (the first from prefill), stopping at EOS or the budget.
+
+        Arguments are checked here, before the first step (ValueError). A model that embeds at most `limit`
+        positions (`max_positions`) gets prompt + new tokens <= limit: a longer budget is clipped to that, with
+        a warning, and a prompt that leaves no room is an error. Drafted trees stay inside the limit too: a step
+        whose tree could reach past it (prefix + proposer.max_nodes > limit) verifies the root alone, so the
+        last few tokens before the limit are decoded one per forward, exactly as plain decoding would.
+        """
         if input_ids.dim() == 2:
             if input_ids.shape[0] != 1:
                 raise ValueError(f"speculative decoding here is batch size 1; got a batch of {input_ids.shape[0]}")
             input_ids = input_ids[0]
         if input_ids.numel() == 0:
             raise ValueError("the prompt is empty: give at least one token (e.g. the tokenizer's bos token)")
-        if max_new_tokens < 1:
-            return
+        if max_new_tokens < 1:  # as model.generate
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         params = SamplingParams(temperature, top_k, top_p)
+        limit = max_positions(self.model.config)
+        budget = fit_budget(input_ids.numel(), max_new_tokens, limit)
+        if budget < max_new_tokens:
+            warnings.warn(f"prompt ({input_ids.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
+                          f"model's {limit} positions: generating at most {budget} new tokens", stacklevel=2)
         if eos_token_id is None:
             eos_token_id = getattr(self.model.generation_config, "eos_token_id", None)
-        eos = _eos_set(eos_token_id)
+        return self._decode(input_ids, budget, params, _eos_set(eos_token_id), generator, limit)
+
+    @torch.no_grad()
+    def _decode(self, input_ids: torch.Tensor, max_new_tokens: int, params: SamplingParams, eos: set[int],
+                generator: torch.Generator | None, limit: int | None) -> Iterator[list[int]]:
+        """The decode loop on checked arguments (see `decode`)."""
         target, proposer = self.target, self.proposer
         stats = self.last_stats = GenerationStats()
         self.last_tokens = emitted = []
         prefix_len = input_ids.numel()
         max_len = prefix_len + max_new_tokens + proposer.max_nodes
+        last_tree_at = max_len if limit is None else limit - proposer.max_nodes  # the latest prefix a tree fits after
         cache = new_cache(self.model, max_len)
         mask = PrefixMask(proposer.max_nodes, max_len, target.dtype, target.device)
         context = torch.empty(max_len, dtype=torch.long, device=target.device)  # every token so far, then the root
@@ -151,18 +228,19 @@ class SpeculativeModel:
         logits, hiddens = target.prefill(context[None, :prefix_len], cache)
         context[prefix_len] = root = sample_token(logits, params, generator)
         first = int(root)
-        stats.target_forwards += 1
-        stats.new_tokens = 1
-        stats.prefill_s = time.perf_counter() - t0
+        stats.record_prefill(time.perf_counter() - t0)
         emitted.append(first)
         yield [first]
         if first in eos or max_new_tokens == 1:
             return
 
         while True:
-            # 1. propose: the drafter builds a tree below the root
+            # 1. propose: the drafter builds a tree below the root (near the position limit: the root alone)
             t1 = time.perf_counter()
-            draft = proposer.propose(context[: prefix_len + 1], hiddens)
+            if prefix_len <= last_tree_at:
+                draft = proposer.propose(context[: prefix_len + 1], hiddens)
+            else:
+                draft = Draft(context[prefix_len : prefix_len + 1], self.root_only)
             tokens, tree = draft.tokens, draft.tree  # (N,)
             # 2. verify: one target forward over every node
             t2 = time.perf_counter()
@@ -182,25 +260,8 @@ class SpeculativeModel:
             hiddens = node_hiddens.index_select(0, path[:length])
             prefix_len += length
             # 5. stop at EOS or the budget, exactly where plain decoding would
-            budget = max_new_tokens - stats.new_tokens
-            done = len(new) >= budget
-            new = new[:budget]
-            for i, tok in enumerate(new):
-                if tok in eos:
-                    new, done = new[: i + 1], True
-                    break
-            stats.target_forwards += 1
-            stats.decode_steps += 1
-            stats.decode_tokens += len(new)
-            stats.accept_lengths.append(len(new))
-            stats.accepted_drafts.append(length - 1)
-            stats.drafted.append(tree.size - 1)
-            stats.new_tokens += len(new)
-            stats.draft_s += t2 - t1
-            stats.verify_s += t3 - t2
-            t4 = time.perf_counter()
-            stats.bookkeeping_s += t4 - t3
-            stats.step_times.append(t4 - t1)
+            new, done = _cut(new, max_new_tokens - stats.new_tokens, eos)
+            stats.record_step(tree.size - 1, length - 1, len(new), t1, t2, t3)
             emitted.extend(new)
             yield new
             if done:

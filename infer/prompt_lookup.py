@@ -74,6 +74,7 @@ class LookupFirst:
         self.primary, self.lookup, self.min_tokens = primary, lookup, min_tokens
         self.name = f"{primary.name}+lookup"
         self.max_nodes = max(primary.max_nodes, lookup.max_nodes)
+        self.feature_layers = getattr(primary, "feature_layers", None)  # the target hands the primary its features
         self.pending: list[torch.Tensor] = []
 
     def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:

@@ -15,8 +15,10 @@ from infer.tree import Tree
 class Target:
     """A frozen HF causal LM and how to call it: the cache keyword, logits_to_keep, hidden states."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, feature_layers: list[int] | None = None) -> None:
         self.model = model.eval()
+        # what the drafter reads: the last hidden states (what the lm_head reads), or EAGLE-3's fused layers
+        self.feature_layers = feature_layers
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in ("eager", "sdpa"):
             raise ValueError(
@@ -42,13 +44,20 @@ class Target:
         if self.keep_kw:
             kwargs[self.keep_kw] = 1
         out = self.model(input_ids=input_ids, **kwargs)
-        return out.logits[0, -1], out.hidden_states[-1][0] if hidden else None
+        return out.logits[0, -1], self.features(out.hidden_states) if hidden else None
+
+    def features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The drafter's input from a forward's hidden_states: the last layer's (T, H), or the concatenation of
+        the named layers' (T, nH), low to high."""
+        if self.feature_layers is None:
+            return hidden_states[-1][0]
+        return torch.cat([hidden_states[i][0] for i in self.feature_layers], dim=-1)
 
     @torch.no_grad()
     def verify(
         self, tokens: torch.Tensor, tree: Tree, mask: PrefixMask, prefix_len: int, cache: DynamicCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ONE forward over all tree nodes on top of the cache -> logits (N, V), last hidden states (N, H)."""
+        """ONE forward over all tree nodes on top of the cache -> logits (N, V), the drafter's features (N, H or nH)."""
         positions = (prefix_len + tree.depths)[None]  # (1, N)
         out = self.model(
             input_ids=tokens[None],
@@ -58,4 +67,4 @@ class Target:
             output_hidden_states=True,
             **{self.cache_kw: cache},
         )
-        return out.logits[0], out.hidden_states[-1][0]
+        return out.logits[0], self.features(out.hidden_states)

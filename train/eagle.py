@@ -21,12 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from heads.eagle import EagleDraft, causal_mask, layer_fields
+from heads.eagle3 import Eagle3Draft, default_feature_layers
 from heads.errors import run_main
 from heads.io import atomic_write
 from infer.eagle import draft_dtype
 from infer.tune import eagle_grid, format_rows, tune_eagle
 from train.config import ConfigError, load_config
 from train.data import cache_dir
+from train.eagle3 import Eagle3Loss, draft_vocabulary
 from train.loop import (
     TrainConfig,
     datasets_for,
@@ -71,7 +73,10 @@ class EagleConfig(TrainConfig):
     tune_totals: list[int] = dataclasses.field(default_factory=lambda: [16, 32])  # total_tokens values fitted over
     tune_prompts: int = 6  # validation prompts decoded per tree setting when fitting
     tune_new_tokens: int = 128  # as many as the bench: the truncated last step weighs less
-
+    version: int = 1  # 1: EAGLE-1/2 (feature regression + soft labels); 3: EAGLE-3 (fused layers, training-time test)
+    ttt_steps: int = 7  # EAGLE-3: draft steps unrolled per sequence in training (the training-time test)
+    draft_vocab_size: int = 2048  # EAGLE-3: the drafter's vocabulary, the most frequent trained tokens (<= target's)
+    feature_layers: list[int] = dataclasses.field(default_factory=list)  # EAGLE-3 target layers; empty: [2, L//2, L-3]
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -84,6 +89,13 @@ class EagleConfig(TrainConfig):
         for name in ("tune_depths", "tune_top_ks", "tune_totals"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name} must list positive numbers (e.g. 2,4,8), got {getattr(self, name)}")
+        if self.version not in (1, 3):
+            raise ConfigError(f"--version must be 1 (EAGLE-1/2) or 3 (EAGLE-3), got {self.version}")
+        if self.ttt_steps < 1 or self.draft_vocab_size < 1:
+            raise ConfigError(f"--ttt_steps and --draft_vocab_size must be >= 1, got {self.ttt_steps} and "
+                              f"{self.draft_vocab_size}")
+        if self.version == 3 and self.output_dir == "outputs/eagle-demo":
+            self.output_dir = "outputs/eagle3-demo"  # the default folder names the method
         given = [self.depth > 0, self.top_k > 0, self.total_tokens > 0]
         if any(given) and not all(given):
             raise ConfigError("set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)")
@@ -101,10 +113,7 @@ class EagleMethod:
         """The target's last hidden states (B, T, H), from the batch when cached on disk."""
         if "features" in batch:
             return batch["features"]
-        with torch.no_grad():
-            out = self.target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                         use_cache=False)
-        return out.last_hidden_state
+        return target_features(self.target, batch["input_ids"], batch["attention_mask"], None)
 
     def _predict(self, batch: dict[str, torch.Tensor], noise: float):
         """Predicted and true next features and the target's logits at the masked pairs.
@@ -178,10 +187,54 @@ class EagleMethod:
                 best["depth"], best["top_k"], best["total_tokens"])
         if not metrics:  # the loop always evaluates before saving; never write a card of zeros
             raise ValueError("no validation metrics for the model card: evaluate before saving")
-        card = (f"\n## Validation (last evaluation)\n\ntop-1 agreement with the target {metrics['top1']:.3f}, "
-                f"top-5 {metrics['top5']:.3f}; dynamic tree: depth {draft.config.depth}, top_k "
-                f"{draft.config.top_k}, total_tokens {draft.config.total_tokens}\n")
+        card = (f"\n## Validation (last evaluation)\n\n{self.summary(metrics)}; dynamic tree: depth "
+                f"{draft.config.depth}, top_k {draft.config.top_k}, total_tokens {draft.config.total_tokens}\n")
         draft.save_pretrained(output_dir, card_extra=card)
+
+    def summary(self, metrics: dict[str, float]) -> str:
+        return f"top-1 agreement with the target {metrics['top1']:.3f}, top-5 {metrics['top5']:.3f}"
+
+
+class Eagle3Method(EagleMethod):
+    """EAGLE-3: the training-time test over fused features (train/eagle3.py); tree fitting and saving as EAGLE."""
+
+    label = "the EAGLE-3 drafter"
+
+    def __init__(self, cfg: EagleConfig, target, draft: Eagle3Draft, tune_prompts: list[torch.Tensor]) -> None:
+        super().__init__(cfg, target, draft, tune_prompts)
+        self.layers = draft.config.feature_layers
+
+    def _unroll(self, batch: dict[str, torch.Tensor]):
+        """The drafter's outputs per step, and the target's logits (B, T, V), from online or cached features."""
+        feats = batch["features"] if "features" in batch else target_features(
+            self.target, batch["input_ids"], batch["attention_mask"], self.layers)
+        hidden = self.lm_head.weight.shape[1]
+        with torch.no_grad():
+            target_logits = self.logits(feats[..., -hidden:])
+        ttt = Eagle3Loss(self.trainable, self.cfg.ttt_steps)
+        return ttt, ttt.unroll(feats[..., :-hidden], batch, self.embed), target_logits
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ttt, outputs, target_logits = self._unroll(batch)
+        return ttt.loss(outputs, target_logits, batch)
+
+    def evaluate(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        steps = self.cfg.ttt_steps
+        hits, counts, accepted, positions, loss = torch.zeros(steps), torch.zeros(steps), 0.0, 0.0, 0.0
+        for batch in batches:
+            ttt, outputs, target_logits = self._unroll(batch)
+            loss += float(ttt.loss(outputs, target_logits, batch)[0])
+            h, c, a, p = ttt.agreement(outputs, target_logits, batch)
+            hits, counts, accepted, positions = hits + h, counts + c, accepted + a, positions + p
+        top = hits / counts.clamp(min=1)
+        metrics = {"loss": loss / max(len(batches), 1), "top1": float(top[0]), "sim_accept": accepted / max(positions, 1)}
+        metrics |= {f"step{i}_top1": float(top[i]) for i in range(steps)}
+        return metrics
+
+    def summary(self, metrics: dict[str, float]) -> str:
+        steps = " / ".join(f"{metrics[f'step{i}_top1']:.3f}" for i in range(self.cfg.ttt_steps))
+        return (f"top-1 agreement with the target per draft step {steps}; simulated acceptance length "
+                f"{metrics['sim_accept']:.2f} (chain, teacher-forced)")
 
 
 def calibration_prompts(eval_data: dict, count: int, length: int) -> list[torch.Tensor]:
@@ -194,13 +247,26 @@ def calibration_prompts(eval_data: dict, count: int, length: int) -> list[torch.
     return prompts
 
 
-def cached_features(cfg: EagleConfig, target, examples: dict, name: str, batch_size: int = 16) -> dict:
+@torch.no_grad()
+def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    layers: list[int] | None) -> torch.Tensor:
+    """What the drafter learns from, without gradients: the target's last hidden states (B, T, H), or with
+    `layers` (EAGLE-3) those hidden_states indices concatenated, then the last hidden states (B, T, (n+1)H)."""
+    out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                            output_hidden_states=layers is not None)
+    if layers is None:
+        return out.last_hidden_state
+    return torch.cat([out.hidden_states[i] for i in layers] + [out.last_hidden_state], dim=-1)
+
+
+def cached_features(cfg: EagleConfig, target, examples: dict, name: str, layers: list[int] | None = None,
+                    batch_size: int = 16) -> dict:
     """`examples` plus the target's features, computed once and memory-mapped from disk afterwards."""
     n, t = examples["input_ids"].shape
-    hidden = target.config.get_text_config().hidden_size
+    hidden = target.config.get_text_config().hidden_size * (len(layers) + 1 if layers else 1)
     dtype = next(target.parameters()).dtype
     digest = hashlib.sha1(examples["input_ids"].numpy().tobytes())
-    digest.update(f"{cfg.model}|{dtype}|{sum(p.sum().item() for p in target.parameters())}".encode())
+    digest.update(f"{cfg.model}|{dtype}|{layers}|{sum(p.sum().item() for p in target.parameters())}".encode())
     path = cache_dir() / f"features-{name}-{digest.hexdigest()[:16]}.bin"
     size = n * t * hidden * torch.finfo(dtype).bits // 8
     if not path.is_file():
@@ -209,12 +275,10 @@ def cached_features(cfg: EagleConfig, target, examples: dict, name: str, batch_s
 
         def write(tmp: str) -> None:  # straight into a file-backed tensor: RAM never holds them all
             out = torch.from_file(tmp, shared=True, size=n * t * hidden, dtype=dtype).view(n, t, hidden)
-            with torch.no_grad():
-                for i in range(0, n, batch_size):
-                    ids = examples["input_ids"][i : i + batch_size].to(target.device)
-                    attn = examples["attention_mask"][i : i + batch_size].to(target.device)
-                    hidden_states = target.base_model(input_ids=ids, attention_mask=attn, use_cache=False)
-                    out[i : i + batch_size] = hidden_states.last_hidden_state.cpu()
+            for i in range(0, n, batch_size):
+                ids = examples["input_ids"][i : i + batch_size].to(target.device)
+                attn = examples["attention_mask"][i : i + batch_size].to(target.device)
+                out[i : i + batch_size] = target_features(target, ids, attn, layers).cpu()
             del out
 
         atomic_write(path, write)
@@ -222,21 +286,42 @@ def cached_features(cfg: EagleConfig, target, examples: dict, name: str, batch_s
     return examples | {"features": features}
 
 
+def build_drafter(cfg: EagleConfig, target, train_data: dict) -> EagleDraft | Eagle3Draft:
+    """An EAGLE-1 drafter, or (version 3) an EAGLE-3 drafter whose vocabulary is the most frequent
+    loss-bearing tokens of the training data."""
+    if cfg.version == 1:
+        return EagleDraft(heads_config(cfg, target, "eagle", num_layers=cfg.num_layers, fc_bias=cfg.fc_bias,
+                                       layer=layer_fields(target.config)))
+    text = target.config.get_text_config()
+    vocab = target.get_output_embeddings().weight.shape[0]
+    layers = cfg.feature_layers or default_feature_layers(text.num_hidden_layers)
+    if max(layers) >= text.num_hidden_layers or min(layers) < 0:
+        raise ConfigError(f"--feature_layers must be hidden_states indices in [0, {text.num_hidden_layers - 1}] "
+                          f"(the last, {text.num_hidden_layers}, is already normed), got {layers}")
+    size = min(cfg.draft_vocab_size, vocab)
+    draft = Eagle3Draft(heads_config(cfg, target, "eagle3", num_layers=1, fc_bias=False,
+                                     layer=layer_fields(target.config), feature_layers=layers,
+                                     draft_vocab_size=size if size < vocab else 0))
+    if size < vocab:
+        draft.set_draft_vocab(draft_vocabulary(train_data["input_ids"], train_data["loss_mask"], vocab, size))
+    return draft
+
+
 def run(cfg: EagleConfig) -> dict:
     """Set up, train and save; returns the target, the trained drafter and the validation history."""
     accelerator = start_run(cfg)
     target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
-    heads_cfg = heads_config(cfg, target, "eagle", num_layers=cfg.num_layers, fc_bias=cfg.fc_bias,
-                             layer=layer_fields(target.config))
-    draft = EagleDraft(heads_cfg).to(accelerator.device)
-    initial = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     with accelerator.main_process_first():
         train_data, eval_data = datasets_for(cfg, tokenizer, target)
-        if cfg.cache_features:
-            train_data = cached_features(cfg, target, train_data, "train")
-            eval_data = cached_features(cfg, target, eval_data, "eval")
+    draft = build_drafter(cfg, target, train_data).to(accelerator.device)
+    layers = draft.config.feature_layers
+    if cfg.cache_features:
+        with accelerator.main_process_first():
+            train_data = cached_features(cfg, target, train_data, "train", layers)
+            eval_data = cached_features(cfg, target, eval_data, "eval", layers)
+    initial = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     prompts = calibration_prompts(eval_data, cfg.tune_prompts, cfg.distill_prompt_tokens)
-    method = EagleMethod(cfg, target, draft, prompts)
+    method = (Eagle3Method if cfg.version == 3 else EagleMethod)(cfg, target, draft, prompts)
     history = train(cfg, accelerator, method, train_data, eval_data)
     return {"target": target, "draft": method.trainable, "initial": initial, "history": history}
 

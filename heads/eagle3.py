@@ -1,0 +1,181 @@
+"""EAGLE-3 draft model: fused low/mid/high target features, one decoder layer, its own small vocabulary.
+
+    target hidden_states hs[l1], hs[l2], hs[l3]   (B, T, 3H)  --fc-->  h (B, T, H)      (target features only)
+    layer input   cat(input_layernorm(embed(x_{t+1})), hidden_norm(h))        (B, T, 2H) -> q, k, v
+    residual      h (before hidden_norm); then post-attention norm + MLP, residual again  -> o (B, T, H)
+    o             fed back as h for the next draft step (before the final norm)
+    logits        lm_head(norm(o))  over draft_vocab_size tokens; target id = draft id + d2t[draft id]
+
+Parameter names follow the SafeAILab/SGLang EAGLE-3 checkpoints (`fc`, `midlayer.*`, `norm`, `lm_head`,
+`d2t`, `t2d`); the attention and MLP are transformers' Llama modules with 2H-wide q/k/v inputs. The
+target's embedding is passed in, never stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
+
+from heads.config import HeadsConfig
+from heads.eagle import Float32RotaryEmbedding, cache_keyword, llama_config
+from heads.io import PretrainedHeads
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """hidden_states indices of a low, a middle and a high layer: [2, L // 2, L - 3] (hs[0] is the embedding
+    output; hs[L] already has the final norm applied, so it is never used)."""
+    return sorted({min(max(i, 1), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)})
+
+
+class Eagle3Layer(nn.Module):
+    """The draft decoder layer: attention over [normed embedding; normed hidden], residual from the hidden."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = LlamaAttention(config, layer_idx=0)
+        attn = self.self_attn
+        for name, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.num_key_value_heads),
+                            ("v_proj", config.num_key_value_heads)):
+            setattr(attn, name, nn.Linear(2 * hidden, heads * attn.head_dim, bias=config.attention_bias))
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(hidden, eps)
+        self.hidden_norm = LlamaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps)
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+
+    def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Residual from the un-normed hidden state, then the MLP block."""
+        hidden = hidden + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(B, T, 2H) -> rotated q (B, h, T, d) and k, v (B, kv, T, d), as LlamaAttention computes them."""
+        attn = self.self_attn
+        shape = (*x.shape[:-1], -1, attn.head_dim)
+        q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+
+class Eagle3Draft(PretrainedHeads):
+    """fc (nH -> H) on fused target features + one EAGLE-3 layer + norm + lm_head over the draft vocabulary."""
+
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__()
+        if config.kind != "eagle3":
+            raise ValueError(f"Eagle3Draft needs a config of kind 'eagle3', got {config.kind!r}")
+        self.config = config
+        lc = llama_config(config)
+        hidden, vocab = config.hidden_size, config.vocab_size
+        draft_vocab = config.draft_vocab_size or vocab
+        self.fc = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
+        self.midlayer = Eagle3Layer(lc)
+        self.norm = LlamaRMSNorm(hidden, lc.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        # draft id -> target id offset, and which target ids the draft vocabulary holds (identity by default)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(vocab) < draft_vocab)
+        self.rotary_emb = Float32RotaryEmbedding(lc)
+        self._cache_kw = cache_keyword()
+
+    # ---------------------------------------------------------------- vocabulary mapping
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Use these target ids (draft_vocab_size of them) as the draft vocabulary, in increasing id order."""
+        ids = target_ids.unique().sort().values.to(self.d2t.device)
+        if ids.numel() != self.d2t.numel():
+            raise ValueError(f"need {self.d2t.numel()} distinct target ids for the draft vocabulary, got {ids.numel()}")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """The target ids of the draft vocabulary, in draft order (N,)."""
+        return self.to_target(torch.arange(self.d2t.numel(), device=self.d2t.device))
+
+    # ---------------------------------------------------------------- forward
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Fused target features (..., nH) -> the layer's hidden input (..., H)."""
+        return self.fc(features)
+
+    def logits(self, out: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """Layer outputs (..., H) -> logits over the draft vocabulary (..., N) (the target's lm_head is unused)."""
+        return self.lm_head(self.norm(out))
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        embed: nn.Module,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+    ) -> torch.Tensor:
+        """hidden (B, T, H) (fused target features through `fuse`, or the drafter's own outputs), input_ids
+        (B, T) = the next tokens -> layer outputs (B, T, H), before the final norm. Mask, positions and cache
+        as EagleDraft.forward."""
+        embeds = embed(input_ids).to(hidden.dtype)
+        T = hidden.shape[1]
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=hidden.device)[None]
+        if attention_mask is None:
+            attention_mask = torch.ones(T, past + T, dtype=torch.bool, device=hidden.device).tril(past)[None, None]
+        layer = self.midlayer
+        attended, _ = layer.self_attn(layer.attention_input(embeds, hidden), self.rotary_emb(hidden, position_ids),
+                                      attention_mask, **{self._cache_kw: cache})
+        return layer.finish(hidden, attended)
+
+    def unrolled(self, features: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
+                 attention_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """The training-time test: `steps` draft steps over a whole sequence in one masked attention each.
+
+            step 0  at t: hidden = fc(features_t),  token x_{t+1},   position t       -> o0_t  (predicts x_{t+2})
+            step i  at t: hidden = o(i-1)_t,        token x_{t+1+i}, position t + i   -> oi_t  (predicts x_{t+2+i})
+
+        The query of step i at t sees step 0's keys at positions <= t (the context, from target features)
+        and step j's key at t for j = 1..i (its own earlier drafts along this path): what the drafter
+        sees at inference after i of its own steps. features (B, T, nH), input_ids (B, T) = x_{t+1}
+        (padded with anything past the end), attention_mask (B, T) 0/1 -> the outputs of each step, (B, T, H).
+        """
+        B, T = input_ids.shape
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        positions = torch.arange(T, device=input_ids.device)[None].expand(B, T)
+        context = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None] & attention_mask.bool()[:, None]
+        context = context | torch.eye(T, dtype=torch.bool, device=input_ids.device)  # (B, T, T): no empty rows
+        own = torch.eye(T, dtype=torch.bool, device=input_ids.device).expand(B, T, T)
+        hidden, keys, values, outputs = self.fuse(features), [], [], []
+        for i in range(steps):
+            ids = F.pad(input_ids[:, i:], (0, i))  # x_{t+1+i}, padding past the end (masked from the loss)
+            embeds = embed(ids).to(hidden.dtype)
+            cos, sin = self.rotary_emb(hidden, positions + i)
+            q, k, v = layer.qkv(layer.attention_input(embeds, hidden), cos, sin)
+            keys.append(k)
+            values.append(v)
+            mask = torch.cat([context] + [own] * i, dim=-1)[:, None]  # (B, 1, T, (i + 1) T)
+            groups = attn.num_key_value_groups
+            out = F.scaled_dot_product_attention(q, repeat_kv(torch.cat(keys, 2), groups),
+                                                 repeat_kv(torch.cat(values, 2), groups), attn_mask=mask,
+                                                 scale=attn.scaling)  # (B, h, T, d)
+            attended = attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+            hidden = layer.finish(hidden, attended)
+            outputs.append(hidden)
+        return outputs

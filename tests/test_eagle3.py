@@ -1,0 +1,257 @@
+"""EAGLE-3 drafter: the training-time test equals inference, the draft vocabulary maps back, RoPE stays fp32."""
+
+import pytest
+import torch
+from test_sampling import RUNS, V, chi_square, critical, exact_joint, run_sampling
+from transformers import DynamicCache
+
+from conftest import fit_on_own_continuations, tiny_model
+from heads.config import HeadsConfig
+from heads.eagle import EagleDraft, layer_fields
+from heads.eagle3 import Eagle3Draft, default_feature_layers
+from heads.registry import load_heads
+from infer.cache import new_cache
+from infer.eagle import EagleProposer
+from infer.generate import SpeculativeModel
+from infer.target import Target
+from train.eagle import Eagle3Method, EagleConfig
+
+
+def eagle3_config(model, draft_vocab_size=0, **extra) -> HeadsConfig:
+    c = model.config
+    return HeadsConfig(kind="eagle3", hidden_size=c.hidden_size, vocab_size=c.vocab_size, layer=layer_fields(c),
+                       feature_layers=default_feature_layers(c.num_hidden_layers),
+                       draft_vocab_size=draft_vocab_size, **extra)
+
+
+def random_draft(model, draft_vocab_size=0, seed=0) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(eagle3_config(model, draft_vocab_size))
+    for p in draft.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return draft.eval()
+
+
+def test_default_feature_layers_are_low_middle_high_and_never_the_normed_last():
+    assert default_feature_layers(32) == [2, 16, 29]
+    assert default_feature_layers(8) == [2, 4, 5]
+    assert all(0 < i < 4 for i in default_feature_layers(4))
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_training_time_test_sees_what_inference_sees_after_i_own_steps(steps):
+    model = tiny_model("llama")
+    draft = random_draft(model)
+    embed = model.get_input_embeddings()
+    T, H = 9, model.config.hidden_size
+    torch.manual_seed(1)
+    features = torch.randn(1, T, len(draft.config.feature_layers) * H)
+    ids = torch.randint(0, model.config.vocab_size, (1, T))
+    with torch.no_grad():
+        unrolled = draft.unrolled(features, ids, embed, torch.ones(1, T), steps)
+        for t in range(T - steps):
+            cache = DynamicCache()
+            out = draft(draft.fuse(features[:, : t + 1]), ids[:, : t + 1], embed, cache=cache)[:, -1:]
+            torch.testing.assert_close(unrolled[0][:, t], out[:, 0], atol=1e-5, rtol=1e-5)
+            for i in range(1, steps):  # step i reads its own step-(i-1) output and the true token x_{t+1+i}
+                out = draft(out, ids[:, t + i : t + i + 1], embed, cache=cache)
+                torch.testing.assert_close(unrolled[i][:, t], out[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_padding_never_reaches_a_valid_position():
+    model = tiny_model("llama")
+    draft = random_draft(model)
+    embed = model.get_input_embeddings()
+    torch.manual_seed(2)
+    features = torch.randn(2, 8, len(draft.config.feature_layers) * model.config.hidden_size)
+    ids = torch.randint(0, 96, (2, 8))
+    mask = torch.ones(2, 8)
+    mask[1, 5:] = 0
+    changed_ids, changed_features = ids.clone(), features.clone()
+    changed_ids[1, 5:] = 7
+    changed_features[1, 5:] = 3.0
+    with torch.no_grad():
+        a = draft.unrolled(features, ids, embed, mask, 3)
+        b = draft.unrolled(changed_features, changed_ids, embed, mask, 3)
+    for i in range(3):  # step i at t reads tokens up to t + i: only t + i < 5 is independent of the padding
+        torch.testing.assert_close(a[i][1, : 5 - i], b[i][1, : 5 - i])
+
+
+def test_draft_vocabulary_maps_every_draft_id_to_its_target_id():
+    model = tiny_model("llama")
+    draft = random_draft(model, draft_vocab_size=17)
+    chosen = torch.randperm(96, generator=torch.Generator().manual_seed(3))[:17]
+    draft.set_draft_vocab(chosen)
+    assert draft.d2t.dtype == torch.long and draft.d2t.shape == (17,)
+    assert draft.t2d.dtype == torch.bool and draft.t2d.shape == (96,)
+    assert draft.to_target(torch.arange(17)).tolist() == sorted(chosen.tolist())
+    assert draft.t2d.nonzero().flatten().tolist() == sorted(chosen.tolist())
+    with pytest.raises(ValueError, match="need 17 distinct target ids"):
+        draft.set_draft_vocab(torch.tensor([1, 1, 2]))
+
+
+def test_full_draft_vocabulary_is_the_identity():
+    draft = Eagle3Draft(eagle3_config(tiny_model("llama")))
+    assert draft.lm_head.out_features == 96
+    assert torch.equal(draft.to_target(torch.arange(96)), torch.arange(96)) and bool(draft.t2d.all())
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_rope_inverse_frequencies_stay_float32_when_cast(kind):
+    model = tiny_model("llama")
+    if kind == "eagle3":
+        draft = Eagle3Draft(eagle3_config(model))
+    else:
+        c = model.config
+        draft = EagleDraft(HeadsConfig(kind="eagle", hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+                                       layer=layer_fields(c)))
+    before = draft.rotary_emb.inv_freq.clone()
+    assert before.dtype == torch.float32
+    draft = draft.to(torch.bfloat16)
+    assert next(draft.parameters()).dtype == torch.bfloat16
+    assert draft.rotary_emb.inv_freq.dtype == torch.float32 and torch.equal(draft.rotary_emb.inv_freq, before)
+    # positions far out keep their angles: cos/sin at position 2000 equal the float32 module's, to bf16 output
+    x = torch.zeros(1, 1, 4, dtype=torch.bfloat16)
+    cos, _ = draft.rotary_emb(x, torch.tensor([[2000]]))
+    reference = torch.cos(2000 * before)
+    torch.testing.assert_close(cos[0, 0, : before.numel()].float(), reference, atol=8e-3, rtol=0)
+
+
+def test_eagle3_save_and_load_round_trip(tmp_path):
+    model = tiny_model("llama")
+    draft = random_draft(model, draft_vocab_size=33)
+    draft.set_draft_vocab(torch.arange(0, 96, 3)[:33] if len(range(0, 96, 3)) >= 33 else torch.arange(33))
+    draft.save_pretrained(tmp_path)
+    loaded = load_heads(tmp_path)
+    assert isinstance(loaded, Eagle3Draft)
+    before, after = draft.state_dict(), loaded.state_dict()
+    assert set(before) == set(after)
+    assert not any("embed" in k for k in after)
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+
+
+# ---------------------------------------------------------------- decoding with it
+
+
+STATIC = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def eagle3_proposer(model, draft, **kwargs):
+    return EagleProposer(draft, model.get_input_embeddings(), model.get_output_embeddings(), **kwargs)
+
+
+def reduced_draft(model, seed=0, size=40):
+    """A random drafter over `size` of the target's tokens (a random subset, so d2t is not the identity)."""
+    draft = random_draft(model, draft_vocab_size=size, seed=seed)
+    vocab = model.config.vocab_size
+    draft.set_draft_vocab(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:size])
+    draft.config.depth, draft.config.top_k, draft.config.total_tokens = 4, 3, 10
+    return draft
+
+
+def plain_greedy(model, prompt, n):
+    return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("choices", [None, STATIC], ids=["dynamic", "static"])
+def test_greedy_identical_to_generate_with_a_random_eagle3_drafter(model, choices):
+
+    spec = SpeculativeModel(model, eagle3_proposer(model, reduced_draft(model), choices=choices))
+    gen = torch.Generator().manual_seed(5)
+    for length in (1, 6):
+        prompt = torch.randint(3, 96, (1, length), generator=gen)
+        for n in (1, 3, 30):
+            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(model, prompt, n)
+
+
+@pytest.mark.parametrize("choices", [None, STATIC], ids=["dynamic", "static"])
+def test_drafted_tokens_are_target_ids_of_plain_drafter_runs_along_each_path(choices):
+    """Every node's token is what the drafter, run plainly over the fused confirmed features and the node's
+    drafted ancestors, ranks at the node's rank in its own vocabulary, mapped to a target id through d2t."""
+
+    model = tiny_model("llama")
+    draft = reduced_draft(model, seed=3)
+    prop = eagle3_proposer(model, draft, choices=choices)
+    prompt = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(4))
+    target = Target(model, draft.config.feature_layers)
+    logits, features = target.prefill(prompt, new_cache(model, 64))
+    assert features.shape == (6, len(draft.config.feature_layers) * 48)
+    context = torch.cat([prompt[0], logits.argmax().view(1)])
+    prop.reset(64)
+    drafted = prop.propose(context, features)
+    tokens, tree = drafted.tokens, drafted.tree
+    assert bool(draft.t2d[tokens[1:]].all())  # every drafted token is in the draft vocabulary
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        for node in range(1, tree.size):
+            path = tree.paths[node][: int(tree.depths[node]) + 1].tolist()
+            hidden, ids = draft.fuse(features), context[1:]
+            for child in path[1:]:
+                out = draft(hidden[None], ids[None], embed)[0]
+                ranked = draft.to_target(draft.logits(out[-1]).topk(int(tree.ranks[child]) + 1).indices)
+                assert int(tokens[child]) in ranked.tolist()
+                hidden = torch.cat([hidden, out[-1:]])
+                ids = torch.cat([ids, tokens[child].view(1)])
+            assert int(tokens[node]) == int(ranked[-1]), (node, path)
+
+
+def trained_draft(model, prompts, steps=150) -> Eagle3Draft:
+    """An EAGLE-3 drafter trained with the recipe's own loss on the model's greedy continuations."""
+
+    draft = random_draft(model)
+    for p in draft.parameters():  # a fresh start, as the recipe's
+        torch.nn.init.normal_(p, std=0.02)
+    for norm in (draft.norm, draft.midlayer.input_layernorm, draft.midlayer.hidden_norm,
+                 draft.midlayer.post_attention_layernorm):
+        torch.nn.init.ones_(norm.weight)
+    draft.config.depth, draft.config.top_k, draft.config.total_tokens = 4, 3, 12
+    cfg = EagleConfig(version=3, ttt_steps=3)
+    return fit_on_own_continuations(model, prompts, Eagle3Method(cfg, model, draft, []), steps, 3e-3)
+
+
+def test_greedy_identical_with_a_trained_eagle3_drafter(model):
+    prompts = torch.randint(3, 96, (4, 6), generator=torch.Generator().manual_seed(7))
+    draft = trained_draft(model, prompts)
+    spec = SpeculativeModel(model, eagle3_proposer(model, draft))
+    taus = []
+    for i, length in enumerate((6, 3)):
+        prompt = prompts[i : i + 1, :length]
+        assert spec.generate(prompt, max_new_tokens=48)[0, length:].tolist() == plain_greedy(model, prompt, 48)
+        taus.append(spec.last_stats.tau)
+    assert max(taus) > 1.5, taus  # trained: multi-token paths are accepted
+
+
+def test_drafter_cache_holds_exactly_the_fused_confirmed_pairs():
+    model = tiny_model("qwen2")
+    prompts = torch.randint(3, 96, (4, 5), generator=torch.Generator().manual_seed(2))
+    draft = trained_draft(model, prompts, steps=100)
+    prop = eagle3_proposer(model, draft)
+    spec = SpeculativeModel(model, prop)
+    out = spec.generate(prompts[:1], max_new_tokens=30)
+    assert spec.last_stats.decode_steps > 1 and max(spec.last_stats.accepted_drafts) > 1
+    confirmed = out[:, : prop.length + 1]
+    with torch.no_grad():
+        hs = model(confirmed, output_hidden_states=True).hidden_states
+        fused = torch.cat([hs[i] for i in draft.config.feature_layers], dim=-1)
+        plain = DynamicCache()
+        draft(draft.fuse(fused[:, :-1]), confirmed[:, 1:], model.get_input_embeddings(), cache=plain)
+    for mine, ref in zip(prop.cache.layers, plain.layers):
+        torch.testing.assert_close(mine.keys[:, :, : prop.length], ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values[:, :, : prop.length], ref.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("params", [(1.0, 0, 1.0), (0.7, 6, 0.9)])
+def test_eagle3_sampling_matches_the_target_distribution(params):
+
+    model = tiny_model("llama", vocab=V, seed=5, scale=0.08)
+    draft = random_draft(model, draft_vocab_size=5, seed=5)
+    draft.set_draft_vocab(torch.tensor([0, 2, 3, 5, 6]))
+    draft.config.depth, draft.config.top_k, draft.config.total_tokens = 3, 3, 8
+    spec = SpeculativeModel(model, eagle3_proposer(model, draft))
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 3, 1, 4, 1]])
+    accepted = []
+    counts = run_sampling(spec, prompt, params, accepted)
+    stat, dof = chi_square(counts, exact_joint(model, prompt, params), RUNS)
+    assert stat < critical(dof), f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
+    assert sum(a > 0 for a in accepted) > RUNS // 100
