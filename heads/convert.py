@@ -1,7 +1,7 @@
 """Published drafter checkpoints in, serving-engine layouts out: one entry point for every format.
 
 Import detects the layout from the files (FasterDecoding Medusa v1/v2, vLLM Medusa, SafeAILab
-EAGLE-1); export writes what each engine loads (fastdecoding-medusa, vllm-medusa, eagle1,
+EAGLE-1, SGLang EAGLE); export writes what each engine loads (fastdecoding-medusa, vllm-medusa, eagle1,
 sglang-eagle). The layouts and their sources are in heads/medusa_formats.py and heads/eagle_formats.py.
 """
 
@@ -20,36 +20,47 @@ from heads.medusa_formats import MEDUSA_FORMATS, detect_medusa_format, export_me
 EXPORT_FORMATS = MEDUSA_FORMATS + EAGLE_FORMATS
 
 
-def import_heads(directory: str | Path, format: str | None = None, base_model: str | None = None) -> PretrainedHeads:
-    """Read a published checkpoint (layout detected from its files unless `format` is given)."""
+def import_heads(directory: str | Path, format: str | None = None, base_model: str | None = None,
+                 vocab_size: int | None = None) -> PretrainedHeads:
+    """Read a published checkpoint (layout detected from its files unless `format` is given). `vocab_size`
+    is only for Medusa "version 2" heads whose vocabulary neither config.json nor the base model gives."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} is not a directory: download the checkpoint first")
-    medusa, eagle = detect_medusa_format(directory), detect_eagle_format(directory)
-    fmt = format or medusa or eagle
+    fmt = format or detect_medusa_format(directory) or detect_eagle_format(directory)
     if fmt is None:
         files = sorted(p.name for p in directory.iterdir())
         raise ValueError(f"{directory} holds no Medusa or EAGLE checkpoint layout this project knows (files: "
                          f"{files}); pass --format with one of {', '.join(EXPORT_FORMATS)}")
     if fmt in MEDUSA_FORMATS:
-        return import_medusa(directory, fmt, base_model=base_model)
+        return import_medusa(directory, fmt, base_model=base_model, vocab_size=vocab_size)
+    if vocab_size is not None:
+        raise ValueError(f"vocab_size is for Medusa 'version 2' heads; an {fmt} checkpoint states its own")
     if fmt in EAGLE_FORMATS:
         return import_eagle(directory, fmt, base_model=base_model)
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
 
 
-def export_heads(heads: PretrainedHeads, fmt: str, out_dir: str | Path, target: nn.Module | None = None) -> None:
+def export_heads(heads: PretrainedHeads, fmt: str, out_dir: str | Path, target: nn.Module | None = None,
+                 base_model: str | None = None, weights: str | None = None) -> None:
     """Write `heads` in an engine's layout. `target` supplies weights some layouts carry (the lm_head for
-    Medusa heads that share it, the embedding in the EAGLE-1 layout)."""
+    Medusa heads that share it, the embedding in the EAGLE layouts). `base_model` (Medusa layouts) is what
+    config.json names as the target, default the heads' own; `weights` (EAGLE layouts) picks
+    "safetensors" or "bin" (pytorch_model.bin, what SafeAILab's original EAGLE-1 code reads)."""
     if fmt in MEDUSA_FORMATS:
         if not isinstance(heads, MedusaHeads):
             raise ValueError(f"{fmt} is a Medusa layout but these heads are {heads.config.kind}")
+        if weights is not None:
+            raise ValueError(f"{fmt} has fixed weight files; choosing them (weights={weights!r}) is for EAGLE layouts")
         lm_head = target.get_output_embeddings().weight if target is not None else None
-        export_medusa(heads, fmt, out_dir, lm_head_weight=lm_head)
+        export_medusa(heads, fmt, out_dir, lm_head_weight=lm_head, base_model=base_model)
     elif fmt in EAGLE_FORMATS:
         if not isinstance(heads, EagleDraft):
             raise ValueError(f"{fmt} is an EAGLE layout but these heads are {heads.config.kind}")
+        if base_model:
+            raise ValueError(f"{fmt}'s config.json names no base model (its engines are given the target "
+                             "separately): leave out --base-model")
         embed = target.get_input_embeddings().weight if target is not None else None
-        export_eagle(heads, fmt, out_dir, embed_weight=embed)
+        export_eagle(heads, fmt, out_dir, embed_weight=embed, weights=weights or "safetensors")
     else:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")

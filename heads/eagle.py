@@ -66,6 +66,18 @@ def cache_keyword() -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def continue_after(cache: Any, T: int, device: torch.device, position_ids: torch.Tensor | None,
+                   attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Defaults for T new positions after what `cache` holds: the next position ids, and a causal mask
+    over the cached columns and these T (either kept where given)."""
+    past = cache.get_seq_length() if cache is not None else 0
+    if position_ids is None:
+        position_ids = torch.arange(past, past + T, device=device)[None]
+    if attention_mask is None:
+        attention_mask = torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)[None, None]
+    return position_ids, attention_mask
+
+
 class Float32RotaryEmbedding(LlamaRotaryEmbedding):
     """RoPE whose inverse frequencies stay float32 when the drafter is cast to another dtype: bfloat16 rounds
     them, which shifts the angle of every position by up to ~0.4% and wrecks positions past a few hundred."""
@@ -138,11 +150,7 @@ class EagleDraft(PretrainedHeads):
             )
         x = self.fc(torch.cat([embed(input_ids).to(features.dtype), features], dim=-1))
         T = x.shape[1]
-        past = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(past, past + T, device=x.device)[None]
-        if attention_mask is None:
-            attention_mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)[None, None]
+        position_ids, attention_mask = continue_after(cache, T, x.device, position_ids, attention_mask)
         position_embeddings = self.rotary_emb(x, position_ids)
         for layer in self.layers:
             out = layer(x, attention_mask=attention_mask, position_ids=position_ids,

@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from heads.config import HeadsConfig
-from heads.eagle import Float32RotaryEmbedding, cache_keyword, llama_config
+from heads.eagle import Float32RotaryEmbedding, cache_keyword, continue_after, llama_config
 from heads.io import PretrainedHeads
 
 
@@ -134,11 +134,7 @@ class Eagle3Draft(PretrainedHeads):
         as EagleDraft.forward."""
         embeds = embed(input_ids).to(hidden.dtype)
         T = hidden.shape[1]
-        past = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(past, past + T, device=hidden.device)[None]
-        if attention_mask is None:
-            attention_mask = torch.ones(T, past + T, dtype=torch.bool, device=hidden.device).tril(past)[None, None]
+        position_ids, attention_mask = continue_after(cache, T, hidden.device, position_ids, attention_mask)
         layer = self.midlayer
         attended, _ = layer.self_attn(layer.attention_input(embeds, hidden), self.rotary_emb(hidden, position_ids),
                                       attention_mask, **{self._cache_kw: cache})

@@ -1,6 +1,13 @@
 """EAGLE-1 drafters in the layouts published and served elsewhere: import them, export ours.
 
-Two formats, each taken from its loader's own source (read for this module, versions named):
+The tensors keep our names in both layouts: `EagleDraft` uses SafeAILab's (`fc.*`, `layers.{i}.*`), and
+vLLM and SGLang add their `model.` prefix themselves. The target's embedding travels as
+`embed_tokens.weight`; our drafter never stores it (read it with `load_eagle_embedding`). config.json is
+a Llama config: export writes the `CONFIG_FIELDS` of the `LlamaConfig` the drafter is built from, import
+reads them back through `LlamaConfig`; the weights load with `load_state_dict(strict=True)`. What each
+engine needs beyond the decoder layers is the `ENGINE_NEEDS` table; the layouts, `LAYOUTS`, name their
+engines, and export follows from the two (zeros for an fc bias SGLang requires, warnings where one engine
+drops or lacks a tensor). Sources (read for this module, versions named):
 
 `eagle1` — SafeAILab's layout (the yuhuili/EAGLE-* checkpoints), which vLLM also serves.
   - SafeAILab/EAGLE `eagle/model/cnets1.py` (the EAGLE-1 `Model`, commit 2174a790):
@@ -38,13 +45,11 @@ Two formats, each taken from its loader's own source (read for this module, vers
     is `embed_tokens(input_ids)`. The speculative worker then replaces embed_tokens and lm_head with the
     target's (`set_embed_and_head`, speculative/eagle_worker_v2.py), so `embed_tokens.weight` is optional.
   - `"tie_word_embeddings": false`, else lm_head is built as embed_tokens.
-
-Our drafter never stores the target's embedding; an imported file's `embed_tokens.weight` is dropped from
-the drafter and can be read with `load_eagle_embedding` (e.g. to check it is the target's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import warnings
@@ -58,55 +63,53 @@ from torch import nn
 from transformers import LlamaConfig
 
 from heads.config import DTYPES, HeadsConfig, check_compatible
-from heads.eagle import EagleDraft, layer_fields
+from heads.eagle import EagleDraft, layer_fields, llama_config
 from heads.io import atomic_write, read_config_json, read_state_dict
+from heads.medusa_formats import load_strict
 
-EAGLE_FORMATS = ("eagle1", "sglang-eagle")
-ARCHITECTURES = {"eagle1": "LlamaForCausalLM", "sglang-eagle": "LlamaForCausalLMEagle"}
-ENGINES = {"eagle1": ("safeailab", "vllm"), "sglang-eagle": ("sglang",)}  # who loads each format
-
-SAFETENSORS_NAME = "model.safetensors"
-BIN_NAME = "pytorch_model.bin"
 EMBED_KEY = "embed_tokens.weight"
+WEIGHTS = {"safetensors": "model.safetensors", "bin": "pytorch_model.bin"}
 # Tensors a file may hold that the drafter does not use: lm_head (SGLang skips it too; every engine uses the
 # target's) and the RoPE caches some old checkpoints saved.
 IGNORED = re.compile(r"^(lm_head\.|.*rotary_emb\.(inv_freq|cos_cached|sin_cached)$)")
-
 LAYER_PARAMS = (
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
     "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
     "post_attention_layernorm.weight",
 )
+# config.json fields, written from (and read back into) the LlamaConfig the draft layers are built from.
+CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "num_hidden_layers", "vocab_size", "hidden_act", "rms_norm_eps", "max_position_embeddings")
+# What each engine's loader needs besides the decoder layers; "fc.bias?" only for a drafter with an fc bias.
+# SafeAILab's strict load wants the embedding; vLLM drops fc.bias and shares the target's embedding; SGLang's
+# fc always has a bias.
+ENGINE_NEEDS = {"safeailab": (EMBED_KEY, "fc.weight", "fc.bias?"), "vllm": ("fc.weight",),
+                "sglang": ("fc.weight", "fc.bias")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    architecture: str  # config.json `architectures`
+    engines: tuple[str, ...]  # who loads it (keys of ENGINE_NEEDS)
+
+
+LAYOUTS = {"eagle1": Layout("LlamaForCausalLM", ("safeailab", "vllm")),
+           "sglang-eagle": Layout("LlamaForCausalLMEagle", ("sglang",))}
+EAGLE_FORMATS = tuple(LAYOUTS)
 
 
 def layer_keys(num_layers: int) -> list[str]:
     """The decoder layers' tensors: Llama names, with no input_layernorm on layer 0 (fc feeds attention)."""
     keys = []
     for i in range(num_layers):
-        keys += [f"layers.{i}.{p}" for p in LAYER_PARAMS]
-        if i > 0:
-            keys.append(f"layers.{i}.input_layernorm.weight")
+        keys += [f"layers.{i}.{p}" for p in LAYER_PARAMS] + ([f"layers.{i}.input_layernorm.weight"] if i else [])
     return keys
 
 
-def safeailab_keys(num_layers: int = 1, bias: bool = True) -> list[str]:
-    """What SafeAILab's EAGLE-1 `Model.load_state_dict(strict=True)` reads (ea_model.py at 2320d52e)."""
-    return [EMBED_KEY, "fc.weight", *(["fc.bias"] if bias else []), *layer_keys(num_layers)]
-
-
-def vllm_keys(num_layers: int = 1, bias: bool = True) -> list[str]:
-    """What vLLM 0.32 EagleLlamaForCausalLM loads and needs: fc.bias is dropped whatever `bias` is, and
-    embed_tokens is optional (the target's is shared when it is absent or identical)."""
-    return ["fc.weight", *layer_keys(num_layers)]
-
-
-def sglang_keys(num_layers: int = 1, bias: bool = True) -> list[str]:
-    """What SGLang 0.5.23 LlamaForCausalLMEagle needs: its fc always has a bias (zeros stand in for none);
-    embed_tokens is optional (replaced by the target's)."""
-    return ["fc.weight", "fc.bias", *layer_keys(num_layers)]
-
-
-ENGINE_KEYS = {"safeailab": safeailab_keys, "vllm": vllm_keys, "sglang": sglang_keys}
+def engine_keys(engine: str, num_layers: int = 1, bias: bool = True) -> list[str]:
+    """Every tensor `engine` ("safeailab", "vllm", "sglang") needs in the file for this drafter."""
+    needs = [k.rstrip("?") for k in ENGINE_NEEDS[engine] if bias or not k.endswith("?")]
+    return needs + layer_keys(num_layers)
 
 
 # ---------------------------------------------------------------- reading files
@@ -114,23 +117,27 @@ ENGINE_KEYS = {"safeailab": safeailab_keys, "vllm": vllm_keys, "sglang": sglang_
 
 def _weight_files(directory: Path) -> list[Path]:
     """The weight files, safetensors first (what vLLM prefers too); a sharded index lists its shards."""
-    pairs = ((SAFETENSORS_NAME, "model.safetensors.index.json"), (BIN_NAME, "pytorch_model.bin.index.json"))
-    for single, index in pairs:
+    for single in WEIGHTS.values():
+        index = directory / f"{single}.index.json"
         if (directory / single).is_file():
             return [directory / single]
-        if (directory / index).is_file():
+        if index.is_file():
             try:
-                weight_map = json.loads((directory / index).read_text())["weight_map"]
+                weight_map = json.loads(index.read_text())["weight_map"]
                 return [directory / name for name in sorted(set(weight_map.values()))]
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"{directory / index} is not a readable weight index: {e!r}") from None
-    raise ValueError(f"{directory} has no {SAFETENSORS_NAME} or {BIN_NAME}: no EAGLE weights to import")
+                raise ValueError(f"{index} is not a readable weight index: {type(e).__name__}: {e}") from None
+    return []
 
 
 def read_eagle_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of an EAGLE checkpoint directory, by name (`.bin` read with `weights_only=True`)."""
+    directory = Path(directory)
+    files = _weight_files(directory)
+    if not files:
+        raise ValueError(f"{directory} has no {' or '.join(WEIGHTS.values())}: no EAGLE weights to import")
     state: dict[str, torch.Tensor] = {}
-    for path in _weight_files(Path(directory)):
+    for path in files:
         if not path.is_file():
             raise ValueError(f"{path} is listed in the weight index but missing")
         state.update(read_state_dict(path))
@@ -138,17 +145,16 @@ def read_eagle_weights(directory: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _weight_names(directory: Path) -> set[str]:
+    files = _weight_files(directory)
+    if not all(f.name.endswith(".safetensors") and f.is_file() for f in files):
+        return set(read_eagle_weights(directory))
     names: set[str] = set()
-    for path in _weight_files(directory):
-        if path.name.endswith(".safetensors") and path.is_file():
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    names.update(f.keys())
-            except Exception as e:
-                raise ValueError(f"cannot read the weights in {path}: {type(e).__name__}: {e}") from None
-        else:
-            names.update(read_eagle_weights(directory))
-            break
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names.update(f.keys())
+        except Exception as e:
+            raise ValueError(f"cannot read the weights in {path}: {type(e).__name__}: {e}") from None
     return names
 
 
@@ -162,24 +168,22 @@ def load_eagle_embedding(directory: str | Path) -> torch.Tensor | None:
 
 def detect_eagle_format(directory: str | Path) -> str | None:
     """"eagle1" or "sglang-eagle" for an EAGLE-1 checkpoint directory; None for anything else (a selfspec
-    heads directory, an EAGLE-3 drafter, a full model, no config or weights)."""
+    heads directory, an EAGLE-3 drafter, a full model, no config or weights). A config.json that is not
+    JSON, or weights that cannot be read, are errors naming the file."""
     directory = Path(directory)
-    try:
-        raw = read_config_json(directory)
-        if "kind" in raw:  # a selfspec HeadsConfig
-            return None
-        archs = raw.get("architectures") or []
-        if "LlamaForCausalLMEagle" in archs:
-            fmt = "sglang-eagle"
-        elif any(a in ("LlamaForCausalLM", "EagleLlamaForCausalLM") for a in archs) or (
-            not archs and raw.get("model_type") == "llama"
-        ):
-            fmt = "eagle1"
-        else:
-            return None
-        names = _weight_names(directory)
-    except ValueError:
+    if not (directory / "config.json").is_file() or not _weight_files(directory):
         return None
+    raw = read_config_json(directory)
+    archs = raw.get("architectures") or []
+    if "kind" in raw:  # a selfspec HeadsConfig
+        return None
+    if "LlamaForCausalLMEagle" in archs:
+        fmt = "sglang-eagle"
+    elif {"LlamaForCausalLM", "EagleLlamaForCausalLM"} & set(archs) or (not archs and raw.get("model_type") == "llama"):
+        fmt = "eagle1"
+    else:
+        return None
+    names = _weight_names(directory)
     if "fc.weight" not in names or any(n.startswith(("midlayer.", "model.")) for n in names):
         return None  # EAGLE-3 (`midlayer.*`) or a full causal LM (`model.layers.*`)
     return fmt
@@ -204,14 +208,6 @@ def _layer_config(raw: dict[str, Any], where: Path) -> dict[str, Any]:
     return fields
 
 
-def _dtype_name(raw: dict[str, Any], weight: torch.Tensor) -> str:
-    named = raw.get("torch_dtype") or raw.get("dtype")
-    if isinstance(named, str) and named in DTYPES:
-        return named
-    name = str(weight.dtype).removeprefix("torch.")
-    return name if name in DTYPES else "float32"
-
-
 def import_eagle(
     directory: str | Path,
     format: str | None = None,
@@ -220,82 +216,60 @@ def import_eagle(
 ) -> EagleDraft:
     """Build an `EagleDraft` from an `eagle1` (SafeAILab / vLLM) or `sglang-eagle` checkpoint directory.
 
-    Shapes come from the tensors (hidden size from fc, vocabulary from embed_tokens when present), the
-    layer from the Llama config, fc_bias from whether fc.bias is there. The weights keep the file's dtype.
-    With `target`, a drafter of another hidden or vocabulary size is refused, and an embed_tokens that is
-    not the target's embedding is warned about (the file was made for another model).
+    The hidden size comes from fc, the layer shapes and count from config.json (the count, when absent, from
+    the weights), the vocabulary from config.json or embed_tokens, fc_bias from whether fc.bias is there;
+    the weights keep the file's dtype. With `target`, a drafter of another hidden or vocabulary size is
+    refused, and an embed_tokens that is not the target's embedding is warned about.
     """
     directory = Path(directory)
+    cfg_path = directory / "config.json"
     raw = read_config_json(directory)
     fmt = format or detect_eagle_format(directory)
     if fmt is None:
         raise ValueError(
             f"{directory} is not an EAGLE-1 checkpoint this importer recognises: it expects a Llama "
-            "config.json (architectures LlamaForCausalLM or LlamaForCausalLMEagle) and fc.weight + layers.*"
-        )
-    if fmt not in EAGLE_FORMATS:
+            "config.json (architectures LlamaForCausalLM or LlamaForCausalLMEagle) and fc.weight + layers.*")
+    if fmt not in LAYOUTS:
         raise ValueError(f"unknown EAGLE format {fmt!r}; supported: {', '.join(EAGLE_FORMATS)}")
     state = read_eagle_weights(directory)
     embed = state.pop(EMBED_KEY, None)
     state = {k: v for k, v in state.items() if not IGNORED.match(k)}
-
     fc = state.get("fc.weight")
     if fc is None or fc.dim() != 2 or fc.shape[1] != 2 * fc.shape[0]:
-        shape = None if fc is None else tuple(fc.shape)
-        raise ValueError(f"{directory}: fc.weight should have shape (H, 2H), found {shape}")
+        found = None if fc is None else tuple(fc.shape)
+        raise ValueError(f"{directory}: fc.weight should have shape (H, 2H), found {found}")
     if not fc.is_floating_point():
         raise ValueError(f"{directory}: fc.weight is {fc.dtype}; quantized drafters are not supported")
-    hidden = fc.shape[0]
+    hidden, vocab = fc.shape[0], raw.get("vocab_size", None if embed is None else embed.shape[0])
     if raw.get("hidden_size") != hidden:
-        raise ValueError(f"{directory}: config.json says hidden_size {raw.get('hidden_size')} but fc.weight "
-                         f"is {tuple(fc.shape)} (hidden size {hidden})")
-    vocab = raw.get("vocab_size")
-    if embed is not None:
-        if embed.dim() != 2 or embed.shape[1] != hidden:
-            raise ValueError(f"{directory}: embed_tokens.weight {tuple(embed.shape)} does not match hidden "
-                             f"size {hidden}")
-        if vocab is not None and vocab != embed.shape[0]:
-            raise ValueError(f"{directory}: config.json says vocab_size {vocab} but embed_tokens.weight has "
-                             f"{embed.shape[0]} rows")
-        vocab = embed.shape[0]
+        raise ValueError(f"{cfg_path}: hidden_size is {raw.get('hidden_size')} but fc.weight {tuple(fc.shape)} "
+                         f"makes it {hidden}")
     if not isinstance(vocab, int) or vocab < 1:
         raise ValueError(f"{directory}: no vocabulary size (no vocab_size in config.json, no embed_tokens)")
-
-    indices = sorted({int(m.group(1)) for k in state if (m := re.match(r"layers\.(\d+)\.", k))})
-    if not indices or indices != list(range(len(indices))):
-        raise ValueError(f"{directory}: decoder layers should be numbered 0..n-1, found {indices}")
-    if raw.get("num_hidden_layers", len(indices)) != len(indices):
-        raise ValueError(f"{directory}: config.json says num_hidden_layers {raw['num_hidden_layers']} but "
-                         f"the weights hold {len(indices)} layer(s)")
-
-    fc_bias = "fc.bias" in state
-    if fmt == "sglang-eagle" and fc_bias and raw.get("bias") is False and not state["fc.bias"].any():
+    if embed is not None and tuple(embed.shape) != (vocab, hidden):
+        raise ValueError(f"{directory}: embed_tokens.weight is {tuple(embed.shape)}, config.json and fc make it "
+                         f"({vocab}, {hidden})")
+    layers = {int(m.group(1)) for k in state if (m := re.match(r"layers\.(\d+)\.", k))}
+    if fmt == "sglang-eagle" and raw.get("bias") is False and "fc.bias" in state and not state["fc.bias"].any():
         del state["fc.bias"]  # the zero bias written for SGLang's always-biased fc (see export_eagle)
-        fc_bias = False
+    named = (raw.get("torch_dtype"), raw.get("dtype"), str(fc.dtype).removeprefix("torch."))
+    dtype = next((d for d in named if d in DTYPES), "float32")
     config = HeadsConfig(
         kind="eagle", base_model=base_model or "", hidden_size=hidden, vocab_size=vocab,
-        num_layers=len(indices), fc_bias=fc_bias, dtype=_dtype_name(raw, fc),
-        layer=_layer_config(raw, directory / "config.json"),
+        num_layers=raw.get("num_hidden_layers") or 1 + max(layers, default=0), fc_bias="fc.bias" in state,
+        dtype=dtype, layer=_layer_config(raw, cfg_path),
     )
     draft = EagleDraft(config).to(fc.dtype)
-    expected = set(draft.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(f"{directory}: the weights do not form an EAGLE-1 drafter of {len(indices)} "
-                         f"layer(s): missing {missing[:6]}, unexpected {unexpected[:6]}")
-    try:
-        draft.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"{directory}: the weights do not match config.json's shapes: {e}") from None
+    files = _weight_files(directory)
+    load_strict(draft, state, files[0] if len(files) == 1 else directory)
     draft.eval()
     if target is not None:
         check_compatible(config, target)
-        if embed is not None:
-            mine = target.get_input_embeddings().weight.detach()
-            if mine.shape != embed.shape or not torch.allclose(embed.float().cpu(), mine.float().cpu(),
-                                                                rtol=1e-2, atol=1e-3):
-                warnings.warn(f"{directory}: its embed_tokens differ from the target's input embedding: it "
-                              "was likely trained for another model, and will draft poorly", stacklevel=2)
+        mine = target.get_input_embeddings().weight.detach()
+        if embed is not None and (mine.shape != embed.shape or not torch.allclose(
+                embed.float().cpu(), mine.float().cpu(), rtol=1e-2, atol=1e-3)):
+            warnings.warn(f"{directory}: its embed_tokens differ from the target's input embedding: it was likely "
+                          "trained for another model, and will draft poorly", stacklevel=2)
     return draft
 
 
@@ -315,28 +289,12 @@ def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
 
 def eagle_config_json(draft: EagleDraft, fmt: str) -> dict[str, Any]:
     """The Llama-style config.json the format's loaders read (see the module docstring for the sources)."""
-    cfg, layer = draft.config, dict(draft.config.layer or {})
-    rope = dict(layer.get("rope_parameters") or {})
-    heads = layer["num_attention_heads"]
-    config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[fmt]],
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": layer["intermediate_size"],
-        "num_attention_heads": heads,
-        "num_key_value_heads": layer.get("num_key_value_heads", heads),
-        "head_dim": layer.get("head_dim", cfg.hidden_size // heads),
-        "num_hidden_layers": cfg.num_layers,
-        "vocab_size": cfg.vocab_size,
-        "hidden_act": layer.get("hidden_act", "silu"),
-        "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
-        "max_position_embeddings": layer.get("max_position_embeddings", 2048),
-        "rope_theta": float(rope.get("rope_theta", 10000.0)),
-        "rope_scaling": _rope_scaling(rope),
-        "tie_word_embeddings": False,
-        "torch_dtype": str(draft.fc.weight.dtype).removeprefix("torch."),
-    }
-    if not cfg.fc_bias:
+    lc, rope = llama_config(draft.config), dict((draft.config.layer or {}).get("rope_parameters") or {})
+    config: dict[str, Any] = {"architectures": [LAYOUTS[fmt].architecture], "model_type": "llama"}
+    config |= {field: getattr(lc, field) for field in CONFIG_FIELDS}
+    config |= {"rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": _rope_scaling(rope),
+               "tie_word_embeddings": False, "torch_dtype": str(draft.fc.weight.dtype).removeprefix("torch.")}
+    if not draft.config.fc_bias:
         config["bias"] = False  # SafeAILab's fc-bias flag; `true` means attention bias to vLLM and SGLang
     return config
 
@@ -354,19 +312,18 @@ def export_eagle(
     checkpoints carry it (SafeAILab's EAGLE-1 loader requires it). `weights` picks `model.safetensors`
     (vLLM, SGLang and today's SafeAILab code) or `pytorch_model.bin` (the original EAGLE-1 code).
     """
-    if fmt not in EAGLE_FORMATS:
+    if fmt not in LAYOUTS:
         raise ValueError(f"unknown EAGLE format {fmt!r}; choose one of {', '.join(EAGLE_FORMATS)}")
-    if weights not in ("safetensors", "bin"):
+    if weights not in WEIGHTS:
         raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
-    cfg = draft.config
+    cfg, engines = draft.config, LAYOUTS[fmt].engines
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
     expected = {"fc.weight", *(["fc.bias"] if cfg.fc_bias else []), *layer_keys(cfg.num_layers)}
     if set(state) != expected:
         raise ValueError(f"this drafter has tensors no EAGLE-1 loader reads (e.g. attention biases): "
                          f"{sorted(set(state) ^ expected)[:6]}")
-    layer = cfg.layer or {}
-    if layer.get("head_dim", cfg.hidden_size // layer["num_attention_heads"]) * layer["num_attention_heads"] \
-            != cfg.hidden_size:
+    lc = llama_config(cfg)
+    if "safeailab" in engines and lc.head_dim * lc.num_attention_heads != cfg.hidden_size:
         warnings.warn("head_dim x heads != hidden size: SafeAILab's EAGLE code assumes head_dim = H / heads "
                       "and cannot run this drafter (vLLM and SGLang read head_dim)", stacklevel=2)
     if embed_weight is not None:
@@ -374,24 +331,23 @@ def export_eagle(
             raise ValueError(f"embed_weight has shape {tuple(embed_weight.shape)}, the drafter needs "
                              f"({cfg.vocab_size}, {cfg.hidden_size})")
         state[EMBED_KEY] = embed_weight.detach().cpu().clone()  # its own dtype: vLLM shares it if identical
-    elif fmt == "eagle1":
+    needed = {k for engine in engines for k in engine_keys(engine, cfg.num_layers, cfg.fc_bias)}
+    if EMBED_KEY in needed - set(state):
         warnings.warn("no embed_weight: SafeAILab's original EAGLE-1 loader (strict) needs "
                       "embed_tokens.weight; vLLM does not", stacklevel=2)
-    if fmt == "eagle1" and cfg.fc_bias:
+    if "fc.bias" in needed - set(state):  # SGLang's fc always has a bias: zeros are the bias-free fc
+        state["fc.bias"] = torch.zeros(cfg.hidden_size, dtype=state["fc.weight"].dtype)
+    if cfg.fc_bias and "vllm" in engines:
         warnings.warn("this drafter has an fc bias, which vLLM 0.32 drops on load (it still decodes "
                       "losslessly but accepts fewer tokens); train with fc_bias=False for vLLM", stacklevel=2)
-    if fmt == "sglang-eagle" and not cfg.fc_bias:
-        state["fc.bias"] = torch.zeros(cfg.hidden_size, dtype=state["fc.weight"].dtype)
-
     out = Path(out_dir)
-    name, other = (SAFETENSORS_NAME, BIN_NAME) if weights == "safetensors" else (BIN_NAME, SAFETENSORS_NAME)
+    other = next(name for kind, name in WEIGHTS.items() if kind != weights)
     if (out / other).exists():
         raise ValueError(f"{out} already holds {other}: loaders would pick one of two weight files; "
                          "export into an empty directory")
-    out.mkdir(parents=True, exist_ok=True)
     if weights == "safetensors":
-        atomic_write(out / name, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+        atomic_write(out / WEIGHTS[weights], lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     else:
-        atomic_write(out / name, lambda tmp: torch.save(state, tmp))
+        atomic_write(out / WEIGHTS[weights], lambda tmp: torch.save(state, tmp))
     text = json.dumps(eagle_config_json(draft, fmt), indent=2) + "\n"
     atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(text))

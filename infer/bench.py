@@ -8,6 +8,7 @@ Methods run interleaved prompt by prompt so that machine noise hits them alike.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import statistics
@@ -194,6 +195,20 @@ def format_table(result: dict) -> str:
             notes.append(f"{name}: prompt {mm['prompt']} differs from the baseline at new token {mm['position']}; "
                          f"top-2 logit margin there {mm['top2_logit_margin']}, {kind}")
     return "\n".join(rows + notes)
+
+
+def check_plot_file(path: str | Path) -> None:
+    """What `plot_bench` needs, checked before a benchmark runs: matplotlib, and a file type it draws."""
+    try:
+        importlib.import_module("matplotlib")
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ValueError("--plot needs matplotlib, which is not installed: pip install matplotlib "
+                         "(or pip install 'selfspec[plot]')") from None
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if Path(path).suffix.lower().removeprefix(".") not in kinds:
+        raise ValueError(f"--plot {path}: name a file ending in one of .{', .'.join(sorted(kinds))} "
+                         "(e.g. bench.png)")
 
 
 def plot_bench(result: dict, path: str | Path) -> None:

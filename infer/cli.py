@@ -9,17 +9,35 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
+
+from heads.errors import describe, run_main
+from infer.options import DTYPES, PROG, build_parser, output_file
 
 if TYPE_CHECKING:
     from heads.config import HeadsConfig
     from infer.generate import SpeculativeModel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EAGLE_OPTIONS = {"depth": "depth", "top_k": "draft_top_k", "total_tokens": "total_tokens"}  # kwarg: args dest
+
+
+def load_pretrained(option: str, name: str, loader: Callable[..., Any], path: str, **kwargs: Any) -> Any:
+    """`loader(path, **kwargs)` (a from_pretrained); a model that does not load is one line naming it and why."""
+    if path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():  # a path, not a Hub id
+        raise ValueError(f"{option} {name}: no such folder")
+    try:
+        return loader(path, **kwargs)
+    except Exception as e:  # a damaged or mismatched file: whatever the library raised, say which and why
+        where = name if name == path else f"{name} ({path})"
+        weights = sorted(Path(path).glob("*.safetensors")) if isinstance(e, SafetensorError) else []
+        if weights:  # the library's message names no file
+            where += f": the weights in {weights[0]}" if len(weights) == 1 else f": one of {len(weights)} weight files"
+        raise ValueError(f"{option} {where}: cannot load it: {type(e).__name__}: {describe(e)}") from e
 
 
 def _configs(heads_dirs: list[str]) -> list[HeadsConfig]:
@@ -32,15 +50,14 @@ def _configs(heads_dirs: list[str]) -> list[HeadsConfig]:
         try:
             heads = resolve_heads(heads)
         except FileNotFoundError as e:
-            raise SystemExit(f"error: --heads {e}") from None
+            raise ValueError(f"--heads {e}") from None
         if not Path(heads, "config.json").is_file():
-            raise SystemExit(
-                f"error: --heads {heads}: no config.json there (train heads with train/medusa.py or train/eagle.py)"
-            )
+            raise ValueError(f"--heads {heads}: no config.json there (train heads with train/medusa.py or "
+                             "train/eagle.py)")
         try:
             configs.append(HeadsConfig.load(heads))
         except ValueError as e:
-            raise SystemExit(f"error: --heads {heads}: {e}") from None
+            raise ValueError(f"--heads {heads}: {e}") from None
     return configs
 
 
@@ -48,20 +65,23 @@ def _eagle_options(args: argparse.Namespace, configs: list[HeadsConfig]) -> dict
     """The EAGLE dynamic-tree options given on the command line (None: the heads' defaults)."""
     options = {name: getattr(args, dest) for name, dest in EAGLE_OPTIONS.items()}
     given = ["--" + dest.replace("_", "-") for name, dest in EAGLE_OPTIONS.items() if options[name] is not None]
-    if given and args.tree:
-        raise SystemExit(f"error: {', '.join(given)} shape EAGLE's dynamic tree and --tree fixes a static one: "
+    if given and args.tree is not None:
+        raise ValueError(f"{', '.join(given)} shape EAGLE's dynamic tree and --tree fixes a static one: "
                          "give one or the other")
-    if given and not any(c.kind == "eagle" for c in configs):
+    if given and not any(c.kind.startswith("eagle") for c in configs):
         kinds = sorted({c.kind for c in configs})
-        raise SystemExit(f"error: {', '.join(given)} shape EAGLE's dynamic tree, but the heads are {'/'.join(kinds)} "
+        raise ValueError(f"{', '.join(given)} shape EAGLE's dynamic tree, but the heads are {'/'.join(kinds)} "
                          "heads; use --tree for a static tree")
     return options
 
 
-def _load(args: argparse.Namespace, heads_dirs: list[str]) -> tuple[Any, Any, list[SpeculativeModel]]:
+def _load(
+    args: argparse.Namespace, heads_dirs: list[str], before_weights: Callable[[Any, Any], None] | None = None
+) -> tuple[Any, Any, list[SpeculativeModel]]:
     """The target (loaded once), its tokenizer, and one SpeculativeModel per drafter on it: each heads
-    directory, then the draft model and prompt lookup when asked for."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    directory, then the draft model and prompt lookup when asked for. `before_weights(tokenizer, config)`
+    checks what it can before the target's weights load."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from infer.generate import SpeculativeModel
     from shipped.models import resolve_model
@@ -70,28 +90,29 @@ def _load(args: argparse.Namespace, heads_dirs: list[str]) -> tuple[Any, Any, li
     options = _eagle_options(args, configs)
     name = args.model or (configs[0].base_model if configs else "demo")
     if not name:
-        raise SystemExit("error: the heads name no base model; pass --model")
+        raise ValueError("the heads name no base model; pass --model")
     if not args.model:
         for heads, config in zip(heads_dirs[1:], configs[1:]):
             if config.base_model != name:
                 print(f"note: --heads {heads} was trained on {config.base_model or 'an unnamed model'}, "
                       f"benchmarked on {name}", file=sys.stderr)
     path = resolve_model(name)
+    option = "--model" if args.model else "the heads' base_model"
+    tokenizer = load_pretrained(option, name, AutoTokenizer.from_pretrained, path)
+    if before_weights is not None:
+        before_weights(tokenizer, load_pretrained(option, name, AutoConfig.from_pretrained, path))
     dtype = DTYPES[args.dtype] if args.dtype else DTYPES[configs[0].dtype] if configs else "auto"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    model = load_pretrained(option, name, AutoModelForCausalLM.from_pretrained, path, dtype=dtype)
+    model = model.to(args.device).eval()
     args.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    try:
-        tree = json.loads(args.tree) if args.tree else None
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"error: --tree is not JSON ({e}); e.g. --tree '[[0], [1], [0, 0]]'") from None
+    tree = args.tree  # parsed by tree_choices
     specs = []
     for heads, config in zip(heads_dirs, configs):
-        kwargs = options if config.kind == "eagle" else {}
+        kwargs = options if config.kind.startswith("eagle") else {}
         try:
             specs.append(SpeculativeModel.from_pretrained(heads, model=model, device=args.device, tree=tree, **kwargs))
         except ValueError as e:
-            raise SystemExit(f"error: --heads {heads}: {e}") from None
+            raise ValueError(f"--heads {heads}: {e}") from None
         if getattr(args, "lookup_first", False):
             from infer.prompt_lookup import LookupFirst, PromptLookupProposer
 
@@ -117,12 +138,14 @@ def _draft_proposer(args: argparse.Namespace, model: Any):
     from infer.draft_model import DraftModelProposer
     from shipped.models import resolve_model
 
+    path = resolve_model(args.draft_model)
+    draft = load_pretrained("--draft-model", args.draft_model, AutoModelForCausalLM.from_pretrained, path,
+                            dtype=next(model.parameters()).dtype)
     try:
-        path = resolve_model(args.draft_model)
-        draft = AutoModelForCausalLM.from_pretrained(path, dtype=next(model.parameters()).dtype).to(args.device).eval()
-        return DraftModelProposer(draft, args.num_draft_tokens, model.get_output_embeddings().weight.shape[0])
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: --draft-model {args.draft_model}: {e}") from None
+        return DraftModelProposer(draft.to(args.device).eval(), args.num_draft_tokens,
+                                  model.get_output_embeddings().weight.shape[0])
+    except ValueError as e:
+        raise ValueError(f"--draft-model {args.draft_model}: {e}") from None
 
 
 def method_names(specs: list[SpeculativeModel]) -> list[str]:
@@ -136,10 +159,27 @@ def method_names(specs: list[SpeculativeModel]) -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from infer.generate import fit_budget, max_positions
+
     given = sum(map(bool, (args.heads, args.draft_model, args.prompt_lookup)))
     if given != 1:
-        raise SystemExit("error: generate takes exactly one drafter: --heads DIR, --draft-model PATH or --prompt-lookup")
-    model, tokenizer, (spec,) = _load(args, [args.heads] if args.heads else [])
+        raise ValueError("generate takes exactly one drafter: --heads DIR, --draft-model PATH or --prompt-lookup")
+    output_file("--json", args.json)
+
+    def fit(tokenizer: Any, config: Any) -> None:
+        """Clip --max-new-tokens to the model's positions (a note), or refuse a prompt that fills them."""
+        length = tokenizer(args.prompt, return_tensors="pt").input_ids.shape[1]
+        limit = max_positions(config)
+        try:
+            budget = fit_budget(length, args.max_new_tokens, limit)
+        except ValueError as e:
+            raise ValueError(f"--prompt: {e}") from None
+        if budget < args.max_new_tokens:
+            print(f"note: --max-new-tokens {args.max_new_tokens} clipped to {budget}: the prompt is {length} tokens "
+                  f"and the model takes at most {limit} positions", file=sys.stderr)
+            args.max_new_tokens = budget
+
+    model, tokenizer, (spec,) = _load(args, [args.heads] if args.heads else [], fit)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -161,6 +201,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from infer.bench import (
+        check_plot_file,
         default_prompts,
         format_table,
         hf_runner,
@@ -169,16 +210,32 @@ def cmd_bench(args: argparse.Namespace) -> None:
         run_bench,
         speculative_runner,
     )
-    from infer.generate import SpeculativeModel
+    from infer.generate import SpeculativeModel, max_positions
     from infer.proposers import NoDraft
+
+    # everything that can fail without the model fails before it loads
+    if args.plot:
+        check_plot_file(args.plot)
+    output_file("--json", args.json)
+    output_file("--plot", args.plot)
+    prompts = load_prompts(args.prompts) if args.prompts else default_prompts(args.num_prompts)
+    n = args.max_new_tokens
+
+    def fit(tokenizer: Any, config: Any) -> None:
+        """Every prompt + --max-new-tokens must fit the model's positions: a benchmark compares equal work."""
+        limit = max_positions(config)
+        lengths = [len(tokenizer(p).input_ids) for p in prompts]
+        over = [length for length in lengths if length + n > limit] if limit else []
+        if over:
+            fix = f"lower --max-new-tokens to {limit - max(lengths)} or use" if max(lengths) < limit else "use"
+            raise ValueError(f"{len(over)} of {len(prompts)} prompts (the longest {max(over)} tokens) + "
+                             f"--max-new-tokens {n} exceed the model's {limit} positions: {fix} shorter prompts")
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer, specs = _load(args, args.heads or [])
-    prompts = load_prompts(args.prompts) if args.prompts else default_prompts(args.num_prompts)
+    model, tokenizer, specs = _load(args, args.heads or [], fit)
     eos = model.generation_config.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    n = args.max_new_tokens
     runners = {
         "hf_generate": hf_runner(model, n, eos, pad),
         "plain": speculative_runner(SpeculativeModel(model, NoDraft(args.device)), n, eos),
@@ -227,7 +284,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
     from infer.tune import eagle_grid, format_rows, tune_eagle, tune_medusa
 
     if not Path(args.heads, "config.json").is_file():
-        raise SystemExit(f"error: --heads {args.heads}: tune stores its result in a local heads directory; "
+        raise ValueError(f"--heads {args.heads}: tune stores its result in a local heads directory; "
                          "download Hub heads first (huggingface-cli download ID --local-dir DIR)")
     model, tokenizer, (spec,) = _load(args, [args.heads])
     prompts = [p.to(args.device) for p in calibration_prompts(tokenizer, args.prompts, args.num_prompts)]
@@ -260,10 +317,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
 def cmd_import(args: argparse.Namespace) -> None:
     from heads.convert import import_heads
 
-    try:
-        heads = import_heads(args.src, args.format, base_model=args.base_model)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+    heads = import_heads(args.src, args.format, base_model=args.base_model, vocab_size=args.vocab_size)
     heads.save_pretrained(args.out)
     print(f"imported {heads.config.kind} heads from {args.src} into {args.out}")
 
@@ -278,121 +332,36 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     heads = load_heads(args.heads)
     target = None
-    name = args.model or heads.config.base_model
-    if name:  # the target supplies weights some layouts carry (a shared lm_head, EAGLE-1's embedding)
-        target = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=getattr(torch, heads.config.dtype))
+    name = args.model or args.base_model or heads.config.base_model
+    if name:  # the target supplies weights some layouts carry (a shared lm_head, the EAGLE embedding)
+        try:
+            target = AutoModelForCausalLM.from_pretrained(resolve_model(name),
+                                                          dtype=getattr(torch, heads.config.dtype))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot load the target {name!r} ({' '.join(str(e).split())}): pass --model, a "
+                             "local model directory or a Hub id (and --base-model for what config.json should "
+                             "name)") from None
         check_compatible(heads.config, target)
-    try:
-        export_heads(heads, args.format, args.out, target)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    export_heads(heads, args.format, args.out, target, base_model=args.base_model, weights=args.weights)
     print(f"exported {args.heads} as {args.format} into {args.out}")
 
 
 def cmd_push(args: argparse.Namespace) -> None:
     from heads.hub import push_to_hub
 
-    try:
-        url = push_to_hub(args.heads, args.repo_id, private=args.private or None, token=args.token)
-    except FileNotFoundError as e:
-        raise SystemExit(f"error: {e}") from None
+    url = push_to_hub(args.heads, args.repo_id, private=args.private or None, token=args.token)
     print(f"pushed {args.heads} to {url}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m infer", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune, "import": cmd_import,
+            "export": cmd_export, "push": cmd_push}
 
-    def common(p: argparse.ArgumentParser, several: bool) -> None:
-        if several:
-            p.add_argument("--heads", action="append",
-                           help="a trained heads directory (Medusa or EAGLE); repeat it to compare several drafters "
-                                "of one target in the same run")
-        else:
-            p.add_argument("--heads", help="a trained heads directory (Medusa or EAGLE)")
-        p.add_argument("--draft-model", help="a small causal LM with the target's tokenizer drafts chains (the seed "
-                                             "paper's algorithm); `demo-draft` is the shipped one")
-        p.add_argument("--num-draft-tokens", type=int, default=4, help="gamma: tokens the draft model proposes per step")
-        p.add_argument("--prompt-lookup", action="store_true",
-                       help="draft the continuation of the latest earlier match of the context's last n-gram")
-        p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="longest prompt-lookup proposal")
-        p.add_argument("--lookup-first", action="store_true",
-                       help="with --heads: use prompt lookup on steps where it finds 3 or more tokens, the heads "
-                            "elsewhere (bench runs each heads drafter both ways)")
-        p.add_argument("--model", help="target model name or path (default: the (first) heads' base_model, or `demo`)")
-        p.add_argument("--dtype", choices=list(DTYPES),
-                       help="default: the dtype the (first) heads were trained with, else the model's own")
-        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-        p.add_argument("--tree", help='static tree as JSON choices, e.g. "[[0], [1], [0, 0]]" (for EAGLE heads: '
-                                      "EAGLE-1 style instead of the dynamic tree)")
-        p.add_argument("--max-new-tokens", type=int, default=128)
-        p.add_argument("--json", help="write results to this JSON file")
 
-    def eagle_tree(p: argparse.ArgumentParser, top_k_flags: list[str], note: str) -> None:
-        g = p.add_argument_group("EAGLE dynamic tree", "override the EAGLE heads' defaults (from their config.json); "
-                                 f"not with --tree; {note}")
-        g.add_argument("--depth", type=int, help="draft steps (the tree's maximum depth)")
-        g.add_argument(*top_k_flags, dest="draft_top_k", type=int,
-                       help="frontier width and children per expanded node")
-        g.add_argument("--total-tokens", type=int, help="drafted nodes kept for verification (root not counted)")
-
-    gen = sub.add_parser("generate", help="stream a completion")
-    common(gen, several=False)
-    eagle_tree(gen, ["--draft-top-k"], "an error with Medusa heads")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0, help="sampling: keep the k likeliest tokens (0: all)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--quiet", action="store_true", help="do not print the text")
-    gen.set_defaults(func=cmd_generate)
-
-    bench = sub.add_parser("bench", help="compare drafters with model.generate and plain decoding on the same prompts")
-    common(bench, several=True)
-    # bench does not sample, so --top-k is free to mean the draft's (as --draft-top-k does on both commands)
-    eagle_tree(bench, ["--draft-top-k", "--top-k"], "applied to the EAGLE heads only, an error when none is EAGLE")
-    bench.add_argument("--prompts", help='a .jsonl file of {"prompt": ...} (default: demo test-split functions)')
-    bench.add_argument("--num-prompts", type=int, default=16)
-    bench.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    bench.add_argument("--plot", help="draw tokens/s, tau and tokens per step per method into this PNG")
-    bench.set_defaults(func=cmd_bench)
-
-    tune = sub.add_parser("tune", help="fit the heads' default tree to this machine and store it in their config.json")
-    tune.add_argument("--heads", required=True, help="a trained heads directory (Medusa or EAGLE)")
-    tune.add_argument("--model", help="target model name or path (default: the heads' base_model)")
-    tune.add_argument("--dtype", choices=list(DTYPES), help="default: the dtype the heads were trained with")
-    tune.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    tune.add_argument("--prompts", help='calibration .jsonl of {"prompt": ...} (default: the demo validation split)')
-    tune.add_argument("--num-prompts", type=int, default=6)
-    tune.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt and EAGLE setting")
-    from heads.convert import EXPORT_FORMATS
-
-    imp = sub.add_parser("import", help="convert a published Medusa/EAGLE checkpoint into a selfspec heads directory")
-    imp.add_argument("--src", required=True, help="the checkpoint's directory (layout detected from its files)")
-    imp.add_argument("--format", choices=EXPORT_FORMATS, help="the layout, when detection should be overridden")
-    imp.add_argument("--base-model", help="the target it was trained for (default: what its config names)")
-    imp.add_argument("--out", required=True)
-    imp.set_defaults(func=cmd_import)
-
-    exp = sub.add_parser("export", help="write heads in the layout a serving engine loads")
-    exp.add_argument("--heads", required=True, help="a selfspec heads directory or Hub id")
-    exp.add_argument("--format", required=True, choices=EXPORT_FORMATS)
-    exp.add_argument("--model", help="the target, when a layout needs its weights (default: the heads' base_model)")
-    exp.add_argument("--out", required=True)
-    exp.set_defaults(func=cmd_export)
-
-    push = sub.add_parser("push", help="upload a heads directory to the Hugging Face Hub with a model card")
-    push.add_argument("--heads", required=True, help="a heads directory (config.json + model.safetensors)")
-    push.add_argument("--repo-id", required=True, help="e.g. your-name/llama3-8b-medusa")
-    push.add_argument("--private", action="store_true")
-    push.add_argument("--token", help="a Hub token (default: HF_TOKEN or the saved login); never printed")
-    push.set_defaults(func=cmd_push)
-
-    tune.set_defaults(func=cmd_tune, tree=None, draft_model=None, prompt_lookup=False, depth=None, draft_top_k=None,
-                      total_tokens=None)
-    return parser
+def run(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    COMMANDS[args.command](args)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    args.func(args)
+    """The command line: a user error ends in one `error: ...` line and exit status 2 (`--debug`: the traceback)."""
+    run_main(run, argv, prog=PROG)

@@ -12,10 +12,13 @@ Everything is batched over nodes: no per-candidate host sync.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from infer.tree import Tree
+
+MIN_TEMPERATURE = 1e-6  # far above where float32 logits / temperature overflow; below it, use 0 (greedy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +30,15 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        # NaN, infinity or a temperature so small that logits / temperature overflows float32 would turn p into
+        # NaN, and every draw into token 0
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
+                             f"got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: no top-k), got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top_p must be in (0, 1] (1: no nucleus), got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

@@ -1,7 +1,9 @@
 import json
+import sys
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from heads.config import HeadsConfig
@@ -24,6 +26,30 @@ def trained_heads(tiny_model_dir, tmp_path, monkeypatch):
             "self_distill": False, "max_train_examples": 0, "mixed_precision": "no"}
     run(load_config(MedusaConfig, [x for k, v in args.items() for x in (f"--{k}", str(v))]))
     return out
+
+
+def user_error(capsys, argv: list[str]) -> str:
+    """Run the CLI expecting a user error: exit status 2 and one line on stderr, no traceback. Returns the line."""
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars share stderr
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli(argv)
+    finally:
+        transformers.utils.logging.enable_progress_bar()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("python -m infer") and ": error: " in err
+    return err.strip()
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading the target's weights fails the test: what is checked up front must not wait for them."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model's weights were loaded before the check")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
 
 
 def greedy_reference(model_dir, prompt: str, max_new_tokens: int) -> list[int]:
@@ -62,9 +88,9 @@ def test_bench_writes_every_method(trained_heads, tmp_path, capsys):
     assert "medusa" in capsys.readouterr().out
 
 
-def test_missing_heads_dir_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="no config.json"):
-        cli(["generate", "--heads", str(tmp_path / "nope"), "--prompt", "x"])
+def test_missing_heads_dir_is_a_clear_error(tmp_path, capsys):
+    line = user_error(capsys, ["generate", "--heads", str(tmp_path / "nope"), "--prompt", "x"])
+    assert f"--heads {tmp_path / 'nope'}: no config.json there" in line
 
 
 def test_bench_compares_several_drafters_on_one_target(medusa_dir, eagle_dir, tmp_path, capsys):
@@ -88,9 +114,8 @@ def test_bench_compares_several_drafters_on_one_target(medusa_dir, eagle_dir, tm
     (["--top-k", "2", "--total-tokens", "4"], "--draft-top-k, --total-tokens shape EAGLE's dynamic tree, but"),
     (["--depth", "2", "--tree", "[[0]]"], "give one or the other"),
 ])
-def test_eagle_options_with_medusa_heads_are_a_clear_error(medusa_dir, extra, message):
-    with pytest.raises(SystemExit, match=message):
-        cli(["bench", "--heads", str(medusa_dir), "--num-prompts", "1", *extra])
+def test_eagle_options_with_medusa_heads_are_a_clear_error(medusa_dir, extra, message, capsys, no_weights):
+    assert message in user_error(capsys, ["bench", "--heads", str(medusa_dir), "--num-prompts", "1", *extra])
 
 
 def test_generate_with_eagle_heads_and_tree_options(eagle_dir, tiny_model_dir, tmp_path, monkeypatch):
@@ -141,11 +166,10 @@ def test_bench_races_transformers_speculative_decoding(tiny_model_dir, draft_mod
     assert plot.stat().st_size > 10_000
 
 
-def test_generate_takes_exactly_one_drafter(tiny_model_dir, draft_model_dir, medusa_dir):
-    with pytest.raises(SystemExit, match="exactly one drafter"):
-        cli(["generate", "--model", str(tiny_model_dir), "--prompt", "x"])
-    with pytest.raises(SystemExit, match="exactly one drafter"):
-        cli(["generate", "--heads", str(medusa_dir), "--prompt-lookup", "--prompt", "x"])
+def test_generate_takes_exactly_one_drafter(tiny_model_dir, draft_model_dir, medusa_dir, capsys):
+    assert "exactly one drafter" in user_error(capsys, ["generate", "--model", str(tiny_model_dir), "--prompt", "x"])
+    assert "exactly one drafter" in user_error(capsys, ["generate", "--heads", str(medusa_dir), "--prompt-lookup",
+                                                        "--prompt", "x"])
 
 
 @pytest.mark.parametrize("flag", ["--draft-model", "--prompt-lookup"])
@@ -186,3 +210,147 @@ def test_tune_prefers_a_smaller_medusa_tree_when_latency_grows_faster():
     steep_tree, rows, _ = tune_medusa(model, heads, prompts, latency=steep)
     assert accuracy.shape == (3, 10) and accuracy[0, 0] > 0
     assert len(steep_tree) < len(flat_tree)
+
+
+GEN = ["generate", "--prompt-lookup", "--prompt", "x"]
+BENCH = ["bench", "--prompt-lookup"]
+TEMPERATURE_RULE = "temperature must be 0 (greedy) or a finite number >= 1e-06"
+
+
+@pytest.mark.parametrize("argv, option, value, rule", [
+    (GEN + ["--temperature", "nan"], "--temperature", "got nan", TEMPERATURE_RULE),
+    (GEN + ["--temperature", "1e-39"], "--temperature", "got 1e-39", TEMPERATURE_RULE),
+    (GEN + ["--temperature", "-0.5"], "--temperature", "got -0.5", TEMPERATURE_RULE),
+    (GEN + ["--temperature", "hot"], "--temperature", "'hot'", "expected a number"),
+    (GEN + ["--top-p", "0"], "--top-p", "got 0.0", "top_p must be in (0, 1]"),
+    (GEN + ["--top-p", "1.5"], "--top-p", "got 1.5", "top_p must be in (0, 1]"),
+    (GEN + ["--top-k", "-1"], "--top-k", "got -1", "an integer >= 0"),
+    (GEN + ["--max-new-tokens", "0"], "--max-new-tokens", "got 0", "an integer >= 1"),
+    (GEN + ["--num-draft-tokens", "0"], "--num-draft-tokens", "got 0", "an integer >= 1"),
+    (GEN + ["--prompt-lookup-tokens", "0"], "--prompt-lookup-tokens", "got 0", "an integer >= 1"),
+    (GEN + ["--depth", "0"], "--depth", "got 0", "an integer >= 1"),
+    (GEN + ["--draft-top-k", "0"], "--draft-top-k", "got 0", "an integer >= 1"),
+    (GEN + ["--total-tokens", "-3"], "--total-tokens", "got -3", "an integer >= 1"),
+    (GEN + ["--tree", "[[0],"], "--tree", "not JSON", "e.g. --tree"),
+    (BENCH + ["--max-new-tokens", "-5"], "--max-new-tokens", "got -5", "an integer >= 1"),
+    (BENCH + ["--num-prompts", "0"], "--num-prompts", "got 0", "an integer >= 1"),
+    (BENCH + ["--threads", "-1"], "--threads", "got -1", "an integer >= 0"),
+    (BENCH + ["--top-k", "0"], "--draft-top-k/--top-k", "got 0", "an integer >= 1"),
+    (["tune", "--heads", "x", "--num-prompts", "0"], "--num-prompts", "got 0", "an integer >= 1"),
+])
+def test_bad_option_values_are_one_line_errors(argv, option, value, rule, capsys, no_weights):
+    line = user_error(capsys, argv)
+    assert f"argument {option}: " in line and value in line and rule in line
+
+
+@pytest.fixture
+def short_model_dir(tmp_path):
+    """The tiny Llama target saved with a config that allows 48 positions."""
+    from conftest import tiny_model, tiny_tokenizer
+
+    path = tmp_path / "short-target"
+    model = tiny_model("llama")
+    model.config.max_position_embeddings = 48
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_generate_clips_the_budget_to_the_models_positions(short_model_dir, tmp_path, capsys):
+    prompt = "def add(a, b):\n    return a + b\n"
+    length = AutoTokenizer.from_pretrained(short_model_dir)(prompt, return_tensors="pt").input_ids.shape[1]
+    out = tmp_path / "gen.json"
+    cli(["generate", "--model", str(short_model_dir), "--prompt-lookup", "--prompt", prompt, "--max-new-tokens", "100",
+         "--quiet", "--json", str(out)])
+    assert f"note: --max-new-tokens 100 clipped to {48 - length}" in capsys.readouterr().err
+    record = json.loads(out.read_text())
+    assert record["token_ids"] == greedy_reference(short_model_dir, prompt, 48 - length)
+
+
+def test_generate_refuses_a_prompt_that_fills_the_positions_before_loading(short_model_dir, capsys, no_weights):
+    prompt = "def add(a, b):\n    return a + b\n" * 4
+    length = AutoTokenizer.from_pretrained(short_model_dir)(prompt, return_tensors="pt").input_ids.shape[1]
+    assert length >= 48
+    line = user_error(capsys, ["generate", "--model", str(short_model_dir), "--prompt-lookup", "--prompt", prompt])
+    assert f"--prompt: the prompt is {length} tokens but the model takes at most 48 positions" in line
+
+
+def test_bench_refuses_prompts_that_do_not_fit_before_loading(short_model_dir, tmp_path, capsys, no_weights):
+    long = "def add(a, b):\n    return a + b"
+    length = AutoTokenizer.from_pretrained(short_model_dir)(long, return_tensors="pt").input_ids.shape[1]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x"}) + "\n" + json.dumps({"prompt": long}) + "\n")
+    n = 48 - length + 1  # the short prompt fits, the long one is one token over
+    line = user_error(capsys, ["bench", "--model", str(short_model_dir), "--prompt-lookup", "--prompts", str(prompts),
+                               "--max-new-tokens", str(n)])
+    assert (f"1 of 2 prompts (the longest {length} tokens) + --max-new-tokens {n} exceed the model's 48 positions: "
+            f"lower --max-new-tokens to {n - 1} or use shorter prompts") in line
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_benchmark(tiny_model_dir, tmp_path, capsys, monkeypatch,
+                                                                   no_weights):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails as if not installed
+    line = user_error(capsys, ["bench", "--model", str(tiny_model_dir), "--prompt-lookup", "--num-prompts", "1",
+                               "--plot", str(tmp_path / "bench.png")])
+    assert "--plot needs matplotlib" in line and "pip install matplotlib" in line
+
+
+def test_bench_plot_into_an_unknown_file_type_fails_before_the_benchmark(tiny_model_dir, tmp_path, capsys,
+                                                                         no_weights):
+    line = user_error(capsys, ["bench", "--model", str(tiny_model_dir), "--prompt-lookup", "--num-prompts", "1",
+                               "--plot", str(tmp_path / "bench.xyz")])
+    assert f"--plot {tmp_path / 'bench.xyz'}: name a file ending in one of" in line and ".png" in line
+
+
+def test_json_into_a_missing_folder_is_made_before_loading(tiny_model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "new" / "deeper" / "gen.json"
+    load = transformers.AutoModelForCausalLM.from_pretrained
+
+    def load_after_the_folder(*args, **kwargs):
+        assert out.parent.is_dir()
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_after_the_folder)
+    cli(["generate", "--model", str(tiny_model_dir), "--prompt-lookup", "--prompt", "def add(a, b):",
+         "--max-new-tokens", "5", "--quiet", "--json", str(out)])
+    assert json.loads(out.read_text())["token_ids"] == greedy_reference(tiny_model_dir, "def add(a, b):", 5)
+
+
+def test_json_onto_a_folder_or_under_a_file_is_an_error_before_loading(tiny_model_dir, tmp_path, capsys, no_weights):
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt-lookup", "--prompt", "x", "--json"]
+    assert f"--json {tmp_path} is a folder" in user_error(capsys, [*argv, str(tmp_path)])
+    (tmp_path / "file").write_text("")
+    line = user_error(capsys, [*argv, str(tmp_path / "file" / "gen.json")])
+    assert f"--json {tmp_path / 'file' / 'gen.json'}: cannot create its folder" in line
+
+
+def test_damaged_heads_files_are_one_line_errors_naming_the_file(medusa_dir, capsys):
+    argv = ["generate", "--heads", str(medusa_dir), "--prompt", "x"]
+    weights = medusa_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    assert f"cannot read the weights in {weights}" in user_error(capsys, argv)
+    config = json.loads((medusa_dir / "config.json").read_text())
+    (medusa_dir / "config.json").write_text(json.dumps(config | {"hidden_size": "48"}))
+    line = user_error(capsys, argv)
+    assert str(medusa_dir / "config.json") in line and "hidden_size must be int" in line
+    (medusa_dir / "config.json").write_text("{not json")
+    assert str(medusa_dir / "config.json") in user_error(capsys, argv)
+
+
+def test_damaged_target_weights_are_one_line_errors_naming_the_file(tiny_model_dir, capsys):
+    weights = tiny_model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    line = user_error(capsys, ["generate", "--model", str(tiny_model_dir), "--prompt-lookup", "--prompt", "x"])
+    assert f"--model {tiny_model_dir}: the weights in {weights}: cannot load it: SafetensorError" in line
+    missing = tiny_model_dir.parent / "nope"
+    line = user_error(capsys, ["generate", "--model", str(missing), "--prompt-lookup", "--prompt", "x"])
+    assert f"--model {missing}: no such folder" in line
+
+
+def test_debug_shows_the_traceback(tmp_path, monkeypatch):
+    argv = ["generate", "--heads", str(tmp_path / "nope"), "--prompt", "x"]
+    with pytest.raises(ValueError, match="no config.json"):
+        cli([*argv, "--debug"])
+    monkeypatch.setenv("SELFSPEC_DEBUG", "1")
+    with pytest.raises(ValueError, match="no config.json"):
+        cli(argv)

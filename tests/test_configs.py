@@ -11,11 +11,17 @@ from train.medusa import MedusaConfig
 from train.target import TargetConfig
 
 CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").rglob("*.yaml"))
+ACCELERATE = [p for p in CONFIGS if p.parent.name == "accelerate"]  # `accelerate launch --config_file` files
+RUN_CONFIGS = [p for p in CONFIGS if p.parent.name != "accelerate"]  # a recipe's `--config`
 RECIPES = {"train/medusa.py": MedusaConfig, "train/eagle.py": EagleConfig, "train/target.py": TargetConfig}
 
 
+def relative(path: Path) -> str:
+    return str(path.relative_to(path.parents[2]))  # configs/<kind>/<name>.yaml
+
+
 def test_there_are_configs():
-    assert len(CONFIGS) >= 8
+    assert len(ACCELERATE) >= 2 and len(RUN_CONFIGS) >= 6
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
@@ -24,9 +30,16 @@ def test_config_parses_and_opens_with_its_command(path):
     assert isinstance(yaml.safe_load(text), dict)
     first = text.splitlines()[0]
     assert first.startswith("# ") and ("accelerate launch" in first or "python " in first), first
-    recipe = next((script for script in RECIPES if script in first), None)
-    if recipe and "--config " + str(path.relative_to(path.parents[2])) in first:
-        load_config(RECIPES[recipe], ["--config", str(path)])
+    flag = "--config_file" if path in ACCELERATE else "--config"
+    assert f"{flag} {relative(path)}" in first, first
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_run_config_is_valid_for_its_recipe(path):
+    first = path.read_text().splitlines()[0]
+    recipes = [script for script in RECIPES if script in first]
+    assert len(recipes) == 1, f"the header should name one recipe of {sorted(RECIPES)}: {first}"
+    load_config(RECIPES[recipes[0]], ["--config", str(path)])
 
 
 @pytest.mark.parametrize("recipe, cls", [("medusa", MedusaConfig), ("eagle", EagleConfig)])

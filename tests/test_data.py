@@ -24,6 +24,7 @@ def test_chat_loss_mask_covers_assistant_turns_only(tmp_path):
     msgs = [{"role": "user", "content": "add a b"}, {"role": "assistant", "content": "return a + b"},
             {"role": "user", "content": "again"}, {"role": "assistant", "content": "x = 1"}]
     ids, mask = chat_example(tok, msgs)
+    assert len(ids) == len(mask)
     trained = tok.decode([i for i, m in zip(ids, mask) if m])
     assert trained == "<|assistant|>return a + b<eos><|assistant|>x = 1<eos>"
     sharegpt = tmp_path / "chats.json"

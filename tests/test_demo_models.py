@@ -56,7 +56,9 @@ def test_speculative_greedy_on_the_demo_target_is_identical(demo_target):
     heads = MedusaHeads(HeadsConfig(hidden_size=model.config.hidden_size, vocab_size=len(tok), num_heads=4))
     heads.init_from_lm_head(model.get_output_embeddings())
     spec = SpeculativeModel(model, MedusaProposer(heads, model.get_output_embeddings()))
-    for prompt in default_prompts(2):
+    prompts = default_prompts(2)
+    assert len(prompts) == 2
+    for prompt in prompts:
         ids = tok(prompt, return_tensors="pt").input_ids
         ref = model.generate(ids, max_new_tokens=48, do_sample=False)
         assert spec.generate(ids, max_new_tokens=48).tolist() == ref.tolist()

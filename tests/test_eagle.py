@@ -118,17 +118,18 @@ def test_drafted_tokens_equal_plain_drafter_runs_along_each_path(choices):
     draft_out = prop.propose(context, hiddens)
     tokens, tree = draft_out.tokens, draft_out.tree
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert int(tree.depths.max()) > 1  # nodes below depth 1, whose ancestors the drafter must run along
     with torch.no_grad():
         for node in range(1, tree.size):
-            path = tree.paths[node][: int(tree.depths[node]) + 1].tolist()
+            path = tree.paths[node][: int(tree.depths[node]) + 1].tolist()  # root ... node
             feats, ids = hiddens, context[1:]
-            for child in path[1:]:
+            for ancestor in path[1:-1]:  # run the drafter along the node's drafted ancestors
                 out = draft(feats[None], ids[None], embed)[0]
-                ranked = lm_head(out[-1]).topk(int(tree.ranks[child]) + 1).indices
-                if child == node:
-                    assert int(tokens[child]) == int(ranked[-1]), (node, path)
                 feats = torch.cat([feats, out[-1:]])
-                ids = torch.cat([ids, tokens[child].view(1)])
+                ids = torch.cat([ids, tokens[ancestor].view(1)])
+            out = draft(feats[None], ids[None], embed)[0]
+            ranked = lm_head(out[-1]).topk(int(tree.ranks[node]) + 1).indices
+            assert int(tokens[node]) == int(ranked[-1]), (node, path)
 
 
 def test_drafter_cache_holds_exactly_the_confirmed_pairs():
@@ -145,7 +146,8 @@ def test_drafter_cache_holds_exactly_the_confirmed_pairs():
         features = model(confirmed, output_hidden_states=True).hidden_states[-1]
         plain = DynamicCache()
         draft(features[:, :-1], confirmed[:, 1:], model.get_input_embeddings(), cache=plain)
-    for mine, ref in zip(prop.cache.layers, plain.layers):
+    assert len(prop.cache.layers) == len(plain.layers) > 0
+    for mine, ref in zip(prop.cache.layers, plain.layers, strict=True):
         torch.testing.assert_close(mine.keys[:, :, : prop.length], ref.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(mine.values[:, :, : prop.length], ref.values, atol=1e-5, rtol=1e-5)
 
@@ -192,6 +194,7 @@ def test_save_load_round_trip_and_no_target_weights(tmp_path):
     names = set(loaded.state_dict())
     assert "fc.weight" in names and "fc.bias" in names and "layers.0.post_attention_layernorm.weight" in names
     assert not any("embed" in n or "lm_head" in n or "input_layernorm" in n.split("layers.0.")[-1] for n in names)
+    assert names == set(draft.state_dict())
     for name, value in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value)
     card = (tmp_path / "README.md").read_text()

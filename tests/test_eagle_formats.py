@@ -1,6 +1,5 @@
 """EAGLE-1 checkpoints of other projects: SafeAILab's layout in, `eagle1` / `sglang-eagle` out."""
 
-import contextlib
 import json
 import math
 import os
@@ -8,7 +7,6 @@ import warnings
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, LlamaConfig
 
@@ -17,15 +15,15 @@ from heads.config import HeadsConfig, check_compatible
 from heads.eagle import EagleDraft, layer_fields
 from heads.eagle_formats import (
     EAGLE_FORMATS,
-    ENGINE_KEYS,
-    ENGINES,
+    EMBED_KEY,
+    LAYOUTS,
     detect_eagle_format,
+    engine_keys,
     export_eagle,
     import_eagle,
     layer_keys,
     load_eagle_embedding,
     read_eagle_weights,
-    safeailab_keys,
 )
 from infer.eagle import EagleProposer
 from infer.generate import SpeculativeModel
@@ -131,25 +129,30 @@ def greedy_identical(model, draft, prompt, n):
 
 
 def random_draft(model, fc_bias=True, num_layers=1, seed=0):
+    """A drafter with every parameter random and non-zero (norm weights around 1)."""
     torch.manual_seed(seed)
     cfg = HeadsConfig(kind="eagle", hidden_size=model.config.hidden_size, vocab_size=VOCAB, fc_bias=fc_bias,
                       num_layers=num_layers, layer=layer_fields(model.config))
-    return EagleDraft(cfg).eval()
+    draft = EagleDraft(cfg)
+    for name, p in draft.named_parameters():
+        torch.nn.init.normal_(p, mean=1.0 if "norm" in name else 0.0, std=0.1)
+    return draft.eval()
 
 
-@contextlib.contextmanager
-def _no_warning():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        yield
+WARNINGS = {"vLLM 0.32 drops": "vllm drops fc.bias", "needs embed_tokens.weight": "no embedding",
+            "head_dim x heads": "head_dim"}
 
 
-def file_keys(directory):
-    directory = os.fspath(directory)
-    if os.path.exists(os.path.join(directory, WEIGHT_FILES["safetensors"])):
-        with safe_open(os.path.join(directory, WEIGHT_FILES["safetensors"]), framework="pt") as f:
-            return set(f.keys())
-    return set(torch.load(os.path.join(directory, WEIGHT_FILES["bin"]), weights_only=True))
+def export_warnings(draft, fmt, directory, **kwargs):
+    """Export, and name every warning given (by WARNINGS, else its message) so a test asserts the exact list."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        export_eagle(draft, fmt, directory, **kwargs)
+    return [next((tag for text, tag in WARNINGS.items() if text in str(w.message)), str(w.message)) for w in record]
+
+
+def vllm_bias_warning(fmt, bias):
+    return ["vllm drops fc.bias"] if fmt == "eagle1" and bias else []
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +251,7 @@ def test_unreadable_checkpoints_are_clear_errors(tmp_path, llama):
         import_eagle(tmp_path)
 
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not readable JSON"):
+    with pytest.raises(ValueError, match=r"config\.json is not readable JSON \(.*line 1 column 2"):
         import_eagle(tmp_path, format="eagle1")
 
     safeailab_checkpoint(tmp_path, llama.config, embed)
@@ -270,11 +273,16 @@ def test_unreadable_checkpoints_are_clear_errors(tmp_path, llama):
         import_eagle(tmp_path, format="eagle1")
 
     torch.save({**state, "layers.0.mlp.up_proj.weight": torch.zeros(80, 48)}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(ValueError, match="do not match config.json's shapes"):
+    with pytest.raises(ValueError, match=r"layers.0.mlp.up_proj.weight has shape \(80, 48\), expected \(96, 48\)"):
         import_eagle(tmp_path)
 
     with pytest.raises(ValueError, match="unknown EAGLE format 'eagle9'"):
         import_eagle(tmp_path, format="eagle9")
+
+    (tmp_path / "pytorch_model.bin").unlink()
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map":\n  {"fc.weight": }}')
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json is not a readable weight index: .*line 2"):
+        import_eagle(tmp_path)
 
 
 def test_other_directories_are_not_detected(tmp_path, llama):
@@ -296,20 +304,29 @@ def test_other_directories_are_not_detected(tmp_path, llama):
 # ---------------------------------------------------------------- export
 
 
+def assert_same_draft(back, draft, embed):
+    """Every key, every tensor bit for bit (dtype included), and the predicted features on a fixed input."""
+    state, back_state = draft.state_dict(), back.state_dict()
+    assert back_state.keys() == state.keys()
+    for name, value in state.items():
+        assert back_state[name].dtype == value.dtype and torch.equal(back_state[name], value), name
+    gen = torch.Generator().manual_seed(3)
+    ids, features = torch.randint(3, VOCAB, (1, 7), generator=gen), torch.randn(1, 7, 48, generator=gen)
+    with torch.no_grad():
+        assert torch.equal(back(features, ids, embed), draft(features, ids, embed))
+
+
 @pytest.mark.parametrize("fmt", EAGLE_FORMATS)
 @pytest.mark.parametrize("bias", [True, False], ids=["fc_bias", "no_bias"])
 def test_export_import_round_trip_is_exact(tmp_path, llama, fmt, bias):
     draft = random_draft(llama, fc_bias=bias, seed=4)
-    embed = llama.get_input_embeddings().weight
-    with pytest.warns(UserWarning, match="vLLM 0.32 drops") if fmt == "eagle1" and bias else _no_warning():
-        export_eagle(draft, fmt, tmp_path, embed_weight=embed)
+    embed = llama.get_input_embeddings()
+    assert export_warnings(draft, fmt, tmp_path, embed_weight=embed.weight) == vllm_bias_warning(fmt, bias)
     assert detect_eagle_format(tmp_path) == fmt
     back = import_eagle(tmp_path, target=llama)
     assert back.config.to_dict() == draft.config.to_dict()
-    assert set(back.state_dict()) == set(draft.state_dict())
-    for name, value in draft.state_dict().items():
-        assert torch.equal(back.state_dict()[name], value), name
-    assert torch.equal(load_eagle_embedding(tmp_path), embed)
+    assert_same_draft(back, draft, embed)
+    assert torch.equal(load_eagle_embedding(tmp_path), embed.weight)
     prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
     assert greedy_identical(llama, back, prompt, 20)
 
@@ -319,8 +336,8 @@ def test_eagle1_as_pytorch_bin_round_trips(tmp_path, llama):
     export_eagle(draft, "eagle1", tmp_path, embed_weight=llama.get_input_embeddings().weight, weights="bin")
     assert (tmp_path / "pytorch_model.bin").is_file() and not (tmp_path / "model.safetensors").exists()
     back = import_eagle(tmp_path)
-    for name, value in draft.state_dict().items():
-        assert torch.equal(back.state_dict()[name], value), name
+    assert back.config.to_dict() == draft.config.to_dict()
+    assert_same_draft(back, draft, llama.get_input_embeddings())
     with pytest.raises(ValueError, match="already holds pytorch_model.bin"), pytest.warns(UserWarning):
         export_eagle(draft, "eagle1", tmp_path)
 
@@ -329,39 +346,37 @@ def test_eagle1_as_pytorch_bin_round_trips(tmp_path, llama):
 @pytest.mark.parametrize("num_layers", [1, 2])
 @pytest.mark.parametrize("bias", [True, False], ids=["fc_bias", "no_bias"])
 def test_export_writes_every_key_each_engine_reads(tmp_path, llama, fmt, num_layers, bias):
-    draft = random_draft(llama, fc_bias=bias, num_layers=num_layers)
-    with pytest.warns(UserWarning) if fmt == "eagle1" and bias else _no_warning():
-        export_eagle(draft, fmt, tmp_path, embed_weight=llama.get_input_embeddings().weight)
-    keys = file_keys(tmp_path)
-    for engine in ENGINES[fmt]:
-        wanted = set(ENGINE_KEYS[engine](num_layers, bias))
-        assert wanted <= keys, (engine, sorted(wanted - keys))
-    # nothing a loader would choke on: no `model.` prefix (SGLang and vLLM add it), no lm_head (vLLM has none
-    # to load into; both share the target's), no input norm on layer 0
-    assert not any(k.startswith(("model.", "lm_head")) for k in keys)
-    assert "layers.0.input_layernorm.weight" not in keys and "embed_tokens.weight" in keys
-    expected_extra = {"embed_tokens.weight"} | ({"fc.bias"} if bias or fmt == "sglang-eagle" else set())
-    assert keys == {"fc.weight", *layer_keys(num_layers)} | expected_extra
-    if fmt == "sglang-eagle" and not bias:
-        assert not read_eagle_weights(tmp_path)["fc.bias"].any()  # SGLang's fc always has a bias: zeros
+    draft, embed = random_draft(llama, fc_bias=bias, num_layers=num_layers), llama.get_input_embeddings().weight
+    assert export_warnings(draft, fmt, tmp_path, embed_weight=embed) == vllm_bias_warning(fmt, bias)
+    written = read_eagle_weights(tmp_path)
+    # exactly the drafter and the target's embedding; SGLang's fc always has a bias, zeros for none. Nothing a
+    # loader would choke on: no `model.` prefix (SGLang and vLLM add it), no lm_head, no input norm on layer 0.
+    zero_bias = {"fc.bias": torch.zeros(48)} if fmt == "sglang-eagle" and not bias else {}
+    want = draft.state_dict() | {EMBED_KEY: embed.detach()} | zero_bias
+    assert written.keys() == want.keys() == {"fc.weight", EMBED_KEY, *layer_keys(num_layers)} | (
+        {"fc.bias"} if bias or fmt == "sglang-eagle" else set())
+    for name, value in want.items():
+        assert torch.equal(written[name], value), name
+    for engine in LAYOUTS[fmt].engines:
+        assert set(engine_keys(engine, num_layers, bias)) <= written.keys(), engine
 
 
 def test_safeailab_key_list_is_what_its_published_layout_holds(tmp_path, llama):
     for bias in (True, False):
         embed = llama.get_input_embeddings().weight
         state, _ = safeailab_checkpoint(tmp_path / str(bias), llama.config, embed, bias=bias, num_layers=2)
-        assert set(state) == set(safeailab_keys(2, bias))
+        assert set(state) == set(engine_keys("safeailab", 2, bias))
 
 
 @pytest.mark.parametrize("fmt", EAGLE_FORMATS)
 @pytest.mark.parametrize("bias", [True, False], ids=["fc_bias", "no_bias"])
 def test_exported_config_is_a_llama_config_the_engines_read(tmp_path, llama, fmt, bias):
     draft = random_draft(llama, fc_bias=bias)
-    with pytest.warns(UserWarning) if fmt == "eagle1" and bias else _no_warning():
-        export_eagle(draft, fmt, tmp_path, embed_weight=llama.get_input_embeddings().weight)
+    assert export_warnings(draft, fmt, tmp_path, embed_weight=llama.get_input_embeddings().weight) == \
+        vllm_bias_warning(fmt, bias)
     raw = json.loads((tmp_path / "config.json").read_text())
-    arch = {"eagle1": "LlamaForCausalLM", "sglang-eagle": "LlamaForCausalLMEagle"}[fmt]
-    assert raw["architectures"] == [arch] and raw["model_type"] == "llama"
+    assert raw["architectures"] == [{"eagle1": "LlamaForCausalLM", "sglang-eagle": "LlamaForCausalLMEagle"}[fmt]]
+    assert raw["model_type"] == "llama"
     assert raw["tie_word_embeddings"] is False and raw["rope_scaling"] is None
     # "bias" is SafeAILab's fc flag (absent = True); vLLM and SGLang read `bias: true` as attention bias
     assert raw.get("bias") is not True and ("bias" in raw) == (not bias)
@@ -381,6 +396,7 @@ def test_export_refuses_what_no_loader_reads(tmp_path, llama):
                                     layer=layer_fields(llama.config) | {"attention_bias": True}))
     with pytest.raises(ValueError, match="tensors no EAGLE-1 loader reads"):
         export_eagle(biased, "sglang-eagle", tmp_path)
-    with pytest.warns(UserWarning, match="needs embed_tokens.weight"):
-        export_eagle(random_draft(llama, fc_bias=False), "eagle1", tmp_path / "no-embed")
-    assert "embed_tokens.weight" not in file_keys(tmp_path / "no-embed")
+    assert not any(tmp_path.iterdir())  # refused before anything is written
+    assert export_warnings(random_draft(llama, fc_bias=False), "eagle1", tmp_path / "no-embed") == ["no embedding"]
+    assert EMBED_KEY not in read_eagle_weights(tmp_path / "no-embed")
+    assert export_warnings(random_draft(llama, fc_bias=False), "sglang-eagle", tmp_path / "sglang") == []

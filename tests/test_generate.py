@@ -1,11 +1,13 @@
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from conftest import VOCAB, fit_on_own_continuations
+from conftest import VOCAB, fit_on_own_continuations, tiny_config, tiny_model
 from heads.config import HeadsConfig
 from heads.medusa import MedusaHeads
 from infer.generate import SpeculativeModel
 from infer.proposers import MedusaProposer
+from infer.verify import MIN_TEMPERATURE, SamplingParams, target_probs
 
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
 
@@ -74,6 +76,106 @@ def test_rejects_batches_and_empty_prompts(model):
         spec.generate(torch.ones(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="empty"):
         spec.generate(torch.ones(1, 0, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+    ({"max_new_tokens": -5}, "max_new_tokens must be >= 1, got -5"),
+    ({"temperature": float("nan")}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-06, got nan"),
+    ({"temperature": 1e-39}, "temperature must be .* got 1e-39"),
+    ({"temperature": -1.0}, "temperature must be .* got -1.0"),
+    ({"temperature": float("inf")}, "temperature must be .* got inf"),
+    ({"top_k": -1}, "top_k must be an integer >= 0"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": float("nan")}, r"top_p must be in \(0, 1\]"),
+])
+def test_decode_rejects_bad_arguments_when_called(kwargs, message):
+    spec = oracle_heads_model(tiny_model("llama"))
+    with pytest.raises(ValueError, match=message):
+        spec.decode(torch.tensor([[5, 6, 7]]), **kwargs)  # at the call, not at the first step
+
+
+def test_no_new_tokens_is_an_error_as_in_model_generate():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=0, do_sample=False, pad_token_id=0)
+
+
+def test_smallest_temperature_is_safe_and_the_one_below_is_not():
+    model = tiny_model("llama")
+    prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+    out = oracle_heads_model(model).generate(prompt, max_new_tokens=20, temperature=MIN_TEMPERATURE,
+                                             generator=torch.Generator().manual_seed(0))
+    assert out[0, 5:].tolist() == plain_greedy(model, prompt, 20)  # so cold that it samples the argmax
+    # what the check keeps out: logits / temperature overflows, p is NaN, and every draw is token 0
+    unchecked = object.__new__(SamplingParams)
+    for name, value in (("temperature", 1e-39), ("top_k", 0), ("top_p", 1.0)):
+        object.__setattr__(unchecked, name, value)
+    with torch.no_grad():
+        logits = model(prompt).logits[0, -1]
+    assert torch.isnan(target_probs(logits, unchecked)).all()
+
+
+def short_context_model(arch: str, positions: int) -> torch.nn.Module:
+    """A tiny model that embeds `positions` positions (for GPT-2, a position table of that many rows)."""
+    config = tiny_config(arch)
+    setattr(config, "n_positions" if arch == "gpt2" else "max_position_embeddings", positions)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    return model.eval()
+
+
+def record_positions(model) -> list[tuple[int, int]]:
+    """(largest position id, keys attended) of every forward of `model` from now on."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        ids, positions, mask = kwargs["input_ids"], kwargs.get("position_ids"), kwargs.get("attention_mask")
+        if positions is None:  # prefill: the prompt from position 0
+            seen.append((ids.shape[1] - 1, ids.shape[1]))
+        else:
+            seen.append((int(positions.max()), mask.shape[-1]))
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_budget_is_clipped_to_the_models_positions_and_trees_stay_inside(arch):
+    limit = 40
+    model = short_context_model(arch, limit)
+    spec = SpeculativeModel(model, MedusaProposer(random_heads(model, scale=0.0), model.get_output_embeddings(),
+                                                  CHOICES))
+    prompt = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
+    ref = model.generate(prompt, max_new_tokens=limit - 10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    seen = record_positions(model)
+    with pytest.warns(UserWarning, match="exceed the model's 40 positions: generating at most 30 new tokens") as w:
+        out = spec.generate(prompt, max_new_tokens=100, eos_token_id=[])
+    assert len(w) == 1
+    assert out.tolist() == ref.tolist() and out.shape[1] == limit
+    assert max(p for p, _ in seen) <= limit - 1 and max(k for _, k in seen) <= limit
+    drafted = spec.last_stats.drafted
+    assert drafted[0] == len(CHOICES) and drafted[-1] == 0  # full trees first, the root alone at the limit
+    seen.clear()
+    with pytest.warns(UserWarning):
+        out = spec.generate(prompt, max_new_tokens=100, eos_token_id=[], temperature=1.0,
+                            generator=torch.Generator().manual_seed(0))
+    assert out.shape[1] == limit and max(p for p, _ in seen) <= limit - 1
+
+
+def test_a_prompt_that_fills_the_positions_is_an_error():
+    model = short_context_model("llama", 16)
+    spec = oracle_heads_model(model)
+    prompt = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="the prompt is 16 tokens but the model takes at most 16 positions"):
+        spec.generate(prompt, max_new_tokens=4)
+    with pytest.warns(UserWarning, match="generating at most 1 new tokens"):
+        out = spec.generate(prompt[:, :15], max_new_tokens=4)
+    assert out.shape[1] == 16
 
 
 def self_distilled_heads(model, prompts, steps=150) -> MedusaHeads:

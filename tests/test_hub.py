@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 from huggingface_hub import HfApi
+from safetensors.torch import load as safetensors_load
 
 from conftest import tiny_model
 from heads.config import HeadsConfig
@@ -36,11 +37,20 @@ def hub(monkeypatch):
 
 
 def saved_heads(path, kind="medusa"):
+    """Heads with every parameter random and non-zero (a fresh ResBlock's weight is zero), saved to `path`."""
     torch.manual_seed(0)
     heads = MedusaHeads(HeadsConfig(kind=kind, base_model="meta-llama/Llama-3.1-8B-Instruct", hidden_size=48,
                                     vocab_size=96, num_heads=2))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
     heads.save_pretrained(path)
-    return heads
+    return heads.eval()
+
+
+def assert_same_tensors(state, heads):
+    assert state.keys() == heads.state_dict().keys()
+    for k, v in heads.state_dict().items():
+        assert torch.equal(state[k], v), k
 
 
 def test_push_uploads_exactly_the_heads_and_a_card(hub, tmp_path, capsys, caplog):
@@ -71,25 +81,30 @@ def test_heads_object_push_to_hub(hub, tmp_path):
     heads = saved_heads(tmp_path)
     url = heads.push_to_hub("me/tiny-medusa", token=TOKEN)
     assert url.endswith("me/tiny-medusa") and set(hub["files"]) == {"config.json", "model.safetensors", "README.md"}
-    assert json.loads(hub["files"]["config.json"])["num_heads"] == 2
+    assert HeadsConfig.from_dict(json.loads(hub["files"]["config.json"])) == heads.config
+    assert_same_tensors(safetensors_load(hub["files"]["model.safetensors"]), heads)
 
 
 def test_loading_by_repo_id_reads_the_hub_cache(monkeypatch, tmp_path):
     import huggingface_hub
 
     model = tiny_model("llama")
-    saved_heads(tmp_path / "snapshot")
+    heads = saved_heads(tmp_path / "snapshot")
     asked = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download",
                         lambda repo_id, **kw: asked.append((repo_id, kw)) or str(tmp_path / "snapshot"))
     spec = SpeculativeModel.from_pretrained("someone/tiny-medusa", model=model)
     assert asked[0][0] == "someone/tiny-medusa" and "model.safetensors" in asked[0][1]["allow_patterns"]
+    assert_same_tensors(spec.proposer.heads.state_dict(), heads)
+    hidden, lm = torch.randn(3, 48, generator=torch.Generator().manual_seed(1)), model.get_output_embeddings()
+    with torch.no_grad():
+        assert torch.equal(torch.stack(spec.proposer.heads(hidden, lm)), torch.stack(heads(hidden, lm)))
     prompt = torch.tensor([[5, 6, 7]])
     ref = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(spec.generate(prompt, max_new_tokens=12), ref)
 
 
-def test_offline_and_not_cached_is_a_clear_error(monkeypatch):
+def test_offline_and_not_cached_is_a_clear_error(monkeypatch, capsys):
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -100,8 +115,9 @@ def test_offline_and_not_cached_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(FileNotFoundError, match="not in the Hugging Face cache, and HF_HUB_OFFLINE=1"):
         resolve_heads("someone/not-here")
-    with pytest.raises(SystemExit, match="HF_HUB_OFFLINE=1"):
+    with pytest.raises(SystemExit) as exit_info:
         cli(["generate", "--heads", "someone/not-here", "--prompt", "x"])
+    assert exit_info.value.code == 2 and "HF_HUB_OFFLINE=1" in capsys.readouterr().err
 
 
 def test_push_refuses_a_directory_without_weights(tmp_path, hub):

@@ -54,6 +54,7 @@ def exact_joint(model, prompt, params) -> dict[tuple[int, ...], float]:
 
 def chi_square(counts: dict, expected: dict, runs: int) -> tuple[float, int]:
     """Pearson chi-square over cells with expected count >= 5 (the rest pooled into one cell)."""
+    assert set(counts) <= set(expected) and sum(counts.values()) == runs  # every run is an enumerated outcome
     stat, dof, pooled_obs, pooled_exp = 0.0, -1, 0.0, 0.0
     for key, p in expected.items():
         e, o = p * runs, counts.get(key, 0)

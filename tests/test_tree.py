@@ -82,7 +82,8 @@ def test_cache_after_acceptance_equals_plain_cache(arch):
     plain = new_cache(model, 64)
     target.prefill(torch.cat([prompt[0], tokens[path]])[None], plain)
     assert cache.get_seq_length() == plain.get_seq_length() == 10
-    for mine, ref in zip(cache.layers, plain.layers):
+    assert len(cache.layers) == len(plain.layers) > 0
+    for mine, ref in zip(cache.layers, plain.layers, strict=True):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-5)
 

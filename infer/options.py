@@ -1,0 +1,215 @@
+"""The command line's options: the parser, and argparse types that check each value as it is read.
+
+Every option is validated here, before any model loads; infer/cli.py runs the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from heads.errors import describe
+from infer.verify import SamplingParams
+
+PROG = "python -m infer"
+DESCRIPTION = """Speculative decoding from the command line: generate, bench, tune, import, export, push.
+
+Drafters: trained heads directories (--heads: Medusa, EAGLE, EAGLE-3), a separate small draft model
+(--draft-model, the seed paper's algorithm) or prompt lookup (--prompt-lookup)."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse reporting a usage error in one line, like every other error here (the usage is one --help away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= low."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def sampling(field: str, cast: type) -> Callable[[str], Any]:
+    """An argparse type: a value of `field` that SamplingParams accepts (the library's rule, stated once)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        try:
+            SamplingParams(**{field: value})
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    return parse
+
+
+def tree_choices(text: str) -> list[list[int]]:
+    """An argparse type: a static tree as JSON choices, one path of ranks per node."""
+    example = "e.g. --tree '[[0], [1], [0, 0]]'"
+    try:
+        choices = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}); {example}") from None
+    ok = isinstance(choices, list) and all(
+        isinstance(path, list) and path and all(type(r) is int and r >= 0 for r in path) for path in choices)
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected a list of paths of ranks >= 0, got {text!r}; {example}")
+    return choices
+
+
+def device(text: str) -> str:
+    """An argparse type: a torch device that this machine has."""
+    try:
+        kind = torch.device(text).type
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(" ".join(str(e).split())) from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: no CUDA device is available here; use --device cpu")
+    return text
+
+
+def output_file(option: str, path: str | None) -> None:
+    """Make an output file's folder now, before any work, so a run never ends unable to save its result;
+    a path that is a folder, or a folder that cannot be made or written to, is an error now."""
+    if path is None:
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"{option} {path} is a folder: give a file path in it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot create its folder ({describe(e)})") from None
+    if not os.access(out.parent, os.W_OK):
+        raise ValueError(f"{option} {path}: the folder {out.parent} is not writable")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog=PROG, description=DESCRIPTION)
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error instead of one line (also: SELFSPEC_DEBUG=1)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser, several: bool) -> None:
+        if several:
+            p.add_argument("--heads", action="append",
+                           help="a trained heads directory (Medusa or EAGLE); repeat it to compare several drafters "
+                                "of one target in the same run")
+        else:
+            p.add_argument("--heads", help="a trained heads directory (Medusa or EAGLE)")
+        p.add_argument("--draft-model", help="a small causal LM with the target's tokenizer drafts chains (the seed "
+                                             "paper's algorithm); `demo-draft` is the shipped one")
+        p.add_argument("--num-draft-tokens", type=at_least(1), default=4,
+                       help="gamma: tokens the draft model proposes per step")
+        p.add_argument("--prompt-lookup", action="store_true",
+                       help="draft the continuation of the latest earlier match of the context's last n-gram")
+        p.add_argument("--prompt-lookup-tokens", type=at_least(1), default=10, help="longest prompt-lookup proposal")
+        p.add_argument("--lookup-first", action="store_true",
+                       help="with --heads: use prompt lookup on steps where it finds 3 or more tokens, the heads "
+                            "elsewhere (bench runs each heads drafter both ways)")
+        p.add_argument("--model", help="target model name or path (default: the (first) heads' base_model, or `demo`)")
+        p.add_argument("--dtype", choices=list(DTYPES),
+                       help="default: the dtype the (first) heads were trained with, else the model's own")
+        p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
+        p.add_argument("--tree", type=tree_choices, help='static tree as JSON choices, e.g. "[[0], [1], [0, 0]]" (for EAGLE heads: '
+                                      "EAGLE-1 style instead of the dynamic tree)")
+        p.add_argument("--max-new-tokens", type=at_least(1), default=128,
+                       help="new tokens per prompt (clipped to the model's positions)")
+        p.add_argument("--json", help="write results to this JSON file (its folder is made if missing)")
+
+    def eagle_tree(p: argparse.ArgumentParser, top_k_flags: list[str], note: str) -> None:
+        g = p.add_argument_group("EAGLE dynamic tree", "override the EAGLE heads' defaults (from their config.json); "
+                                 f"not with --tree; {note}")
+        g.add_argument("--depth", type=at_least(1), help="draft steps (the tree's maximum depth)")
+        g.add_argument(*top_k_flags, dest="draft_top_k", type=at_least(1),
+                       help="frontier width and children per expanded node")
+        g.add_argument("--total-tokens", type=at_least(1), help="drafted nodes kept for verification (root not counted)")
+
+    gen = sub.add_parser("generate", help="stream a completion")
+    common(gen, several=False)
+    eagle_tree(gen, ["--draft-top-k"], "an error with Medusa heads")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--temperature", type=sampling("temperature", float), default=0.0,
+                     help="0: greedy (default); otherwise sample at this temperature")
+    gen.add_argument("--top-k", type=at_least(0), default=0, help="sampling: keep the k likeliest tokens (0: all)")
+    gen.add_argument("--top-p", type=sampling("top_p", float), default=1.0,
+                     help="sampling: keep the likeliest tokens holding this much probability, in (0, 1]")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--quiet", action="store_true", help="do not print the text")
+
+    bench = sub.add_parser("bench", help="compare drafters with model.generate and plain decoding on the same prompts")
+    common(bench, several=True)
+    # bench does not sample, so --top-k is free to mean the draft's (as --draft-top-k does on both commands)
+    eagle_tree(bench, ["--draft-top-k", "--top-k"], "applied to the EAGLE heads only, an error when none is EAGLE")
+    bench.add_argument("--prompts", help='a .jsonl file of {"prompt": ...} (default: demo test-split functions)')
+    bench.add_argument("--num-prompts", type=at_least(1), default=16)
+    bench.add_argument("--threads", type=at_least(0), default=0, help="torch threads (0: torch's choice)")
+    bench.add_argument("--plot", help="draw tokens/s, tau and tokens per step per method into this PNG (needs "
+                                      "matplotlib; its folder is made if missing)")
+
+    tune = sub.add_parser("tune", help="fit the heads' default tree to this machine and store it in their config.json")
+    tune.add_argument("--heads", required=True, help="a trained heads directory (Medusa or EAGLE)")
+    tune.add_argument("--model", help="target model name or path (default: the heads' base_model)")
+    tune.add_argument("--dtype", choices=list(DTYPES), help="default: the dtype the heads were trained with")
+    tune.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
+    tune.add_argument("--prompts", help='calibration .jsonl of {"prompt": ...} (default: the demo validation split)')
+    tune.add_argument("--num-prompts", type=at_least(1), default=6)
+    tune.add_argument("--max-new-tokens", type=at_least(1), default=128,
+                      help="tokens decoded per prompt and EAGLE setting")
+    from heads.convert import EXPORT_FORMATS
+
+    imp = sub.add_parser("import", help="convert a published Medusa/EAGLE checkpoint into a selfspec heads directory")
+    imp.add_argument("--src", required=True, help="the checkpoint's directory (layout detected from its files)")
+    imp.add_argument("--format", choices=EXPORT_FORMATS, help="the layout, when detection should be overridden")
+    imp.add_argument("--base-model", help="the target it was trained for (default: what its config names)")
+    imp.add_argument("--vocab-size", type=int,
+                     help="Medusa 'version 2' heads (no projections of their own) only: the target's vocabulary "
+                          "size, when neither config.json nor the base model gives it")
+    imp.add_argument("--out", required=True, help="the selfspec heads directory to write")
+
+    exp = sub.add_parser("export", help="write heads in the layout a serving engine loads")
+    exp.add_argument("--heads", required=True, help="a selfspec heads directory or Hub id")
+    exp.add_argument("--format", required=True, choices=EXPORT_FORMATS,
+                     help="fastdecoding-medusa (FasterDecoding, TGI, TensorRT-LLM), vllm-medusa, eagle1 (SafeAILab, "
+                          "vLLM) or sglang-eagle")
+    exp.add_argument("--model", help="the target whose weights a layout carries: the lm_head copied into heads that "
+                                     "share it, the EAGLE embedding (default: --base-model, else the heads' "
+                                     "base_model)")
+    exp.add_argument("--base-model", help="Medusa layouts: the target config.json names, which FasterDecoding and "
+                                          "TGI load (default: the heads' base_model; `demo` is written as the "
+                                          "shipped model's path); a local model directory or a Hub id")
+    exp.add_argument("--weights", choices=["safetensors", "bin"],
+                     help="EAGLE layouts: model.safetensors (default; vLLM, SGLang, SafeAILab's current code) or "
+                          "pytorch_model.bin (SafeAILab's original EAGLE-1 code)")
+    exp.add_argument("--out", required=True, help="the directory to write (config.json and the weights)")
+
+    push = sub.add_parser("push", help="upload a heads directory to the Hugging Face Hub with a model card")
+    push.add_argument("--heads", required=True, help="a heads directory (config.json + model.safetensors)")
+    push.add_argument("--repo-id", required=True, help="e.g. your-name/llama3-8b-medusa")
+    push.add_argument("--private", action="store_true")
+    push.add_argument("--token", help="a Hub token (default: HF_TOKEN or the saved login); never printed")
+
+    tune.set_defaults(tree=None, draft_model=None, prompt_lookup=False, depth=None, draft_top_k=None,
+                      total_tokens=None)
+    return parser
