@@ -76,7 +76,7 @@ class EagleConfig(TrainConfig):
     version: int = 1  # 1: EAGLE-1/2 (feature regression + soft labels); 3: EAGLE-3 (fused layers, training-time test)
     ttt_steps: int = 7  # EAGLE-3: draft steps unrolled per sequence in training (the training-time test)
     draft_vocab_size: int = 2048  # EAGLE-3: the drafter's vocabulary, the most frequent trained tokens (<= target's)
-    feature_layers: list[int] = dataclasses.field(default_factory=list)  # EAGLE-3 target layers; empty: [2, L//2, L-3]
+    feature_layers: list[int] | None = None  # EAGLE-3: target hidden_states indices fused (None: [2, L//2, L-3])
 
     def __post_init__(self) -> None:
         super().__post_init__()
