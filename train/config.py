@@ -110,6 +110,13 @@ def check_finite(config: Any) -> None:
             raise ConfigError(f"--{f.name} must be a finite number, got {value}")
 
 
+def check_at_least(config: Any, names: tuple[str, ...], low: int) -> None:
+    """Each named option must be >= low; the error names the option and the value."""
+    for name in names:
+        if getattr(config, name) < low:
+            raise ConfigError(f"--{name} must be >= {low}, got {getattr(config, name)}")
+
+
 def load_config(cls: type[T], argv: list[str] | None = None, config_path: str | None = None,
                 prog: str | None = None) -> T:
     """Build `cls` from its defaults, an optional YAML (`--config`), then `--key value` overrides.

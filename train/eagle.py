@@ -26,7 +26,7 @@ from heads.errors import run_main
 from heads.io import atomic_write
 from infer.eagle import draft_dtype
 from infer.tune import eagle_grid, format_rows, tune_eagle
-from train.config import ConfigError, load_config
+from train.config import ConfigError, check_at_least, load_config
 from train.data import cache_dir
 from train.eagle3 import Eagle3Loss, draft_vocabulary
 from train.loop import (
@@ -80,12 +80,8 @@ class EagleConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("num_layers", "tune_prompts", "tune_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("w_cls", "noise", "depth", "top_k", "total_tokens"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        check_at_least(self, ("num_layers", "tune_prompts", "tune_new_tokens"), 1)
+        check_at_least(self, ("w_cls", "noise", "depth", "top_k", "total_tokens"), 0)
         for name in ("tune_depths", "tune_top_ks", "tune_totals"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name} must list positive numbers (e.g. 2,4,8), got {getattr(self, name)}")

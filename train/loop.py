@@ -38,7 +38,7 @@ from train.checkpoints import (
     read_state,
     save_checkpoint,
 )
-from train.config import ConfigError, check_finite
+from train.config import ConfigError, check_at_least, check_finite
 from train.data import cache_dir, load_examples, split_examples
 from train.distill import regenerate
 
@@ -99,14 +99,10 @@ class TrainConfig:
             raise ConfigError(f"--max_steps must be > 0, or -1 to train num_epochs epochs; got {self.max_steps}")
         if self.max_steps == -1 and self.num_epochs <= 0:
             raise ConfigError(f"--num_epochs must be > 0 when max_steps is -1, got {self.num_epochs}")
-        for name in ("save_steps", "eval_steps", "logging_steps", "gradient_accumulation_steps",
+        check_at_least(self, ("save_steps", "eval_steps", "logging_steps", "gradient_accumulation_steps",
                      "per_device_train_batch_size", "per_device_eval_batch_size", "eval_batches", "max_length",
-                     "distill_prompt_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_train_examples", "save_total_limit", "max_minutes", "weight_decay", "max_grad_norm"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+                     "distill_prompt_tokens"), 1)
+        check_at_least(self, ("max_train_examples", "save_total_limit", "max_minutes", "weight_decay", "max_grad_norm"), 0)
         if self.learning_rate <= 0:
             raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
         for name in ("adam_beta1", "adam_beta2"):

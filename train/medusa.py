@@ -20,7 +20,7 @@ from heads.errors import run_main
 from heads.medusa import MedusaHeads
 from infer.bench import forward_latency
 from infer.tree import best_choices, fit_tree
-from train.config import ConfigError, load_config
+from train.config import ConfigError, check_at_least, load_config
 from train.loop import (
     TrainConfig,
     datasets_for,
@@ -57,9 +57,7 @@ class MedusaConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("num_heads", "num_layers"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least(self, ("num_heads", "num_layers"), 1)
         if not 0 < self.head_decay <= 1:
             raise ConfigError(f"--head_decay must be in (0, 1], got {self.head_decay}")
         if self.tree_nodes < 0:

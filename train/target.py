@@ -26,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from heads.errors import run_main
 from shipped.models import resolve_model
 from shipped.stdlib_corpus import stdlib_texts
-from train.config import ConfigError, check_finite, load_config
+from train.config import ConfigError, check_at_least, check_finite, load_config
 
 SPECIAL = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
 
@@ -58,10 +58,8 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         check_finite(self)
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                     "seq_len", "batch_size", "max_steps", "eval_every", "eval_batches", "threads"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "seq_len", "batch_size", "max_steps", "eval_every", "eval_batches", "threads"), 1)
         if self.learning_rate <= 0 or self.max_minutes < 0 or self.warmup_steps < 0 or self.weight_decay < 0:
             raise ConfigError("--learning_rate must be > 0 and --max_minutes, --warmup_steps, --weight_decay >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
