@@ -12,13 +12,18 @@ and lm_head are passed in, never copied into the drafter.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 from heads.config import HeadsConfig
 from heads.io import PretrainedHeads
@@ -60,17 +65,49 @@ def llama_config(config: HeadsConfig) -> LlamaConfig:
     return lc
 
 
-def cache_keyword() -> str:
-    """The cache argument of transformers' Llama layers: renamed from `past_key_values` in transformers 5."""
-    params = inspect.signature(LlamaDecoderLayer.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+class DraftCache:
+    """The drafter's keys and values for one generation, preallocated and written in place.
+
+    `length` positions are valid; a call writes its T new positions after them and `advance`s. Cropping
+    the draft nodes off again is setting `length` back: no copy, no reallocation, whatever the length.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_length: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.keys = torch.zeros(layers, 1, kv_heads, max_length, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.length = 0
+
+    @classmethod
+    def for_drafter(cls, draft: nn.Module, max_length: int) -> DraftCache:
+        param = next(draft.parameters())
+        layer = draft.config.layer or {}
+        heads = layer.get("num_attention_heads") or 1
+        return cls(draft.config.num_layers, layer.get("num_key_value_heads") or heads,
+                   layer.get("head_dim") or draft.config.hidden_size // heads, max_length, param.dtype, param.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (1, kv, T, d) at positions length .. length + T -> every valid key and value (1, kv, length + T, d)."""
+        end = self.length + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"the drafter's cache holds {self.capacity} positions; {end} needed")
+        self.keys[layer, :, :, self.length : end] = k
+        self.values[layer, :, :, self.length : end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def advance(self, T: int) -> None:
+        self.length += T
 
 
-def continue_after(cache: Any, T: int, device: torch.device, position_ids: torch.Tensor | None,
+def continue_after(cache: DraftCache | None, T: int, device: torch.device, position_ids: torch.Tensor | None,
                    attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Defaults for T new positions after what `cache` holds: the next position ids, and a causal mask
     over the cached columns and these T (either kept where given)."""
-    past = cache.get_seq_length() if cache is not None else 0
+    past = cache.length if cache is not None else 0
     if position_ids is None:
         position_ids = torch.arange(past, past + T, device=device)[None]
     if attention_mask is None:
@@ -78,16 +115,53 @@ def continue_after(cache: Any, T: int, device: torch.device, position_ids: torch
     return position_ids, attention_mask
 
 
+def project(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """x (B, T, in) -> rotated q (B, h, T, d) and k, v (B, kv, T, d), as LlamaAttention computes them."""
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
+
+
+def attend(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+           cache: DraftCache | None, layer: int) -> torch.Tensor:
+    """A Llama attention block's output for x (B, T, in) with RoPE (cos, sin) and a boolean or additive mask
+    (B, 1, T, past + T), the keys and values going into `cache` (when given) after its valid positions."""
+    B, T = x.shape[:2]
+    q, k, v = project(attn, x, cos, sin)
+    if cache is not None:
+        k, v = cache.write(layer, k, v)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling,
+                                         enable_gqa=attn.num_key_value_groups > 1)
+    return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
 class Float32RotaryEmbedding(LlamaRotaryEmbedding):
     """RoPE whose inverse frequencies stay float32 when the drafter is cast to another dtype: bfloat16 rounds
-    them, which shifts the angle of every position by up to ~0.4% and wrecks positions past a few hundred."""
+    them, which shifts the angle of every position by up to ~0.4% and wrecks positions past a few hundred.
+
+    `at` reads cos/sin from a float32 table (the same values `forward` computes) when an upper bound on the
+    positions is known, so a draft call costs two lookups instead of recomputing the angles."""
+
+    _table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _apply(self, fn, recurse: bool = True):
         kept = {name: getattr(self, name) for name in ("inv_freq", "original_inv_freq")}
         super()._apply(fn, recurse)
         for name, value in kept.items():
             setattr(self, name, value.to(getattr(self, name).device))  # follow moves, not casts
+        self._table = None
         return self
+
+    def at(self, x: torch.Tensor, position_ids: torch.Tensor, bound: int | None = None):
+        """cos, sin (B, T, d) in x's dtype for position_ids (B, T); `bound` > every position enables the table."""
+        if bound is None:
+            return self(x, position_ids)
+        if self._table is None or self._table[0].shape[0] < bound:
+            cos, sin = self(self.inv_freq.new_zeros(1), torch.arange(bound, device=self.inv_freq.device)[None])
+            self._table = (cos[0], sin[0])
+        cos, sin = self._table
+        return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
 
 
 def causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -114,7 +188,6 @@ class EagleDraft(PretrainedHeads):
         self.layers = nn.ModuleList(LlamaDecoderLayer(lc, i) for i in range(config.num_layers))
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1: fc's output goes straight into attention
         self.rotary_emb = Float32RotaryEmbedding(lc)  # inv_freq is a non-persistent buffer: not in the weights
-        self._cache_kw = cache_keyword()
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features as this drafter reads them (EAGLE-1: as they are; EAGLE-3 fuses layers)."""
@@ -141,8 +214,8 @@ class EagleDraft(PretrainedHeads):
 
         `embed` is the target's input embedding. `attention_mask` (B, 1, T, past + T) is boolean
         (True = visible) or additive; None means causal over the cache and these T positions. `cache`
-        (a transformers Cache) keeps the drafter's keys and values across calls; `position_ids`
-        default to continuing from the cached length.
+        (a `DraftCache`) keeps the drafter's keys and values across calls; `position_ids` default to
+        continuing from the cached length.
         """
         if features.shape[-1] != self.config.hidden_size:
             raise ValueError(
@@ -151,10 +224,10 @@ class EagleDraft(PretrainedHeads):
         x = self.fc(torch.cat([embed(input_ids).to(features.dtype), features], dim=-1))
         T = x.shape[1]
         position_ids, attention_mask = continue_after(cache, T, x.device, position_ids, attention_mask)
-        position_embeddings = self.rotary_emb(x, position_ids)
-        for layer in self.layers:
-            out = layer(x, attention_mask=attention_mask, position_ids=position_ids,
-                        position_embeddings=position_embeddings, use_cache=cache is not None,
-                        **{self._cache_kw: cache})
-            x = out[0] if isinstance(out, tuple) else out
+        cos, sin = self.rotary_emb.at(x, position_ids, cache.capacity if cache is not None else None)
+        for i, layer in enumerate(self.layers):  # LlamaDecoderLayer's computation, attention over `cache`
+            x = x + attend(layer.self_attn, layer.input_layernorm(x), cos, sin, attention_mask, cache, i)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if cache is not None:
+            cache.advance(T)
         return x

@@ -22,12 +22,11 @@ from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaMLP,
     LlamaRMSNorm,
-    apply_rotary_pos_emb,
     repeat_kv,
 )
 
 from heads.config import HeadsConfig
-from heads.eagle import Float32RotaryEmbedding, cache_keyword, continue_after, llama_config
+from heads.eagle import DraftCache, Float32RotaryEmbedding, attend, continue_after, llama_config, project
 from heads.io import PretrainedHeads
 
 
@@ -61,14 +60,6 @@ class Eagle3Layer(nn.Module):
         hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """(B, T, 2H) -> rotated q (B, h, T, d) and k, v (B, kv, T, d), as LlamaAttention computes them."""
-        attn = self.self_attn
-        shape = (*x.shape[:-1], -1, attn.head_dim)
-        q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
-
 
 class Eagle3Draft(PretrainedHeads):
     """fc (nH -> H) on fused target features + one EAGLE-3 layer + norm + lm_head over the draft vocabulary."""
@@ -89,7 +80,6 @@ class Eagle3Draft(PretrainedHeads):
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(vocab) < draft_vocab)
         self.rotary_emb = Float32RotaryEmbedding(lc)
-        self._cache_kw = cache_keyword()
 
     # ---------------------------------------------------------------- vocabulary mapping
 
@@ -127,7 +117,7 @@ class Eagle3Draft(PretrainedHeads):
         embed: nn.Module,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        cache: Any = None,
+        cache: DraftCache | None = None,
     ) -> torch.Tensor:
         """hidden (B, T, H) (fused target features through `fuse`, or the drafter's own outputs), input_ids
         (B, T) = the next tokens -> layer outputs (B, T, H), before the final norm. Mask, positions and cache
@@ -135,9 +125,11 @@ class Eagle3Draft(PretrainedHeads):
         embeds = embed(input_ids).to(hidden.dtype)
         T = hidden.shape[1]
         position_ids, attention_mask = continue_after(cache, T, hidden.device, position_ids, attention_mask)
+        cos, sin = self.rotary_emb.at(hidden, position_ids, cache.capacity if cache is not None else None)
         layer = self.midlayer
-        attended, _ = layer.self_attn(layer.attention_input(embeds, hidden), self.rotary_emb(hidden, position_ids),
-                                      attention_mask, **{self._cache_kw: cache})
+        attended = attend(layer.self_attn, layer.attention_input(embeds, hidden), cos, sin, attention_mask, cache, 0)
+        if cache is not None:
+            cache.advance(T)
         return layer.finish(hidden, attended)
 
     def unrolled(self, features: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
@@ -157,21 +149,35 @@ class Eagle3Draft(PretrainedHeads):
         positions = torch.arange(T, device=input_ids.device)[None].expand(B, T)
         context = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None] & attention_mask.bool()[:, None]
         context = context | torch.eye(T, dtype=torch.bool, device=input_ids.device)  # (B, T, T): no empty rows
-        own = torch.eye(T, dtype=torch.bool, device=input_ids.device).expand(B, T, T)
-        hidden, keys, values, outputs = self.fuse(features), [], [], []
+        context = context[:, None]  # (B, 1, T, T)
+        hidden, own_keys, own_values, outputs = self.fuse(features), [], [], []
         for i in range(steps):
             ids = F.pad(input_ids[:, i:], (0, i))  # x_{t+1+i}, padding past the end (masked from the loss)
             embeds = embed(ids).to(hidden.dtype)
-            cos, sin = self.rotary_emb(hidden, positions + i)
-            q, k, v = layer.qkv(layer.attention_input(embeds, hidden), cos, sin)
-            keys.append(k)
-            values.append(v)
-            mask = torch.cat([context] + [own] * i, dim=-1)[:, None]  # (B, 1, T, (i + 1) T)
-            groups = attn.num_key_value_groups
-            out = F.scaled_dot_product_attention(q, repeat_kv(torch.cat(keys, 2), groups),
-                                                 repeat_kv(torch.cat(values, 2), groups), attn_mask=mask,
-                                                 scale=attn.scaling)  # (B, h, T, d)
-            attended = attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+            cos, sin = self.rotary_emb.at(hidden, positions + i, T + steps)
+            q, k, v = project(attn, layer.attention_input(embeds, hidden), cos, sin)
+            k, v = repeat_kv(k, attn.num_key_value_groups), repeat_kv(v, attn.num_key_value_groups)
+            if i == 0:
+                keys, values = k, v  # the context: step 0's keys at every position
+            else:
+                own_keys.append(k)
+                own_values.append(v)
+            attended = attn.o_proj(self._attend(q, keys, values, context, own_keys, own_values).transpose(1, 2)
+                                   .reshape(B, T, -1))
             hidden = layer.finish(hidden, attended)
             outputs.append(hidden)
         return outputs
+
+    def _attend(self, q, keys, values, context, own_keys, own_values) -> torch.Tensor:
+        """One softmax over the masked context keys (B, h, T, T) and, per position, its own keys of steps
+        1..i (B, h, T, i): the same as attention over all (i + 1) T keys with the block mask, at O(T^2 + iT)."""
+        scale = self.midlayer.self_attn.scaling
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+        scores = scores.masked_fill(~context, torch.finfo(torch.float32).min)
+        own = [(q * k).sum(-1, keepdim=True).float() * scale for k in own_keys]  # (B, h, T, 1) each
+        probs = torch.softmax(torch.cat([scores, *own], dim=-1), dim=-1).to(q.dtype)
+        T = keys.shape[-2]
+        out = torch.matmul(probs[..., :T], values)
+        for j, v in enumerate(own_values):
+            out = out + probs[..., T + j, None] * v
+        return out  # (B, h, T, d)

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
-from heads.eagle import EagleDraft
-from infer.cache import truncate
+from heads.eagle import DraftCache, EagleDraft
 from infer.mask import PrefixMask
 from infer.proposers import Draft
 from infer.tree import Tree, descend, select_tree, tree_from_choices
@@ -80,9 +78,9 @@ class EagleProposer:
         self.reset(0)
 
     def reset(self, max_length: int, params: SamplingParams | None = None, generator=None) -> None:
-        self.cache = DynamicCache()
         self.length = 0  # confirmed positions in the drafter's cache
         draft_columns = max(self.max_nodes, self.depth * self.top_k)
+        self.cache = DraftCache.for_drafter(self.draft, max_length + draft_columns)
         self.mask = PrefixMask(max(self.top_k, self.max_nodes), max_length + draft_columns, self.dtype, self.device)
 
     def _run(self, features: torch.Tensor, tokens: torch.Tensor, visible: torch.Tensor, position: torch.Tensor,
@@ -106,7 +104,7 @@ class EagleProposer:
     @torch.no_grad()
     def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
         m = hiddens.shape[0]
-        truncate(self.cache, self.length)  # drop the last step's draft nodes
+        self.cache.length = self.length  # drop the last step's draft nodes (they are overwritten in place)
         # the confirmed pairs (f_t, x_{t+1}); the last one holds the root, so its output drafts depth 1
         positions = torch.arange(self.length, self.length + m, device=self.device)
         causal = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()

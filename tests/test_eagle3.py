@@ -3,11 +3,10 @@
 import pytest
 import torch
 from test_sampling import RUNS, V, chi_square, critical, exact_joint, run_sampling
-from transformers import DynamicCache
 
 from conftest import fit_on_own_continuations, tiny_model
 from heads.config import HeadsConfig
-from heads.eagle import EagleDraft, layer_fields
+from heads.eagle import DraftCache, EagleDraft, layer_fields
 from heads.eagle3 import Eagle3Draft, default_feature_layers
 from heads.registry import load_heads
 from infer.cache import new_cache
@@ -50,7 +49,7 @@ def test_training_time_test_sees_what_inference_sees_after_i_own_steps(steps):
     with torch.no_grad():
         unrolled = draft.unrolled(features, ids, embed, torch.ones(1, T), steps)
         for t in range(T - steps):
-            cache = DynamicCache()
+            cache = DraftCache.for_drafter(draft, T + steps)
             out = draft(draft.fuse(features[:, : t + 1]), ids[:, : t + 1], embed, cache=cache)[:, -1:]
             torch.testing.assert_close(unrolled[0][:, t], out[:, 0], atol=1e-5, rtol=1e-5)
             for i in range(1, steps):  # step i reads its own step-(i-1) output and the true token x_{t+1+i}
@@ -234,11 +233,11 @@ def test_drafter_cache_holds_exactly_the_fused_confirmed_pairs():
     with torch.no_grad():
         hs = model(confirmed, output_hidden_states=True).hidden_states
         fused = torch.cat([hs[i] for i in draft.config.feature_layers], dim=-1)
-        plain = DynamicCache()
+        plain = DraftCache.for_drafter(draft, prop.length)  # one call over every confirmed pair
         draft(draft.fuse(fused[:, :-1]), confirmed[:, 1:], model.get_input_embeddings(), cache=plain)
-    for mine, ref in zip(prop.cache.layers, plain.layers):
-        torch.testing.assert_close(mine.keys[:, :, : prop.length], ref.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(mine.values[:, :, : prop.length], ref.values, atol=1e-5, rtol=1e-5)
+    assert plain.length == prop.length
+    torch.testing.assert_close(prop.cache.keys[:, :, :, : prop.length], plain.keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(prop.cache.values[:, :, :, : prop.length], plain.values, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("params", [(1.0, 0, 1.0), (0.7, 6, 0.9)])
@@ -255,3 +254,73 @@ def test_eagle3_sampling_matches_the_target_distribution(params):
     stat, dof = chi_square(counts, exact_joint(model, prompt, params), RUNS)
     assert stat < critical(dof), f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
     assert sum(a > 0 for a in accepted) > RUNS // 100
+
+
+def reference_loss_and_agreement(draft, outputs, target_logits, batch):
+    """The training-time-test loss and metrics written out position by position, straight from the recipe."""
+    ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+    B, T = ids.shape
+    draft_ids = draft.draft_ids.tolist()
+    total, hits, counts = 0.0, [0] * len(outputs), [0] * len(outputs)
+    accepted = positions = 0
+    for i, out in enumerate(outputs):
+        ces = []
+        for b in range(B):
+            for t in range(T - 2 - i):
+                label = t + 2 + i  # step i at t predicts x_{t+2+i}, from the target's logits at t + 1 + i
+                if not (loss_mask[b, label] and attn[b, label]):
+                    continue
+                logits = target_logits[b, t + 1 + i]
+                choice = int(logits.argmax())
+                guess = draft_ids[int(draft.logits(out[b, t]).argmax())]
+                hits[i] += guess == choice
+                counts[i] += 1
+                if choice not in draft_ids:
+                    continue
+                p = torch.softmax(logits[draft_ids].float(), -1)
+                ces.append(-(p * torch.log_softmax(draft.logits(out[b, t]).float(), -1)).sum())
+        total += 0.8**i * (torch.stack(ces).mean() if ces else 0.0)
+    for b in range(B):
+        for t in range(T - 2):
+            if not (loss_mask[b, t + 2] and attn[b, t + 2]):
+                continue
+            positions += 1
+            accepted += 1
+            for i, out in enumerate(outputs):
+                if t + 2 + i >= T or not (loss_mask[b, t + 2 + i] and attn[b, t + 2 + i]):
+                    break
+                if draft_ids[int(draft.logits(out[b, t]).argmax())] != int(target_logits[b, t + 1 + i].argmax()):
+                    break
+                accepted += 1
+    return float(total), hits, counts, accepted, positions
+
+
+def test_training_loss_and_agreement_equal_the_position_by_position_formula():
+    from train.eagle3 import Eagle3Loss, draft_vocabulary
+
+    model = tiny_model("llama")
+    V = model.config.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, V, (3, 14), generator=gen)
+    attn = torch.ones_like(ids)
+    attn[1, 10:] = 0  # a padded row
+    loss_mask = torch.rand(ids.shape, generator=gen) > 0.3
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
+    draft = random_draft(model, draft_vocab_size=V // 3)
+    draft.set_draft_vocab(draft_vocabulary(ids, loss_mask, V, V // 3))
+    target_logits = torch.randn(3, 14, V, generator=gen) * 3
+    target_logits[0, 5, 2] = 50.0  # a target choice the draft vocabulary lacks, if 2 is not in it
+    ttt = Eagle3Loss(draft, 3)
+    with torch.no_grad():
+        outputs = [torch.randn(3, 13, model.config.hidden_size, generator=gen) for _ in range(3)]
+        for i, out in enumerate(outputs):  # row 2 agrees with the target along paths of different lengths
+            for t in range(0, 11 - i, 2 + i):
+                target_logits[2, t + 1 + i, draft.to_target(draft.logits(out[2, t]).argmax())] = 60.0
+        loss, logs = ttt.loss(outputs, target_logits, batch)
+        hits, counts, accepted, positions = ttt.agreement(outputs, target_logits, batch)
+    ref_loss, ref_hits, ref_counts, ref_accepted, ref_positions = reference_loss_and_agreement(
+        draft, outputs, target_logits, batch)
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
+    assert hits.tolist() == ref_hits and counts.tolist() == ref_counts
+    assert min(ref_hits) > 0 and ref_accepted > ref_positions + 2  # agreement and streaks were exercised
+    assert (accepted, positions) == (ref_accepted, ref_positions)

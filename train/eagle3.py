@@ -33,19 +33,25 @@ def draft_vocabulary(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_siz
     return order[:size]
 
 
-def step_targets(target_logits: torch.Tensor, draft: Eagle3Draft, input_ids: torch.Tensor,
-                 loss_mask: torch.Tensor, attention_mask: torch.Tensor, step: int):
-    """For step `step` at positions t = 0..T-2-step: the target's distribution over the draft vocabulary
-    (renormalised) (B, T', N), its argmax as a target id (B, T'), and which positions count (B, T')."""
-    T = input_ids.shape[1]
-    length = T - 1 - step  # positions t whose label distribution (target logits at t+1+step) exists
-    logits = target_logits[:, 1 + step :]  # (B, T', V)
-    argmax = logits.argmax(-1)
-    probs = torch.softmax(logits.float().index_select(-1, draft.draft_ids), dim=-1)  # (B, T', N)
-    labels_ok = medusa_labels(input_ids, loss_mask, step)[1][:, :length]  # x_{t+2+step} is loss-bearing
-    visible = attention_mask[:, 2 + step :].bool()
-    keep = labels_ok & F.pad(visible, (0, length - visible.shape[1]))
-    return probs, argmax, keep
+class Labels:
+    """The target's distributions over the draft vocabulary (renormalised) and its argmax (as target ids) at
+    every position, computed once per batch; each step reads a shifted slice."""
+
+    def __init__(self, target_logits: torch.Tensor, draft: Eagle3Draft, batch: dict[str, torch.Tensor]) -> None:
+        logits = target_logits[:, 1:]  # the label of step i at t is the target's prediction at t + 1 + i
+        self.argmax = logits.argmax(-1)  # (B, T-1)
+        self.probs = torch.softmax(logits.float().index_select(-1, draft.draft_ids), dim=-1)  # (B, T-1, N)
+        self.input_ids, self.loss_mask, self.attention_mask = (
+            batch["input_ids"], batch["loss_mask"], batch["attention_mask"])
+
+    def step(self, step: int):
+        """For step `step` at positions t = 0..T-2-step: the target's distribution over the draft vocabulary
+        (B, T', N), its argmax as a target id (B, T'), and which positions count (B, T')."""
+        length = self.argmax.shape[1] - step
+        labels_ok = medusa_labels(self.input_ids, self.loss_mask, step)[1][:, :length]  # x_{t+2+step} is loss-bearing
+        visible = self.attention_mask[:, 2 + step :].bool()
+        keep = labels_ok & F.pad(visible, (0, length - visible.shape[1]))
+        return self.probs[:, step:], self.argmax[:, step:], keep
 
 
 class Eagle3Loss:
@@ -62,9 +68,9 @@ class Eagle3Loss:
     def loss(self, outputs: list[torch.Tensor], target_logits: torch.Tensor, batch: dict[str, torch.Tensor]):
         total = outputs[0].sum() * 0.0
         logs = {}
+        labels = Labels(target_logits, self.draft, batch)
         for i, out in enumerate(outputs):
-            probs, argmax, keep = step_targets(target_logits, self.draft, batch["input_ids"], batch["loss_mask"],
-                                               batch["attention_mask"], i)
+            probs, argmax, keep = labels.step(i)
             keep = keep & self.draft.t2d[argmax]  # the target's choice must be draftable
             logq = torch.log_softmax(self.draft.logits(out[:, : keep.shape[1]][keep]).float(), dim=-1)
             ce = -(probs[keep] * logq).sum(-1).mean() if keep.any() else logq.sum() * 0.0
@@ -79,13 +85,12 @@ class Eagle3Loss:
         positions: 1 + the number of leading steps whose top-1 (as a target id) is the target's argmax."""
         steps = len(outputs)
         hits, counts = torch.zeros(steps), torch.zeros(steps)
-        _, _, base = step_targets(target_logits, self.draft, batch["input_ids"], batch["loss_mask"],
-                                  batch["attention_mask"], 0)
+        labels = Labels(target_logits, self.draft, batch)
+        _, _, base = labels.step(0)
         streak = base.clone()
         accepted = base.float()  # the bonus token of every counted position
         for i, out in enumerate(outputs):
-            _, argmax, keep = step_targets(target_logits, self.draft, batch["input_ids"], batch["loss_mask"],
-                                           batch["attention_mask"], i)
+            _, argmax, keep = labels.step(i)
             guess = self.draft.to_target(self.draft.logits(out[:, : keep.shape[1]]).argmax(-1))
             agree = (guess == argmax) & keep
             hits[i], counts[i] = agree.sum().item(), keep.sum().item()
