@@ -1,8 +1,9 @@
 """Published drafter checkpoints in, serving-engine layouts out: one entry point for every format.
 
 Import detects the layout from the files (FasterDecoding Medusa v1/v2, vLLM Medusa, SafeAILab
-EAGLE-1, SGLang EAGLE); export writes what each engine loads (fastdecoding-medusa, vllm-medusa, eagle1,
-sglang-eagle). The layouts and their sources are in heads/medusa_formats.py and heads/eagle_formats.py.
+EAGLE-1, SGLang EAGLE, SafeAILab / SGLang EAGLE-3, vllm-project/speculators EAGLE-3); export writes what each
+engine loads (fastdecoding-medusa, vllm-medusa, eagle1, sglang-eagle, eagle3, speculators-eagle3). The layouts
+and their sources are in heads/medusa_formats.py, heads/eagle_formats.py and heads/eagle3_formats.py.
 """
 
 from __future__ import annotations
@@ -12,22 +13,27 @@ from pathlib import Path
 from torch import nn
 
 from heads.eagle import EagleDraft
+from heads.eagle3 import Eagle3Draft
+from heads.eagle3_formats import EAGLE3_FORMATS, detect_eagle3_format, export_eagle3, import_eagle3
 from heads.eagle_formats import EAGLE_FORMATS, detect_eagle_format, export_eagle, import_eagle
 from heads.io import PretrainedHeads
 from heads.medusa import MedusaHeads
 from heads.medusa_formats import MEDUSA_FORMATS, detect_medusa_format, export_medusa, import_medusa
 
-EXPORT_FORMATS = MEDUSA_FORMATS + EAGLE_FORMATS
+EXPORT_FORMATS = MEDUSA_FORMATS + EAGLE_FORMATS + EAGLE3_FORMATS
 
 
 def import_heads(directory: str | Path, format: str | None = None, base_model: str | None = None,
                  vocab_size: int | None = None) -> PretrainedHeads:
     """Read a published checkpoint (layout detected from its files unless `format` is given). `vocab_size`
-    is only for Medusa "version 2" heads whose vocabulary neither config.json nor the base model gives."""
+    is only for Medusa "version 2" heads whose vocabulary neither config.json nor the base model gives.
+    `base_model` is what the imported config names as the target (EAGLE-3: also where the fused layers come
+    from when the checkpoint names none)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} is not a directory: download the checkpoint first")
-    fmt = format or detect_medusa_format(directory) or detect_eagle_format(directory)
+    fmt = format or detect_medusa_format(directory) or detect_eagle_format(directory) \
+        or detect_eagle3_format(directory)
     if fmt is None:
         files = sorted(p.name for p in directory.iterdir())
         raise ValueError(f"{directory} holds no Medusa or EAGLE checkpoint layout this project knows (files: "
@@ -38,15 +44,18 @@ def import_heads(directory: str | Path, format: str | None = None, base_model: s
         raise ValueError(f"vocab_size is for Medusa 'version 2' heads; an {fmt} checkpoint states its own")
     if fmt in EAGLE_FORMATS:
         return import_eagle(directory, fmt, base_model=base_model)
+    if fmt in EAGLE3_FORMATS:
+        return import_eagle3(directory, fmt, base_model=base_model)
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
 
 
 def export_heads(heads: PretrainedHeads, fmt: str, out_dir: str | Path, target: nn.Module | None = None,
                  base_model: str | None = None, weights: str | None = None) -> None:
     """Write `heads` in an engine's layout. `target` supplies weights some layouts carry (the lm_head for
-    Medusa heads that share it, the embedding in the EAGLE layouts). `base_model` (Medusa layouts) is what
-    config.json names as the target, default the heads' own; `weights` (EAGLE layouts) picks
-    "safetensors" or "bin" (pytorch_model.bin, what SafeAILab's original EAGLE-1 code reads)."""
+    Medusa heads that share it, the embedding in the EAGLE-1 layouts, the verifier's architectures and depth
+    for EAGLE-3). `base_model` (Medusa layouts, speculators-eagle3) is what config.json names as the target,
+    default the heads' own; `weights` (EAGLE layouts) picks "safetensors" or "bin" (pytorch_model.bin, what
+    SafeAILab's code reads first)."""
     if fmt in MEDUSA_FORMATS:
         if not isinstance(heads, MedusaHeads):
             raise ValueError(f"{fmt} is a Medusa layout but these heads are {heads.config.kind}")
@@ -56,11 +65,20 @@ def export_heads(heads: PretrainedHeads, fmt: str, out_dir: str | Path, target: 
         export_medusa(heads, fmt, out_dir, lm_head_weight=lm_head, base_model=base_model)
     elif fmt in EAGLE_FORMATS:
         if not isinstance(heads, EagleDraft):
-            raise ValueError(f"{fmt} is an EAGLE layout but these heads are {heads.config.kind}")
+            raise ValueError(f"{fmt} is an EAGLE-1 layout but these heads are {heads.config.kind}"
+                             + (f": choose one of {', '.join(EAGLE3_FORMATS)}" if heads.config.kind == "eagle3" else ""))
         if base_model:
             raise ValueError(f"{fmt}'s config.json names no base model (its engines are given the target "
                              "separately): leave out --base-model")
         embed = target.get_input_embeddings().weight if target is not None else None
         export_eagle(heads, fmt, out_dir, embed_weight=embed, weights=weights or "safetensors")
+    elif fmt in EAGLE3_FORMATS:
+        if not isinstance(heads, Eagle3Draft):
+            raise ValueError(f"{fmt} is an EAGLE-3 layout but these heads are {heads.config.kind}"
+                             + (f": choose one of {', '.join(EAGLE_FORMATS)}" if heads.config.kind == "eagle" else ""))
+        if base_model and fmt == "eagle3":
+            raise ValueError(f"{fmt}'s config.json names no base model (its engines are given the target "
+                             "separately): leave out --base-model")
+        export_eagle3(heads, fmt, out_dir, weights=weights or "safetensors", base_model=base_model, target=target)
     else:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")

@@ -98,6 +98,28 @@ LAYOUTS = {"eagle1": Layout("LlamaForCausalLM", ("safeailab", "vllm")),
 EAGLE_FORMATS = tuple(LAYOUTS)
 
 
+def write_weights(state: dict[str, torch.Tensor], out: Path, weights: str) -> None:
+    """The state dict as `model.safetensors` or `pytorch_model.bin`, refusing a folder that holds the other."""
+    other = next(name for kind, name in WEIGHTS.items() if kind != weights)
+    if (out / other).exists():
+        raise ValueError(f"{out} already holds {other}: loaders would pick one of two weight files; "
+                         "export into an empty directory")
+    if weights == "safetensors":
+        atomic_write(out / WEIGHTS[weights], lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    else:
+        atomic_write(out / WEIGHTS[weights], lambda tmp: torch.save(state, tmp))
+
+
+def check_target(config: HeadsConfig, target: nn.Module, embed: torch.Tensor | None, directory: Path) -> None:
+    """The target must fit the drafter; an embedding the checkpoint carries should be the target's (else warn)."""
+    check_compatible(config, target)
+    mine = target.get_input_embeddings().weight.detach()
+    if embed is not None and (mine.shape != embed.shape or not torch.allclose(
+            embed.float().cpu(), mine.float().cpu(), rtol=1e-2, atol=1e-3)):
+        warnings.warn(f"{directory}: its embed_tokens differ from the target's input embedding: it was likely "
+                      "trained for another model, and will draft poorly", stacklevel=3)
+
+
 def layer_keys(num_layers: int) -> list[str]:
     """The decoder layers' tensors: Llama names, with no input_layernorm on layer 0 (fc feeds attention)."""
     keys = []
@@ -115,7 +137,7 @@ def engine_keys(engine: str, num_layers: int = 1, bias: bool = True) -> list[str
 # ---------------------------------------------------------------- reading files
 
 
-def _weight_files(directory: Path) -> list[Path]:
+def weight_files(directory: Path) -> list[Path]:
     """The weight files, safetensors first (what vLLM prefers too); a sharded index lists its shards."""
     for single in WEIGHTS.values():
         index = directory / f"{single}.index.json"
@@ -133,7 +155,7 @@ def _weight_files(directory: Path) -> list[Path]:
 def read_eagle_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of an EAGLE checkpoint directory, by name (`.bin` read with `weights_only=True`)."""
     directory = Path(directory)
-    files = _weight_files(directory)
+    files = weight_files(directory)
     if not files:
         raise ValueError(f"{directory} has no {' or '.join(WEIGHTS.values())}: no EAGLE weights to import")
     state: dict[str, torch.Tensor] = {}
@@ -144,8 +166,8 @@ def read_eagle_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _weight_names(directory: Path) -> set[str]:
-    files = _weight_files(directory)
+def weight_names(directory: Path) -> set[str]:
+    files = weight_files(directory)
     if not all(f.name.endswith(".safetensors") and f.is_file() for f in files):
         return set(read_eagle_weights(directory))
     names: set[str] = set()
@@ -171,7 +193,7 @@ def detect_eagle_format(directory: str | Path) -> str | None:
     heads directory, an EAGLE-3 drafter, a full model, no config or weights). A config.json that is not
     JSON, or weights that cannot be read, are errors naming the file."""
     directory = Path(directory)
-    if not (directory / "config.json").is_file() or not _weight_files(directory):
+    if not (directory / "config.json").is_file() or not weight_files(directory):
         return None
     raw = read_config_json(directory)
     archs = raw.get("architectures") or []
@@ -183,7 +205,7 @@ def detect_eagle_format(directory: str | Path) -> str | None:
         fmt = "eagle1"
     else:
         return None
-    names = _weight_names(directory)
+    names = weight_names(directory)
     if "fc.weight" not in names or any(n.startswith(("midlayer.", "model.")) for n in names):
         return None  # EAGLE-3 (`midlayer.*`) or a full causal LM (`model.layers.*`)
     return fmt
@@ -192,7 +214,7 @@ def detect_eagle_format(directory: str | Path) -> str | None:
 # ---------------------------------------------------------------- import
 
 
-def _layer_config(raw: dict[str, Any], where: Path) -> dict[str, Any]:
+def layer_config_from_json(raw: dict[str, Any], where: Path) -> dict[str, Any]:
     """Our layer fields from a Llama config.json (read by transformers, legacy RoPE keys included)."""
     for flag in ("qkv_bias", "attention_bias", "mlp_bias"):
         if raw.get(flag):
@@ -257,26 +279,21 @@ def import_eagle(
     config = HeadsConfig(
         kind="eagle", base_model=base_model or "", hidden_size=hidden, vocab_size=vocab,
         num_layers=raw.get("num_hidden_layers") or 1 + max(layers, default=0), fc_bias="fc.bias" in state,
-        dtype=dtype, layer=_layer_config(raw, cfg_path),
+        dtype=dtype, layer=layer_config_from_json(raw, cfg_path),
     )
     draft = EagleDraft(config).to(fc.dtype)
-    files = _weight_files(directory)
+    files = weight_files(directory)
     load_strict(draft, state, files[0] if len(files) == 1 else directory)
     draft.eval()
     if target is not None:
-        check_compatible(config, target)
-        mine = target.get_input_embeddings().weight.detach()
-        if embed is not None and (mine.shape != embed.shape or not torch.allclose(
-                embed.float().cpu(), mine.float().cpu(), rtol=1e-2, atol=1e-3)):
-            warnings.warn(f"{directory}: its embed_tokens differ from the target's input embedding: it was likely "
-                          "trained for another model, and will draft poorly", stacklevel=2)
+        check_target(config, target, embed, directory)
     return draft
 
 
 # ---------------------------------------------------------------- export
 
 
-def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+def rope_scaling_json(rope: dict[str, Any]) -> dict[str, Any] | None:
     """RoPE scaling for config.json: null by default; SafeAILab's {"type", "factor"} where it fits."""
     rest = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
     kind = rest.get("rope_type", "default")
@@ -292,7 +309,7 @@ def eagle_config_json(draft: EagleDraft, fmt: str) -> dict[str, Any]:
     lc, rope = llama_config(draft.config), dict((draft.config.layer or {}).get("rope_parameters") or {})
     config: dict[str, Any] = {"architectures": [LAYOUTS[fmt].architecture], "model_type": "llama"}
     config |= {field: getattr(lc, field) for field in CONFIG_FIELDS}
-    config |= {"rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": _rope_scaling(rope),
+    config |= {"rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": rope_scaling_json(rope),
                "tie_word_embeddings": False, "torch_dtype": str(draft.fc.weight.dtype).removeprefix("torch.")}
     if not draft.config.fc_bias:
         config["bias"] = False  # SafeAILab's fc-bias flag; `true` means attention bias to vLLM and SGLang
@@ -340,14 +357,6 @@ def export_eagle(
     if cfg.fc_bias and "vllm" in engines:
         warnings.warn("this drafter has an fc bias, which vLLM 0.32 drops on load (it still decodes "
                       "losslessly but accepts fewer tokens); train with fc_bias=False for vLLM", stacklevel=2)
-    out = Path(out_dir)
-    other = next(name for kind, name in WEIGHTS.items() if kind != weights)
-    if (out / other).exists():
-        raise ValueError(f"{out} already holds {other}: loaders would pick one of two weight files; "
-                         "export into an empty directory")
-    if weights == "safetensors":
-        atomic_write(out / WEIGHTS[weights], lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    else:
-        atomic_write(out / WEIGHTS[weights], lambda tmp: torch.save(state, tmp))
+    write_weights(state, Path(out_dir), weights)
     text = json.dumps(eagle_config_json(draft, fmt), indent=2) + "\n"
-    atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(text))
+    atomic_write(Path(out_dir) / "config.json", lambda tmp: Path(tmp).write_text(text))

@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp = sub.add_parser("import", help="convert a published Medusa/EAGLE checkpoint into a selfspec heads directory")
     imp.add_argument("--src", required=True, help="the checkpoint's directory (layout detected from its files)")
     imp.add_argument("--format", choices=EXPORT_FORMATS, help="the layout, when detection should be overridden")
-    imp.add_argument("--base-model", help="the target it was trained for (default: what its config names)")
+    imp.add_argument("--base-model", help="the target it was trained for (default: what its config names); "
+                                          "EAGLE-3 checkpoints naming no fused layers need it to find them")
     imp.add_argument("--vocab-size", type=int,
                      help="Medusa 'version 2' heads (no projections of their own) only: the target's vocabulary "
                           "size, when neither config.json nor the base model gives it")
@@ -192,13 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--heads", required=True, help="a selfspec heads directory or Hub id")
     exp.add_argument("--format", required=True, choices=EXPORT_FORMATS,
                      help="fastdecoding-medusa (FasterDecoding, TGI, TensorRT-LLM), vllm-medusa, eagle1 (SafeAILab, "
-                          "vLLM) or sglang-eagle")
+                          "vLLM), sglang-eagle, eagle3 (EAGLE-3: SafeAILab, SGLang, vLLM) or speculators-eagle3 "
+                          "(vllm-project/speculators, vLLM)")
     exp.add_argument("--model", help="the target whose weights a layout carries: the lm_head copied into heads that "
                                      "share it, the EAGLE embedding (default: --base-model, else the heads' "
                                      "base_model)")
-    exp.add_argument("--base-model", help="Medusa layouts: the target config.json names, which FasterDecoding and "
-                                          "TGI load (default: the heads' base_model; `demo` is written as the "
-                                          "shipped model's path); a local model directory or a Hub id")
+    exp.add_argument("--base-model", help="Medusa and speculators-eagle3 layouts: the target config.json names, "
+                                          "which FasterDecoding, TGI and vLLM load (default: the heads' "
+                                          "base_model; `demo` is written as the shipped model's path); a local "
+                                          "model directory or a Hub id")
     exp.add_argument("--weights", choices=["safetensors", "bin"],
                      help="EAGLE layouts: model.safetensors (default; vLLM, SGLang, SafeAILab's current code) or "
                           "pytorch_model.bin (SafeAILab's original EAGLE-1 code)")

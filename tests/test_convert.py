@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from heads.config import HeadsConfig
 from heads.convert import EXPORT_FORMATS
+from heads.eagle3_formats import EAGLE3_FORMATS
 from heads.medusa import MedusaHeads
 from heads.registry import load_heads
 from infer.cli import main as cli
@@ -39,7 +40,8 @@ def outputs(heads, model):
         return heads(features, ids, model.get_input_embeddings())
 
 
-@pytest.mark.parametrize("fmt", EXPORT_FORMATS)
+# EAGLE-3 layouts: tests/test_eagle3_formats.py, on a target deep enough for three fused layers
+@pytest.mark.parametrize("fmt", [f for f in EXPORT_FORMATS if f not in EAGLE3_FORMATS])
 def test_export_then_import_keeps_every_tensor_and_output(
     fmt, medusa_dir, eagle_dir, tiny_model_dir, tmp_path, capsys
 ):

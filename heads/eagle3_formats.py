@@ -1,0 +1,529 @@
+"""EAGLE-3 drafters in the layouts published and served elsewhere: import them, export ours.
+
+`Eagle3Draft` already uses SafeAILab's tensor names (`fc.weight`, `midlayer.*`, `norm.weight`,
+`lm_head.weight`, `d2t`, `t2d`) and computes SafeAILab's layer, so no tensor is converted: a layout only
+renames the draft layer (`LAYOUTS`), drops the vocabulary maps where an engine would choke on them, and writes
+the config.json its loaders read. The target's embedding never travels (every engine uses the target's own);
+one found in a file is ignored. The weights load with a strict `load_state_dict`. Sources (read for this
+module, versions named):
+
+`eagle3` — SafeAILab's layout (yuhuili/EAGLE3-*, SpecForge's drafters), which SGLang serves and vLLM loads.
+  - SafeAILab/EAGLE commit cb7e0841, `eagle/model/cnets.py` (the EAGLE-3 `Model`): `fc = Linear(3 *
+    (target_hidden_size or hidden_size), H, bias=False)` on the fused features; `midlayer`
+    (`LlamaDecoderLayeremb`): `residual = hidden`, q/k/v on `cat(input_layernorm(embed), hidden_norm(hidden))`
+    (embedding first), post-attention norm + MLP; logits `lm_head(norm(out))` over `draft_vocab_size` tokens,
+    target id = draft id + `d2t[draft id]`; buffers `d2t` (long, N) and `t2d` (bool, V). `ea_model.py`:
+    `pytorch_model.bin` first, else `model.safetensors`; `load_state_dict(strict=False)`; `d2t`/`t2d` deleted
+    when `vocab_size == draft_vocab_size`; the embedding is read from the base model. `modeling_llama_kv.py`
+    fuses the hidden states entering layers 2, L // 2 and L - 3 (hidden_states indices [2, L // 2, L - 3]) and
+    reads no layer ids from any config. `eagle/traineagle3/config.json`: a Llama config plus
+    `draft_vocab_size`.
+  - SGLang 0.5.23 (the PyPI wheel), `sglang/srt/models/llama_eagle3.py` (`LlamaForCausalLMEagle3`): `midlayer`
+    is renamed `layers.0` (so either name loads); `d2t` becomes `hot_token_id`, `t2d` is skipped; unknown
+    names are skipped; fc's bias is config `bias`; `norm_before_fc` (`eagle_config` first, then the top level)
+    adds `input_norm`; `fc_norm` / `use_aux_norm` add `fc_norm.{i}`; `norm_output` feeds back the normed
+    output; `tie_word_embeddings: true` makes lm_head the embedding; no `draft_vocab_size` takes the target's
+    lm_head; fc reads `num_aux_hidden_states`, else `len(eagle_config.eagle_aux_hidden_state_layer_ids)`, else
+    3 hidden states. `models/llama.py` `set_eagle3_layers_to_capture`: no ids -> capture before layers
+    [2, L // 2, L - 3] (hidden_states indices); ids -> `id + 1` ("for the ith layer, it takes the output of
+    the (i-1)th layer"). `model_runner_components/spec_aux_hidden_state.py` reads the ids only from
+    `eagle_config`. `speculative/eagle_worker_v2.py` `init_lm_head`: `set_embed(target's)`.
+  - vLLM 0.32.0 (the PyPI wheel), `model_executor/models/llama_eagle3.py` (`Eagle3LlamaForCausalLM`, which the
+    registry maps `LlamaForCausalLMEagle3` to): `midlayer.` -> `layers.0.` (`LlamaModel.hf_to_vllm_mapper`);
+    `d2t` -> `draft_id_to_target_id`, a parameter only when `draft_vocab_size` differs from the target's
+    vocabulary (otherwise a `d2t` in the file is an unknown name and `AutoWeightsLoader` raises); `t2d`
+    skipped; `embed_tokens` optional (`v1/spec_decode/llm_base_proposer.py` `_maybe_share_embeddings`); fc
+    without bias, sized like SGLang's. Variant flags read: `norm_before_residual` (default false here),
+    `norm_before_fc`, `fc_norm`, `norm_output`, `eagle_config.use_aux_hidden_state`, `logit_scale`. Layer ids
+    (`v1/worker/gpu_model_runner.py` `_get_eagle3_aux_layers_from_config`, and
+    `v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`): a top-level `eagle_aux_hidden_state_layer_ids` first,
+    else `eagle_config`'s, both used AS GIVEN; `models/llama.py` `LlamaModel.forward` captures hidden +
+    residual after layer idx when `idx + 1` is an id (id 0: the embeddings) — transformers' hidden_states
+    indices, except index L, which vLLM captures before the final norm and transformers after it;
+    `interfaces.py`: the default is (2, L // 2, L - 3); `EagleModelMixin._set_aux_hidden_state_layers` sorts
+    and de-duplicates the ids.
+
+`speculators-eagle3` — vllm-project/speculators' layout (RedHatAI/*.eagle3); vLLM knows it by config.json.
+  - speculators commit c05b95b3, `src/speculators/models/eagle3/config.py` (`Eagle3SpeculatorConfig`):
+    `speculators_model_type: "eagle3"`, `architectures: ["Eagle3Speculator"]`, `transformer_layer_config` (the
+    draft layer's config, `model_type` llama or qwen3), `draft_vocab_size`, `norm_before_residual` (false),
+    `target_hidden_size`, `eagle_aux_hidden_state_layer_ids`, `norm_before_fc`, `fc_norm`, `norm_output`;
+    `config.py`: `speculators_config` {algorithm, proposal_methods, default_proposal_method, verifier
+    {name_or_path, architectures}}, and no top-level `model_type`; `proposals/greedy.py`: proposal_type,
+    speculative_tokens, verifier_accept_k, accept_tolerance. `models/eagle3/core.py`: fc over
+    `len(eagle_aux_hidden_state_layer_ids) or 3` hidden states, the draft layer is `layers.0`
+    (`model_definitions.py`: residual = hidden, or `hidden_norm(hidden)` with norm_before_residual);
+    `model.py`: `d2t`/`t2d` exist only when `draft_vocab_size` differs from the verifier's;
+    `embed_tokens.weight` (the verifier's) is saved. `models/utils.py` `resolve_target_layer_ids`: default
+    [2, L // 2, L - 3], given to vLLM to extract the training features, so the ids are vLLM's (hidden_states
+    indices).
+  - vLLM 0.32.0: `transformers_utils/config.py`: a config.json with `speculators_config` and no `model_type`
+    is a `SpeculatorsConfig` (`configs/speculators/base.py`: needs `speculators_config.proposal_methods[0]
+    .speculative_tokens`, `speculators_config.verifier.name_or_path`, a dict `transformer_layer_config`).
+    `configs/speculators/algos.py` `update_eagle3`: the draft config is `transformer_layer_config` plus the
+    top-level `draft_vocab_size`, `target_hidden_size`, `norm_before_residual` — TRUE WHEN ABSENT —,
+    `norm_before_fc`, `fc_norm`, `norm_output` and `eagle_aux_hidden_state_layer_ids`; `model_type` llama ->
+    `Eagle3LlamaForCausalLM` (the loader above), qwen3 -> `Eagle3Qwen3ForCausalLM`. With no `eagle_config`,
+    `llama_eagle3.py` builds fc for `num_aux_hidden_states` or 3 hidden states.
+
+Layer ids. Our `feature_layers` are transformers' hidden_states indices (0 = the embeddings). SGLang reads
+`eagle_config` ids as "output of layer id" (hidden_states index id + 1); vLLM reads any id as a hidden_states
+index. So `eagle3` export writes both: `eagle_config.eagle_aux_hidden_state_layer_ids = [j - 1 ...]`, which
+SGLang reads, and the top-level `eagle_aux_hidden_state_layer_ids = [j ...]`, which vLLM reads first (SGLang
+only counts it); import reads `eagle_config` + 1 and refuses a top-level list that disagrees.
+`speculators-eagle3` writes and reads the top-level ids as given. With no ids, every engine fuses
+[2, L // 2, L - 3] of the target's L layers, so import then needs the target (`base_model`, or the
+speculators verifier) to know L.
+
+Variants. The flags in `VARIANTS` change what the drafter computes; one at a value other than Eagle3Draft's is
+refused, naming it (Eagle3Draft would need an extra norm or residual path). So are a draft layer count other
+than 1, a non-Llama draft layer, a `target_hidden_size` other than the hidden size, and a checkpoint without
+its own lm_head. `tie_word_embeddings` is ignored: only SGLang reads it, and the file's lm_head is what was
+trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from heads.config import DTYPES, HeadsConfig
+from heads.eagle import llama_config
+from heads.eagle3 import Eagle3Draft
+from heads.eagle_formats import (
+    CONFIG_FIELDS,
+    WEIGHTS,
+    check_target,
+    layer_config_from_json,
+    read_eagle_weights,
+    rope_scaling_json,
+    weight_files,
+    weight_names,
+    write_weights,
+)
+from heads.io import atomic_write, read_config_json
+from heads.medusa_formats import base_model_field
+from shipped.models import resolve_model
+
+EMBED_KEY = "embed_tokens.weight"
+VOCAB_MAPS = ("d2t", "t2d")  # integer buffers: draft id -> target id offset, which target ids are draftable
+LAYER = "midlayer."  # our name of the draft layer
+LAYER_PARAMS = (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+)
+# RoPE caches some checkpoints saved; no loader reads them.
+IGNORED = re.compile(r".*rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+# Draft-layer architectures computing Eagle3Draft's Llama layer: SGLang's and vLLM's class names, and the plain
+# Llama name SafeAILab's training config carries.
+LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    architecture: str  # config.json `architectures`
+    layer: str  # the file's name for our `midlayer.`
+    engines: tuple[str, ...]  # who loads it
+
+
+LAYOUTS = {"eagle3": Layout("LlamaForCausalLMEagle3", "midlayer.", ("safeailab", "sglang", "vllm")),
+           "speculators-eagle3": Layout("Eagle3Speculator", "layers.0.", ("speculators", "vllm"))}
+EAGLE3_FORMATS = tuple(LAYOUTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    neutral: Any  # the value Eagle3Draft computes
+    means: str  # what any other value changes
+
+
+VARIANTS = {
+    "norm_before_residual": Variant(False, "the attention residual is hidden_norm(hidden), not hidden"),
+    "norm_before_fc": Variant(False, "an RMSNorm (input_norm) over the fused features before fc"),
+    "fc_norm": Variant(False, "an RMSNorm per fused hidden state (fc_norm.{i}) before fc"),
+    "use_aux_norm": Variant(False, "SGLang's older name for fc_norm"),
+    "norm_output": Variant(False, "the normed output, not the pre-norm one, is fed to the next draft step"),
+    "use_aux_hidden_state": Variant(True, "false: no fc, the drafter reads the target's last hidden state"),
+    "bias": Variant(False, "a bias on fc (SGLang) or in attention (vLLM)"),
+    "logit_scale": Variant(1.0, "the draft logits are scaled"),
+}
+# What an engine assumes for a flag a layout leaves out, where that is not the neutral value (vLLM algos.py).
+ABSENT = {"speculators-eagle3": {"norm_before_residual": True}}
+
+
+def layout_keys(fmt: str, draft_vocab: bool) -> set[str]:
+    """Every tensor `export_eagle3` writes in `fmt`; `d2t`/`t2d` only for a draft vocabulary smaller than the
+    target's (vLLM has nowhere to load them otherwise, and SafeAILab deletes them)."""
+    layer = LAYOUTS[fmt].layer
+    return {"fc.weight", "norm.weight", "lm_head.weight", *(layer + p for p in LAYER_PARAMS),
+            *(VOCAB_MAPS if draft_vocab else ())}
+
+
+def _ours(name: str) -> str:
+    """A file's tensor name as Eagle3Draft names it: SGLang loads `layers.0.` and `midlayer.` alike."""
+    return LAYER + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+
+
+def _theirs(fmt: str):
+    layer = LAYOUTS[fmt].layer
+    return lambda k: layer + k.removeprefix(LAYER) if k.startswith(LAYER) else k
+
+
+# ---------------------------------------------------------------- detection
+
+
+def detect_eagle3_format(directory: str | Path) -> str | None:
+    """"eagle3" or "speculators-eagle3" for an EAGLE-3 checkpoint directory; None for anything else (a selfspec
+    heads directory, an EAGLE-1 drafter, a full model, no config or weights). A config.json that is not JSON,
+    or weights that cannot be read, are errors naming the file."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file() or not weight_files(directory):
+        return None
+    raw = read_config_json(directory)
+    if "kind" in raw:  # a selfspec HeadsConfig
+        return None
+    if "speculators_config" in raw or "speculators_model_type" in raw:
+        return "speculators-eagle3" if raw.get("speculators_model_type") == "eagle3" else None
+    names = weight_names(directory)
+    eagle3_arch = any("Eagle3" in str(a) for a in raw.get("architectures") or [])
+    layer = (LAYER, "layers.0.") if eagle3_arch else (LAYER,)
+    if "fc.weight" in names and any(n.startswith(layer) for n in names):
+        return "eagle3"
+    return None
+
+
+# ---------------------------------------------------------------- import
+
+
+def _settings(raw: dict[str, Any], fmt: str, layer_json: dict[str, Any],
+              where: Path) -> dict[str, tuple[Any, bool]]:
+    """Each variant flag as the layout's engines read it: (value, whether the file states it)."""
+    if fmt == "speculators-eagle3":  # algos.py update_eagle3 copies the top-level flags over the layer config
+        top = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+        found = {f: (raw[f], True) for f in top if f in raw} | {
+            f: (layer_json[f], True) for f in VARIANTS if f in layer_json and f not in top}
+    else:
+        eagle = raw.get("eagle_config") or {}
+        if not isinstance(eagle, dict):
+            raise ValueError(f"{where}: eagle_config must be a JSON object, got {eagle!r}")
+        found = {f: (raw[f], True) for f in VARIANTS if f in raw and f != "use_aux_hidden_state"}
+        found |= {f: (eagle[f], True) for f in ("norm_before_fc", "use_aux_hidden_state") if f in eagle}
+    absent = ABSENT.get(fmt, {})
+    return {f: found.get(f, (absent.get(f, v.neutral), False)) for f, v in VARIANTS.items()}
+
+
+def _is_neutral(value: Any, neutral: Any) -> bool:
+    if isinstance(neutral, bool):
+        return value is neutral
+    return type(value) in (int, float) and value == neutral
+
+
+def _refuse_variants(settings: dict[str, tuple[Any, bool]], fmt: str, where: Path) -> None:
+    for flag, (value, stated) in settings.items():
+        variant = VARIANTS[flag]
+        if not _is_neutral(value, variant.neutral):
+            how = "" if stated else f" (it is absent, which vLLM reads as {json.dumps(value)} in a {fmt} config)"
+            raise ValueError(f"{where}: {flag} = {json.dumps(value)}{how} means {variant.means}; Eagle3Draft does "
+                             f"not compute that variant, so this drafter cannot be imported")
+
+
+def _target_layers(target: nn.Module | None, base_model: str) -> int | None:
+    """The target's layer count L, from the target or from its config when it is on this machine."""
+    if target is not None:
+        return target.config.get_text_config().num_hidden_layers
+    if not base_model:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model(base_model), local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    return config.get_text_config().num_hidden_layers
+
+
+def _int_list(value: Any, field: str, where: Path) -> list[int]:
+    if not isinstance(value, list) or not all(type(i) is int for i in value):
+        raise ValueError(f"{where}: {field} must be a list of integers, got {value!r}")
+    return value
+
+
+def _feature_layers(raw: dict[str, Any], fmt: str, num_layers: int | None, where: Path) -> list[int]:
+    """The hidden_states indices the engines fuse, in the order they concatenate them (increasing)."""
+    top = raw.get("eagle_aux_hidden_state_layer_ids") or None
+    top = None if top is None else _int_list(top, "eagle_aux_hidden_state_layer_ids", where)
+    layers = top
+    if fmt == "eagle3":
+        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or None
+        if ids is not None:
+            layers = [i + 1 for i in _int_list(ids, "eagle_config.eagle_aux_hidden_state_layer_ids", where)]
+            if top is not None and sorted(top) != sorted(layers):
+                raise ValueError(
+                    f"{where}: SGLang fuses hidden_states {sorted(layers)} (eagle_config ids {ids} + 1) but vLLM "
+                    f"{sorted(top)} (the top-level eagle_aux_hidden_state_layer_ids); which the drafter was "
+                    "trained on is unknown: remove the wrong field")
+    if layers is None:
+        if num_layers is None:
+            raise ValueError(f"{where} names no eagle_aux_hidden_state_layer_ids, so the engines fuse the target's "
+                             "hidden_states [2, L // 2, L - 3], and L is unknown: pass the target as --base-model "
+                             "(base_model=), a local model directory or a Hub id in the HF cache")
+        layers = [2, num_layers // 2, num_layers - 3]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"{where}: the hidden_states indices {layers} repeat one; the engines capture each "
+                         "once")
+    layers = sorted(layers)
+    if layers[0] < 0:
+        raise ValueError(f"{where}: hidden_states indices {layers} must not be negative")
+    if num_layers is not None and layers[-1] >= num_layers:
+        raise ValueError(f"{where}: hidden_states indices {layers} must lie in [0, L - 1 = {num_layers - 1}] "
+                         "(index L is normed in transformers but not in the engines)")
+    return layers
+
+
+def _draft_vocab(d2t: torch.Tensor | None, t2d: torch.Tensor | None, size: int, vocab: int,
+                 where: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """d2t as the engines decode with it (zeros when absent: draft id i is target id i), and t2d rebuilt from it."""
+    d2t = torch.zeros(size, dtype=torch.long) if d2t is None else d2t
+    if d2t.shape != (size,) or d2t.is_floating_point() or d2t.is_complex():
+        raise ValueError(f"{where}: d2t should be {size} integers (one per lm_head row), found {d2t.dtype} "
+                         f"{tuple(d2t.shape)}")
+    targets = torch.arange(size) + d2t.long()
+    if targets.min() < 0 or targets.max() >= vocab or targets.unique().numel() != size:
+        raise ValueError(f"{where}: d2t maps draft ids to target ids outside [0, {vocab}) or to one id twice")
+    rebuilt = torch.zeros(vocab, dtype=torch.bool)
+    rebuilt[targets] = True
+    if t2d is not None:
+        if t2d.shape != (vocab,):
+            raise ValueError(f"{where}: t2d has shape {tuple(t2d.shape)}, the target vocabulary makes it "
+                             f"({vocab},)")
+        if not torch.equal(t2d.bool(), rebuilt):
+            warnings.warn(f"{where}: t2d does not mark exactly the target ids d2t maps to; the engines decode with "
+                          "d2t alone, so t2d is rebuilt from it", stacklevel=3)
+    return d2t.long(), rebuilt
+
+
+def _load(draft: Eagle3Draft, state: dict[str, torch.Tensor], where: Path, name) -> None:
+    """A strict load; a refusal is one line naming the file's own missing, unexpected and misshapen tensors."""
+    for k, v in state.items():
+        if k not in VOCAB_MAPS and not v.is_floating_point():
+            raise ValueError(f"{where}: {name(k)} is {v.dtype}; quantized drafters are not supported: "
+                             "dequantize it")
+    want = draft.state_dict()
+    problems = [f"{what} {sorted(name(k) for k in keys)[:6]}" for what, keys in
+                (("missing", set(want) - set(state)), ("unexpected", set(state) - set(want))) if keys]
+    problems += [f"{name(k)} has shape {tuple(v.shape)}, expected {tuple(want[k].shape)}"
+                 for k, v in state.items() if k in want and v.shape != want[k].shape]
+    if problems:
+        raise ValueError(f"{where}: the tensors do not form the EAGLE-3 drafter its config describes: "
+                         f"{'; '.join(problems)}")
+    draft.load_state_dict(state, strict=True)
+
+
+def import_eagle3(
+    directory: str | Path,
+    format: str | None = None,  # noqa: A002
+    base_model: str | None = None,
+    target: nn.Module | None = None,
+) -> Eagle3Draft:
+    """Build an `Eagle3Draft` from an `eagle3` (SafeAILab / SGLang) or `speculators-eagle3` checkpoint directory.
+
+    Shapes come from the weights and config.json, the fused layers from the ids config.json names (see the
+    module docstring), else from the target's default layers, which needs `target` or `base_model` (the
+    speculators verifier by default) on this machine. The weights keep the file's dtype; `base_model` is what
+    the imported config names (default: the speculators verifier, else nothing). With `target`, a drafter for
+    another hidden or vocabulary size is refused and an embedding unlike the target's is warned about.
+    """
+    directory = Path(directory)
+    raw, cfg_path = read_config_json(directory), directory / "config.json"
+    fmt = format or detect_eagle3_format(directory)
+    if fmt is None:
+        raise ValueError(f"{directory} is not an EAGLE-3 checkpoint this importer recognises: it expects "
+                         "fc.weight and midlayer.* (SafeAILab / SGLang) or a speculators config.json "
+                         "(speculators_model_type eagle3)")
+    if fmt not in LAYOUTS:
+        raise ValueError(f"unknown EAGLE-3 format {fmt!r}; supported: {', '.join(EAGLE3_FORMATS)}")
+    declared_base, depth = "", None
+    if fmt == "speculators-eagle3":
+        if raw.get("speculators_model_type") != "eagle3":
+            raise ValueError(f"{cfg_path}: speculators_model_type is {raw.get('speculators_model_type')!r}, "
+                             "not 'eagle3'")
+        layer_json = raw.get("transformer_layer_config")
+        if not isinstance(layer_json, dict):
+            raise ValueError(f"{cfg_path}: transformer_layer_config (the draft layer's config) must be a JSON "
+                             "object")
+        if layer_json.get("model_type", "llama") != "llama":  # vLLM's default; qwen3 layers add q/k norms
+            raise ValueError(f"{cfg_path}: the draft layer is {layer_json['model_type']!r}; Eagle3Draft's layer is "
+                             "a Llama layer (transformer_layer_config.model_type 'llama')")
+        spec = raw.get("speculators_config") or {}
+        declared_base = str(((spec.get("verifier") or {}).get("name_or_path")) or "")
+        tokens = ((spec.get("proposal_methods") or [{}])[0] or {}).get("speculative_tokens")
+        depth = tokens if type(tokens) is int and tokens >= 1 else None
+    else:
+        archs = raw.get("architectures") or []
+        if archs and not set(archs) & set(LLAMA_ARCHS):
+            raise ValueError(f"{cfg_path}: architectures {archs}: Eagle3Draft computes the Llama EAGLE-3 layer "
+                             f"({', '.join(LLAMA_ARCHS[:2])})")
+        layer_json = raw
+    _refuse_variants(_settings(raw, fmt, layer_json, cfg_path), fmt, cfg_path)
+    if layer_json.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"{cfg_path}: num_hidden_layers = {layer_json['num_hidden_layers']} draft layers; "
+                         "Eagle3Draft has one")
+
+    files = weight_files(directory)
+    where = files[0] if len(files) == 1 else directory
+    state = read_eagle_weights(directory)
+    embed = state.pop(EMBED_KEY, None)
+    file_names = {_ours(k): k for k in state if not IGNORED.match(k)}
+    if len(file_names) != len([k for k in state if not IGNORED.match(k)]):
+        raise ValueError(f"{where} holds the draft layer twice, as midlayer.* and as layers.0.*")
+    state = {ours: state[theirs] for ours, theirs in file_names.items()}
+    fc, lm_head = state.get("fc.weight"), state.get("lm_head.weight")
+    if fc is None or fc.dim() != 2 or not fc.is_floating_point():
+        found = None if fc is None else f"{fc.dtype} {tuple(fc.shape)}"
+        raise ValueError(f"{where}: fc.weight should be a float (H, n * H) matrix, found {found}")
+    hidden = layer_json.get("hidden_size")
+    if hidden != fc.shape[0] or fc.shape[1] % hidden:
+        raise ValueError(f"{cfg_path}: hidden_size is {hidden} but fc.weight is {tuple(fc.shape)}, "
+                         "not (H, n * H)")
+    target_hidden = raw.get("target_hidden_size", layer_json.get("target_hidden_size"))
+    if target_hidden not in (None, hidden):
+        raise ValueError(f"{cfg_path}: target_hidden_size {target_hidden} differs from the draft's hidden_size "
+                         f"{hidden}; Eagle3Draft's layer is as wide as the target")
+    if lm_head is None or lm_head.dim() != 2:
+        raise ValueError(f"{where} has no lm_head.weight: this drafter would use the target's lm_head (SGLang's "
+                         "load_lm_head_from_target), which Eagle3Draft does not; it needs its own")
+    vocab, size = layer_json.get("vocab_size"), lm_head.shape[0]
+    if type(vocab) is not int or vocab < size:
+        raise ValueError(f"{cfg_path}: vocab_size (the target's vocabulary) is {vocab!r}; lm_head.weight has "
+                         f"{size} rows")
+    declared = raw.get("draft_vocab_size")
+    if declared is not None and declared != size:
+        raise ValueError(f"{cfg_path}: draft_vocab_size is {declared} but lm_head.weight has {size} rows")
+    d2t, t2d = _draft_vocab(state.pop("d2t", None), state.pop("t2d", None), size, vocab, where)
+
+    base = base_model if base_model is not None else declared_base
+    num_layers = _target_layers(target, base)
+    layers = _feature_layers(raw, fmt, num_layers, cfg_path)
+    fused = fc.shape[1] // hidden
+    counted = layer_json.get("num_aux_hidden_states", raw.get("num_aux_hidden_states"))
+    if len(layers) != fused or counted not in (None, fused):
+        raise ValueError(f"{cfg_path}: fc.weight {tuple(fc.shape)} fuses {fused} hidden states, but the config "
+                         f"names {len(layers)} layers {layers}" + (f" and num_aux_hidden_states {counted}"
+                                                                  if counted is not None else ""))
+    named = (layer_json.get("torch_dtype"), layer_json.get("dtype"), str(fc.dtype).removeprefix("torch."))
+    config = HeadsConfig(
+        kind="eagle3", base_model=base, hidden_size=hidden, vocab_size=vocab, num_layers=1, fc_bias=False,
+        dtype=next((d for d in named if d in DTYPES), "float32"),
+        layer=layer_config_from_json(layer_json, cfg_path), feature_layers=layers,
+        draft_vocab_size=0 if size == vocab else size, **({"depth": depth} if depth else {}),
+    )
+    draft = Eagle3Draft(config).to(fc.dtype)
+    theirs = {**file_names, "d2t": "d2t", "t2d": "t2d"}
+    _load(draft, state | {"d2t": d2t, "t2d": t2d}, where, lambda k: theirs.get(k, _theirs(fmt)(k)))
+    draft.eval()
+    if target is not None:
+        check_target(config, target, embed, directory)
+    return draft
+
+
+# ---------------------------------------------------------------- export
+
+
+def _llama_json(draft: Eagle3Draft) -> dict[str, Any]:
+    """The draft layer's Llama config, as both layouts' loaders read it (LlamaConfig fields, SafeAILab's RoPE)."""
+    cfg = draft.config
+    lc, rope = llama_config(cfg), dict((cfg.layer or {}).get("rope_parameters") or {})
+    config: dict[str, Any] = {"model_type": "llama"} | {field: getattr(lc, field) for field in CONFIG_FIELDS}
+    return config | {"rope_theta": float(rope.get("rope_theta", 10000.0)),
+                     "rope_scaling": rope_scaling_json(rope), "attention_bias": False, "mlp_bias": False,
+                     "tie_word_embeddings": False, "torch_dtype": cfg.dtype}
+
+
+def eagle3_config_json(draft: Eagle3Draft, fmt: str, base_model: str = "",
+                       verifier_architectures: list[str] | None = None) -> dict[str, Any]:
+    """The config.json `fmt`'s loaders read (see the module docstring for the sources)."""
+    cfg = draft.config
+    layers, size = list(cfg.feature_layers or []), draft.lm_head.out_features
+    if fmt == "eagle3":
+        return {"architectures": [LAYOUTS[fmt].architecture], **_llama_json(draft), "draft_vocab_size": size,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [j - 1 for j in layers],  # SGLang adds 1
+                                 "use_aux_hidden_state": True},
+                "eagle_aux_hidden_state_layer_ids": layers}  # vLLM reads this first, as hidden_states indices
+    proposal = {"proposal_type": "greedy", "speculative_tokens": cfg.depth, "verifier_accept_k": 1,
+                "accept_tolerance": 0.0}
+    return {
+        "architectures": [LAYOUTS[fmt].architecture], "speculators_model_type": "eagle3",
+        "transformer_layer_config": _llama_json(draft), "draft_vocab_size": size, "target_hidden_size": None,
+        **{flag: VARIANTS[flag].neutral for flag in ("norm_before_residual", "norm_before_fc", "fc_norm",
+                                                      "norm_output")},  # written out: vLLM reads an absent
+        "eagle_aux_hidden_state_layer_ids": layers,                       # norm_before_residual as true
+        "speculators_config": {"algorithm": "eagle3", "proposal_methods": [proposal],
+                               "default_proposal_method": "greedy",
+                               "verifier": {"name_or_path": base_model or None,
+                                            "architectures": list(verifier_architectures or [])}},
+    }
+
+
+def export_eagle3(
+    draft: Eagle3Draft,
+    fmt: str,
+    out_dir: str | Path,
+    weights: str = "safetensors",
+    base_model: str | None = None,
+    target: nn.Module | None = None,
+) -> None:
+    """Write `draft` as an `eagle3` or `speculators-eagle3` checkpoint: config.json + weights.
+
+    `weights` picks `model.safetensors` or `pytorch_model.bin` (what SafeAILab's loader tries first).
+    `base_model` (speculators-eagle3) is the verifier config.json names, default the drafter's own; `target`,
+    when given, supplies the verifier's architectures and checks the fused layers against its depth.
+    """
+    if fmt not in LAYOUTS:
+        raise ValueError(f"unknown EAGLE-3 format {fmt!r}; choose one of {', '.join(EAGLE3_FORMATS)}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
+    cfg = draft.config
+    layers = list(cfg.feature_layers or [])
+    if layers != sorted(set(layers)):
+        raise ValueError(f"feature_layers {layers} must be strictly increasing: the engines concatenate the "
+                         "target's hidden states in layer order (vLLM sorts the ids)")
+    if fmt == "speculators-eagle3" and len(layers) != 3:
+        raise ValueError(f"this drafter fuses {len(layers)} hidden states; vLLM 0.32 builds the fc of a speculators "
+                         "EAGLE-3 drafter for 3 (llama_eagle3.py, no eagle_config): export it as eagle3")
+    if target is not None:
+        num_layers = target.config.get_text_config().num_hidden_layers
+        if layers[-1] >= num_layers:
+            raise ValueError(f"feature_layers {layers} include hidden_states[{num_layers}], which transformers norms "
+                             "and the engines do not: this drafter cannot run there")
+    state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
+    size = draft.lm_head.out_features
+    reduced = size != cfg.vocab_size
+    ours = layout_keys("eagle3", draft_vocab=True)  # the drafter always holds d2t and t2d
+    if set(state) != ours:
+        raise ValueError(f"this drafter has tensors no EAGLE-3 loader reads (e.g. attention biases): "
+                         f"{sorted(set(state) ^ ours)[:6]}")
+    d2t, t2d = state.pop("d2t"), state.pop("t2d")
+    targets = torch.arange(size) + d2t
+    if not reduced and d2t.any():
+        raise ValueError("this drafter's vocabulary is the whole target vocabulary in another order; the engines "
+                         "read d2t only for a smaller draft vocabulary")
+    if not torch.equal(t2d, torch.zeros_like(t2d).index_fill_(0, targets, True)):
+        raise ValueError("t2d does not mark exactly the target ids d2t maps to: rebuild them with "
+                         "set_draft_vocab")
+    if reduced:
+        state |= {"d2t": d2t, "t2d": t2d}
+    state = {_theirs(fmt)(k): v for k, v in state.items()}
+    archs = list(getattr(target.config, "architectures", None) or []) if target is not None else []
+    base = base_model_field(base_model or cfg.base_model, required=False) if fmt == "speculators-eagle3" else ""
+    text = json.dumps(eagle3_config_json(draft, fmt, base, archs), indent=2) + "\n"
+    out = Path(out_dir)
+    write_weights(state, out, weights)
+    atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(text))
