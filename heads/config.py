@@ -96,10 +96,11 @@ class HeadsConfig:
         valid = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - valid)
         if unknown:
-            raise ValueError(
-                f"unknown key(s) {unknown} in a heads config; valid keys: {sorted(valid)}. "
-                "Published Medusa/EAGLE checkpoints need importing first."
-            )
+            published = "" if "kind" in data else (
+                " Without `kind` this is no selfspec config: a published Medusa/EAGLE checkpoint loads as it is "
+                "with heads.registry.load_heads, SpeculativeModel.from_pretrained or --heads, and `python -m infer "
+                "import` writes it in this layout")
+            raise ValueError(f"unknown key(s) {unknown} in a heads config; valid keys: {sorted(valid)}.{published}")
         return cls(**data)
 
     def to_json(self) -> str:

@@ -15,6 +15,10 @@ from heads.config import HeadsConfig
 
 WEIGHTS_NAME = "model.safetensors"
 HEAD_FILES = ["config.json", WEIGHTS_NAME, "README.md"]
+# The weights of a published drafter, fetched with HEAD_FILES so that it loads as it is: FasterDecoding's
+# medusa_lm_head.pt / .safetensors, SafeAILab's pytorch_model.bin, shards and their index (not optimizer states).
+PUBLISHED_FILES = ["medusa_lm_head.*", "model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
+                   "pytorch_model.bin.index.json"]
 RECIPE_NAME = "training_args.json"  # written next to the heads by the training loop
 BENCH_NAME = "bench.json"  # `python -m infer bench --json DIR/bench.json`
 
@@ -48,7 +52,8 @@ model = SpeculativeModel.from_pretrained("path/to/this/folder")
 
 
 def resolve_heads(name_or_path: str | Path) -> Path:
-    """A local heads directory as is; otherwise a Hub repo id, downloaded (or found in the HF cache)."""
+    """A local heads directory as is; otherwise a Hub repo id, downloaded (or found in the HF cache) with the
+    files either selfspec's layout or a published checkpoint's needs."""
     path = Path(name_or_path)
     if path.is_dir() or path.exists() or str(name_or_path).startswith((".", "/")) or str(name_or_path).count("/") != 1:
         return path
@@ -56,7 +61,7 @@ def resolve_heads(name_or_path: str | Path) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(str(name_or_path), allow_patterns=HEAD_FILES))
+        return Path(snapshot_download(str(name_or_path), allow_patterns=HEAD_FILES + PUBLISHED_FILES))
     except LocalEntryNotFoundError:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         why = "HF_HUB_OFFLINE=1 forbids downloading" if offline else "the Hub could not be reached"

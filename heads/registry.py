@@ -1,4 +1,5 @@
-"""The drafter kinds and their classes: load any selfspec drafter directory by the `kind` in its config."""
+"""The drafter kinds and their classes: load a selfspec drafter directory by the `kind` in its config, or a
+published Medusa/EAGLE checkpoint as it is (converted in memory, the layout detected as `import` does)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from heads.config import HeadsConfig
+from heads.config import HeadsConfig, read_json_object
+from heads.convert import import_heads
 from heads.eagle import EagleDraft
 from heads.eagle3 import Eagle3Draft
 from heads.hub import resolve_heads
@@ -16,7 +18,23 @@ from heads.medusa import MedusaHeads
 DRAFTERS: dict[str, type[PretrainedHeads]] = {"medusa": MedusaHeads, "eagle": EagleDraft, "eagle3": Eagle3Draft}
 
 
-def load_heads(directory: str | Path, device: str | torch.device = "cpu") -> PretrainedHeads:
-    """Load any selfspec drafter directory, dispatching on `kind` in its config.json."""
-    directory = resolve_heads(directory)
+def is_published(directory: str | Path) -> bool:
+    """Whether a directory holds another project's checkpoint: a config.json without selfspec's `kind`.
+    A config.json that is not a JSON object is an error naming the file."""
+    path = Path(directory, "config.json")
+    return path.is_file() and "kind" not in read_json_object(path)
+
+
+def load_heads(name_or_path: str | Path, device: str | torch.device = "cpu",
+               base_model: str | None = None) -> PretrainedHeads:
+    """Load a drafter from a local directory or a Hub repo id: selfspec's own layout by the `kind` in its
+    config.json, or a published Medusa / EAGLE checkpoint as it is, converted in memory (the layout detected
+    from its files as `python -m infer import` does; nothing is written).
+
+    `base_model` is the target (a name or path) a published checkpoint is loaded for: its config then names
+    that one (published EAGLE checkpoints name none), and EAGLE-3 checkpoints that name no fused layers take
+    the target's default ones. selfspec's own directories keep the target they name."""
+    directory = resolve_heads(name_or_path)
+    if is_published(directory):
+        return import_heads(directory, base_model=base_model or None).to(device)
     return DRAFTERS[HeadsConfig.load(directory).kind].from_pretrained(directory, device)

@@ -21,6 +21,7 @@ from infer.options import DTYPES, PROG, build_parser, output_file
 
 if TYPE_CHECKING:
     from heads.config import HeadsConfig
+    from heads.io import PretrainedHeads
     from infer.generate import SpeculativeModel
 
 EAGLE_OPTIONS = {"depth": "depth", "top_k": "draft_top_k", "total_tokens": "total_tokens"}  # kwarg: args dest
@@ -40,12 +41,13 @@ def load_pretrained(option: str, name: str, loader: Callable[..., Any], path: st
         raise ValueError(f"{option} {where}: cannot load it: {type(e).__name__}: {describe(e)}") from e
 
 
-def _configs(heads_dirs: list[str]) -> list[HeadsConfig]:
-    """Each heads directory's HeadsConfig, or a clear error."""
-    from heads.config import HeadsConfig
+def _drafters(heads_dirs: list[str], device: str, model: str | None) -> list[PretrainedHeads]:
+    """Each heads directory or Hub id loaded once (selfspec's layout, or a published checkpoint converted in
+    memory for `model` when given), or a clear error."""
     from heads.hub import resolve_heads
+    from heads.registry import load_heads
 
-    configs = []
+    drafters = []
     for heads in heads_dirs:
         try:
             heads = resolve_heads(heads)
@@ -55,10 +57,10 @@ def _configs(heads_dirs: list[str]) -> list[HeadsConfig]:
             raise ValueError(f"--heads {heads}: no config.json there (train heads with train/medusa.py or "
                              "train/eagle.py)")
         try:
-            configs.append(HeadsConfig.load(heads))
+            drafters.append(load_heads(heads, device, base_model=model))
         except ValueError as e:
             raise ValueError(f"--heads {heads}: {e}") from None
-    return configs
+    return drafters
 
 
 def _eagle_options(args: argparse.Namespace, configs: list[HeadsConfig]) -> dict[str, int | None]:
@@ -86,11 +88,13 @@ def _load(
     from infer.generate import SpeculativeModel
     from shipped.models import resolve_model
 
-    configs = _configs(heads_dirs)
+    drafters = _drafters(heads_dirs, args.device, args.model)
+    configs = [drafter.config for drafter in drafters]
     options = _eagle_options(args, configs)
     name = args.model or (configs[0].base_model if configs else "demo")
     if not name:
-        raise ValueError("the heads name no base model; pass --model")
+        raise ValueError(f"--heads {heads_dirs[0]} names no target model (SafeAILab's EAGLE checkpoints never do): "
+                         "pass --model, the model it was trained for")
     if not args.model:
         for heads, config in zip(heads_dirs[1:], configs[1:]):
             if config.base_model != name:
@@ -107,10 +111,11 @@ def _load(
     args.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     tree = args.tree  # parsed by tree_choices
     specs = []
-    for heads, config in zip(heads_dirs, configs):
-        kwargs = options if config.kind.startswith("eagle") else {}
+    for heads, drafter in zip(heads_dirs, drafters):
+        kwargs = options if drafter.config.kind.startswith("eagle") else {}
         try:
-            specs.append(SpeculativeModel.from_pretrained(heads, model=model, device=args.device, tree=tree, **kwargs))
+            specs.append(SpeculativeModel.from_pretrained(drafter, model=model, device=args.device, tree=tree,
+                                                          **kwargs))
         except ValueError as e:
             raise ValueError(f"--heads {heads}: {e}") from None
         if getattr(args, "lookup_first", False):
@@ -120,7 +125,8 @@ def _load(
             if args.command == "generate":
                 specs[-1] = SpeculativeModel(model, LookupFirst(specs[-1].proposer, lookup))
             else:  # bench both ways, each with its own proposer so they share no drafter state
-                again = SpeculativeModel.from_pretrained(heads, model=model, device=args.device, tree=tree, **kwargs)
+                again = SpeculativeModel.from_pretrained(drafter, model=model, device=args.device, tree=tree,
+                                                         **kwargs)
                 specs.append(SpeculativeModel(model, LookupFirst(again.proposer, lookup)))
     if args.draft_model:
         specs.append(SpeculativeModel(model, _draft_proposer(args, model)))
@@ -280,12 +286,17 @@ def calibration_prompts(tokenizer, path: str | None, count: int, length: int = 3
 
 def cmd_tune(args: argparse.Namespace) -> None:
     from heads.io import atomic_write
+    from heads.registry import is_published
     from infer.eagle import EagleProposer
     from infer.tune import eagle_grid, format_rows, tune_eagle, tune_medusa
 
     if not Path(args.heads, "config.json").is_file():
         raise ValueError(f"--heads {args.heads}: tune stores its result in a local heads directory; "
                          "download Hub heads first (huggingface-cli download ID --local-dir DIR)")
+    if is_published(args.heads):
+        raise ValueError(f"--heads {args.heads}: tune stores its result in the heads' config.json, and this one is "
+                         f"a published checkpoint's: write it in selfspec's layout first (python -m infer import "
+                         f"--src {args.heads} --out DIR)")
     model, tokenizer, (spec,) = _load(args, [args.heads])
     prompts = [p.to(args.device) for p in calibration_prompts(tokenizer, args.prompts, args.num_prompts)]
     proposer = spec.proposer
@@ -330,7 +341,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     from heads.registry import load_heads
     from shipped.models import resolve_model
 
-    heads = load_heads(args.heads)
+    heads = load_heads(args.heads, base_model=args.model or args.base_model)
     target = None
     name = args.model or args.base_model or heads.config.base_model
     if name:  # the target supplies weights some layouts carry (a shared lm_head, the EAGLE embedding)

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from heads.config import check_compatible
+from heads.io import PretrainedHeads
 from heads.registry import load_heads
 from infer.cache import keep_accepted, new_cache
 from infer.eagle import EagleProposer, draft_dtype
@@ -143,7 +144,7 @@ class SpeculativeModel:
     @classmethod
     def from_pretrained(
         cls,
-        heads_dir: str | Path,
+        heads_dir: str | Path | PretrainedHeads,
         model: torch.nn.Module | None = None,
         dtype: torch.dtype | str | None = None,
         device: str | torch.device = "cpu",
@@ -152,13 +153,21 @@ class SpeculativeModel:
     ) -> SpeculativeModel:
         """Load a drafter and the target named in its config (or use `model`).
 
+        `heads_dir` is a selfspec heads directory, a published Medusa / EAGLE checkpoint as it is (converted
+        in memory for `model`, named by its `name_or_path`: see `heads.registry.load_heads`), a Hub repo id of
+        either, or a drafter already loaded.
         `tree` fixes a static tree (Medusa choices; EAGLE-1 style for EAGLE); `eagle_options` (depth,
         top_k, total_tokens) override an EAGLE drafter's dynamic-tree defaults.
         """
-        heads = load_heads(heads_dir, device=device)
+        if isinstance(heads_dir, PretrainedHeads):
+            heads = heads_dir.to(device)
+        else:
+            heads = load_heads(heads_dir, device=device, base_model=getattr(model, "name_or_path", None))
         if model is None:
             if not heads.config.base_model:
-                raise ValueError(f"{heads_dir}/config.json names no base_model: pass model=... explicitly")
+                where = "" if isinstance(heads_dir, PretrainedHeads) else f" in {heads_dir}"
+                raise ValueError(f"the drafter{where} names no target model (SafeAILab's EAGLE checkpoints never do): "
+                                 "pass model=..., the model it was trained for")
             model = AutoModelForCausalLM.from_pretrained(
                 resolve_model(heads.config.base_model), dtype=dtype or heads.config.dtype
             ).to(device)
