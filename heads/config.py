@@ -46,6 +46,8 @@ class HeadsConfig:
     # EAGLE-3 only
     feature_layers: list[int] | None = None  # target hidden_states indices fused by fc (0 = embeddings), low to high
     draft_vocab_size: int = 0  # the drafter's own vocabulary (d2t maps it to target ids); 0 = the target's
+    norm_before_residual: bool = False  # the attention residual is hidden_norm(h), not h (speculators' variant)
+    norm_before_fc: bool = False  # an RMSNorm `input_norm` over the concatenated features before fc (speculators)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -58,6 +60,10 @@ class HeadsConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kind in ("eagle", "eagle3") and not self.layer:
             raise ValueError(f"an {self.kind} config needs `layer`: the decoder layer's LlamaConfig fields")
+        for name in ("norm_before_residual", "norm_before_fc"):
+            if getattr(self, name) and self.kind != "eagle3":
+                raise ValueError(f"{name} is an EAGLE-3 variant ({self.kind} drafters have no such norm): leave "
+                                 "it false or use kind 'eagle3'")
         if self.kind == "eagle3":
             if not self.feature_layers or min(self.feature_layers) < 0:
                 raise ValueError(f"an eagle3 config needs `feature_layers`: the target hidden_states indices its fc "

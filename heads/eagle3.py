@@ -6,9 +6,13 @@
     o             fed back as h for the next draft step (before the final norm)
     logits        lm_head(norm(o))  over draft_vocab_size tokens; target id = draft id + d2t[draft id]
 
+Two variants of vllm-project/speculators (computed as vLLM 0.32's llama_eagle3.py does), off by default:
+    norm_before_fc        fc(input_norm(cat(hs[l1], hs[l2], hs[l3])))  one RMSNorm over all nH features
+    norm_before_residual  residual hidden_norm(h) instead of h (the attention input is unchanged)
+
 Parameter names follow the SafeAILab/SGLang EAGLE-3 checkpoints (`fc`, `midlayer.*`, `norm`, `lm_head`,
-`d2t`, `t2d`); the attention and MLP are transformers' Llama modules with 2H-wide q/k/v inputs. The
-target's embedding is passed in, never stored.
+`d2t`, `t2d`; `input_norm` as speculators, vLLM and SGLang name it); the attention and MLP are transformers'
+Llama modules with 2H-wide q/k/v inputs. The target's embedding is passed in, never stored.
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ def default_feature_layers(num_layers: int) -> list[int]:
 class Eagle3Layer(nn.Module):
     """The draft decoder layer: attention over [normed embedding; normed hidden], residual from the hidden."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, norm_before_residual: bool = False) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.norm_before_residual = norm_before_residual
         self.self_attn = LlamaAttention(config, layer_idx=0)
         attn = self.self_attn
         for name, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.num_key_value_heads),
@@ -56,8 +61,9 @@ class Eagle3Layer(nn.Module):
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
 
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """Residual from the un-normed hidden state, then the MLP block."""
-        hidden = hidden + attended
+        """Residual from the un-normed hidden state (norm_before_residual: the normed one), then the MLP block."""
+        residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden  # (B, T, H)
+        hidden = residual + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -72,8 +78,11 @@ class Eagle3Draft(PretrainedHeads):
         lc = llama_config(config)
         hidden, vocab = config.hidden_size, config.vocab_size
         draft_vocab = config.draft_vocab_size or vocab
-        self.fc = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
-        self.midlayer = Eagle3Layer(lc)
+        fused = len(config.feature_layers) * hidden
+        # norm_before_fc: one RMSNorm over the whole concatenated fc input (not one per hidden state: fc_norm)
+        self.input_norm = LlamaRMSNorm(fused, lc.rms_norm_eps) if config.norm_before_fc else None
+        self.fc = nn.Linear(fused, hidden, bias=False)
+        self.midlayer = Eagle3Layer(lc, norm_before_residual=config.norm_before_residual)
         self.norm = LlamaRMSNorm(hidden, lc.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         # draft id -> target id offset, and which target ids the draft vocabulary holds (identity by default)
@@ -104,6 +113,8 @@ class Eagle3Draft(PretrainedHeads):
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Fused target features (..., nH) -> the layer's hidden input (..., H)."""
+        if self.input_norm is not None:
+            features = self.input_norm(features)  # (..., nH)
         return self.fc(features)
 
     def logits(self, out: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:

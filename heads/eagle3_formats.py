@@ -21,20 +21,26 @@ module, versions named):
   - SGLang 0.5.23 (the PyPI wheel), `sglang/srt/models/llama_eagle3.py` (`LlamaForCausalLMEagle3`): `midlayer`
     is renamed `layers.0` (so either name loads); `d2t` becomes `hot_token_id`, `t2d` is skipped; unknown
     names are skipped; fc's bias is config `bias`; `norm_before_fc` (`eagle_config` first, then the top level)
-    adds `input_norm`; `fc_norm` / `use_aux_norm` add `fc_norm.{i}`; `norm_output` feeds back the normed
-    output; `tie_word_embeddings: true` makes lm_head the embedding; no `draft_vocab_size` takes the target's
-    lm_head; fc reads `num_aux_hidden_states`, else `len(eagle_config.eagle_aux_hidden_state_layer_ids)`, else
-    3 hidden states. `models/llama.py` `set_eagle3_layers_to_capture`: no ids -> capture before layers
-    [2, L // 2, L - 3] (hidden_states indices); ids -> `id + 1` ("for the ith layer, it takes the output of
-    the (i-1)th layer"). `model_runner_components/spec_aux_hidden_state.py` reads the ids only from
-    `eagle_config`. `speculative/eagle_worker_v2.py` `init_lm_head`: `set_embed(target's)`.
+    adds `input_norm`, one RMSNorm(n * H, rms_norm_eps) over the whole fc input; `norm_before_residual` is
+    not read (the residual is always the un-normed hidden); `fc_norm` / `use_aux_norm` add `fc_norm.{i}`;
+    `norm_output` feeds back the normed output; `tie_word_embeddings: true` makes lm_head the embedding; no
+    `draft_vocab_size` takes the target's lm_head; fc reads `num_aux_hidden_states`, else
+    `len(eagle_config.eagle_aux_hidden_state_layer_ids)`, else 3 hidden states. `models/llama.py`
+    `set_eagle3_layers_to_capture`: no ids -> capture before layers [2, L // 2, L - 3] (hidden_states
+    indices); ids -> `id + 1` ("for the ith layer, it takes the output of the (i-1)th layer").
+    `model_runner_components/spec_aux_hidden_state.py` reads the ids only from `eagle_config`.
+    `speculative/eagle_worker_v2.py` `init_lm_head`: `set_embed(target's)`.
   - vLLM 0.32.0 (the PyPI wheel), `model_executor/models/llama_eagle3.py` (`Eagle3LlamaForCausalLM`, which the
     registry maps `LlamaForCausalLMEagle3` to): `midlayer.` -> `layers.0.` (`LlamaModel.hf_to_vllm_mapper`);
     `d2t` -> `draft_id_to_target_id`, a parameter only when `draft_vocab_size` differs from the target's
     vocabulary (otherwise a `d2t` in the file is an unknown name and `AutoWeightsLoader` raises); `t2d`
     skipped; `embed_tokens` optional (`v1/spec_decode/llm_base_proposer.py` `_maybe_share_embeddings`); fc
-    without bias, sized like SGLang's. Variant flags read: `norm_before_residual` (default false here),
-    `norm_before_fc`, `fc_norm`, `norm_output`, `eagle_config.use_aux_hidden_state`, `logit_scale`. Layer ids
+    without bias, sized like SGLang's. Variant flags read: `norm_before_residual` (default false here;
+    `LlamaDecoderLayer._norm_before_residual`: residual = hidden_norm(hidden), the attention input unchanged),
+    `norm_before_fc` (`eagle_config` first, then the top level; `combine_hidden_states`: `input_norm`, one
+    RMSNorm(n * H, rms_norm_eps) over the whole fc input, loaded from `input_norm.weight`, a name
+    `load_weights` drops when the flag is off), `fc_norm`, `norm_output`, `eagle_config.use_aux_hidden_state`,
+    `logit_scale`. Layer ids
     (`v1/worker/gpu_model_runner.py` `_get_eagle3_aux_layers_from_config`, and
     `v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`): a top-level `eagle_aux_hidden_state_layer_ids` first,
     else `eagle_config`'s, both used AS GIVEN; `models/llama.py` `LlamaModel.forward` captures hidden +
@@ -53,6 +59,8 @@ module, versions named):
     speculative_tokens, verifier_accept_k, accept_tolerance. `models/eagle3/core.py`: fc over
     `len(eagle_aux_hidden_state_layer_ids) or 3` hidden states, the draft layer is `layers.0`
     (`model_definitions.py`: residual = hidden, or `hidden_norm(hidden)` with norm_before_residual);
+    `input_norm` (RMSNorm(n * H, rms_norm_eps)) before fc with norm_before_fc; `train/config/schema.py`: a new
+    eagle3 run defaults to norm_before_residual, norm_before_fc AND norm_output true;
     `model.py`: `d2t`/`t2d` exist only when `draft_vocab_size` differs from the verifier's;
     `embed_tokens.weight` (the verifier's) is saved. `models/utils.py` `resolve_target_layer_ids`: default
     [2, L // 2, L - 3], given to vLLM to extract the training features, so the ids are vLLM's (hidden_states
@@ -75,11 +83,17 @@ only counts it); import reads `eagle_config` + 1 and refuses a top-level list th
 [2, L // 2, L - 3] of the target's L layers, so import then needs the target (`base_model`, or the
 speculators verifier) to know L.
 
-Variants. The flags in `VARIANTS` change what the drafter computes; one at a value other than Eagle3Draft's is
-refused, naming it (Eagle3Draft would need an extra norm or residual path). So are a draft layer count other
-than 1, a non-Llama draft layer, a `target_hidden_size` other than the hidden size, and a checkpoint without
-its own lm_head. `tie_word_embeddings` is ignored: only SGLang reads it, and the file's lm_head is what was
-trained.
+Variants. `FLAGS` (norm_before_residual, norm_before_fc) are HeadsConfig fields Eagle3Draft computes: import
+reads them where the layout's engines do (speculators-eagle3: the top level, norm_before_residual TRUE when
+absent, as vLLM reads it, with a warning since speculators' own config class defaults it to false; eagle3:
+norm_before_fc from `eagle_config`, else the top level, and norm_before_residual from the top level, which only
+vLLM reads), and export writes them there. SGLang ignores norm_before_residual, so an `eagle3` export of a
+drafter with it is refused (export speculators-eagle3, which vLLM serves); SafeAILab's loader reads neither
+flag and skips `input_norm.weight`. The other flags, in `VARIANTS`, change what the drafter computes in ways
+Eagle3Draft does not; one at a value other than Eagle3Draft's is refused, naming it. So are a draft layer count
+other than 1, a non-Llama draft layer, a `target_hidden_size` other than the hidden size, and a checkpoint
+without its own lm_head. `tie_word_embeddings` is ignored: only SGLang reads it, and the file's lm_head is what
+was trained.
 """
 
 from __future__ import annotations
@@ -113,6 +127,7 @@ from heads.medusa_formats import base_model_field
 from shipped.models import resolve_model
 
 EMBED_KEY = "embed_tokens.weight"
+INPUT_NORM = "input_norm.weight"  # norm_before_fc's RMSNorm over the fc input, named alike by every engine
 VOCAB_MAPS = ("d2t", "t2d")  # integer buffers: draft id -> target id offset, which target ids are draftable
 LAYER = "midlayer."  # our name of the draft layer
 LAYER_PARAMS = (
@@ -145,9 +160,10 @@ class Variant:
     means: str  # what any other value changes
 
 
+# Variant flags Eagle3Draft computes: HeadsConfig fields of the same names (false: SafeAILab's drafter).
+FLAGS = ("norm_before_residual", "norm_before_fc")
+# Variant flags it does not compute: refused at any other value.
 VARIANTS = {
-    "norm_before_residual": Variant(False, "the attention residual is hidden_norm(hidden), not hidden"),
-    "norm_before_fc": Variant(False, "an RMSNorm (input_norm) over the fused features before fc"),
     "fc_norm": Variant(False, "an RMSNorm per fused hidden state (fc_norm.{i}) before fc"),
     "use_aux_norm": Variant(False, "SGLang's older name for fc_norm"),
     "norm_output": Variant(False, "the normed output, not the pre-norm one, is fed to the next draft step"),
@@ -159,12 +175,13 @@ VARIANTS = {
 ABSENT = {"speculators-eagle3": {"norm_before_residual": True}}
 
 
-def layout_keys(fmt: str, draft_vocab: bool) -> set[str]:
+def layout_keys(fmt: str, draft_vocab: bool, norm_before_fc: bool = False) -> set[str]:
     """Every tensor `export_eagle3` writes in `fmt`; `d2t`/`t2d` only for a draft vocabulary smaller than the
-    target's (vLLM has nowhere to load them otherwise, and SafeAILab deletes them)."""
+    target's (vLLM has nowhere to load them otherwise, and SafeAILab deletes them); `input_norm.weight` only
+    with norm_before_fc."""
     layer = LAYOUTS[fmt].layer
     return {"fc.weight", "norm.weight", "lm_head.weight", *(layer + p for p in LAYER_PARAMS),
-            *(VOCAB_MAPS if draft_vocab else ())}
+            *(VOCAB_MAPS if draft_vocab else ()), *((INPUT_NORM,) if norm_before_fc else ())}
 
 
 def _ours(name: str) -> str:
@@ -205,19 +222,21 @@ def detect_eagle3_format(directory: str | Path) -> str | None:
 
 def _settings(raw: dict[str, Any], fmt: str, layer_json: dict[str, Any],
               where: Path) -> dict[str, tuple[Any, bool]]:
-    """Each variant flag as the layout's engines read it: (value, whether the file states it)."""
+    """Each variant flag (FLAGS and VARIANTS) as the layout's engines read it: (value, whether the file states
+    it)."""
+    defaults = {f: False for f in FLAGS} | {f: v.neutral for f, v in VARIANTS.items()}
     if fmt == "speculators-eagle3":  # algos.py update_eagle3 copies the top-level flags over the layer config
         top = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
         found = {f: (raw[f], True) for f in top if f in raw} | {
-            f: (layer_json[f], True) for f in VARIANTS if f in layer_json and f not in top}
+            f: (layer_json[f], True) for f in defaults if f in layer_json and f not in top}
     else:
         eagle = raw.get("eagle_config") or {}
         if not isinstance(eagle, dict):
             raise ValueError(f"{where}: eagle_config must be a JSON object, got {eagle!r}")
-        found = {f: (raw[f], True) for f in VARIANTS if f in raw and f != "use_aux_hidden_state"}
+        found = {f: (raw[f], True) for f in defaults if f in raw and f != "use_aux_hidden_state"}
         found |= {f: (eagle[f], True) for f in ("norm_before_fc", "use_aux_hidden_state") if f in eagle}
     absent = ABSENT.get(fmt, {})
-    return {f: found.get(f, (absent.get(f, v.neutral), False)) for f, v in VARIANTS.items()}
+    return {f: found.get(f, (absent.get(f, neutral), False)) for f, neutral in defaults.items()}
 
 
 def _is_neutral(value: Any, neutral: Any) -> bool:
@@ -227,12 +246,28 @@ def _is_neutral(value: Any, neutral: Any) -> bool:
 
 
 def _refuse_variants(settings: dict[str, tuple[Any, bool]], fmt: str, where: Path) -> None:
-    for flag, (value, stated) in settings.items():
-        variant = VARIANTS[flag]
+    for flag, variant in VARIANTS.items():
+        value, stated = settings[flag]
         if not _is_neutral(value, variant.neutral):
             how = "" if stated else f" (it is absent, which vLLM reads as {json.dumps(value)} in a {fmt} config)"
             raise ValueError(f"{where}: {flag} = {json.dumps(value)}{how} means {variant.means}; Eagle3Draft does "
                              f"not compute that variant, so this drafter cannot be imported")
+
+
+def _flags(settings: dict[str, tuple[Any, bool]], fmt: str, where: Path) -> dict[str, bool]:
+    """The FLAGS Eagle3Draft computes, as HeadsConfig fields; an absent one that the layout's engine reads as true
+    is warned about (speculators' own config class reads it as false)."""
+    flags = {}
+    for flag in FLAGS:
+        value, stated = settings[flag]
+        if type(value) is not bool:
+            raise ValueError(f"{where}: {flag} must be true or false, got {json.dumps(value)}")
+        if value and not stated:
+            warnings.warn(f"{where}: {flag} is absent, which vLLM reads as true in a {fmt} config, so it is imported "
+                          f"as true (speculators' Eagle3SpeculatorConfig defaults it to false): if the drafter was "
+                          f"trained without it, write \"{flag}\": false into config.json", stacklevel=3)
+        flags[flag] = value
+    return flags
 
 
 def _target_layers(target: nn.Module | None, base_model: str) -> int | None:
@@ -372,7 +407,9 @@ def import_eagle3(
             raise ValueError(f"{cfg_path}: architectures {archs}: Eagle3Draft computes the Llama EAGLE-3 layer "
                              f"({', '.join(LLAMA_ARCHS[:2])})")
         layer_json = raw
-    _refuse_variants(_settings(raw, fmt, layer_json, cfg_path), fmt, cfg_path)
+    settings = _settings(raw, fmt, layer_json, cfg_path)
+    _refuse_variants(settings, fmt, cfg_path)
+    flags = _flags(settings, fmt, cfg_path)
     if layer_json.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"{cfg_path}: num_hidden_layers = {layer_json['num_hidden_layers']} draft layers; "
                          "Eagle3Draft has one")
@@ -423,7 +460,7 @@ def import_eagle3(
         kind="eagle3", base_model=base, hidden_size=hidden, vocab_size=vocab, num_layers=1, fc_bias=False,
         dtype=next((d for d in named if d in DTYPES), "float32"),
         layer=layer_config_from_json(layer_json, cfg_path), feature_layers=layers,
-        draft_vocab_size=0 if size == vocab else size, **({"depth": depth} if depth else {}),
+        draft_vocab_size=0 if size == vocab else size, **flags, **({"depth": depth} if depth else {}),
     )
     draft = Eagle3Draft(config).to(fc.dtype)
     theirs = {**file_names, "d2t": "d2t", "t2d": "t2d"}
@@ -455,16 +492,18 @@ def eagle3_config_json(draft: Eagle3Draft, fmt: str, base_model: str = "",
     if fmt == "eagle3":
         return {"architectures": [LAYOUTS[fmt].architecture], **_llama_json(draft), "draft_vocab_size": size,
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [j - 1 for j in layers],  # SGLang adds 1
-                                 "use_aux_hidden_state": True},
+                                 "use_aux_hidden_state": True,
+                                 "norm_before_fc": cfg.norm_before_fc},  # SGLang and vLLM read it here first
                 "eagle_aux_hidden_state_layer_ids": layers}  # vLLM reads this first, as hidden_states indices
     proposal = {"proposal_type": "greedy", "speculative_tokens": cfg.depth, "verifier_accept_k": 1,
                 "accept_tolerance": 0.0}
     return {
         "architectures": [LAYOUTS[fmt].architecture], "speculators_model_type": "eagle3",
         "transformer_layer_config": _llama_json(draft), "draft_vocab_size": size, "target_hidden_size": None,
-        **{flag: VARIANTS[flag].neutral for flag in ("norm_before_residual", "norm_before_fc", "fc_norm",
-                                                      "norm_output")},  # written out: vLLM reads an absent
-        "eagle_aux_hidden_state_layer_ids": layers,                       # norm_before_residual as true
+        # all written out: vLLM reads an absent norm_before_residual as true
+        "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
+        **{flag: VARIANTS[flag].neutral for flag in ("fc_norm", "norm_output")},
+        "eagle_aux_hidden_state_layer_ids": layers,
         "speculators_config": {"algorithm": "eagle3", "proposal_methods": [proposal],
                                "default_proposal_method": "greedy",
                                "verifier": {"name_or_path": base_model or None,
@@ -495,6 +534,10 @@ def export_eagle3(
     if layers != sorted(set(layers)):
         raise ValueError(f"feature_layers {layers} must be strictly increasing: the engines concatenate the "
                          "target's hidden states in layer order (vLLM sorts the ids)")
+    if fmt == "eagle3" and cfg.norm_before_residual:
+        raise ValueError("this drafter computes norm_before_residual, which SGLang and SafeAILab do not read (they "
+                         "take the residual from the un-normed hidden state): export it as speculators-eagle3, "
+                         "which vLLM serves with that flag")
     if fmt == "speculators-eagle3" and len(layers) != 3:
         raise ValueError(f"this drafter fuses {len(layers)} hidden states; vLLM 0.32 builds the fc of a speculators "
                          "EAGLE-3 drafter for 3 (llama_eagle3.py, no eagle_config): export it as eagle3")
@@ -506,7 +549,7 @@ def export_eagle3(
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
     size = draft.lm_head.out_features
     reduced = size != cfg.vocab_size
-    ours = layout_keys("eagle3", draft_vocab=True)  # the drafter always holds d2t and t2d
+    ours = layout_keys("eagle3", draft_vocab=True, norm_before_fc=cfg.norm_before_fc)  # it always holds d2t, t2d
     if set(state) != ours:
         raise ValueError(f"this drafter has tensors no EAGLE-3 loader reads (e.g. attention biases): "
                          f"{sorted(set(state) ^ ours)[:6]}")

@@ -1,5 +1,7 @@
 """EAGLE-3 drafter: the training-time test equals inference, the draft vocabulary maps back, RoPE stays fp32."""
 
+import copy
+
 import pytest
 import torch
 from test_sampling import RUNS, V, chi_square, critical, exact_joint, run_sampling
@@ -13,7 +15,8 @@ from infer.cache import new_cache
 from infer.eagle import EagleProposer
 from infer.generate import SpeculativeModel
 from infer.target import Target
-from train.eagle import Eagle3Method, EagleConfig
+from train.config import ConfigError
+from train.eagle import Eagle3Method, EagleConfig, build_drafter
 
 
 def eagle3_config(model, draft_vocab_size=0, **extra) -> HeadsConfig:
@@ -23,9 +26,9 @@ def eagle3_config(model, draft_vocab_size=0, **extra) -> HeadsConfig:
                        draft_vocab_size=draft_vocab_size, **extra)
 
 
-def random_draft(model, draft_vocab_size=0, seed=0) -> Eagle3Draft:
+def random_draft(model, draft_vocab_size=0, seed=0, **flags) -> Eagle3Draft:
     torch.manual_seed(seed)
-    draft = Eagle3Draft(eagle3_config(model, draft_vocab_size))
+    draft = Eagle3Draft(eagle3_config(model, draft_vocab_size, **flags))
     for p in draft.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return draft.eval()
@@ -37,10 +40,16 @@ def test_default_feature_layers_are_low_middle_high_and_never_the_normed_last():
     assert all(0 < i < 4 for i in default_feature_layers(4))
 
 
+VARIANTS = [{}, {"norm_before_residual": True}, {"norm_before_fc": True},
+            {"norm_before_residual": True, "norm_before_fc": True}]
+VARIANT_IDS = ["+".join(v) or "default" for v in VARIANTS]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("steps", [1, 3, 5])
-def test_training_time_test_sees_what_inference_sees_after_i_own_steps(steps):
+def test_training_time_test_sees_what_inference_sees_after_i_own_steps(steps, variant):
     model = tiny_model("llama")
-    draft = random_draft(model)
+    draft = random_draft(model, **variant)
     embed = model.get_input_embeddings()
     T, H = 9, model.config.hidden_size
     torch.manual_seed(1)
@@ -55,6 +64,60 @@ def test_training_time_test_sees_what_inference_sees_after_i_own_steps(steps):
             for i in range(1, steps):  # step i reads its own step-(i-1) output and the true token x_{t+1+i}
                 out = draft(out, ids[:, t + i : t + i + 1], embed, cache=cache)
                 torch.testing.assert_close(unrolled[i][:, t], out[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def without(draft: Eagle3Draft, flag: str) -> Eagle3Draft:
+    """The same weights computing the drafter without `flag` (norm_before_fc: no input_norm)."""
+    other = copy.deepcopy(draft)
+    if flag == "norm_before_fc":
+        other.input_norm = None
+    else:
+        other.midlayer.norm_before_residual = False
+    return other
+
+
+@pytest.mark.parametrize("flag", ["norm_before_residual", "norm_before_fc"])
+def test_each_variant_flag_changes_training_and_inference_alike(flag):
+    """What the flags parametrizing the test above change: both the unrolled steps and the plain forward."""
+    model = tiny_model("llama")
+    draft = random_draft(model, **{flag: True})
+    assert ("input_norm.weight" in draft.state_dict()) == (flag == "norm_before_fc")
+    assert getattr(draft.config, flag) and draft.midlayer.norm_before_residual == (flag == "norm_before_residual")
+    plain, embed, T = without(draft, flag), model.get_input_embeddings(), 7
+    torch.manual_seed(1)
+    features = torch.randn(1, T, len(draft.config.feature_layers) * model.config.hidden_size)
+    ids = torch.randint(0, model.config.vocab_size, (1, T))
+    with torch.no_grad():
+        for a, b in zip(draft.unrolled(features, ids, embed, torch.ones(1, T), 2),
+                        plain.unrolled(features, ids, embed, torch.ones(1, T), 2), strict=True):
+            assert not torch.allclose(a, b, atol=1e-3)
+        assert not torch.allclose(draft(draft.fuse(features), ids, embed), plain(plain.fuse(features), ids, embed),
+                                  atol=1e-3)
+
+
+def test_training_builds_the_variant_and_trains_its_norm():
+    model = tiny_model("llama")
+    flags = {"norm_before_residual": True, "norm_before_fc": True}
+    cfg = EagleConfig(version=3, ttt_steps=2, draft_vocab_size=model.config.vocab_size, **flags)
+    draft = build_drafter(cfg, model, {})
+    assert {f: getattr(draft.config, f) for f in flags} == flags
+    assert draft.input_norm.weight.shape == (len(draft.config.feature_layers) * model.config.hidden_size,)
+    ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids).bool()}
+    loss, _ = Eagle3Method(cfg, model, draft, []).loss(batch)
+    loss.backward()
+    assert draft.input_norm.weight.grad is not None and draft.input_norm.weight.grad.abs().sum() > 0
+    for flag in flags:
+        with pytest.raises(ConfigError, match=f"--{flag} is an EAGLE-3 variant: add --version 3"):
+            build_drafter(EagleConfig(version=1, **{flag: True}), model, {})
+
+
+def test_variant_flags_are_eagle3_only_and_typed():
+    with pytest.raises(ValueError, match=r"norm_before_fc is an EAGLE-3 variant \(medusa drafters"):
+        HeadsConfig(kind="medusa", norm_before_fc=True)
+    with pytest.raises(ValueError, match=r"norm_before_residual must be bool, got 'true'"):
+        HeadsConfig(kind="eagle3", layer={"x": 1}, feature_layers=[1], norm_before_residual="true")
+    assert HeadsConfig.from_dict(eagle3_config(tiny_model("llama"), norm_before_fc=True).to_dict()).norm_before_fc
 
 
 def test_padding_never_reaches_a_valid_position():

@@ -4,7 +4,8 @@
 The published checkpoints are written here from the key names and config fields their projects document (not
 by our exporter), on an 8-layer target so that three distinct layers are fused. What an imported drafter
 computes is checked against a plain-torch EAGLE-3 forward over the hidden states the engines fuse (SGLang:
-`eagle_config` id + 1; vLLM / speculators: the id itself; none: [2, L // 2, L - 3]).
+`eagle_config` id + 1; vLLM / speculators: the id itself; none: [2, L // 2, L - 3]), in the variant the config's
+flags name (norm_before_residual, norm_before_fc: vLLM 0.32's llama_eagle3.py).
 """
 
 import json
@@ -23,6 +24,7 @@ from heads.eagle import EagleDraft, layer_fields
 from heads.eagle3 import Eagle3Draft, default_feature_layers
 from heads.eagle3_formats import (
     EAGLE3_FORMATS,
+    FLAGS,
     VARIANTS,
     detect_eagle3_format,
     export_eagle3,
@@ -70,8 +72,9 @@ def target_dir(target, tmp_path_factory):
 # ---------------------------------------------------------------- the published layouts, written by hand
 
 
-def published_tensors(size, fused=3, seed=0, dtype=torch.float32):
-    """SafeAILab's EAGLE-3 state dict (cnets.py Model, without its frozen embed_tokens): every tensor random."""
+def published_tensors(size, fused=3, seed=0, dtype=torch.float32, input_norm=False):
+    """SafeAILab's EAGLE-3 state dict (cnets.py Model, without its frozen embed_tokens): every tensor random;
+    with `input_norm`, norm_before_fc's RMSNorm over the fc input (speculators core.py, vLLM, SGLang)."""
     gen = torch.Generator().manual_seed(seed)
 
     def w(*shape, std=0.15):
@@ -91,6 +94,8 @@ def published_tensors(size, fused=3, seed=0, dtype=torch.float32):
     used = torch.randperm(V, generator=gen)[:size].sort().values  # the draft vocabulary, in target id order
     state["d2t"] = used - torch.arange(size)
     state["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill_(0, used, True)
+    if input_norm:
+        state["input_norm.weight"] = 1 + w(fused * H, std=0.1)
     return state
 
 
@@ -131,10 +136,12 @@ def safeailab_checkpoint(path, ids=None, size=40, weights="bin", seed=0, extra=N
     return state
 
 
-def speculators_checkpoint(path, verifier, ids=None, size=40, embed=None, seed=0, extra=None):
+def speculators_checkpoint(path, verifier, ids=None, size=40, embed=None, seed=0, extra=None, input_norm=False):
     """As vllm-project/speculators saves an Eagle3 speculator (Eagle3SpeculatorConfig, RedHatAI/*.eagle3):
-    layers.0.* for the draft layer, the verifier's embed_tokens, d2t / t2d for a smaller draft vocabulary."""
-    state = {k.replace("midlayer.", "layers.0."): v for k, v in published_tensors(size, seed=seed).items()}
+    layers.0.* for the draft layer, the verifier's embed_tokens, d2t / t2d for a smaller draft vocabulary,
+    input_norm.weight with norm_before_fc."""
+    state = {k.replace("midlayer.", "layers.0."): v
+             for k, v in published_tensors(size, seed=seed, input_norm=input_norm).items()}
     if embed is not None:
         state["embed_tokens.weight"] = embed.detach().clone()
     config = {
@@ -159,18 +166,24 @@ def speculators_checkpoint(path, verifier, ids=None, size=40, embed=None, seed=0
     return {k.replace("layers.0.", "midlayer."): v for k, v in state.items() if k != "embed_tokens.weight"}
 
 
-def reference_logits(state, embed, hidden_states, layers, ids):
+def reference_logits(state, embed, hidden_states, layers, ids, norm_before_residual=False, norm_before_fc=False):
     """SafeAILab's EAGLE-3 step (cnets.py Model + LlamaDecoderLayeremb) in plain torch, one causal sequence:
     fc over the fused hidden states, q/k/v on [input_layernorm(embedding); hidden_norm(h)], residual from h,
-    MLP block, logits lm_head(norm(out)) -> (T, draft vocabulary)."""
+    MLP block, logits lm_head(norm(out)) -> (T, draft vocabulary). vLLM's variants (llama_eagle3.py):
+    norm_before_fc puts input_norm over the whole fc input (combine_hidden_states); norm_before_residual takes
+    the residual from hidden_norm(h) (_norm_before_residual)."""
     T, eps = ids.shape[0], 1e-6
 
     def rms(v, weight):
         return weight * v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
 
     p = "midlayer."
-    h = torch.cat([hidden_states[i] for i in layers], -1) @ state["fc.weight"].T
-    x = torch.cat([rms(embed[ids], state[p + "input_layernorm.weight"]), rms(h, state[p + "hidden_norm.weight"])], -1)
+    fused = torch.cat([hidden_states[i] for i in layers], -1)  # (T, 3H)
+    if norm_before_fc:
+        fused = rms(fused, state["input_norm.weight"])
+    h = fused @ state["fc.weight"].T
+    normed = rms(h, state[p + "hidden_norm.weight"])
+    x = torch.cat([rms(embed[ids], state[p + "input_layernorm.weight"]), normed], -1)
     inv = 1.0 / 10000.0 ** (torch.arange(0, HD, 2).float() / HD)
     freqs = torch.arange(T).float()[:, None] * inv[None]
     cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
@@ -184,7 +197,8 @@ def reference_logits(state, embed, hidden_states, layers, ids):
     k, v = k.repeat_interleave(HEADS // KV, 0), v.repeat_interleave(HEADS // KV, 0)
     mask = torch.full((T, T), float("-inf")).triu(1)
     att = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(HD) + mask, -1) @ v
-    h = h + att.transpose(0, 1).reshape(T, H) @ state[p + "self_attn.o_proj.weight"].T
+    residual = normed if norm_before_residual else h
+    h = residual + att.transpose(0, 1).reshape(T, H) @ state[p + "self_attn.o_proj.weight"].T
     g = rms(h, state[p + "post_attention_layernorm.weight"])
     gate, up = g @ state[p + "mlp.gate_proj.weight"].T, g @ state[p + "mlp.up_proj.weight"].T
     h = h + (torch.nn.functional.silu(gate) * up) @ state[p + "mlp.down_proj.weight"].T
@@ -204,20 +218,27 @@ def plain_greedy(model, prompt, n):
     return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:].tolist()
 
 
-def assert_decodes_like(draft, target, state, layers):
-    """The drafter computes SafeAILab's forward over the hidden states the engines fuse (`layers`), maps draft ids
-    through the file's d2t, and speculative greedy output is the target's."""
+def assert_decodes_like(draft, target, state, layers, **variant):
+    """The drafter computes SafeAILab's forward (in the `variant` its flags name) over the hidden states the
+    engines fuse (`layers`), maps draft ids through the file's d2t, and speculative greedy output is the
+    target's."""
     assert draft.config.feature_layers == layers
+    assert {f: getattr(draft.config, f) for f in FLAGS} == {f: variant.get(f, False) for f in FLAGS}
+    assert draft.state_dict().keys() == state.keys()
     for name, value in draft.state_dict().items():
         assert torch.equal(value, state[name]), name
     prompt = torch.randint(3, V, (1, 9), generator=torch.Generator().manual_seed(1))
     logits, hs = ours_logits(draft, target, prompt)
     embed = target.get_input_embeddings().weight.detach()
     with torch.no_grad():
-        reference = reference_logits(state, embed, hs, layers, prompt[0, 1:])
-        shifted = reference_logits(state, embed, hs, [i - 1 for i in layers], prompt[0, 1:])
+        reference = reference_logits(state, embed, hs, layers, prompt[0, 1:], **variant)
+        shifted = reference_logits(state, embed, hs, [i - 1 for i in layers], prompt[0, 1:], **variant)
+        flipped = [reference_logits(state, embed, hs, layers, prompt[0, 1:], **(variant | {f: False}))
+                   for f in FLAGS if variant.get(f)]
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(logits, shifted, atol=1e-2)  # the check tells one layer off from right
+    for other in flipped:  # ... and each variant from the drafter without it
+        assert not torch.allclose(logits, other, atol=1e-2)
     size = state["lm_head.weight"].shape[0]
     assert torch.equal(draft.to_target(torch.arange(size)), torch.arange(size) + state["d2t"])
     prop = EagleProposer(draft, target.get_input_embeddings(), target.get_output_embeddings(), depth=4, top_k=3,
@@ -289,6 +310,43 @@ def test_speculators_embedding_from_another_model_is_warned_about(tmp_path, targ
         import_eagle3(tmp_path, target=target)
 
 
+SPECULATORS_VARIANTS = [{"norm_before_residual": True}, {"norm_before_fc": True},
+                        {"norm_before_residual": True, "norm_before_fc": True}]  # the last: speculators' defaults
+
+
+@pytest.mark.parametrize("variant", SPECULATORS_VARIANTS, ids=lambda v: "+".join(v))
+def test_import_speculators_variants_computes_what_vllm_computes(tmp_path, target, target_dir, variant):
+    state = speculators_checkpoint(tmp_path, target_dir, ids=[1, 4, 7], extra=variant,
+                                   input_norm=variant.get("norm_before_fc", False))
+    draft = import_eagle3(tmp_path)
+    assert_decodes_like(draft, target, state, [1, 4, 7], **variant)
+
+
+SAFEAILAB_VARIANTS = [  # (config fields, the flags vLLM reads from them)
+    ({"eagle_config": {"norm_before_fc": True}}, {"norm_before_fc": True}),  # SGLang and vLLM read it here first
+    ({"norm_before_fc": True}, {"norm_before_fc": True}),  # ... and at the top level when eagle_config has none
+    ({"norm_before_fc": True, "eagle_config": {"norm_before_fc": False}}, {}),  # eagle_config wins
+    ({"norm_before_residual": True}, {"norm_before_residual": True}),  # vLLM only: SGLang ignores it
+]
+
+
+@pytest.mark.parametrize(("extra", "variant"), SAFEAILAB_VARIANTS, ids=[json.dumps(e) for e, _ in SAFEAILAB_VARIANTS])
+def test_import_safeailab_layout_variants_computes_what_vllm_computes(tmp_path, target, extra, variant):
+    state = published_tensors(40, input_norm=variant.get("norm_before_fc", False))
+    safeailab_checkpoint(tmp_path, ids=[0, 3, 6], weights="safetensors", extra=extra, state=state)
+    assert_decodes_like(import_eagle3(tmp_path), target, state, [1, 4, 7], **variant)
+
+
+def test_norm_before_fc_needs_its_input_norm_of_the_fc_input_width(tmp_path):
+    state = published_tensors(40)
+    safeailab_checkpoint(tmp_path, ids=[0, 3, 6], extra={"eagle_config": {"norm_before_fc": True}}, state=state)
+    with pytest.raises(ValueError, match=r"missing \['input_norm.weight'\]"):
+        import_eagle3(tmp_path)
+    torch.save(state | {"input_norm.weight": torch.ones(H)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"input_norm.weight has shape \(48,\), expected \(144,\)"):
+        import_eagle3(tmp_path)
+
+
 def test_full_vocabulary_without_vocab_maps_is_the_identity(tmp_path, target):
     state = published_tensors(V)
     del state["d2t"], state["t2d"]  # speculators saves none (model.py), SafeAILab deletes them (ea_model.py)
@@ -311,17 +369,12 @@ def test_a_t2d_that_disagrees_with_d2t_is_rebuilt_with_a_warning(tmp_path):
 
 
 REFUSED = [
-    ("eagle3", {"norm_before_residual": True}),
-    ("eagle3", {"norm_before_fc": True}),
-    ("eagle3", {"eagle_config": {"norm_before_fc": True}}),
     ("eagle3", {"eagle_config": {"use_aux_hidden_state": False}}),
     ("eagle3", {"fc_norm": True}),
     ("eagle3", {"use_aux_norm": True}),
     ("eagle3", {"norm_output": True}),
     ("eagle3", {"bias": True}),
     ("eagle3", {"logit_scale": 0.5}),
-    ("speculators-eagle3", {"norm_before_residual": True}),
-    ("speculators-eagle3", {"norm_before_fc": True}),
     ("speculators-eagle3", {"fc_norm": True}),
     ("speculators-eagle3", {"norm_output": True}),
     ("speculators-eagle3", {"transformer_layer_config": {"logit_scale": 2.0}}),
@@ -355,6 +408,7 @@ def test_every_variant_flag_is_exercised():
 @pytest.mark.parametrize("fmt", EAGLE3_FORMATS)
 def test_flags_at_their_neutral_values_load(tmp_path, target_dir, fmt):
     neutral = {flag: v.neutral for flag, v in VARIANTS.items() if flag != "use_aux_hidden_state"}
+    neutral |= {flag: False for flag in FLAGS}
     extra = neutral | {"eagle_config": {"norm_before_fc": False, "use_aux_hidden_state": True}} if fmt == "eagle3" \
         else neutral | {"transformer_layer_config": {"logit_scale": 1.0}}
     state = published(fmt, tmp_path, target_dir, extra)
@@ -365,8 +419,9 @@ def test_flags_at_their_neutral_values_load(tmp_path, target_dir, fmt):
 
 def test_speculators_config_without_norm_before_residual_is_read_as_vllm_reads_it(tmp_path, target_dir):
     speculators_checkpoint(tmp_path, target_dir, ids=[1, 4, 7], extra={"norm_before_residual": DROP})
-    with pytest.raises(ValueError, match="norm_before_residual = true .it is absent, which vLLM reads as true"):
-        import_eagle3(tmp_path)
+    with pytest.warns(UserWarning, match="norm_before_residual is absent, which vLLM reads as true"):
+        draft = import_eagle3(tmp_path)
+    assert draft.config.norm_before_residual is True and draft.config.norm_before_fc is False
 
 
 STRUCTURAL = [
@@ -382,6 +437,8 @@ STRUCTURAL = [
     ("eagle3", {"num_aux_hidden_states": 2}, "and num_aux_hidden_states 2"),
     ("eagle3", {"draft_vocab_size": 41}, "draft_vocab_size is 41 but lm_head.weight has 40 rows"),
     ("speculators-eagle3", {"transformer_layer_config": {"model_type": "qwen3"}}, "the draft layer is 'qwen3'"),
+    ("speculators-eagle3", {"norm_before_fc": "yes"}, 'norm_before_fc must be true or false, got "yes"'),
+    ("eagle3", {"eagle_config": {"norm_before_fc": 1}}, "norm_before_fc must be true or false, got 1"),
     ("speculators-eagle3", {"eagle_aux_hidden_state_layer_ids": [1, 4, 8]},
      r"indices \[1, 4, 8\] must lie in \[0, L - 1 = 7\] .index L is normed in transformers"),
 ]
@@ -441,13 +498,13 @@ def test_detection_tells_the_layouts_apart(tmp_path, target, target_dir):
 # ---------------------------------------------------------------- export
 
 
-def random_draft(target, size=0, feature_layers=None, seed=0, base_model=""):
+def random_draft(target, size=0, feature_layers=None, seed=0, base_model="", **flags):
     """An EAGLE-3 drafter as training builds it (fc_bias False), every parameter random; a random draft
-    vocabulary when `size`."""
+    vocabulary when `size`; `flags`: its variant (norm_before_residual, norm_before_fc)."""
     torch.manual_seed(seed)
     draft = Eagle3Draft(HeadsConfig(kind="eagle3", base_model=base_model, hidden_size=H, vocab_size=V, fc_bias=False,
                                     layer=layer_fields(target.config), draft_vocab_size=size,
-                                    feature_layers=feature_layers or default_feature_layers(L)))
+                                    feature_layers=feature_layers or default_feature_layers(L), **flags))
     for name, p in draft.named_parameters():
         torch.nn.init.normal_(p, mean=1.0 if "norm" in name else 0.0, std=0.1)
     if size:
@@ -483,6 +540,34 @@ def test_export_import_round_trip_is_exact(tmp_path, target, fmt, size, weights)
     assert ("d2t" in written) == bool(size)
 
 
+def at(raw, path):
+    """config.json's value at a dotted path, or DROP where it is absent."""
+    for key in path.split("."):
+        raw = raw.get(key, DROP) if isinstance(raw, dict) else DROP
+    return raw
+
+
+# (layout, the drafter's flags, where the layout's engines read them in config.json: speculators-eagle3 at the top
+# level (vLLM update_eagle3); eagle3 norm_before_fc in eagle_config (SGLang and vLLM read it there first) and no
+# norm_before_residual, which SGLang ignores)
+ROUND_TRIPS = [("speculators-eagle3", v, {f: v.get(f, False) for f in FLAGS}) for v in SPECULATORS_VARIANTS] + [
+    ("eagle3", {"norm_before_fc": True}, {"eagle_config.norm_before_fc": True, "norm_before_residual": DROP})]
+
+
+@pytest.mark.parametrize(("fmt", "variant", "written"), ROUND_TRIPS,
+                         ids=[f"{f}-{'+'.join(v)}" for f, v, _ in ROUND_TRIPS])
+def test_export_import_round_trip_keeps_the_variant_flags(tmp_path, target, fmt, variant, written):
+    draft = random_draft(target, 40, feature_layers=[1, 3, 6], **variant)
+    assert (draft.input_norm is not None) == variant.get("norm_before_fc", False)
+    export_eagle3(draft, fmt, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert {path: at(raw, path) for path in written} == written
+    names = set(load_file(tmp_path / "model.safetensors"))
+    assert names == layout_keys(fmt, draft_vocab=True, norm_before_fc=variant.get("norm_before_fc", False))
+    assert ("input_norm.weight" in names) == variant.get("norm_before_fc", False)  # the engines' name
+    assert_same_draft(import_eagle3(tmp_path, base_model=""), draft)
+
+
 def test_eagle3_config_is_what_sglang_safeailab_and_vllm_read(tmp_path, target):
     draft = random_draft(target, 40, feature_layers=[1, 3, 6])
     export_eagle3(draft, "eagle3", tmp_path)
@@ -492,7 +577,8 @@ def test_eagle3_config_is_what_sglang_safeailab_and_vllm_read(tmp_path, target):
     assert raw["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]  # vLLM reads this first, as given
     assert raw["draft_vocab_size"] == 40 and raw["vocab_size"] == V and raw["num_hidden_layers"] == 1
     assert raw["tie_word_embeddings"] is False and "bias" not in raw  # SGLang: bias is fc's, tie makes lm_head embed
-    assert not set(raw) & {f for f in VARIANTS if f != "bias"}  # every variant flag at its default
+    assert not set(raw) & {f for f in [*VARIANTS, *FLAGS] if f != "bias"}  # every variant flag at its default
+    assert raw["eagle_config"]["norm_before_fc"] is False
     assert layer_fields(LlamaConfig(**raw)) == draft.config.layer
     safeailab = published_tensors(40)
     assert set(load_file(tmp_path / "model.safetensors")) == set(safeailab)  # SafeAILab's names exactly
@@ -544,6 +630,9 @@ def test_export_refuses_what_the_layouts_cannot_hold(tmp_path, target):
     shuffled.d2t[:2] = torch.tensor([1, -1])  # the whole vocabulary, two ids swapped
     with pytest.raises(ValueError, match="whole target vocabulary in another order"):
         export_eagle3(shuffled, "eagle3", tmp_path / "x")
+    with pytest.raises(ValueError, match="norm_before_residual, which SGLang and SafeAILab do not read.*"
+                                         "export it as speculators-eagle3"):
+        export_eagle3(random_draft(target, 40, norm_before_residual=True), "eagle3", tmp_path / "x")
     stale = random_draft(target, 40)
     stale.t2d.fill_(True)
     with pytest.raises(ValueError, match="t2d does not mark exactly the target ids d2t maps to"):

@@ -99,3 +99,21 @@ def test_tune_measures_every_setting_and_keeps_the_fastest():
     assert [(r["depth"], r["top_k"], r["total_tokens"]) for r in rows] == [(2, 2, 3), (3, 2, 6)]
     assert best is max(rows, key=lambda r: r["tokens_per_s"])
     assert all(r["tau"] >= 1 and r["ms_per_step"] > 0 for r in rows)
+
+
+def test_eagle3_drafter_starts_with_the_targets_head_rows_of_its_vocabulary():
+    model = tiny_model("llama")
+    V = model.config.vocab_size
+    ids = torch.randint(3, V, (6, 20), generator=torch.Generator().manual_seed(0))
+    data = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
+    draft = eagle_recipe.build_drafter(EagleConfig(version=3, draft_vocab_size=V // 4), model, data)
+    assert draft.lm_head.weight.shape[0] == V // 4 and not torch.equal(draft.draft_ids, torch.arange(V // 4))
+    torch.testing.assert_close(draft.lm_head.weight, model.get_output_embeddings().weight[draft.draft_ids],
+                               rtol=0, atol=0)
+
+
+def test_the_demo_budget_follows_the_version_and_explicit_values_win():
+    assert (EagleConfig().max_steps, EagleConfig().max_minutes) == (2400, 10.5)
+    assert (EagleConfig(version=3).max_steps, EagleConfig(version=3).max_minutes) == (800, 20.0)
+    given = load_config(EagleConfig, ["--version", "3", "--max_steps", "2400", "--max_minutes", "10.5"])
+    assert (given.max_steps, given.max_minutes) == (2400, 10.5)

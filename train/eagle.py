@@ -1,6 +1,7 @@
-"""Train an EAGLE draft model (EAGLE-1/2) on a frozen causal LM.
+"""Train an EAGLE draft model (EAGLE-1/2, or EAGLE-3 with --version 3) on a frozen causal LM.
 
     accelerate launch train/eagle.py                        # demo target, stdlib corpus, CPU, < 15 min
+    accelerate launch train/eagle.py --version 3            # EAGLE-3 on the demo, about 20 min (train/eagle3.py)
     accelerate launch train/eagle.py --config configs/eagle/llama3-8b-sharegpt.yaml
 
 The frozen target computes features f (its last hidden states, what its lm_head reads) online,
@@ -28,7 +29,7 @@ from infer.eagle import draft_dtype
 from infer.tune import eagle_grid, format_rows, tune_eagle
 from train.config import ConfigError, check_at_least, load_config
 from train.data import cache_dir
-from train.eagle3 import Eagle3Loss, draft_vocabulary
+from train.eagle3 import Eagle3Loss, draft_vocabulary, init_from_target
 from train.loop import (
     TrainConfig,
     datasets_for,
@@ -47,8 +48,8 @@ class EagleConfig(TrainConfig):
     """Train an EAGLE drafter on a frozen causal LM (defaults: the demo target on CPU, under 15 minutes)."""
 
     output_dir: str = "outputs/eagle-demo"
-    max_steps: int = 2400  # optimizer steps (about 10 minutes here; max_minutes stops a slower machine in time)
-    max_minutes: float = 10.5
+    max_steps: int | None = None  # optimizer steps (None: 2400 for EAGLE-1, 800 for EAGLE-3: 10 / 17 minutes here)
+    max_minutes: float | None = None  # stop a slower machine in time (None: 10.5 for EAGLE-1, 20 for EAGLE-3)
     learning_rate: float = 1e-3
     adam_beta2: float = 0.95
     max_grad_norm: float = 0.5
@@ -77,8 +78,14 @@ class EagleConfig(TrainConfig):
     ttt_steps: int = 7  # EAGLE-3: draft steps unrolled per sequence in training (the training-time test)
     draft_vocab_size: int = 2048  # EAGLE-3: the drafter's vocabulary, the most frequent trained tokens (<= target's)
     feature_layers: list[int] | None = None  # EAGLE-3: target hidden_states indices fused (None: [2, L//2, L-3])
+    norm_before_residual: bool = False  # EAGLE-3: residual from hidden_norm(h), not h (speculators; vLLM, not SGLang)
+    norm_before_fc: bool = False  # EAGLE-3: one RMSNorm over the fused features before fc (speculators; vLLM, SGLang)
 
     def __post_init__(self) -> None:
+        if self.max_steps is None:  # the demo's budget: EAGLE-3's steps unroll ttt_steps drafts, so cost more
+            self.max_steps = 800 if self.version == 3 else 2400
+        if self.max_minutes is None:
+            self.max_minutes = 20.0 if self.version == 3 else 10.5
         super().__post_init__()
         check_at_least(self, ("num_layers", "tune_prompts", "tune_new_tokens"), 1)
         check_at_least(self, ("w_cls", "noise", "depth", "top_k", "total_tokens"), 0)
@@ -286,6 +293,9 @@ def build_drafter(cfg: EagleConfig, target, train_data: dict) -> EagleDraft | Ea
     """An EAGLE-1 drafter, or (version 3) an EAGLE-3 drafter whose vocabulary is the most frequent
     loss-bearing tokens of the training data."""
     if cfg.version == 1:
+        for name in ("norm_before_residual", "norm_before_fc"):
+            if getattr(cfg, name):
+                raise ConfigError(f"--{name} is an EAGLE-3 variant: add --version 3, or leave it false")
         return EagleDraft(heads_config(cfg, target, "eagle", num_layers=cfg.num_layers, fc_bias=cfg.fc_bias,
                                        layer=layer_fields(target.config)))
     text = target.config.get_text_config()
@@ -297,9 +307,11 @@ def build_drafter(cfg: EagleConfig, target, train_data: dict) -> EagleDraft | Ea
     size = min(cfg.draft_vocab_size, vocab)
     draft = Eagle3Draft(heads_config(cfg, target, "eagle3", num_layers=1, fc_bias=False,
                                      layer=layer_fields(target.config), feature_layers=layers,
-                                     draft_vocab_size=size if size < vocab else 0))
+                                     draft_vocab_size=size if size < vocab else 0,
+                                     norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.norm_before_fc))
     if size < vocab:
         draft.set_draft_vocab(draft_vocabulary(train_data["input_ids"], train_data["loss_mask"], vocab, size))
+    init_from_target(draft, target)
     return draft
 
 

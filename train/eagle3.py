@@ -33,6 +33,14 @@ def draft_vocabulary(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_siz
     return order[:size]
 
 
+@torch.no_grad()
+def init_from_target(draft: Eagle3Draft, target) -> None:
+    """Start the drafter's lm_head as the target's rows of the draft vocabulary: it then learns to produce
+    features the target's own head reads, instead of a vocabulary projection from scratch as well."""
+    head = target.get_output_embeddings().weight
+    draft.lm_head.weight.copy_(head[draft.draft_ids.to(head.device)].to(draft.lm_head.weight.dtype))
+
+
 class Labels:
     """The target's distributions over the draft vocabulary (renormalised) and its argmax (as target ids) at
     every position, computed once per batch; each step reads a shifted slice."""
