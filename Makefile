@@ -28,4 +28,4 @@ test: $(VENV)/.installed
 	$(PY) -m pytest
 
 clean-demo:
-	rm -rf outputs/medusa-demo outputs/eagle-demo outputs/bench-demo.json outputs/bench-demo.png
+	rm -rf outputs/medusa-demo outputs/eagle-demo outputs/eagle3-demo outputs/bench-demo.json outputs/bench-demo.png
