@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -41,15 +42,36 @@ def tiny_config(arch: str, vocab: int = VOCAB):
     raise ValueError(arch)
 
 
-def tiny_model(arch: str, vocab: int = VOCAB, seed: int = 0, attn: str = "sdpa", scale: float = 0.3) -> torch.nn.Module:
-    """A 2-layer, 48-wide random model; weights of std `scale` so its greedy output is not one repeated token."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab), attn_implementation=attn)
+def randomized(model: torch.nn.Module, scale: float = 0.3) -> torch.nn.Module:
+    """`model` with every weight matrix drawn from N(0, scale) (so its greedy output is not one repeated token),
+    in eval mode."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, scale)
     return model.eval()
+
+
+WEIGHT_FILES = {"bin": "pytorch_model.bin", "safetensors": "model.safetensors"}
+
+
+def write_checkpoint(path, config: dict, state: dict, weights: str) -> None:
+    """A published-style checkpoint written by hand: config.json and the state dict as `weights` (bin/safetensors)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    if weights == "bin":
+        torch.save(state, path / WEIGHT_FILES["bin"])
+    else:
+        save_file(state, str(path / WEIGHT_FILES["safetensors"]))
+
+
+def tiny_model(arch: str, vocab: int = VOCAB, seed: int = 0, attn: str = "sdpa", scale: float = 0.3) -> torch.nn.Module:
+    """A 2-layer, 48-wide random model; weights of std `scale` so its greedy output is not one repeated token."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab), attn_implementation=attn)
+    return randomized(model, scale)
 
 
 @pytest.fixture(params=ARCHS)

@@ -15,9 +15,10 @@ import warnings
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from conftest import WEIGHT_FILES, randomized, write_checkpoint
 from heads.config import HeadsConfig
 from heads.convert import export_heads, import_heads
 from heads.eagle import EagleDraft, layer_fields
@@ -40,7 +41,6 @@ from infer.generate import SpeculativeModel
 
 H, HEADS, KV, INTER, V, L = 48, 4, 2, 96, 96, 8
 HD = H // HEADS
-WEIGHT_FILES = {"bin": "pytorch_model.bin", "safetensors": "model.safetensors"}
 
 
 def deep_target(seed=0):
@@ -50,11 +50,7 @@ def deep_target(seed=0):
                          num_key_value_heads=KV, vocab_size=V, max_position_embeddings=512, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.3)
-    return model.eval()
+    return randomized(model)
 
 
 @pytest.fixture(scope="module")
@@ -110,15 +106,6 @@ def merged(config, extra):
 DROP = object()  # a value in `extra` that removes the field
 
 
-def write(path, config, state, weights):
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    if weights == "bin":
-        torch.save(state, path / WEIGHT_FILES["bin"])
-    else:
-        save_file(state, str(path / WEIGHT_FILES["safetensors"]))
-
-
 def safeailab_checkpoint(path, ids=None, size=40, weights="bin", seed=0, extra=None, state=None):
     """As yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (no ids) or a SpecForge drafter (`eagle_config` ids): a Llama config
     with draft_vocab_size, keys fc / midlayer.* / norm / lm_head / d2t / t2d."""
@@ -132,7 +119,7 @@ def safeailab_checkpoint(path, ids=None, size=40, weights="bin", seed=0, extra=N
     }
     if ids is not None:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
-    write(path, merged(config, extra or {}), state, weights)
+    write_checkpoint(path, merged(config, extra or {}), state, weights)
     return state
 
 
@@ -162,7 +149,7 @@ def speculators_checkpoint(path, verifier, ids=None, size=40, embed=None, seed=0
             "vocab_size": V,
         },
     }
-    write(path, merged(config, extra or {}), state, "safetensors")
+    write_checkpoint(path, merged(config, extra or {}), state, "safetensors")
     return {k.replace("layers.0.", "midlayer."): v for k, v in state.items() if k != "embed_tokens.weight"}
 
 

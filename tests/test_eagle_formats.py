@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, LlamaConfig
 
-from conftest import VOCAB, tiny_model
+from conftest import VOCAB, tiny_model, write_checkpoint
 from heads.config import HeadsConfig, check_compatible
 from heads.eagle import EagleDraft, layer_fields
 from heads.eagle_formats import (
@@ -27,8 +27,6 @@ from heads.eagle_formats import (
 )
 from infer.eagle import EagleProposer
 from infer.generate import SpeculativeModel
-
-WEIGHT_FILES = {"bin": "pytorch_model.bin", "safetensors": "model.safetensors"}
 
 
 def safeailab_checkpoint(path, cfg, embed, bias=True, weights="bin", num_layers=1, seed=0,
@@ -68,12 +66,7 @@ def safeailab_checkpoint(path, cfg, embed, bias=True, weights="bin", num_layers=
     }
     if not bias:
         config["bias"] = False  # as in EAGLE-LLaMA3-Instruct-8B.json; absent means True
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    if weights == "bin":
-        torch.save(state, path / WEIGHT_FILES["bin"])
-    else:
-        save_file(state, str(path / WEIGHT_FILES["safetensors"]))
+    write_checkpoint(path, config, state, weights)
     return state, config
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import VOCAB, fit_on_own_continuations, tiny_config, tiny_model
+from conftest import VOCAB, fit_on_own_continuations, randomized, tiny_config, tiny_model
 from heads.config import HeadsConfig
 from heads.medusa import MedusaHeads
 from infer.generate import SpeculativeModel
@@ -122,11 +122,7 @@ def short_context_model(arch: str, positions: int) -> torch.nn.Module:
     setattr(config, "n_positions" if arch == "gpt2" else "max_position_embeddings", positions)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.3)
-    return model.eval()
+    return randomized(model)
 
 
 def record_positions(model) -> list[tuple[int, int]]:
