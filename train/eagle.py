@@ -97,6 +97,9 @@ class EagleConfig(TrainConfig):
         if self.ttt_steps < 1 or self.draft_vocab_size < 1:
             raise ConfigError(f"--ttt_steps and --draft_vocab_size must be >= 1, got {self.ttt_steps} and "
                               f"{self.draft_vocab_size}")
+        for name in ("norm_before_residual", "norm_before_fc"):
+            if self.version == 1 and getattr(self, name):
+                raise ConfigError(f"--{name} is an EAGLE-3 variant: add --version 3, or leave it false")
         if self.version == 3 and self.output_dir == "outputs/eagle-demo":
             self.output_dir = "outputs/eagle3-demo"  # the default folder names the method
         given = [self.depth > 0, self.top_k > 0, self.total_tokens > 0]
@@ -293,9 +296,6 @@ def build_drafter(cfg: EagleConfig, target, train_data: dict) -> EagleDraft | Ea
     """An EAGLE-1 drafter, or (version 3) an EAGLE-3 drafter whose vocabulary is the most frequent
     loss-bearing tokens of the training data."""
     if cfg.version == 1:
-        for name in ("norm_before_residual", "norm_before_fc"):
-            if getattr(cfg, name):
-                raise ConfigError(f"--{name} is an EAGLE-3 variant: add --version 3, or leave it false")
         return EagleDraft(heads_config(cfg, target, "eagle", num_layers=cfg.num_layers, fc_bias=cfg.fc_bias,
                                        layer=layer_fields(target.config)))
     text = target.config.get_text_config()
