@@ -129,10 +129,17 @@ class Eagle3Draft(PretrainedHeads):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: DraftCache | None = None,
-    ) -> torch.Tensor:
+        unroll: int = 0,
+    ) -> torch.Tensor | list[torch.Tensor]:
         """hidden (B, T, H) (fused target features through `fuse`, or the drafter's own outputs), input_ids
         (B, T) = the next tokens -> layer outputs (B, T, H), before the final norm. Mask, positions and cache
-        as EagleDraft.forward."""
+        as EagleDraft.forward.
+
+        `unroll` > 0 is training: hidden is the target's features (B, T, nH), attention_mask the (B, T) padding
+        mask, and the result `unrolled`'s list of step outputs. It goes through forward so that DDP, DeepSpeed
+        and FSDP wrappers see (and synchronise) the call."""
+        if unroll > 0:
+            return self.unrolled(hidden, input_ids, embed, attention_mask, unroll)
         embeds = embed(input_ids).to(hidden.dtype)
         T = hidden.shape[1]
         position_ids, attention_mask = continue_after(cache, T, hidden.device, position_ids, attention_mask)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from infer.eagle import draft_dtype
 from infer.tune import eagle_grid, format_rows, tune_eagle
 from train.config import ConfigError, check_at_least, load_config
 from train.data import cache_dir
+from train.distributed import unpartitioned
 from train.eagle3 import Eagle3Loss, draft_vocabulary, init_from_target
 from train.loop import (
     TrainConfig,
@@ -38,7 +40,7 @@ from train.loop import (
     start_run,
     train,
 )
-from train.medusa import medusa_labels
+from train.medusa import chunk_rows, chunked_sum, medusa_labels
 
 RANKS = 10  # validation reports how often the target's token is in the drafter's top-r, r < RANKS
 
@@ -114,6 +116,7 @@ class EagleMethod:
         self.cfg, self.target, self.trainable, self.tune_prompts = cfg, target, draft, tune_prompts
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
+        self.chunk = chunk_rows(self.lm_head.weight.shape[0])  # positions projected onto the vocabulary at a time
 
     def features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The target's last hidden states (B, T, H), from the batch when cached on disk."""
@@ -121,8 +124,8 @@ class EagleMethod:
             return batch["features"]
         return target_features(self.target, batch["input_ids"], batch["attention_mask"], None)
 
-    def _predict(self, batch: dict[str, torch.Tensor], noise: float):
-        """Predicted and true next features and the target's logits at the masked pairs.
+    def _predict(self, batch: dict[str, torch.Tensor], noise: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Predicted and true next features at the masked pairs, (N, H) each.
 
         Pair t reads (f_t, x_{t+1}) and predicts f_{t+1}, whose logits predict x_{t+2}: a pair counts
         where x_{t+2} is in the loss mask (the same positions as Medusa's first head).
@@ -134,39 +137,47 @@ class EagleMethod:
         attn = batch["attention_mask"][:, 1:]
         pred = self.trainable(inputs, batch["input_ids"][:, 1:], self.embed, attention_mask=causal_mask(attn))
         keep = medusa_labels(batch["input_ids"], batch["loss_mask"], 0)[1][:, :-1] & attn.bool()
-        true = feats[:, 1:][keep]
-        with torch.no_grad():
-            target_logits = self.logits(true)
-        return pred[keep], true, target_logits
+        return pred[keep], feats[:, 1:][keep]
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """The target's frozen lm_head on (predicted) features, as float32."""
         return self.lm_head(features.to(self.lm_head.weight.dtype)).float()
 
+    def _cls_sum(self, pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
+        """The soft-label cross-entropy of a chunk of pairs, summed: the target's distribution at the true
+        feature against the drafter's at the predicted one."""
+        with torch.no_grad():
+            p = self.logits(true).softmax(-1)  # (C, V)
+        return -(p * self.logits(pred).log_softmax(-1)).sum()
+
+    def _eval_sums(self, pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
+        """(3 + RANKS,) float64 for a chunk of pairs: feature regression (mean over H, summed over pairs), soft
+        cross-entropy, pairs, and how often the target's top token is the drafter's r-th choice (r < RANKS)."""
+        target, logits = self.logits(true), self.logits(pred)  # (C, V) each
+        reg = F.smooth_l1_loss(pred.float(), true.float(), reduction="none").mean(-1).sum()
+        cls = -(target.softmax(-1) * logits.log_softmax(-1)).sum()
+        hits = (logits.topk(RANKS, dim=-1).indices == target.argmax(-1, keepdim=True)).sum(0)
+        return torch.cat([torch.stack([reg, cls]).double(), reg.new_tensor([pred.shape[0]], dtype=torch.float64),
+                          hits.double()])
+
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        pred, true, target_logits = self._predict(batch, self.cfg.noise)
+        pred, true = self._predict(batch, self.cfg.noise)
         if pred.shape[0] == 0:
             zero = pred.sum() * 0.0
             return zero, {"loss": zero.detach(), "reg_loss": zero.detach(), "cls_loss": zero.detach()}
         reg = F.smooth_l1_loss(pred.float(), true.float())
-        logq = torch.log_softmax(self.logits(pred), dim=-1)
-        cls = -(target_logits.softmax(-1) * logq).sum(-1).mean()
+        cls = chunked_sum(self._cls_sum, (pred, true), self.chunk) / pred.shape[0]
         total = reg + self.cfg.w_cls * cls
         return total, {"loss": total.detach(), "reg_loss": reg.detach(), "cls_loss": cls.detach()}
 
-    def evaluate(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        reg, cls, hits, count = 0.0, 0.0, torch.zeros(RANKS), 0
+    def evaluate(self, batches: list[dict[str, torch.Tensor]],
+                 total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+        """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share)."""
+        sums = torch.zeros(3 + RANKS, dtype=torch.float64, device=self.lm_head.weight.device)
         for batch in batches:
-            pred, true, target_logits = self._predict(batch, 0.0)
-            if pred.shape[0] == 0:
-                continue
-            logits = self.logits(pred)
-            reg += F.smooth_l1_loss(pred.float(), true.float(), reduction="none").mean(-1).sum().item()
-            cls += -(target_logits.softmax(-1) * logits.log_softmax(-1)).sum().item()
-            top = logits.topk(RANKS, dim=-1).indices
-            hits += (top == target_logits.argmax(-1, keepdim=True)).sum(0).cpu()
-            count += pred.shape[0]
-        count = max(count, 1)
+            sums += chunked_sum(self._eval_sums, self._predict(batch, 0.0), self.chunk)
+        sums = (total(sums) if total else sums).cpu()
+        reg, cls, count, hits = float(sums[0]), float(sums[1]), max(float(sums[2]), 1.0), sums[3:]
         metrics = {"loss": (reg + self.cfg.w_cls * cls) / count, "reg_loss": reg / count, "cls_loss": cls / count,
                    "top1": float(hits[0] / count), "top5": float(hits[:5].sum() / count)}
         for r in range(RANKS):
@@ -211,29 +222,35 @@ class Eagle3Method(EagleMethod):
         self.layers = draft.config.feature_layers
 
     def _unroll(self, batch: dict[str, torch.Tensor]):
-        """The drafter's outputs per step, and the target's logits (B, T, V), from online or cached features."""
+        """The drafter's outputs per step and the target's last hidden states (B, T, H), from online or cached
+        features; the target's lm_head projects only the positions that carry a label (in Eagle3Loss)."""
         feats = batch["features"] if "features" in batch else target_features(
             self.target, batch["input_ids"], batch["attention_mask"], self.layers)
         hidden = self.lm_head.weight.shape[1]
-        with torch.no_grad():
-            target_logits = self.logits(feats[..., -hidden:])
-        ttt = Eagle3Loss(self.trainable, self.cfg.ttt_steps)
-        return ttt, ttt.unroll(feats[..., :-hidden], batch, self.embed), target_logits
+        draft = getattr(self.trainable, "module", self.trainable)  # DDP and DeepSpeed wrap it; FSDP2 does not
+        ttt = Eagle3Loss(draft, self.cfg.ttt_steps, self.lm_head, self.chunk, runner=self.trainable)
+        return ttt, ttt.unroll(feats[..., :-hidden], batch, self.embed), feats[..., -hidden:]
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        ttt, outputs, target_logits = self._unroll(batch)
-        return ttt.loss(outputs, target_logits, batch)
+        ttt, outputs, target = self._unroll(batch)
+        return ttt.loss(outputs, target, batch)
 
-    def evaluate(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    def evaluate(self, batches: list[dict[str, torch.Tensor]],
+                 total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+        """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share).
+        "loss" is the mean over batches of the batch's loss."""
         steps = self.cfg.ttt_steps
-        hits, counts, accepted, positions, loss = torch.zeros(steps), torch.zeros(steps), 0.0, 0.0, 0.0
+        # [summed batch losses, batches, accepted, positions, hits per step, counted positions per step]
+        sums = torch.zeros(4 + 2 * steps, dtype=torch.float64, device=self.lm_head.weight.device)
         for batch in batches:
-            ttt, outputs, target_logits = self._unroll(batch)
-            loss += float(ttt.loss(outputs, target_logits, batch)[0])
-            h, c, a, p = ttt.agreement(outputs, target_logits, batch)
-            hits, counts, accepted, positions = hits + h, counts + c, accepted + a, positions + p
-        top = hits / counts.clamp(min=1)
-        metrics = {"loss": loss / max(len(batches), 1), "top1": float(top[0]), "sim_accept": accepted / max(positions, 1)}
+            ttt, outputs, target = self._unroll(batch)
+            loss = ttt.loss(outputs, target, batch)[0].detach().double()
+            hits, counts, accepted, positions = ttt.agreement(outputs, target, batch)
+            sums += torch.cat([torch.stack([loss, torch.ones_like(loss), accepted, positions]), hits, counts])
+        sums = (total(sums) if total else sums).cpu()
+        loss, batches_seen, accepted, positions = sums[:4].tolist()
+        top = sums[4 : 4 + steps] / sums[4 + steps :].clamp(min=1)
+        metrics = {"loss": loss / max(batches_seen, 1), "top1": float(top[0]), "sim_accept": accepted / max(positions, 1)}
         metrics |= {f"step{i}_top1": float(top[i]) for i in range(steps)}
         return metrics
 
@@ -318,10 +335,12 @@ def build_drafter(cfg: EagleConfig, target, train_data: dict) -> EagleDraft | Ea
 def run(cfg: EagleConfig) -> dict:
     """Set up, train and save; returns the target, the trained drafter and the validation history."""
     accelerator = start_run(cfg)
-    target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
+    with unpartitioned(accelerator):  # whole on every rank, also under ZeRO-3: it only makes features
+        target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
     with accelerator.main_process_first():
         train_data, eval_data = datasets_for(cfg, tokenizer, target)
-    draft = build_drafter(cfg, target, train_data).to(accelerator.device)
+    with unpartitioned(accelerator):  # built whole, initialised from the target; prepare() shards it
+        draft = build_drafter(cfg, target, train_data).to(accelerator.device)
     layers = draft.config.feature_layers
     if cfg.cache_features:
         with accelerator.main_process_first():

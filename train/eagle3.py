@@ -16,11 +16,13 @@ target argmax is outside the draft vocabulary, are left out. No feature-regressi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from heads.eagle3 import Eagle3Draft
-from train.medusa import medusa_labels
+from train.medusa import chunk_rows, chunked_sum
 
 STEP_DECAY = 0.8  # weight of step i's loss is STEP_DECAY ** i
 
@@ -42,66 +44,123 @@ def init_from_target(draft: Eagle3Draft, target) -> None:
 
 
 class Labels:
-    """The target's distributions over the draft vocabulary (renormalised) and its argmax (as target ids) at
-    every position, computed once per batch; each step reads a shifted slice."""
+    """The label rows of a batch: positions p whose next token x_{p+1} is loss-bearing and visible, where the
+    target's prediction is a label, and the target's choice there (argmax over its whole vocabulary).
 
-    def __init__(self, target_logits: torch.Tensor, draft: Eagle3Draft, batch: dict[str, torch.Tensor]) -> None:
-        logits = target_logits[:, 1:]  # the label of step i at t is the target's prediction at t + 1 + i
-        self.argmax = logits.argmax(-1)  # (B, T-1)
-        self.probs = torch.softmax(logits.float().index_select(-1, draft.draft_ids), dim=-1)  # (B, T-1, N)
-        self.input_ids, self.loss_mask, self.attention_mask = (
-            batch["input_ids"], batch["loss_mask"], batch["attention_mask"])
+        label row p   the target's prediction at p, for x_{p+1}       (1 <= p <= T-2)
+        step i at t   predicts x_{t+2+i}: label row p = t + 1 + i     (t >= 0)
 
-    def step(self, step: int):
-        """For step `step` at positions t = 0..T-2-step: the target's distribution over the draft vocabulary
-        (B, T', N), its argmax as a target id (B, T'), and which positions count (B, T')."""
-        length = self.argmax.shape[1] - step
-        labels_ok = medusa_labels(self.input_ids, self.loss_mask, step)[1][:, :length]  # x_{t+2+step} is loss-bearing
-        visible = self.attention_mask[:, 2 + step :].bool()
-        keep = labels_ok & F.pad(visible, (0, length - visible.shape[1]))
-        return self.probs[:, step:], self.argmax[:, step:], keep
+    Only these rows are projected onto the target's vocabulary, `chunk` rows at a time, and only their target
+    states (R, H) are kept: the soft labels are recomputed chunk by chunk where they are needed.
+    """
+
+    def __init__(self, target: torch.Tensor, batch: dict[str, torch.Tensor],
+                 target_logits: Callable[[torch.Tensor], torch.Tensor], chunk: int) -> None:
+        carries = batch["loss_mask"][:, 2:].bool() & batch["attention_mask"][:, 2:].bool()  # (B, T-2): p = 1..T-2
+        self.b, p = carries.nonzero(as_tuple=True)
+        self.p = p + 1  # (R,) each
+        self.states = target[self.b, self.p]  # (R, H)
+        with torch.no_grad():
+            self.argmax = torch.cat([target_logits(s).argmax(-1) for s in self.states.split(chunk)])  # (R,)
+
+    def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The label rows step `step` reaches, as indices into the rows (n,), with their batch row and the
+        drafter's position t = p - 1 - step, (n,) each."""
+        rows = (self.p > step).nonzero().squeeze(1)
+        return rows, self.b[rows], self.p[rows] - 1 - step
 
 
 class Eagle3Loss:
-    """The training-time-test loss and validation metrics for an Eagle3Draft (the recipe's method uses it)."""
+    """The training-time-test loss and validation metrics for an Eagle3Draft (the recipe's method uses it).
 
-    def __init__(self, draft: Eagle3Draft, steps: int) -> None:
-        self.draft, self.steps = draft, steps
+    `target` arguments are the target's last hidden states (B, T, H), read through its frozen `lm_head`;
+    without an lm_head they are the target's logits (B, T, V) already. Positions are projected onto a
+    vocabulary `chunk` at a time (default: a bounded float32 chunk, train.medusa.chunk_rows). `runner` is the
+    drafter as the training engine wrapped it (DDP, DeepSpeed): the unroll goes through its forward, while
+    `draft` (the module itself) answers attribute reads.
+    """
+
+    def __init__(self, draft: Eagle3Draft, steps: int, lm_head: torch.nn.Module | None = None,
+                 chunk: int | None = None, runner: torch.nn.Module | None = None) -> None:
+        self.draft, self.steps, self.lm_head = draft, steps, lm_head
+        self.runner = runner if runner is not None else draft
+        self.chunk = chunk or chunk_rows(draft.t2d.numel())
+        self.draft_ids = draft.draft_ids  # (N,) target ids
+        # The soft labels need the target's logits over the draft vocabulary only: its lm_head's rows of them.
+        self.label_weight = self.label_bias = None
+        if lm_head is not None:
+            bias = getattr(lm_head, "bias", None)
+            with torch.no_grad():
+                if self.draft_ids.numel() == lm_head.weight.shape[0]:  # the whole vocabulary, in order
+                    self.label_weight, self.label_bias = lm_head.weight, bias
+                else:
+                    ids = self.draft_ids.to(lm_head.weight.device)
+                    self.label_weight, self.label_bias = lm_head.weight[ids], None if bias is None else bias[ids]
+
+    def target_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """The target's float32 logits over its whole vocabulary (C, V) at these states (C, H)."""
+        if self.lm_head is None:
+            return states.float()
+        return self.lm_head(states.to(self.lm_head.weight.dtype)).float()
+
+    def label_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """The target's float32 logits over the draft vocabulary only (C, N), in draft order."""
+        if self.label_weight is None:
+            return states.float().index_select(-1, self.draft_ids)
+        return F.linear(states.to(self.label_weight.dtype), self.label_weight, self.label_bias).float()
 
     def unroll(self, features: torch.Tensor, batch: dict[str, torch.Tensor], embed) -> list[torch.Tensor]:
         ids, attn = batch["input_ids"], batch["attention_mask"]
         dtype = next(self.draft.parameters()).dtype
-        return self.draft.unrolled(features[:, :-1].to(dtype), ids[:, 1:], embed, attn[:, 1:], self.steps)
+        return self.runner(features[:, :-1].to(dtype), ids[:, 1:], embed, attn[:, 1:], unroll=self.steps)
 
-    def loss(self, outputs: list[torch.Tensor], target_logits: torch.Tensor, batch: dict[str, torch.Tensor]):
+    def _soft_ce_sum(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Summed over a chunk of positions: the cross-entropy of the drafter's distribution at its outputs
+        (C, H) against the target's, renormalised over the draft vocabulary, at the label rows' states."""
+        with torch.no_grad():
+            probs = torch.softmax(self.label_logits(target), dim=-1)  # (C, N)
+        logq = torch.log_softmax(self.draft.logits(outputs).float(), dim=-1)  # (C, N)
+        return -(probs * logq).sum()
+
+    def loss(self, outputs: list[torch.Tensor], target: torch.Tensor, batch: dict[str, torch.Tensor]):
         total = outputs[0].sum() * 0.0
         logs = {}
-        labels = Labels(target_logits, self.draft, batch)
+        labels = Labels(target, batch, self.target_logits, self.chunk)
         for i, out in enumerate(outputs):
-            probs, argmax, keep = labels.step(i)
-            keep = keep & self.draft.t2d[argmax]  # the target's choice must be draftable
-            logq = torch.log_softmax(self.draft.logits(out[:, : keep.shape[1]][keep]).float(), dim=-1)
-            ce = -(probs[keep] * logq).sum(-1).mean() if keep.any() else logq.sum() * 0.0
+            rows, b, t = labels.step(i)
+            draftable = self.draft.t2d[labels.argmax[rows]]  # the target's choice must be draftable
+            rows, b, t = rows[draftable], b[draftable], t[draftable]
+            if rows.numel():
+                ce = chunked_sum(self._soft_ce_sum, (out[b, t], labels.states[rows]), self.chunk) / rows.numel()
+            else:
+                ce = self.draft.logits(out[b, t]).sum() * 0.0
             total = total + STEP_DECAY**i * ce
             logs[f"step{i}_loss"] = ce.detach()
         logs["loss"] = total.detach()
         return total, logs
 
     @torch.no_grad()
-    def agreement(self, outputs: list[torch.Tensor], target_logits: torch.Tensor, batch: dict[str, torch.Tensor]):
-        """Per step: (agreeing positions, counted positions), and the simulated acceptance length summed over
-        positions: 1 + the number of leading steps whose top-1 (as a target id) is the target's argmax."""
-        steps = len(outputs)
-        hits, counts = torch.zeros(steps), torch.zeros(steps)
-        labels = Labels(target_logits, self.draft, batch)
-        _, _, base = labels.step(0)
-        streak = base.clone()
-        accepted = base.float()  # the bonus token of every counted position
+    def agreement(self, outputs: list[torch.Tensor], target: torch.Tensor, batch: dict[str, torch.Tensor]):
+        """Per step: agreeing positions and counted positions (steps,), and the simulated acceptance length
+        summed over positions: 1 + the number of leading steps whose top-1 (as a target id) is the target's
+        argmax; then the number of positions. float64 tensors, on the outputs' device."""
+        labels = Labels(target, batch, self.target_logits, self.chunk)
+        B, T = outputs[0].shape[:2]
+        device = outputs[0].device
+        hits = torch.zeros(self.steps, dtype=torch.float64, device=device)
+        counts = torch.zeros(self.steps, dtype=torch.float64, device=device)
+        streak = torch.zeros(B, T, dtype=torch.bool, device=device)  # (B, T): every earlier step agreed at t
+        _, b, t = labels.step(0)
+        streak[b, t] = True
+        positions = streak.sum(dtype=torch.float64)
+        accepted = positions.clone()  # the bonus token of every counted position
         for i, out in enumerate(outputs):
-            _, argmax, keep = labels.step(i)
-            guess = self.draft.to_target(self.draft.logits(out[:, : keep.shape[1]]).argmax(-1))
-            agree = (guess == argmax) & keep
-            hits[i], counts[i] = agree.sum().item(), keep.sum().item()
-            streak = streak[:, : keep.shape[1]] & agree
-            accepted[:, : keep.shape[1]] += streak.float()
-        return hits, counts, float(accepted.sum()), float(base.sum())
+            rows, b, t = labels.step(i)
+            guess = torch.cat([self.draft.logits(o).argmax(-1) for o in out[b, t].split(self.chunk)])  # (n,)
+            agree = self.draft.to_target(guess) == labels.argmax[rows]
+            hits[i], counts[i] = agree.sum(), rows.numel()
+            agreed = torch.zeros_like(streak)
+            agreed[b[agree], t[agree]] = True
+            streak &= agreed
+            accepted += streak.sum()
+        return hits, counts, accepted, positions

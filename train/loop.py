@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,6 +42,7 @@ from train.checkpoints import (
 from train.config import ConfigError, check_at_least, check_finite
 from train.data import cache_dir, load_examples, split_examples
 from train.distill import regenerate
+from train.distributed import check_engine, configure_deepspeed, gathered_module, scheduler_steps_per_update
 
 REPORTERS = ("none", "wandb", "tensorboard")
 PRECISIONS = ("no", "bf16", "fp16")
@@ -83,6 +85,7 @@ class TrainConfig:
     resume_allow_changes: bool = False  # resume although batch size, data or model differ from the checkpoint's
     report_to: str = "none"  # none | wandb | tensorboard
     run_name: str | None = None  # the tracker's run name (default: output_dir's name)
+    ddp_timeout_minutes: float = 360.0  # how long ranks wait for each other (data preparation, tree fitting on rank 0)
 
     @property
     def target_dtype(self) -> torch.dtype:
@@ -103,6 +106,8 @@ class TrainConfig:
                      "per_device_train_batch_size", "per_device_eval_batch_size", "eval_batches", "max_length",
                      "distill_prompt_tokens"), 1)
         check_at_least(self, ("max_train_examples", "save_total_limit", "max_minutes", "weight_decay", "max_grad_norm"), 0)
+        if self.ddp_timeout_minutes <= 0:
+            raise ConfigError(f"--ddp_timeout_minutes must be > 0, got {self.ddp_timeout_minutes}")
         if self.learning_rate <= 0:
             raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
         for name in ("adam_beta1", "adam_beta2"):
@@ -121,13 +126,16 @@ class Method(Protocol):
     """What a recipe gives the loop."""
 
     trainable: torch.nn.Module
+    target: torch.nn.Module  # the frozen target (checked unchanged at the end)
     label: str  # what is saved, for the closing message ("Medusa heads")
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss to minimise and detached scalars to log (read only at logging steps: no sync per step)."""
         ...
 
-    def evaluate(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]: ...
+    def evaluate(self, batches: list[dict[str, torch.Tensor]], total=None) -> dict[str, float]:
+        """Metrics over `batches`; every accumulated sum goes through `total` (a sum across ranks) once."""
+        ...
 
     def save(self, module: torch.nn.Module, output_dir: Path, metrics: dict[str, float]) -> None: ...
 
@@ -184,7 +192,7 @@ def subset(examples: dict, count: int, seed: int) -> dict:
 def distilled(cfg: TrainConfig, target, examples: dict, pad: int, name: str) -> dict:
     """Self-distilled examples, cached on disk by the model, the data and the prompt length."""
     digest = hashlib.sha1(examples["input_ids"].numpy().tobytes())
-    digest.update(f"{cfg.model}|{cfg.distill_prompt_tokens}|{sum(p.sum().item() for p in target.parameters())}".encode())
+    digest.update(f"{cfg.model}|{cfg.distill_prompt_tokens}|{weights_fingerprint(target)}".encode())
     path = cache_dir() / f"distill-{name}-{digest.hexdigest()[:16]}.pt"
     if path.is_file():
         return torch.load(path, weights_only=True)
@@ -193,20 +201,33 @@ def distilled(cfg: TrainConfig, target, examples: dict, pad: int, name: str) -> 
     return out
 
 
+@torch.no_grad()
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A digest of a model's weights (float64 sums per tensor, read back in one transfer): any update changes it."""
+    sums = [torch.stack([p.sum(dtype=torch.float64), p.abs().sum(dtype=torch.float64)]) for p in model.parameters()]
+    return hashlib.sha1(repr(torch.stack(sums).cpu().tolist()).encode()).hexdigest()[:16] if sums else "empty"
+
+
 def start_run(cfg: TrainConfig) -> Accelerator:
     """The accelerator, the output folder checked (writable, no other run's checkpoints) before any
     heavy work, and the seed set."""
     accelerator = make_accelerator(cfg)
+    check_engine(accelerator)
     prepare_output_dir(accelerator, Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir)
     set_seed(cfg.seed)
     return accelerator
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
-    # Several CPU processes need gloo, or accelerate reports one process per rank and shards nothing.
+    # Several CPU processes need gloo, or accelerate reports one process per rank and shards nothing. The
+    # timeout covers the longest wait: other ranks while rank 0 prepares the data or fits the tree.
+    # DDP also needs cpu=True to count as multi-CPU; DeepSpeed (DS_ACCELERATOR=cpu) keeps its own type but gloo.
     multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if multi_cpu else []
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    timeout = timedelta(minutes=cfg.ddp_timeout_minutes)
+    handlers = [InitProcessGroupKwargs(backend="gloo" if multi_cpu else None, timeout=timeout)]
     return Accelerator(
+        cpu=multi_cpu and not deepspeed,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         mixed_precision=cfg.mixed_precision,
         log_with=None if cfg.report_to == "none" else cfg.report_to,
@@ -242,17 +263,17 @@ def train(
             f"{accelerator.num_processes} processes: add data or lower the batch size"
         )
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(per_epoch * cfg.num_epochs)
-    # accelerate steps a prepared scheduler once per process per optimizer step: size it the same way.
-    procs = accelerator.num_processes
-    scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total) * procs, total * procs)
-    # Every rank evaluates the same batches, so the main rank's numbers are the run's numbers.
+    ticks = scheduler_steps_per_update(accelerator)  # the prepared scheduler's steps per optimizer step
+    scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total) * ticks, total * ticks)
+    fingerprint = run_fingerprint(cfg, accelerator, trainable, train_data)  # before ZeRO-3/FSDP shard the shapes
+    fingerprint["target_weights"] = weights_fingerprint(method.target)
+    configure_deepspeed(accelerator, cfg.max_grad_norm)
     trainable, optimizer, loader, scheduler = accelerator.prepare(trainable, optimizer, loader, scheduler)
     method.trainable = trainable
 
     step, epoch, batches_done = 0, 0, 0
     history: list[tuple[int, dict[str, float]]] = []
     metrics: dict[str, float] = {}
-    fingerprint = run_fingerprint(cfg, accelerator, trainable, train_data)
     run_id = uuid.uuid4().hex
     resume_from = find_resume(cfg.resume, output_dir)
     if resume_from is not None:
@@ -268,16 +289,20 @@ def train(
 
     if cfg.report_to != "none":
         accelerator.init_trackers(cfg.run_name or output_dir.name, config=dataclasses.asdict(cfg))
+    global_batch = cfg.per_device_train_batch_size * accelerator.num_processes * cfg.gradient_accumulation_steps
     accelerator.print(
         f"training {sum(p.numel() for p in params) / 1e6:.2f} M parameters for {total} steps "
-        f"({len(train_data['input_ids'])} examples of {cfg.max_length} tokens, {per_epoch} steps per epoch)"
+        f"({len(train_data['input_ids'])} examples of {cfg.max_length} tokens, {per_epoch} steps per epoch); "
+        f"global batch {global_batch} = {cfg.per_device_train_batch_size} per device x {accelerator.num_processes} "
+        f"processes x {cfg.gradient_accumulation_steps} accumulation"
     )
     bar = tqdm(total=total, initial=step, disable=not main, desc="train", dynamic_ncols=True)
     if step == 0 and total > 0:
-        metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator.device)
+        metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator)
         history.append((0, metrics))
         bar.write("step 0: " + format_metrics(metrics))
     start = time.time()
+    tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)  # this rank's real tokens since start
     stop = step >= total
     while not stop:
         loader.set_epoch(epoch)
@@ -293,6 +318,7 @@ def train(
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             batches_done += 1
+            tokens += batch["attention_mask"].sum()
             if not accelerator.sync_gradients:
                 continue
             step += 1
@@ -303,10 +329,11 @@ def train(
             stop = step >= total or out_of_time
             if step % cfg.logging_steps == 0:
                 logs = {"train/" + k: float(v) for k, v in logs.items()} | {"lr": scheduler.get_last_lr()[0]}
-                bar.set_postfix(loss=f"{logs['train/loss']:.3f}")
+                rate = float(tokens) * accelerator.num_processes / max(time.time() - start, 1e-9)
+                bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{rate:,.0f}")
                 accelerator.log(logs, step=step)
             if step % cfg.eval_steps == 0 or stop:
-                metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator.device)
+                metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator)
                 history.append((step, metrics))
                 accelerator.log({"eval/" + k: v for k, v in metrics.items()}, step=step)
                 bar.write(f"step {step}: " + format_metrics(metrics))
@@ -321,13 +348,19 @@ def train(
         else:
             epoch, batches_done = epoch + 1, 0
     bar.close()
+    if weights_fingerprint(method.target) != fingerprint["target_weights"]:
+        raise RuntimeError("the frozen target's weights changed during training: a drafter trained on a moving "
+                           "target is wrong; check that no optimizer or engine received the target's parameters")
     accelerator.wait_for_everyone()
-    method.trainable = accelerator.unwrap_model(trainable, keep_fp32_wrapper=False)
+    # every rank helps gather the weights (ZeRO-3 / FSDP shard them); rank 0 fits the tree and writes once
+    full = gathered_module(accelerator, trainable)
+    method.trainable = full if main else accelerator.unwrap_model(trainable, keep_fp32_wrapper=False)
     if main:
         method.save(method.trainable, output_dir, metrics)
         save_recipe(cfg, output_dir)
         if history:
             report_saved(cfg, history, method.label)
+    accelerator.wait_for_everyone()  # the others wait for the save (ddp_timeout_minutes bounds it)
     accelerator.end_training()
     return history
 
@@ -378,10 +411,16 @@ def ranks_agree(accelerator: Accelerator, flag: bool) -> bool:
 
 
 @torch.no_grad()
-def run_eval(method: Method, loader: DataLoader, max_batches: int, device: torch.device) -> dict[str, float]:
+def run_eval(method: Method, loader: DataLoader, max_batches: int, accelerator: Accelerator) -> dict[str, float]:
+    """The first `max_batches` validation batches, split across ranks (rank r takes r, r + n, ...) and the
+    sums reduced, so n ranks compute what one would, n times faster."""
     method.trainable.eval()
-    batches = [{k: v.to(device) for k, v in b.items()} for b in itertools.islice(loader, max_batches)]
-    return method.evaluate(batches)
+    n, device = accelerator.num_processes, accelerator.device
+    mine = itertools.islice(loader, accelerator.process_index, max_batches, n)
+    batches = [{k: v.to(device) for k, v in b.items()} for b in mine]
+    if n == 1:
+        return method.evaluate(batches)
+    return method.evaluate(batches, total=lambda t: accelerator.reduce(t.to(device), "sum").to(t.device))
 
 
 def heads_config(cfg: TrainConfig, target, kind: str, **fields: Any) -> HeadsConfig:

@@ -11,16 +11,19 @@ are saved with a default tree fitted to their measured top-k accuracies.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from heads.errors import run_main
 from heads.medusa import MedusaHeads
 from infer.bench import forward_latency
 from infer.tree import best_choices, fit_tree
 from train.config import ConfigError, check_at_least, load_config
+from train.distributed import unpartitioned
 from train.loop import (
     TrainConfig,
     datasets_for,
@@ -31,6 +34,8 @@ from train.loop import (
 )
 
 RANKS = 10  # top-k depth of the accuracy table the default tree is fitted to
+CHUNK_ELEMENTS = 2**26  # float32 logits per loss chunk (256 MiB): positions per chunk = this // vocabulary size
+UNPROJECTED = torch.nn.Identity()  # passed as the shared lm_head: the heads return features, projected in chunks
 
 
 @dataclasses.dataclass
@@ -84,12 +89,32 @@ def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> t
     return labels, mask
 
 
+def chunk_rows(vocab_size: int) -> int:
+    """Positions per loss chunk: a bounded float32 (positions x vocabulary) tensor whatever the vocabulary."""
+    return max(1, CHUNK_ELEMENTS // vocab_size)
+
+
+def chunked_sum(fn: Callable[..., torch.Tensor], rows: tuple[torch.Tensor, ...], chunk: int) -> torch.Tensor:
+    """fn(*rows) for a fn that sums over rows (a scalar or a vector of sums), computed `chunk` rows at a time.
+
+    Only one chunk's vocabulary-sized tensors are alive at once: with gradients each chunk is
+    checkpointed, its logits dropped after the forward pass and recomputed in the backward pass.
+    """
+    total = None
+    for part in zip(*(r.split(chunk) for r in rows)):
+        out = checkpoint(fn, *part, use_reentrant=False) if torch.is_grad_enabled() else fn(*part)
+        total = out if total is None else total + out
+    return total
+
+
 class MedusaMethod:
     label = "Medusa heads"
 
     def __init__(self, cfg: MedusaConfig, target, heads: MedusaHeads) -> None:
         self.cfg, self.target, self.trainable = cfg, target, heads
         self.lm_head = target.get_output_embeddings()
+        self.num_heads, self.shared = heads.config.num_heads, heads.config.share_lm_head
+        self.chunk = chunk_rows(heads.config.vocab_size)  # loss positions projected onto the vocabulary at a time
 
     def _hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():  # the frozen target; base_model skips its lm_head
@@ -98,30 +123,56 @@ class MedusaMethod:
         return out.last_hidden_state  # (B, T, H)
 
     def _per_head(self, batch: dict[str, torch.Tensor]):
+        """Per head k: its outputs at its loss positions only, (M_k, H) features of heads that share the
+        target's lm_head (projected chunk by chunk in `_logits`) or (M_k, V) logits, and the labels (M_k,)."""
         hidden = self._hidden(batch)
-        for k, logits in enumerate(self.trainable(hidden, self.lm_head)):  # logits (B, T, V)
-            labels, mask = medusa_labels(batch["input_ids"], batch["loss_mask"], k)
-            yield k, logits[mask].float(), labels[mask]
+        masks = [medusa_labels(batch["input_ids"], batch["loss_mask"], k) for k in range(self.num_heads)]
+        some = torch.stack([mask for _, mask in masks]).any(0)  # (B, T): positions some head learns from
+        # One call through the (possibly DDP-wrapped) heads; shared heads return their features unprojected.
+        outputs = self.trainable(hidden[some], UNPROJECTED if self.shared else self.lm_head)  # K x (M, H or V)
+        for k, (labels, mask) in enumerate(masks):
+            yield k, outputs[k][mask[some]], labels[mask]
+
+    def _logits(self, outputs: torch.Tensor) -> torch.Tensor:
+        """A chunk of one head's outputs (C, H or V) -> float32 logits (C, V). Validation runs without autocast:
+        features meet a bf16 lm_head in its dtype."""
+        return (self.lm_head(outputs.to(self.lm_head.weight.dtype)) if self.shared else outputs).float()
+
+    def _ce_sum(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self._logits(outputs), labels, reduction="sum")
+
+    def _eval_sums(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(2 + RANKS,) float64: the summed cross-entropy, the number of labels, how often the label is the
+        r-th choice (r < RANKS)."""
+        logits = self._logits(outputs)  # (C, V)
+        top = logits.topk(RANKS, dim=-1).indices  # (C, R)
+        ce = F.cross_entropy(logits, labels, reduction="sum")
+        return torch.cat([torch.stack([ce.double(), ce.new_tensor(labels.numel(), dtype=torch.float64)]),
+                          (top == labels[:, None]).sum(0).double()])
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         total, logs = 0.0, {}
-        for k, logits, labels in self._per_head(batch):
-            ce = F.cross_entropy(logits, labels) if labels.numel() else logits.sum() * 0.0
+        for k, outputs, labels in self._per_head(batch):
+            if labels.numel():
+                ce = chunked_sum(self._ce_sum, (outputs, labels), self.chunk) / labels.numel()
+            else:
+                ce = self._logits(outputs).sum() * 0.0
             total = total + self.cfg.head_decay**k * ce
             logs[f"head{k}_loss"] = ce.detach()
         logs["loss"] = total.detach()
         return total, logs
 
-    def evaluate(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        K = self.cfg.num_heads
-        loss_sum, hits, count = torch.zeros(K), torch.zeros(K, RANKS), torch.zeros(K)
+    def evaluate(self, batches: list[dict[str, torch.Tensor]],
+                 total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+        """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share)."""
+        K = self.num_heads
+        # per head, summed over batches, then over processes: cross-entropy, labels, hits at rank 0..RANKS-1
+        sums = torch.zeros(K, 2 + RANKS, dtype=torch.float64, device=self.lm_head.weight.device)
         for batch in batches:
-            for k, logits, labels in self._per_head(batch):
-                loss_sum[k] += F.cross_entropy(logits, labels, reduction="sum").item()
-                top = logits.topk(RANKS, dim=-1).indices  # (M, R)
-                hits[k] += (top == labels[:, None]).sum(0).cpu()
-                count[k] += labels.numel()
-        count = count.clamp(min=1)
+            for k, outputs, labels in self._per_head(batch):
+                sums[k] += chunked_sum(self._eval_sums, (outputs, labels), self.chunk)
+        sums = (total(sums) if total else sums).cpu()
+        loss_sum, count, hits = sums[:, 0], sums[:, 1].clamp(min=1), sums[:, 2:]
         metrics = {"loss": float((loss_sum / count * self.cfg.head_decay ** torch.arange(K)).sum())}
         for k in range(K):
             metrics[f"head{k}_loss"] = float(loss_sum[k] / count[k])
@@ -159,12 +210,14 @@ class MedusaMethod:
 def run(cfg: MedusaConfig) -> dict:
     """Set up, train and save; returns the target, the trained heads and the validation history."""
     accelerator = start_run(cfg)
-    target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
+    with unpartitioned(accelerator):  # whole on every rank, also under ZeRO-3: it only makes features
+        target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
     heads_cfg = heads_config(cfg, target, "medusa", num_heads=cfg.num_heads, num_layers=cfg.num_layers,
                              share_lm_head=cfg.share_lm_head)
-    heads = MedusaHeads(heads_cfg)
-    heads.init_from_lm_head(target.get_output_embeddings())
-    heads.to(accelerator.device)
+    with unpartitioned(accelerator):  # built whole, initialised from the target; prepare() shards it
+        heads = MedusaHeads(heads_cfg)
+        heads.init_from_lm_head(target.get_output_embeddings())
+        heads.to(accelerator.device)
     initial = {k: v.detach().clone() for k, v in heads.state_dict().items()}
     with accelerator.main_process_first():
         train_data, eval_data = datasets_for(cfg, tokenizer, target)

@@ -1,0 +1,153 @@
+"""Training with several processes, as users launch it: `accelerate launch --config_file configs/accelerate/<x>.yaml`.
+
+Two CPU processes over gloo stand in for two GPUs (DeepSpeed with DS_ACCELERATOR=cpu). Each run trains a
+tiny target's drafter for a few steps; the checks are what a user relies on: the same result as one
+process with the same global batch, a target that never changes, a drafter that loads in one process and
+decodes exactly, and a resumed run that ends where the uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(config: str, script: str, args: dict, processes: int = 2, succeed: bool = True) -> str:
+    """Run `accelerate launch --config_file <config> train/<script>.py` with `args` (a name means
+    configs/accelerate/<name>.yaml); returns its output, failing the test with the output's tail when it
+    fails (or, with succeed=False, when it does not)."""
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+                        "TOKENIZERS_PARALLELISM": "false"}
+    path = config if config.endswith(".yaml") else f"configs/accelerate/{config}.yaml"
+    cmd = [str(ACCELERATE), "launch", "--config_file", path,
+           "--num_processes", str(processes), "--main_process_port", str(free_port()), f"train/{script}.py"]
+    cmd += [x for k, v in args.items() for x in (f"--{k}", str(v))]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    text = out.stdout + out.stderr
+    assert (out.returncode == 0) == succeed, f"{' '.join(cmd)} exited {out.returncode}:\n{text[-4000:]}"
+    return text
+
+
+def run_args(kind: str, model_dir: Path, data: Path, out: Path, batch: int, **extra) -> dict:
+    """A seconds-long run on the tiny target; `batch` per device."""
+    args = {"model": model_dir, "dataset": data, "output_dir": out, "max_length": 32, "max_steps": 6,
+            "per_device_train_batch_size": batch, "eval_steps": 6, "save_steps": 2, "save_total_limit": 0,
+            "learning_rate": 1e-2, "max_minutes": 0, "logging_steps": 1, "self_distill": "false",
+            "max_train_examples": 0, "mixed_precision": "no", "eval_batches": 4, "per_device_eval_batch_size": 2}
+    if kind == "medusa":
+        args |= {"num_heads": 2, "tree_nodes": 5, "share_lm_head": "false"}
+    else:
+        args |= {"depth": 3, "top_k": 2, "total_tokens": 6, "noise": 0.0}
+        if kind == "eagle3":
+            args |= {"version": 3, "ttt_steps": 3, "draft_vocab_size": 48}
+    return args | extra
+
+
+def final_state(out: Path) -> dict:
+    return json.loads(sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))[-1]
+                      .joinpath("trainer_state.json").read_text())
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "model.safetensors")
+
+
+def assert_same_weights(a: Path, b: Path, atol: float) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=atol, msg=f"{name} differs")
+
+
+def assert_decodes_like_target(model_dir: Path, heads: Path) -> None:
+    """The saved drafter loads in this (single) process and greedy decoding equals the target's own."""
+    from transformers import AutoModelForCausalLM
+
+    from infer.generate import SpeculativeModel
+
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    spec = SpeculativeModel.from_pretrained(heads, model=target)
+    prompt = torch.tensor([[1, 5, 9, 13, 7]])
+    want = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)  # both stop at EOS
+    got = spec.generate(prompt, max_new_tokens=24)
+    assert got.tolist() == want.tolist()
+
+
+def assert_target_untouched(model_dir: Path, out: Path) -> None:
+    """The run recorded the target's weights fingerprint at its start, equal to the weights on disk; the loop
+    itself fails the run if they changed by the end."""
+    from transformers import AutoModelForCausalLM
+
+    from train.loop import weights_fingerprint
+
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert final_state(out)["fingerprint"]["target_weights"] == weights_fingerprint(target)
+
+
+def test_ddp_two_processes_equal_one_with_the_same_global_batch(tiny_model_dir, text_data, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch("cpu", "medusa", run_args("medusa", tiny_model_dir, text_data, one, batch=4), processes=1)
+    log = launch("cpu-2proc", "medusa", run_args("medusa", tiny_model_dir, text_data, two, batch=2))
+    assert "global batch 4 = 2 per device x 2 processes x 1 accumulation" in log
+    assert_same_weights(one, two, atol=1e-5)
+    m1, m2 = final_state(one)["metrics"], final_state(two)["metrics"]
+    for key in ("loss", "head0_top1", "head1_loss"):  # validation split over 2 ranks, reduced = 1 rank's
+        assert m1[key] == pytest.approx(m2[key], abs=1e-5), key
+
+
+@pytest.mark.parametrize("config,kind", [("deepspeed-zero2", "eagle3")])
+def test_sharded_training_smoke(config, kind, tiny_model_dir, text_data, tmp_path):
+    """The default run's smoke test of a sharded engine (the full matrix runs under `slow`)."""
+    check_sharded_run(config, kind, tiny_model_dir, text_data, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("config", ["deepspeed-zero2"])
+def test_sharded_training(config, kind, tiny_model_dir, text_data, tmp_path):
+    check_sharded_run(config, kind, tiny_model_dir, text_data, tmp_path)
+
+
+def check_sharded_run(config: str, kind: str, model_dir: Path, data: Path, tmp_path: Path) -> None:
+    """Loss falls, the target is untouched, the drafter decodes exactly in one process, and resuming from
+    the step-2 checkpoint ends with the uninterrupted run's weights."""
+    script = "medusa" if kind == "medusa" else "eagle"
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    launch(config, script, run_args(kind, model_dir, data, full, batch=2, eval_steps=3))
+    at_step_0 = json.loads((full / "checkpoints/step-2/trainer_state.json").read_text())["metrics"]  # the last eval
+    assert final_state(full)["metrics"]["loss"] < at_step_0["loss"]
+    assert_target_untouched(model_dir, full)
+    assert_decodes_like_target(model_dir, full)
+    shutil.copytree(full / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
+    launch(config, script, run_args(kind, model_dir, data, resumed, batch=2, eval_steps=3, resume="latest"))
+    assert_same_weights(full, resumed, atol=1e-6)
+
+
+def test_zero3_is_refused_in_one_line_before_training(tiny_model_dir, text_data, tmp_path):
+    (tmp_path / "zero3.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                                                    "zero_optimization": {"stage": 3}}))
+    (tmp_path / "zero3.yaml").write_text(
+        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: " + str(tmp_path / "zero3.json")
+        + "\n  zero3_init_flag: true\nnum_machines: 1\nnum_processes: 2\nuse_cpu: false\n")
+    log = launch(str(tmp_path / "zero3.yaml"), "medusa", run_args("medusa", tiny_model_dir, text_data, tmp_path / "o", 2),
+                 succeed=False)
+    assert "train/medusa.py: error: DeepSpeed ZeRO-3 is not supported yet" in log
+    assert "deepspeed-zero2.yaml" in log and "step 0:" not in log
