@@ -119,6 +119,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: dict[str,
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()  # DeepSpeed: every rank writes its own shard; seal only after all did
         if accelerator.is_main_process:
             (tmp / STATE_NAME).write_text(json.dumps(state, indent=2))
             for path in tmp.rglob("*"):  # some writers create files 0600; make them readable as the umask says
