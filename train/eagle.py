@@ -38,6 +38,7 @@ from train.loop import (
     load_frozen_target,
     start_run,
     train,
+    weights_fingerprint,
 )
 from train.medusa import chunk_rows, chunked_sum, medusa_labels
 
@@ -288,7 +289,7 @@ def cached_features(cfg: EagleConfig, target, examples: dict, name: str, layers:
     hidden = target.config.get_text_config().hidden_size * (len(layers) + 1 if layers else 1)
     dtype = next(target.parameters()).dtype
     digest = hashlib.sha1(examples["input_ids"].numpy().tobytes())
-    digest.update(f"{cfg.model}|{dtype}|{layers}|{sum(p.sum().item() for p in target.parameters())}".encode())
+    digest.update(f"{cfg.model}|{dtype}|{layers}|{weights_fingerprint(target)}".encode())
     path = cache_dir() / f"features-{name}-{digest.hexdigest()[:16]}.bin"
     size = n * t * hidden * torch.finfo(dtype).bits // 8
     if not path.is_file():
