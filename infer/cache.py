@@ -1,13 +1,108 @@
-"""The target's KV cache during speculative decoding: keep the prefix and the accepted path only."""
+"""The target's KV cache during speculative decoding: allocated once, written and compacted in place.
+
+Each layer holds buffers for every position the generation can reach (prompt + budget + the largest
+tree), allocated at the first forward. A forward writes its keys and values into the next free slots
+and attends to a view of the filled part; accepting a path moves the accepted entries down in place.
+Nothing is reallocated or copied per step (a growing `torch.cat` cache copies itself every step:
+O(T^2) over a generation).
+"""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 
-def new_cache(model: torch.nn.Module, max_length: int) -> DynamicCache:
-    """An empty cache for `model`; fails early where sliding-window layers would drop tree positions."""
+class PreallocatedLayer(DynamicLayer):
+    """One layer's keys and values (B, H, max_length, D), filled up to `length`; `keys`/`values` are views of
+    the filled part (what the attention reads), never copies."""
+
+    def __init__(self, max_length: int) -> None:
+        super().__init__()
+        self.max_length = max_length
+        self.length = 0
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        B, H, _, D = key_states.shape
+        self.key_buffer = key_states.new_empty(B, H, self.max_length, D)  # only the filled part is ever read
+        self.value_buffer = value_states.new_empty(B, value_states.shape[1], self.max_length, value_states.shape[-1])
+        self.is_initialized = True
+        self._set_length(0)
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys = self.key_buffer[:, :, :length]
+        self.values = self.value_buffer[:, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new positions after the filled part; return views of everything filled (the attention's keys)."""
+        if not self.is_initialized or (self.length == 0 and not self._fits(key_states, value_states)):
+            self.lazy_initialization(key_states, value_states)  # first use, or reused for another batch/dtype
+        end = self.length + key_states.shape[-2]
+        if end > self.max_length:
+            raise ValueError(f"the KV cache holds {self.max_length} positions but {end} were written: "
+                             "allocate it for prompt + max_new_tokens + the largest tree")
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def _fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether the buffers can take these states (same batch, heads, head size, dtype and device)."""
+        k, v = self.key_buffer, self.value_buffer
+        return (k.shape[:2] == key_states.shape[:2] and k.shape[3] == key_states.shape[3] and k.dtype == key_states.dtype
+                and k.device == key_states.device and v.shape[3] == value_states.shape[3])
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.max_length
+
+    def keep(self, prefix_len: int, src: torch.Tensor) -> None:
+        """Move the entries at positions `src` (increasing, each >= its destination) to prefix_len, prefix_len + 1,
+        ... and drop everything after them, in place."""
+        if not self.is_initialized:
+            return
+        dst = torch.arange(prefix_len, prefix_len + src.numel(), device=src.device)
+        for buffer in (self.key_buffer, self.value_buffer):
+            buffer.index_copy_(2, dst, buffer.index_select(2, src))
+        self._set_length(prefix_len + src.numel())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `tokens_to_remove` positions (a negative count, as DynamicLayer.crop takes it)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
+        if self.is_initialized and tokens_to_remove:
+            self._set_length(max(0, self.length + tokens_to_remove))
+
+    def reset(self) -> None:
+        """Empty the layer, keeping its buffers for the next generation."""
+        if self.is_initialized:
+            self._set_length(0)
+
+
+class PreallocatedCache(Cache):
+    """A cache of PreallocatedLayers, one per attention layer (created as the forward reaches them)."""
+
+    def __init__(self, max_length: int) -> None:
+        super().__init__(layer_class_to_replicate=partial(PreallocatedLayer, max_length))
+        self.max_length = max_length
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+
+def new_cache(model: torch.nn.Module, max_length: int) -> PreallocatedCache:
+    """An empty cache of `max_length` positions for `model`; fails early where sliding-window layers would drop
+    tree positions."""
     window = getattr(model.config, "sliding_window", None)
     layer_types = getattr(model.config, "layer_types", None) or []
     uses_window = window is not None and (not layer_types or any("sliding" in t for t in layer_types))
@@ -16,27 +111,23 @@ def new_cache(model: torch.nn.Module, max_length: int) -> DynamicCache:
             f"prompt + max_new_tokens + tree ({max_length} tokens) exceeds the model's sliding window ({window}); "
             "tree verification keeps a full cache, so shorten the generation or use a full-attention model"
         )
-    return DynamicCache()
+    return PreallocatedCache(max_length)
 
 
-def keep_accepted(cache: DynamicCache, prefix_len: int, path: torch.Tensor, length: int) -> None:
-    """After verifying a tree appended at `prefix_len`, keep only the nodes `path[:length]` (root first).
+def keep_accepted(cache: PreallocatedCache, prefix_len: int, path: torch.Tensor, length: int) -> None:
+    """After verifying a tree written at `prefix_len`, keep only the nodes `path[:length]` (root first).
 
     Positions in `path` are tree node indices; node i sits at cache position prefix_len + i. The
-    accepted entries move to prefix_len .. prefix_len + length, the rest is cut off. The prefix is
-    never touched or recomputed.
+    accepted entries move to prefix_len .. prefix_len + length in place, the rest is dropped. The
+    prefix is never touched or recomputed.
     """
-    src = prefix_len + path[:length]  # (L,) increasing, src[j] >= prefix_len + j, so the copy is safe
+    src = prefix_len + path[:length]  # (L,) increasing, src[j] >= prefix_len + j
     for layer in cache.layers:
-        for name in ("keys", "values"):
-            kv = getattr(layer, name)  # (B, H, S, D)
-            kv[:, :, prefix_len : prefix_len + length] = kv.index_select(2, src)
-            setattr(layer, name, kv[:, :, : prefix_len + length])
+        layer.keep(prefix_len, src)
 
 
-def truncate(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` positions of every layer (DynamicCache.crop's meaning changed across versions)."""
+def truncate(cache: PreallocatedCache, length: int) -> None:
+    """Keep the first `length` positions of every layer."""
     for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            layer.keys = layer.keys[:, :, :length]
-            layer.values = layer.values[:, :, :length]
+        if layer.is_initialized:
+            layer.crop(min(0, length - layer.length))

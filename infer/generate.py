@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from heads.config import check_compatible
 from heads.io import PretrainedHeads
 from heads.registry import load_heads
-from infer.cache import keep_accepted, new_cache
+from infer.cache import PreallocatedCache, keep_accepted, new_cache
 from infer.eagle import EagleProposer
 from infer.mask import PrefixMask
 from infer.proposers import Draft, MedusaProposer, Proposer
@@ -140,6 +140,7 @@ class SpeculativeModel:
         self.last_stats = GenerationStats()
         self.last_tokens: list[int] = []  # new token ids of the last call
         self.root_only = tree_from_choices([]).to(self.target.device)  # the tree of a step that drafts nothing
+        self._cache: PreallocatedCache | None = None  # the target's KV cache, reused across generations
 
     @classmethod
     def from_pretrained(
@@ -225,7 +226,7 @@ class SpeculativeModel:
         prefix_len = input_ids.numel()
         max_len = prefix_len + max_new_tokens + proposer.max_nodes
         last_tree_at = max_len if limit is None else limit - proposer.max_nodes  # the latest prefix a tree fits after
-        cache = new_cache(self.model, max_len)
+        cache = self._cache_for(max_len)
         mask = PrefixMask(proposer.max_nodes, max_len, target.dtype, target.device)
         context = torch.empty(max_len, dtype=torch.long, device=target.device)  # every token so far, then the root
         context[:prefix_len] = input_ids
@@ -274,6 +275,15 @@ class SpeculativeModel:
             yield new
             if done:
                 return
+
+    def _cache_for(self, max_len: int) -> PreallocatedCache:
+        """The target's KV cache, emptied: the last generation's when it holds `max_len` positions (its buffers
+        are reused, not allocated again), else a new one."""
+        cache = self._cache
+        if cache is None or cache.max_length < max_len:
+            cache = self._cache = new_cache(self.model, max_len)
+        cache.reset()
+        return cache
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, **kwargs) -> torch.Tensor:
         """Like `model.generate` (batch 1): returns (1, prompt + new) token ids. See `decode` for options."""

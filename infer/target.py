@@ -6,8 +6,8 @@ import inspect
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
+from infer.cache import PreallocatedCache
 from infer.mask import PrefixMask
 from infer.tree import Tree
 
@@ -36,7 +36,7 @@ class Target:
 
     @torch.no_grad()
     def prefill(
-        self, input_ids: torch.Tensor, cache: DynamicCache, hidden: bool = True
+        self, input_ids: torch.Tensor, cache: PreallocatedCache, hidden: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids (1, T) after the cached tokens -> logits (V,) at the last position and the last
         hidden states (T, H) at every position (None without `hidden`)."""
@@ -55,7 +55,7 @@ class Target:
 
     @torch.no_grad()
     def verify(
-        self, tokens: torch.Tensor, tree: Tree, mask: PrefixMask, prefix_len: int, cache: DynamicCache
+        self, tokens: torch.Tensor, tree: Tree, mask: PrefixMask, prefix_len: int, cache: PreallocatedCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """ONE forward over all tree nodes on top of the cache -> logits (N, V), the drafter's features (N, H or nH)."""
         positions = (prefix_len + tree.depths)[None]  # (1, N)

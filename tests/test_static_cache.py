@@ -1,0 +1,83 @@
+"""The target's KV cache is allocated once and written in place: a long generation never reallocates or
+copies it (the storage stays where it was), a second generation reuses it, and what it holds after each
+acceptance equals a plain run's cache."""
+
+import torch
+from test_generate import CHOICES, random_heads
+
+import infer.generate as generate_module
+from conftest import VOCAB, tiny_model
+from infer.cache import PreallocatedLayer, new_cache
+from infer.generate import SpeculativeModel
+from infer.proposers import MedusaProposer
+
+
+def spec_model(model) -> SpeculativeModel:
+    return SpeculativeModel(model, MedusaProposer(random_heads(model, scale=0.0), model.get_output_embeddings(), CHOICES))
+
+
+def watch_cache(monkeypatch) -> list[list[tuple[int, int, int]]]:
+    """Record, after every acceptance, each layer's (key storage, value storage, filled length)."""
+    seen = []
+    keep = generate_module.keep_accepted
+
+    def recording(cache, prefix_len, path, length):
+        keep(cache, prefix_len, path, length)
+        seen.append([(layer.key_buffer.data_ptr(), layer.value_buffer.data_ptr(), layer.length)
+                     for layer in cache.layers])
+
+    monkeypatch.setattr(generate_module, "keep_accepted", recording)
+    return seen
+
+
+def test_a_long_generation_never_reallocates_the_cache(monkeypatch):
+    model = tiny_model("llama")
+    spec = spec_model(model)
+    seen = watch_cache(monkeypatch)
+    prompt = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    out = spec.generate(prompt, max_new_tokens=300, eos_token_id=[])  # no EOS: all 300 tokens
+    want = model.generate(prompt, max_new_tokens=300, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out.tolist() == want.tolist()
+    assert len(seen) > 50 and len(seen[0]) == model.config.num_hidden_layers
+    assert {tuple(p[:2] for p in step) for step in seen} == {tuple(p[:2] for p in seen[0])}  # one storage throughout
+    lengths = [step[0][2] for step in seen]
+    assert lengths == sorted(lengths) and lengths[-1] >= 7 + 299  # the filled part grows, in the same buffers
+
+    seen.clear()  # the next generation (no longer than the first) reuses the buffers
+    spec.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    assert seen[0][0][:2] == (spec._cache.layers[0].key_buffer.data_ptr(), spec._cache.layers[0].value_buffer.data_ptr())
+    assert spec._cache.layers[0].key_buffer.shape[2] >= 7 + 300
+
+
+def test_an_emptied_layer_takes_states_of_another_shape_or_dtype():
+    layer = PreallocatedLayer(8)
+    layer.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+    layer.reset()
+    keys, values = layer.update(torch.full((3, 2, 2, 4), 2.0, dtype=torch.bfloat16), torch.zeros(3, 2, 2, 4,
+                                                                                                  dtype=torch.bfloat16))
+    assert keys.shape == (3, 2, 2, 4) and keys.dtype == torch.bfloat16 and bool((keys == 2).all())
+    assert layer.key_buffer.shape == (3, 2, 8, 4)
+
+
+def test_writing_past_the_allocation_is_a_clear_error():
+    layer = PreallocatedLayer(4)
+    layer.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    try:
+        layer.update(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8))
+    except ValueError as err:
+        assert "holds 4 positions but 5 were written" in str(err)
+    else:
+        raise AssertionError("writing past the buffers must fail")
+
+
+def test_crop_and_reset_keep_the_buffers():
+    model = tiny_model("llama")
+    cache = new_cache(model, 32)
+    with torch.no_grad():
+        model(torch.randint(3, VOCAB, (1, 10)), cache=cache, use_cache=True)
+    layer = cache.layers[0]
+    ptr = layer.key_buffer.data_ptr()
+    layer.crop(-4)
+    assert layer.get_seq_length() == 6 and layer.keys.shape[2] == 6
+    cache.reset()
+    assert layer.get_seq_length() == 0 and layer.key_buffer.data_ptr() == ptr
