@@ -23,6 +23,7 @@ from infer.eagle import EagleProposer
 from infer.mask import PrefixMask
 from infer.proposers import Draft, MedusaProposer, Proposer
 from infer.target import Target
+from infer.timing import Clock, Mark
 from infer.tree import tree_from_choices
 from infer.verify import SamplingParams, accept, sample_token
 from shipped.models import resolve_model
@@ -60,12 +61,12 @@ class GenerationStats:
         self.new_tokens = 1
         self.prefill_s = seconds
 
-    def record_step(self, drafted: int, accepted: int, produced: int, start: float, proposed: float,
-                    verified: float) -> None:
+    def record_step(self, drafted: int, accepted: int, produced: int, began: float, marks: tuple[Mark, Mark, Mark],
+                    clock: Clock) -> None:
         """One decode step: a tree of `drafted` nodes (root excluded), `accepted` of them on the accepted path
-        (before the budget/EOS cut), `produced` new tokens. `start`, `proposed` and `verified` are the
-        perf_counter times at which the step, its proposal and its verification + acceptance ended; the rest
-        of the step, until now, is bookkeeping."""
+        (before the budget/EOS cut), `produced` new tokens. `began` is the step's perf_counter start; `marks`
+        the clock's marks when it began, had proposed, and had verified + accepted (completed: read after the
+        step's host sync); the rest of the step, until now, is bookkeeping."""
         now = time.perf_counter()
         self.target_forwards += 1
         self.decode_steps += 1
@@ -74,10 +75,11 @@ class GenerationStats:
         self.accept_lengths.append(produced)
         self.accepted_drafts.append(accepted)
         self.drafted.append(drafted)
-        self.draft_s += proposed - start
-        self.verify_s += verified - proposed
-        self.bookkeeping_s += now - verified
-        self.step_times.append(now - start)
+        draft, verify = clock.seconds(marks[0], marks[1]), clock.seconds(marks[1], marks[2])
+        self.draft_s += draft
+        self.verify_s += verify
+        self.bookkeeping_s += max(0.0, now - began - draft - verify)
+        self.step_times.append(now - began)
 
 
 def max_positions(config) -> int | None:
@@ -100,6 +102,25 @@ def fit_budget(prompt_len: int, max_new_tokens: int, limit: int | None) -> int:
         raise ValueError(f"the prompt is {prompt_len} tokens but the model takes at most {limit} positions "
                          "(max_position_embeddings), so no new token fits after it: shorten the prompt")
     return min(max_new_tokens, limit - prompt_len)
+
+
+def check_drafter_device(proposer: Proposer, device: torch.device) -> None:
+    """A drafter reading the target's hidden states must sit where they come out (the device of the target's
+    last layer, also under device_map="auto"); a clear error now instead of a device mismatch mid-generation."""
+    module = getattr(proposer, "heads", None) or getattr(proposer, "draft", None)
+    if not isinstance(module, torch.nn.Module):  # a draft model (its own Target) runs where it was put
+        return
+    param = next(module.parameters(), None)
+    if param is not None and param.device != device:
+        raise ValueError(f"the drafter's weights are on {param.device} but the target's last layer is on {device}: "
+                         f"move the drafter there (SpeculativeModel.from_pretrained(..., device='{device}'))")
+
+
+def check_generator(generator: torch.Generator | None, device: torch.device) -> None:
+    """Sampling draws on the target's device: a generator made for another device would fail mid-generation."""
+    if generator is not None and torch.device(generator.device).type != device.type:
+        raise ValueError(f"the random generator is on {generator.device} but the target runs on {device}: create it "
+                         f"there, torch.Generator(device='{device}').manual_seed(...)")
 
 
 def _cut(new: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
@@ -135,6 +156,7 @@ class SpeculativeModel:
 
     def __init__(self, model: torch.nn.Module, proposer: Proposer) -> None:
         self.target = Target(model, getattr(proposer, "feature_layers", None))
+        check_drafter_device(proposer, self.target.lm_head.weight.device)
         self.proposer = proposer
         self.model = model
         self.last_stats = GenerationStats()
@@ -207,6 +229,7 @@ class SpeculativeModel:
         if max_new_tokens < 1:  # as model.generate
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         params = SamplingParams(temperature, top_k, top_p)
+        check_generator(generator, self.target.device)
         limit = max_positions(self.model.config)
         budget = fit_budget(input_ids.numel(), max_new_tokens, limit)
         if budget < max_new_tokens:
@@ -231,6 +254,7 @@ class SpeculativeModel:
         context = torch.empty(max_len, dtype=torch.long, device=target.device)  # every token so far, then the root
         context[:prefix_len] = input_ids
         proposer.reset(max_len, params, generator)
+        clock = Clock(target.device)
 
         # 0. prefill: the prompt once; its last logits give the first token (the first tree root)
         t0 = time.perf_counter()
@@ -245,18 +269,18 @@ class SpeculativeModel:
 
         while True:
             # 1. propose: the drafter builds a tree below the root (near the position limit: the root alone)
-            t1 = time.perf_counter()
+            began, m1 = time.perf_counter(), clock.mark()
             if prefix_len <= last_tree_at:
                 draft = proposer.propose(context[: prefix_len + 1], hiddens)
             else:
                 draft = Draft(context[prefix_len : prefix_len + 1], self.root_only)
             tokens, tree = draft.tokens, draft.tree  # (N,)
             # 2. verify: one target forward over every node
-            t2 = time.perf_counter()
+            m2 = clock.mark()
             logits, node_hiddens = target.verify(tokens, tree, mask, prefix_len, cache)  # (N, V), (N, H)
             # 3. accept: the deepest node whose path the target agrees with, plus a bonus token
             end, bonus = accept(logits, tokens, tree, params, generator, draft.probs)
-            t3 = time.perf_counter()
+            m3 = clock.mark()
             path = tree.paths.index_select(0, end)[0]  # (D+1,) root first, padded with the end node
             path_tokens = tokens[path]
             host = torch.cat([tree.depths.index_select(0, end), path_tokens, bonus.view(1)]).tolist()  # the one sync
@@ -270,7 +294,7 @@ class SpeculativeModel:
             prefix_len += length
             # 5. stop at EOS or the budget, exactly where plain decoding would
             new, done = _cut(new, max_new_tokens - stats.new_tokens, eos)
-            stats.record_step(tree.size - 1, length - 1, len(new), t1, t2, t3)
+            stats.record_step(tree.size - 1, length - 1, len(new), began, (m1, m2, m3), clock)
             emitted.extend(new)
             yield new
             if done:

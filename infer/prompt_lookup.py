@@ -20,14 +20,14 @@ class PromptLookupProposer:
     name = "prompt_lookup"
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str | None = None) -> None:
         if num_tokens < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need num_tokens >= 1 and 1 <= min_ngram <= max_ngram, got {num_tokens}, "
                              f"{min_ngram}, {max_ngram}")
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.max_nodes = num_tokens + 1
-        self.device = torch.device(device)
-        self.chains = [tree_from_choices(chain_choices(n)).to(self.device) for n in range(num_tokens + 1)]
+        self.host_chains = [tree_from_choices(chain_choices(n)) for n in range(num_tokens + 1)]
+        self._to(torch.device(device or "cpu"))
         self.reset(0, SamplingParams(), None)
 
     def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
@@ -52,8 +52,15 @@ class PromptLookupProposer:
                 return self.tokens[start : start + self.num_tokens]
         return []
 
+    def _to(self, device: torch.device) -> None:
+        """Keep the trees on `device`: the target's (read from the context), whatever the constructor said."""
+        self.device = device
+        self.chains = [chain.to(device) for chain in self.host_chains]
+
     @torch.no_grad()
     def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
+        if context.device != self.device:
+            self._to(context.device)
         self._extend(context[len(self.tokens) :].tolist())  # only the new tokens cross to the host
         guess = self.lookup()
         tokens = torch.tensor([self.tokens[-1], *guess], dtype=torch.long, device=self.device)

@@ -74,7 +74,7 @@ class MedusaProposer:
         self.tree = tree.to(device)
         self.node_head = (self.tree.depths[1:] - 1).clone()  # (N-1,) which head drafts each node
         self.node_rank = self.tree.ranks[1:].clone()  # (N-1,) which of its top-k
-        self.top_k = int(self.node_rank.max()) + 1 if len(choices) else 1
+        self.top_k = int(tree.ranks[1:].max()) + 1 if len(choices) else 1  # read on the host-side tree
         self.dtype = next(heads.parameters()).dtype
 
     def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
@@ -94,11 +94,14 @@ class NoDraft:
 
     max_nodes = 1
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.tree = tree_from_choices([]).to(device)
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.host_tree = tree_from_choices([])
+        self.tree = self.host_tree.to(device or "cpu")
 
     def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
         pass
 
     def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
+        if self.tree.depths.device != context.device:  # the target's device, whatever the constructor said
+            self.tree = self.host_tree.to(context.device)
         return Draft(context[-1:], self.tree)

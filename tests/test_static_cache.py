@@ -2,6 +2,9 @@
 copies it (the storage stays where it was), a second generation reuses it, and what it holds after each
 acceptance equals a plain run's cache."""
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from test_generate import CHOICES, random_heads
 
@@ -9,7 +12,8 @@ import infer.generate as generate_module
 from conftest import VOCAB, tiny_model
 from infer.cache import PreallocatedLayer, new_cache
 from infer.generate import SpeculativeModel
-from infer.proposers import MedusaProposer
+from infer.prompt_lookup import PromptLookupProposer
+from infer.proposers import MedusaProposer, NoDraft
 
 
 def spec_model(model) -> SpeculativeModel:
@@ -81,3 +85,33 @@ def test_crop_and_reset_keep_the_buffers():
     assert layer.get_seq_length() == 6 and layer.keys.shape[2] == 6
     cache.reset()
     assert layer.get_seq_length() == 0 and layer.key_buffer.data_ptr() == ptr
+
+
+# ------------------------------------------------------------------ devices
+
+
+def test_a_drafter_on_another_device_is_a_clear_error():
+    model = tiny_model("llama")
+    heads = random_heads(model, scale=0.0).to("meta")
+    with pytest.raises(ValueError, match="drafter's weights are on meta but the target's last layer is on cpu"):
+        SpeculativeModel(model, MedusaProposer(heads, model.get_output_embeddings(), CHOICES))
+
+
+def test_a_generator_for_another_device_is_a_clear_error():
+    """A CUDA generator with a CPU target (this machine has no GPU: a stand-in carries the device)."""
+    spec = spec_model(tiny_model("llama"))
+    cuda_generator = SimpleNamespace(device=torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="random generator is on cuda:0 but the target runs on cpu"):
+        spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, temperature=1.0, generator=cuda_generator)
+
+
+def test_proposers_without_weights_follow_the_context_device():
+    """Prompt lookup and the no-draft proposer make their tensors where the context is (the target's device),
+    whatever device they were built for."""
+    lookup = PromptLookupProposer(num_tokens=3, device="meta")
+    context = torch.tensor([4, 5, 6, 4, 5])
+    draft = lookup.propose(context, torch.zeros(5, 8))
+    assert draft.tokens.device == context.device and draft.tree.depths.device == context.device
+    assert draft.tokens.tolist() == [5, 6, 4, 5]
+    nodraft = NoDraft("meta")
+    assert nodraft.propose(context, torch.zeros(5, 8)).tree.depths.device == context.device
