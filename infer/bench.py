@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from infer.generate import SpeculativeModel
+from infer.tree import LatencyCurve, tree_from_parents
 from shipped.stdlib_corpus import stdlib_files
 
 Runner = Callable[[torch.Tensor], tuple[list[int], dict | None]]
@@ -74,7 +75,8 @@ def hf_runner(model, max_new_tokens: int, eos: int | list[int] | None, pad: int 
 
 def speculative_runner(spec: SpeculativeModel, max_new_tokens: int, eos: int | list[int] | None) -> Runner:
     def run(ids: torch.Tensor) -> tuple[list[int], dict | None]:
-        out = spec.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        # greedy like the baseline; the rest of the target's generation_config applies to both alike (or is refused)
+        out = spec.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos, do_sample=False)
         return out[0, ids.shape[1] :].tolist(), spec.last_stats.as_dict()
 
     return run
@@ -244,32 +246,37 @@ def plot_bench(result: dict, path: str | Path) -> None:
 
 
 @torch.no_grad()
-def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int = 7) -> dict[int, float]:
-    """Median seconds of one target forward of n tree nodes on top of a cached prefix, for each n."""
+def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int = 15,
+                    timer: Callable[[], float] = time.perf_counter) -> LatencyCurve:
+    """Seconds of one target forward of n tree nodes on top of a cached prefix, for each n in `sizes`.
+
+    The sizes take turns: after a warm-up round, each of `repeats` rounds times every size once, so a
+    busy spell of the machine lands on several sizes once each instead of on every repeat of one.
+    Each size keeps the 20th percentile of its rounds and the curve is made non-decreasing in n
+    (tree.LatencyCurve); its `spread` says how disturbed the timings were.
+    """
     from infer.cache import new_cache
     from infer.mask import PrefixMask
     from infer.target import Target
-    from infer.tree import tree_from_parents
 
     target = Target(model)
-    vocab = target.vocab_size
+    vocab, largest = target.vocab_size, max(sizes)
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(target.device)
-    out = {}
-    for n in [sizes[0]] + list(sizes):  # the first size twice: its first pass warms up the kernels
-        tree = tree_from_parents([-1] + [0] * (n - 1), list(range(n))).to(target.device)  # a star: one level
-        mask = PrefixMask(n, prefix_len + n, target.dtype, target.device)
-        tokens = torch.randint(0, vocab, (n,), generator=gen).to(target.device)
-        times = []
-        for _ in range(repeats + 1):
-            cache = new_cache(model, prefix_len + n)
-            target.prefill(prefix, cache)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            target.verify(tokens, tree, mask, prefix_len, cache)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        out[n] = statistics.median(times[1:])
-    return out
+    trees = {n: tree_from_parents([-1] + [0] * (n - 1), list(range(n))).to(target.device) for n in sizes}  # stars
+    tokens = {n: torch.randint(0, vocab, (n,), generator=gen).to(target.device) for n in sizes}
+    cache = new_cache(model, prefix_len + largest)
+    target.prefill(prefix, cache)  # once: every timed forward starts from this prefix
+    mask = PrefixMask(largest, prefix_len + largest, target.dtype, target.device)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for round_ in range(repeats + 1):  # round 0 warms up the kernels and is not kept
+        for n in sizes:
+            sync()
+            start = timer()
+            target.verify(tokens[n], trees[n], mask, prefix_len, cache)
+            sync()
+            if round_:
+                samples[n].append(timer() - start)
+            cache.crop(-n)  # back to the prefix alone
+    return LatencyCurve.from_samples(samples)

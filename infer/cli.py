@@ -288,7 +288,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
     from heads.io import atomic_write
     from heads.registry import is_published
     from infer.eagle import EagleProposer
-    from infer.tune import eagle_grid, format_rows, tune_eagle, tune_medusa
+    from infer.tune import eagle_grid, format_rows, format_tree_rows, tune_eagle, tune_medusa
 
     if not Path(args.heads, "config.json").is_file():
         raise ValueError(f"--heads {args.heads}: tune stores its result in a local heads directory; "
@@ -305,7 +305,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
           file=sys.stderr)
     if isinstance(proposer, EagleProposer):
         best, rows = tune_eagle(model, proposer.draft, prompts, eagle_grid(), args.max_new_tokens)
-        print("EAGLE dynamic tree, measured by greedy decoding (tau, median step time):")
+        print("EAGLE dynamic tree, measured by greedy decoding (tau, 20th-percentile step time):")
         print(format_rows(rows, best))
         config.depth, config.top_k, config.total_tokens = best["depth"], best["top_k"], best["total_tokens"]
         chosen = f"depth {config.depth}, top_k {config.top_k}, total_tokens {config.total_tokens}"
@@ -315,10 +315,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
         for k, row in enumerate(accuracy.tolist()):
             print(f"  head {k}: " + " ".join(f"{a:.3f}" for a in row[:3]))
         print("static tree by size (target forward time here x expected accepted tokens):")
-        for r in rows:
-            mark = " <- chosen" if r["choices"] == choices else ""
-            print(f"  {r['nodes']:3d} nodes: {r['ms']:6.2f} ms/forward, {r['tokens_per_step']:.2f} tokens/step, "
-                  f"{r['tokens_per_s']:7.1f} tokens/s{mark}")
+        print(format_tree_rows(rows, choices))
         config.tree = choices
         chosen = f"a {len(choices) + 1}-node tree"
     atomic_write(Path(args.heads, "config.json"), lambda tmp: Path(tmp).write_text(config.to_json()))

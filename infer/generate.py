@@ -20,6 +20,7 @@ from heads.io import PretrainedHeads
 from heads.registry import load_heads
 from infer.cache import PreallocatedCache, keep_accepted, new_cache
 from infer.eagle import EagleProposer
+from infer.generation_config import sampling_params
 from infer.mask import PrefixMask
 from infer.proposers import Draft, MedusaProposer, Proposer
 from infer.target import Target
@@ -206,11 +207,12 @@ class SpeculativeModel:
         self,
         input_ids: torch.Tensor,
         max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         eos_token_id: int | list[int] | None = None,
         generator: torch.Generator | None = None,
+        do_sample: bool | None = None,
     ) -> Iterator[list[int]]:
         """Yield the new token ids of each step (the first from prefill), stopping at EOS or the budget.
 
@@ -219,6 +221,9 @@ class SpeculativeModel:
         a warning, and a prompt that leaves no room is an error. Drafted trees stay inside the limit too: a step
         whose tree could reach past it (prefix + proposer.max_nodes > limit) verifies the root alone, so the
         last few tokens before the limit are decoded one per forward, exactly as plain decoding would.
+        Sampling settings and EOS ids the call leaves out (None) come from the target's generation_config, as
+        in model.generate (`infer.generation_config`); a config asking for what this loop cannot apply
+        exactly (a repetition penalty, ...) is refused.
         """
         if input_ids.dim() == 2:
             if input_ids.shape[0] != 1:
@@ -228,7 +233,8 @@ class SpeculativeModel:
             raise ValueError("the prompt is empty: give at least one token (e.g. the tokenizer's bos token)")
         if max_new_tokens < 1:  # as model.generate
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        params = SamplingParams(temperature, top_k, top_p)
+        # as model.generate: what the call leaves out comes from the target's generation_config
+        params = sampling_params(getattr(self.model, "generation_config", None), do_sample, temperature, top_k, top_p)
         check_generator(generator, self.target.device)
         limit = max_positions(self.model.config)
         budget = fit_budget(input_ids.numel(), max_new_tokens, limit)

@@ -150,11 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     common(gen, several=False)
     eagle_tree(gen, ["--draft-top-k"], "an error with Medusa heads")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--temperature", type=sampling("temperature", float), default=0.0,
-                     help="0: greedy (default); otherwise sample at this temperature")
-    gen.add_argument("--top-k", type=at_least(0), default=0, help="sampling: keep the k likeliest tokens (0: all)")
-    gen.add_argument("--top-p", type=sampling("top_p", float), default=1.0,
-                     help="sampling: keep the likeliest tokens holding this much probability, in (0, 1]")
+    gen.add_argument("--temperature", type=sampling("temperature", float), default=None,
+                     help="0: greedy; otherwise sample at this temperature (default: as the model's generation_config "
+                          "says, like model.generate; greedy when it says nothing)")
+    gen.add_argument("--top-k", type=at_least(0), default=None,
+                     help="sampling: keep the k likeliest tokens, 0: all (default: the generation_config's, else 50)")
+    gen.add_argument("--top-p", type=sampling("top_p", float), default=None,
+                     help="sampling: keep the likeliest tokens holding this much probability, in (0, 1] "
+                          "(default: the generation_config's, else 1)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--quiet", action="store_true", help="do not print the text")
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import statistics
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -164,17 +166,75 @@ def expected_accepted(accuracy: torch.Tensor, choices: list[list[int]]) -> float
     return total
 
 
-def fit_tree(accuracy: torch.Tensor, latency: dict[int, float]) -> tuple[list[list[int]], list[dict]]:
+LOW_QUANTILE = 0.2  # the timing kept from repeats: stalls only add time; steadier than the minimum
+NOISE_LIMIT = 0.25  # a median this far above the low quantile: too disturbed to trust the fit
+
+
+def low_and_spread(seconds: Sequence[float]) -> tuple[float, float]:
+    """Repeated timings of one thing -> (their 20th percentile, median / that - 1).
+
+    A busy machine only ever adds time, so a low quantile estimates the undisturbed cost; the spread
+    says how disturbed the repeats were (0 on a quiet machine)."""
+    ordered = sorted(seconds)
+    low = ordered[int(LOW_QUANTILE * (len(ordered) - 1))]
+    return low, statistics.median(ordered) / low - 1
+
+
+def monotone_below(seconds: Mapping[int, float]) -> dict[int, float]:
+    """The highest curve that never falls as nodes are added and stays at or below every measurement.
+
+    Each size keeps its time unless a bigger size measured faster, then it takes that time (a running
+    minimum from the big end). Noise only adds time, so a stalled size is lowered to its bigger
+    neighbour and lifts nothing else; a running maximum from the small end, or least-squares isotonic
+    regression, would carry one stalled size's time into the sizes above it.
+    """
+    out, lowest = {}, float("inf")
+    for n in sorted(seconds, reverse=True):
+        lowest = min(lowest, seconds[n])
+        out[n] = lowest
+    return dict(sorted(out.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyCurve(Mapping[int, float]):
+    """Target forward seconds against tree nodes, from repeated timings; reads as {nodes: seconds} of the
+    fitted curve (what fit_tree uses), which never falls as nodes are added."""
+
+    measured: dict[int, float]  # 20th percentile of each size's timings
+    spread: dict[int, float]  # median / 20th percentile - 1 per size
+    fitted: dict[int, float]  # monotone_below(measured)
+
+    @classmethod
+    def from_samples(cls, samples: Mapping[int, Sequence[float]]) -> LatencyCurve:
+        stats = {n: low_and_spread(s) for n, s in sorted(samples.items())}
+        measured = {n: low for n, (low, _) in stats.items()}
+        return cls(measured, {n: spread for n, (_, spread) in stats.items()}, monotone_below(measured))
+
+    def __getitem__(self, n: int) -> float:
+        return self.fitted[n]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.fitted)
+
+    def __len__(self) -> int:
+        return len(self.fitted)
+
+
+def fit_tree(accuracy: torch.Tensor, latency: Mapping[int, float]) -> tuple[list[list[int]], list[dict]]:
     """Choose the tree size that maximises expected tokens per second.
 
     `latency[n]` is the target's forward time with n tree nodes (root included); a step with n nodes
-    yields 1 + expected_accepted tokens. Returns the best choices and a row per size (for printing).
+    yields 1 + expected_accepted tokens. Returns the best choices and a row per size (for printing);
+    from a LatencyCurve a row also holds the size's measured time before the monotone fit and its
+    spread (see `low_and_spread`), a plain mapping counts as measured exactly.
     """
+    curve = latency if isinstance(latency, LatencyCurve) else None
     rows = []
     for n in sorted(latency):
         choices = best_choices(accuracy, n - 1) if n > 1 else []
         tokens = 1.0 + expected_accepted(accuracy, choices)
         rows.append({"nodes": n, "ms": 1e3 * latency[n], "tokens_per_step": tokens, "tokens_per_s": tokens / latency[n],
-                     "choices": choices})
+                     "choices": choices, "measured_ms": 1e3 * (curve.measured[n] if curve else latency[n]),
+                     "spread": curve.spread[n] if curve else 0.0})
     best = max(rows, key=lambda r: r["tokens_per_s"])
     return best["choices"], rows

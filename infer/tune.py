@@ -6,13 +6,14 @@ draft calls); where the balance lies depends on the hardware, so it is measured,
     on the target's own greedy continuations of calibration prompts -> the static tree with the
     most expected tokens per second (tree.fit_tree).
   - EAGLE: each (depth, top_k, total_tokens) setting decodes the calibration prompts (greedy);
-    its score is tau over the median decode-step time.
+    its score is tau over its decode-step time.
+Timings are repeated with the sizes or settings taking turns, each keeps a low quantile (a busy
+machine only adds time), and the printed rows end with a warning when the repeats disagree too much.
 """
 
 from __future__ import annotations
 
 import itertools
-import statistics
 from collections.abc import Sequence
 
 import torch
@@ -20,8 +21,8 @@ import torch
 from heads.eagle import EagleDraft
 from heads.medusa import MedusaHeads
 from infer.eagle import EagleProposer
-from infer.generate import SpeculativeModel
-from infer.tree import fit_tree
+from infer.generate import GenerationStats, SpeculativeModel
+from infer.tree import LOW_QUANTILE, NOISE_LIMIT, fit_tree, low_and_spread
 
 RANKS = 10  # top-k depth of the Medusa accuracy table
 LATENCY_SIZES = [1, 4, 8, 12, 16, 24, 32, 48, 64]
@@ -75,28 +76,67 @@ def tune_eagle(
     max_new_tokens: int = 128,
 ) -> tuple[dict, list[dict]]:
     """Decode `prompts` (1-D token tensors) with every (depth, top_k, total_tokens) in `grid`; returns
-    the fastest setting's row and all rows. tau is exact (greedy decoding is deterministic); the step
-    time is the median over all steps, so a noisy machine's stalls do not decide the choice."""
+    the fastest setting's row and all rows.
+
+    The settings take turns prompt by prompt, so a busy spell of the machine slows several settings a
+    little instead of one a lot. tau is exact (greedy decoding is deterministic); the step time is the
+    20th percentile of the setting's decode steps and `spread` how far their median lies above it.
+    """
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    proposers = [EagleProposer(draft, embed, lm_head, *setting) for setting in grid]
+
+    def decode(proposer: EagleProposer, prompt: torch.Tensor, new_tokens: int) -> GenerationStats:
+        spec = SpeculativeModel(model, proposer)  # per decode: one per setting would hold a KV cache each
+        spec.generate(prompt[None], max_new_tokens=new_tokens, eos_token_id=[], do_sample=False)
+        return spec.last_stats
+
+    for proposer in proposers:
+        decode(proposer, prompts[0], 8)  # warm-up, not counted
+    steps, tokens = [0] * len(grid), [0] * len(grid)
+    times: list[list[float]] = [[] for _ in grid]
+    for prompt in prompts:
+        for i, proposer in enumerate(proposers):
+            s = decode(proposer, prompt, max_new_tokens)
+            steps[i], tokens[i] = steps[i] + s.decode_steps, tokens[i] + s.decode_tokens
+            times[i] += s.step_times
     rows = []
-    for depth, top_k, total in grid:
-        spec = SpeculativeModel(model, EagleProposer(draft, embed, lm_head, depth, top_k, total))
-        spec.generate(prompts[0][None], max_new_tokens=8, eos_token_id=[])  # warm-up, not counted
-        steps, tokens, times = 0, 0, []
-        for prompt in prompts:
-            spec.generate(prompt[None], max_new_tokens=max_new_tokens, eos_token_id=[])
-            s = spec.last_stats
-            steps, tokens, times = steps + s.decode_steps, tokens + s.decode_tokens, times + s.step_times
-        tau, step = tokens / max(steps, 1), statistics.median(times) if times else float("inf")
+    for (depth, top_k, total), n, t, ts in zip(grid, steps, tokens, times):
+        tau = t / max(n, 1)
+        step, spread = low_and_spread(ts) if ts else (float("inf"), 0.0)
         rows.append({"depth": depth, "top_k": top_k, "total_tokens": total, "tau": tau, "ms_per_step": 1e3 * step,
-                     "tokens_per_s": tau / step})
+                     "tokens_per_s": tau / step, "spread": spread})
     return max(rows, key=lambda r: r["tokens_per_s"]), rows
 
 
+def noise_warning(rows: list[dict], name: str) -> str | None:
+    """One line when the noisiest row's timings spread past NOISE_LIMIT (`name` formats that row), else None."""
+    worst = max(rows, key=lambda r: r["spread"])
+    if worst["spread"] <= NOISE_LIMIT:
+        return None
+    return (f"warning: this machine was too busy to trust the fit: at {name.format(**worst)} the median time was "
+            f"{worst['spread']:.0%} above the {LOW_QUANTILE:.0%} quantile (trusted up to {NOISE_LIMIT:.0%}); "
+            "re-fit when it is quiet: python -m infer tune --heads DIR")
+
+
 def format_rows(rows: list[dict], best: dict) -> str:
+    """EAGLE rows from tune_eagle, the chosen one marked, then a noise warning if any."""
     lines = []
     for r in rows:
         mark = " <- chosen" if r is best else ""
         lines.append(f"  depth {r['depth']:2d}  top_k {r['top_k']:2d}  total_tokens {r['total_tokens']:3d}: "
                      f"tau {r['tau']:.2f}, {r['ms_per_step']:6.2f} ms/step, {r['tokens_per_s']:7.1f} tokens/s{mark}")
-    return "\n".join(lines)
+    warning = noise_warning(rows, "depth {depth}, top_k {top_k}, total_tokens {total_tokens}")
+    return "\n".join(lines + ([warning] if warning else []))
+
+
+def format_tree_rows(rows: list[dict], choices: list[list[int]]) -> str:
+    """Medusa rows from fit_tree, the chosen one marked, sizes the monotone fit lowered noted, then a
+    noise warning if any."""
+    lines = []
+    for r in rows:
+        mark = " <- chosen" if r["choices"] == choices else ""
+        lowered = f" (measured {r['measured_ms']:.2f}: a bigger tree was faster)" if r["measured_ms"] > r["ms"] else ""
+        lines.append(f"  {r['nodes']:3d} nodes: {r['ms']:6.2f} ms/forward, {r['tokens_per_step']:.2f} tokens/step, "
+                     f"{r['tokens_per_s']:7.1f} tokens/s{mark}{lowered}")
+    warning = noise_warning(rows, "{nodes} nodes")
+    return "\n".join(lines + ([warning] if warning else []))

@@ -4,7 +4,15 @@ import torch
 from infer.cache import keep_accepted, new_cache
 from infer.mask import PrefixMask
 from infer.target import Target
-from infer.tree import best_choices, chain_choices, fit_tree, tree_from_choices
+from infer.tree import (
+    LatencyCurve,
+    best_choices,
+    chain_choices,
+    fit_tree,
+    low_and_spread,
+    monotone_below,
+    tree_from_choices,
+)
 
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [2, 0]]
 
@@ -98,3 +106,32 @@ def test_fit_tree_picks_a_smaller_tree_when_latency_grows_faster():
     assert len(steep_choices) < len(flat_choices)
     best = max(rows, key=lambda r: r["tokens_per_s"])
     assert best["choices"] == steep_choices and best["tokens_per_step"] > 1
+
+
+def test_low_and_spread_take_the_20th_percentile_and_the_medians_distance_from_it():
+    assert low_and_spread([3.0, 1.0, 1.0, 1.0, 1.0]) == (1.0, 0.0)
+    assert low_and_spread([1.0, 1.0, 2.0, 2.0, 2.0, 9.0]) == (1.0, 1.0)  # index int(0.2 * 5) = 1; median 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_fitted_latency_never_falls_and_stays_under_every_measurement(seed):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [1, 4, 8, 12, 16, 24, 32, 48, 64]
+    samples = {n: (0.01 * (1 + 0.02 * n) * (1 + 3 * torch.rand(7, generator=gen) ** 4)).tolist() for n in sizes}
+    curve = LatencyCurve.from_samples(samples)
+    fitted = [curve[n] for n in sizes]
+    assert list(curve) == sizes and fitted == sorted(fitted)
+    assert all(curve[n] <= curve.measured[n] for n in sizes)
+    # the fit is the highest such curve: each size keeps its time or the next bigger size's fitted time
+    assert all(curve[a] in (curve.measured[a], curve[b]) for a, b in zip(sizes, sizes[1:]))
+    assert curve[64] == curve.measured[64]
+
+
+def test_monotone_below_lowers_each_size_to_the_fastest_bigger_one():
+    assert monotone_below({1: 1.0, 2: 5.0, 3: 1.2, 4: 1.1, 5: 1.5}) == {1: 1.0, 2: 1.1, 3: 1.1, 4: 1.1, 5: 1.5}
+
+
+def test_fit_tree_rows_show_the_measured_time_and_spread_of_a_plain_mapping_as_exact():
+    acc = torch.tensor([[0.7, 0.15], [0.5, 0.15]])
+    _, rows = fit_tree(acc, {1: 0.010, 4: 0.012})
+    assert [(r["ms"], r["measured_ms"], r["spread"]) for r in rows] == [(10.0, 10.0, 0.0), (12.0, 12.0, 0.0)]
