@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,25 +36,25 @@ class Target:
         self.vocab_size = self.lm_head.weight.shape[0]
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
+        self.base = model.base_model  # its output's last_hidden_state is what the lm_head reads
+        if feature_layers is not None:
+            self.layers = decoder_layers(model)
+            if not all(0 <= i < len(self.layers) for i in feature_layers):
+                raise ValueError(f"feature layers {feature_layers} must be hidden_states indices 0..{len(self.layers) - 1}"
+                                 f" (what layer i reads); this model has {len(self.layers)} layers")
 
     @torch.no_grad()
     def prefill(
         self, input_ids: torch.Tensor, cache: PreallocatedCache, hidden: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids (1, T) after the cached tokens -> logits (V,) at the last position and the last
-        hidden states (T, H) at every position (None without `hidden`)."""
-        kwargs = {self.cache_kw: cache, "use_cache": True, "output_hidden_states": hidden}
+        """input_ids (1, T) after the cached tokens -> logits (V,) at the last position and the drafter's features
+        (T, H or nH) at every position (None without `hidden`)."""
+        kwargs = {self.cache_kw: cache, "use_cache": True}
         if self.keep_kw:
             kwargs[self.keep_kw] = 1
-        out = self.model(input_ids=input_ids, **kwargs)
-        return out.logits[0, -1], self.features(out.hidden_states) if hidden else None
-
-    def features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The drafter's input from a forward's hidden_states: the last layer's (T, H), or the concatenation of
-        the named layers' (T, nH), low to high."""
-        if self.feature_layers is None:
-            return hidden_states[-1][0]
-        return torch.cat([hidden_states[i][0] for i in self.feature_layers], dim=-1)
+        with self.capture(hidden) as features:
+            out = self.model(input_ids=input_ids, **kwargs)
+        return out.logits[0, -1], features() if hidden else None
 
     @torch.no_grad()
     def verify(
@@ -59,12 +62,51 @@ class Target:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """ONE forward over all tree nodes on top of the cache -> logits (N, V), the drafter's features (N, H or nH)."""
         positions = (prefix_len + tree.depths)[None]  # (1, N)
-        out = self.model(
-            input_ids=tokens[None],
-            attention_mask=mask.at(prefix_len, tree.ancestors),
-            position_ids=positions,
-            use_cache=True,
-            output_hidden_states=True,
-            **{self.cache_kw: cache},
-        )
-        return out.logits[0], self.features(out.hidden_states)
+        with self.capture() as features:
+            out = self.model(
+                input_ids=tokens[None],
+                attention_mask=mask.at(prefix_len, tree.ancestors),
+                position_ids=positions,
+                use_cache=True,
+                **{self.cache_kw: cache},
+            )
+        return out.logits[0], features()
+
+    @contextlib.contextmanager
+    def capture(self, enabled: bool = True) -> Iterator[Callable[[], torch.Tensor]]:
+        """Keep, during one forward, only the hidden states the drafter reads, instead of asking the model for
+        every layer's (output_hidden_states holds layers x tokens x hidden: ~2 GB for an 8B target and an
+        8K prompt). Yields a function giving them after the forward: the last hidden states (T, H) -- the
+        base model's output, what the lm_head reads -- or EAGLE-3's layers concatenated, low to high (T, nH)."""
+        if not enabled:
+            yield lambda: None
+            return
+        kept: dict[int, torch.Tensor] = {}
+        if self.feature_layers is None:  # the base model's output
+            def last(module: nn.Module, args: tuple, output: Any) -> None:
+                kept[0] = output.last_hidden_state[0]  # (T, H)
+
+            handles = [self.base.register_forward_hook(last)]
+        else:  # hidden_states[i] is what decoder layer i reads (the embeddings, or layer i - 1's output)
+            def reads(index: int) -> Callable:
+                def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                    kept[index] = (args[0] if args else kwargs["hidden_states"])[0]  # (T, H)
+                return hook
+
+            handles = [self.layers[i].register_forward_pre_hook(reads(n), with_kwargs=True)
+                       for n, i in enumerate(self.feature_layers)]
+        try:
+            yield lambda: kept[0] if len(handles) == 1 else torch.cat([kept[n] for n in range(len(handles))], dim=-1)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of decoder layers: the ModuleList with one entry per hidden layer (`model.layers` in
+    Llama-style models, `transformer.h` in GPT-2)."""
+    count = model.config.get_text_config().num_hidden_layers
+    for module in model.base_model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == count:
+            return module
+    raise ValueError(f"cannot find the {count} decoder layers of {type(model).__name__} to read EAGLE-3 features from")
