@@ -47,6 +47,8 @@ def sampling_params(config: GenerationConfig | None, do_sample: bool | None = No
     defaults (model.generate's rule). A temperature of 0 given without do_sample means greedy, and one above 0
     means sampling."""
     check_applicable(config)
+    given = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)) if v is not None}
+    SamplingParams(**given)  # the call's own values are checked whether or not they end up used
     if do_sample is None:
         do_sample = temperature > 0 if temperature is not None else bool(setting(config, "do_sample"))
     if not do_sample:
