@@ -51,8 +51,11 @@ class MedusaHeads(PretrainedHeads):
         for head in self.heads:
             head[-1].weight.data.copy_(weight.data.to(head[-1].weight.dtype))
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> tuple[torch.Tensor, ...]:
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None,
+                project: bool = True) -> tuple[torch.Tensor, ...]:
         """hidden (..., H) -> K logits tensors (..., V), one per head. `lm_head` is the target's, needed when shared.
+        With project=False: the K heads' features before any vocabulary projection (..., H), for a loss that
+        projects them a chunk of positions at a time (`project_head`).
 
         Training calls this (not the heads one by one) so that a DDP wrapper syncs gradients.
         """
@@ -60,9 +63,17 @@ class MedusaHeads(PretrainedHeads):
             raise ValueError(
                 f"hidden states have size {hidden.shape[-1]} but the heads expect {self.config.hidden_size}"
             )
+        if not project:
+            return tuple(head(hidden) if self.config.share_lm_head else head[:-1](hidden) for head in self.heads)
         if self.config.share_lm_head:
             if lm_head is None:
                 raise ValueError("these heads share the target's lm_head: pass lm_head=model.get_output_embeddings()")
             # One lm_head call for all heads: the projection is read from memory once, not K times.
             return tuple(lm_head(torch.stack([head(hidden) for head in self.heads])).unbind(0))
         return tuple(head(hidden) for head in self.heads)
+
+    def project_head(self, k: int, features: torch.Tensor) -> torch.Tensor:
+        """Head k's own vocabulary projection of its features (..., H) -> logits (..., V)."""
+        if self.config.share_lm_head:
+            raise ValueError("these heads share the target's lm_head: project their features with it")
+        return self.heads[k][-1](features)

@@ -1,29 +1,81 @@
 import json
 
+import datasets
 import pytest
 import torch
 
+import train.data as data_module
 from conftest import TOKENIZER_TEXT, tiny_model, tiny_tokenizer
-from train.data import DataError, build_examples, chat_example, load_examples, load_records
+from train.data import (
+    DataError,
+    Examples,
+    build_examples,
+    chat_example,
+    examples_from_lists,
+    iter_records,
+    load_examples,
+    pad_batch,
+    split_examples,
+)
 from train.distill import regenerate
+from train.loop import subset
+
+MSGS = [{"role": "user", "content": "add a b"}, {"role": "assistant", "content": "return a + b"},
+        {"role": "user", "content": "again"}, {"role": "assistant", "content": "x = 1"}]
 
 
-def test_text_is_packed_with_eos_between_documents(tmp_path):
+def straightforward(records: list[dict], tok, max_length: int) -> list[tuple[list[int], list[int]]]:
+    """The examples as the old in-memory builder made them, unpadded: every text into one stream (EOS after
+    each) cut into full blocks, then every conversation with a trained token, cut to max_length."""
+    stream = [i for r in records if "text" in r for i in tok(r["text"], add_special_tokens=False).input_ids
+              + [tok.eos_token_id]]
+    out = [(stream[s : s + max_length], [1] * max_length) for s in range(0, len(stream) - max_length + 1, max_length)]
+    for r in records:
+        if "messages" in r:
+            ids, mask = chat_example(tok, r["messages"])
+            if sum(mask[:max_length]):
+                out.append((ids[:max_length], mask[:max_length]))
+    return out
+
+
+def rows_of(examples: Examples | datasets.Dataset) -> list[tuple[list[int], list[int]]]:
+    """(ids, loss mask) of every row, as Examples gives them to the DataLoader (or a saved dataset holds them)."""
+    if isinstance(examples, datasets.Dataset):
+        return list(zip(examples["input_ids"], examples["loss_mask"]))
+    return [(examples[i]["input_ids"].tolist(), examples[i]["loss_mask"].tolist()) for i in range(len(examples))]
+
+
+def test_text_is_packed_with_eos_between_documents_across_map_batches(tmp_path):
     tok = tiny_tokenizer()
-    (tmp_path / "a.txt").write_text(TOKENIZER_TEXT)
-    (tmp_path / "b.txt").write_text(TOKENIZER_TEXT)
-    ex = build_examples(load_records(str(tmp_path)), tok, 16)
+    for i in range(5):  # documents of different lengths, so blocks straddle documents and map batches
+        (tmp_path / f"{i}.txt").write_text(TOKENIZER_TEXT * (i + 1))
+    records = list(iter_records(str(tmp_path)))
+    ex = build_examples(iter(records), tok, 16, tmp_path / "cache", batch_size=2)
+    expected = straightforward(records, tok, 16)
+    assert rows_of(ex) == expected and len(expected) > 10
     stream = tok(TOKENIZER_TEXT, add_special_tokens=False).input_ids + [tok.eos_token_id]
-    assert ex["input_ids"][0].tolist() == stream[:16]
-    assert ex["loss_mask"].all() and ex["attention_mask"].all()
-    assert ex["input_ids"].shape[0] == (2 * len(stream)) // 16
+    assert ex["input_ids"][0] == stream[:16]
+    assert ex.features["input_ids"].feature.dtype == "int32" and ex.features["loss_mask"].feature.dtype == "int8"
 
 
-def test_chat_loss_mask_covers_assistant_turns_only(tmp_path):
+def test_conversations_round_trip_one_example_each(tmp_path):
     tok = tiny_tokenizer()
-    msgs = [{"role": "user", "content": "add a b"}, {"role": "assistant", "content": "return a + b"},
-            {"role": "user", "content": "again"}, {"role": "assistant", "content": "x = 1"}]
-    ids, mask = chat_example(tok, msgs)
+    chats = [{"messages": MSGS[: 2 + 2 * (i % 2)]} for i in range(7)]
+    chats.insert(3, {"messages": MSGS[:1]})  # no assistant turn: nothing to train on, dropped
+    chats.append({"messages": MSGS * 5})  # longer than max_length: cut
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    ex = build_examples(iter_records(str(path)), tok, 64, tmp_path / "cache", batch_size=3)
+    rows = rows_of(ex)
+    assert rows == straightforward(list(iter_records(str(path))), tok, 64)
+    assert len(rows) == 8 and len(rows[-1][0]) == 64 and len(rows[0][0]) < 64  # variable length, nothing padded
+    assert tok.decode([i for i, m in zip(*rows[0]) if m]) == "<|assistant|>return a + b<eos>"
+
+
+def test_chat_loss_mask_covers_assistant_turns_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    tok = tiny_tokenizer()
+    ids, mask = chat_example(tok, MSGS)
     assert len(ids) == len(mask)
     trained = tok.decode([i for i, m in zip(ids, mask) if m])
     assert trained == "<|assistant|>return a + b<eos><|assistant|>x = 1<eos>"
@@ -31,46 +83,84 @@ def test_chat_loss_mask_covers_assistant_turns_only(tmp_path):
     sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": "add a b"},
                                                        {"from": "gpt", "value": "return a + b"}]}]))
     openai = tmp_path / "chats.jsonl"
-    openai.write_text(json.dumps({"messages": msgs[:2]}) + "\n")
-    a = build_examples(load_records(str(sharegpt)), tok, 64)
-    b = build_examples(load_records(str(openai)), tok, 64)
-    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
-    assert a["attention_mask"].sum() < 64  # right padding is masked out
+    openai.write_text(json.dumps({"messages": MSGS[:2]}) + "\n")
+    a, b = load_examples(str(sharegpt), tok, 64), load_examples(str(openai), tok, 64)
+    assert rows_of(a) == rows_of(b) and len(a[0]["input_ids"]) < 64
+
+
+def test_batches_are_padded_to_their_longest_row():
+    ex = examples_from_lists([[5, 6, 7], [8, 9, 10, 11, 12], [13]], [[0, 1, 1], [1, 1, 1, 1, 1], [1]])
+    batch = pad_batch([ex[0], ex[1]])
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0, 0], [8, 9, 10, 11, 12]]
+    assert batch["input_ids"].dtype == torch.long and batch["attention_mask"].dtype == torch.long
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1] * 5]
+    assert batch["loss_mask"].dtype == torch.bool
+    assert batch["loss_mask"].tolist() == [[False, True, True, False, False], [True] * 5]
+    assert pad_batch([ex[0], ex[2]])["input_ids"].shape == (2, 3)  # each batch to its own longest row
+    rows = [ex[0] | {"features": torch.ones(3, 4)}, ex[2] | {"features": torch.full((1, 4), 2.0)}]
+    feats = pad_batch(rows)["features"]
+    assert feats.shape == (2, 3, 4) and feats[0].eq(1).all() and feats[1, 0].eq(2).all() and feats[1, 1:].eq(0).all()
 
 
 def test_bad_inputs_are_clear_errors(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
-        load_records(str(tmp_path / "missing.jsonl"))
+        list(iter_records(str(tmp_path / "missing.jsonl")))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n')
     with pytest.raises(DataError, match="need a `text`, `messages` or `conversations`"):
-        load_records(str(bad))
+        list(iter_records(str(bad)))
     tok = tiny_tokenizer()
     tok.chat_template = None
     with pytest.raises(DataError, match="chat template"):
         chat_example(tok, [{"role": "user", "content": "hi"}])
+    with pytest.raises(DataError, match="chat template"):  # raised inside datasets.map, unchanged
+        build_examples([{"messages": MSGS}], tok, 16, tmp_path / "chat")
     with pytest.raises(DataError, match="no example of 4096 tokens"):
-        build_examples([{"text": "short"}], tiny_tokenizer(), 4096)
+        build_examples([{"text": "short"}], tiny_tokenizer(), 4096, tmp_path / "short")
+    assert not (tmp_path / "short").exists() and not list(tmp_path.glob(".short*"))  # no half-written entry
 
 
-def test_tokenised_data_is_cached(tmp_path, monkeypatch):
+def test_tokenised_data_is_cached_and_memory_mapped(tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     data = tmp_path / "code.txt"
     data.write_text(TOKENIZER_TEXT * 5)
     first = load_examples(str(data), tiny_tokenizer(), 16)
-    assert len(list((tmp_path / "cache" / "tokenized").glob("*.pt"))) == 1
+    entries = list((tmp_path / "cache" / "tokenized").iterdir())
+    assert len(entries) == 1 and (entries[0] / "state.json").is_file()
+    assert first.rows.cache_files and all(f["filename"].startswith(str(entries[0])) for f in first.rows.cache_files)
+    calls = []
+    monkeypatch.setattr(data_module.Packer, "__call__", lambda self, batch: calls.append(batch))
     again = load_examples(str(data), tiny_tokenizer(), 16)
-    assert torch.equal(first["input_ids"], again["input_ids"])
+    assert calls == [] and rows_of(again) == rows_of(first) and again.key == first.key
+    monkeypatch.undo()
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     data.write_text(TOKENIZER_TEXT * 6)  # a changed file is a new cache entry
-    load_examples(str(data), tiny_tokenizer(), 16)
-    assert len(list((tmp_path / "cache" / "tokenized").glob("*.pt"))) == 2
+    changed = load_examples(str(data), tiny_tokenizer(), 16)
+    assert len(list((tmp_path / "cache" / "tokenized").iterdir())) == 2 and changed.key != first.key
 
 
-def test_self_distillation_keeps_prompts_and_regenerates_the_rest():
+def test_split_and_subset_select_the_seeded_permutation():
+    ids = [[i, i + 1] for i in range(50)]
+    ex = examples_from_lists(ids)
+    train, held = split_examples(ex, 0.1, seed=3)
+    order = torch.randperm(50, generator=torch.Generator().manual_seed(3)).tolist()
+    assert [r[0][0] for r in rows_of(held)] == order[:5] and [r[0][0] for r in rows_of(train)] == order[5:]
+    small = subset(ex, 7, seed=1)
+    expected = sorted(torch.randperm(50, generator=torch.Generator().manual_seed(1))[:7].tolist())
+    assert [r[0][0] for r in rows_of(small)] == expected
+    assert len({ex.key, train.key, held.key, small.key, subset(ex, 7, seed=2).key}) == 5
+    assert subset(ex, 50, seed=1) is ex
+
+
+def test_self_distillation_keeps_prompts_and_regenerates_the_rest(tmp_path):
     model = tiny_model("llama")
     ids = torch.randint(3, 90, (3, 12), generator=torch.Generator().manual_seed(0))
-    ex = {"input_ids": ids, "loss_mask": torch.ones_like(ids).bool(), "attention_mask": torch.ones_like(ids)}
-    out = regenerate(model, ex, prompt_tokens=4, batch_size=2, show_progress=False)
+    chat = [[5, 6, 7, 8, 9]]  # shorter than the length: a conversation, kept as it is
+    ex = examples_from_lists(ids.tolist()[:2] + chat + ids.tolist()[2:], [[1] * 12] * 2 + [[0, 0, 1, 1, 1]] + [[1] * 12])
+    out = regenerate(model, ex.rows, prompt_tokens=4, length=12, path=tmp_path / "distilled", batch_size=2,
+                     show_progress=False)
     ref = model.generate(ids[:, :4], max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert torch.equal(out["input_ids"], ref)
-    assert not out["loss_mask"][:, :4].any() and out["loss_mask"][:, 4:].all()
+    rows = [(r["input_ids"], r["loss_mask"]) for r in out]
+    assert [r[0] for r in rows] == ref.tolist()[:2] + chat + ref.tolist()[2:]
+    assert [r[1] for r in rows] == [[0] * 4 + [1] * 8] * 2 + [[0, 0, 1, 1, 1]] + [[0] * 4 + [1] * 8]
+    assert (tmp_path / "distilled" / "state.json").is_file() and out.cache_files

@@ -152,6 +152,21 @@ def test_draft_vocabulary_maps_every_draft_id_to_its_target_id():
         draft.set_draft_vocab(torch.tensor([1, 1, 2]))
 
 
+def test_draft_vocabulary_counted_a_batch_at_a_time_equals_counting_the_whole_corpus():
+    from train.data import examples_from_lists
+    from train.eagle3 import draft_vocabulary
+
+    gen = torch.Generator().manual_seed(2)
+    rows = [torch.randint(0, 40, (n,), generator=gen) for n in (5, 9, 3, 12, 7)]
+    masks = [torch.rand(len(r), generator=gen) > 0.3 for r in rows]
+    counts = torch.bincount(torch.cat(rows)[torch.cat(masks)], minlength=96)  # the whole corpus at once
+    want = torch.sort(counts, descending=True, stable=True).indices[:50]
+    assert counts[want[-1]] == 0  # unseen tokens fill the rest, lowest ids first
+    examples = examples_from_lists([r.tolist() for r in rows], [m.int().tolist() for m in masks])
+    assert torch.equal(draft_vocabulary(examples.token_batches(batch_size=2), 96, 50), want)
+    assert torch.equal(draft_vocabulary(zip(rows, masks), 96, 50), want)
+
+
 def test_full_draft_vocabulary_is_the_identity():
     draft = Eagle3Draft(eagle3_config(tiny_model("llama")))
     assert draft.lm_head.out_features == 96
@@ -370,7 +385,7 @@ def test_training_loss_and_agreement_equal_the_position_by_position_formula():
     loss_mask = torch.rand(ids.shape, generator=gen) > 0.3
     batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
     draft = random_draft(model, draft_vocab_size=V // 3)
-    draft.set_draft_vocab(draft_vocabulary(ids, loss_mask, V, V // 3))
+    draft.set_draft_vocab(draft_vocabulary([(ids, loss_mask)], V, V // 3))
     target_logits = torch.randn(3, 14, V, generator=gen) * 3
     target_logits[0, 5, 2] = 50.0  # a target choice the draft vocabulary lacks, if 2 is not in it
     ttt = Eagle3Loss(draft, 3)

@@ -6,21 +6,21 @@ import pytest
 
 from heads.config import HeadsConfig
 from heads.registry import load_heads
-from train.data import DataError, load_records
+from train.data import DataError, iter_records
 
 
 def test_a_bad_jsonl_line_is_named(tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text('{"text": "ok"}\n\n{"text": "fine"}\n{"text": broken}\n')
     with pytest.raises(DataError, match=rf"{path} line 4 is not valid JSON \(Expecting value at column 10\)"):
-        load_records(str(path))
+        list(iter_records(str(path)))
 
 
 def test_a_bad_json_file_is_named_with_its_line(tmp_path):
     path = tmp_path / "data.json"
     path.write_text('[\n  {"text": "a"},\n  {"text": "b",}\n]\n')
     with pytest.raises(DataError, match=rf"{path} line 3 is not valid JSON"):
-        load_records(str(path))
+        list(iter_records(str(path)))
 
 
 @pytest.mark.parametrize("record, problem", [
@@ -33,7 +33,7 @@ def test_a_bad_record_is_named_with_its_line(tmp_path, record, problem):
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps(record) + "\n")
     with pytest.raises(DataError, match=rf"{path} {problem}"):
-        load_records(str(path))
+        list(iter_records(str(path)))
 
 
 @pytest.mark.parametrize("field, value, problem", [

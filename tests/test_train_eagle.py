@@ -8,7 +8,10 @@ from heads.eagle import EagleDraft
 from heads.registry import load_heads
 from infer.tune import tune_eagle
 from train.config import ConfigError, load_config
-from train.eagle import EagleConfig, run
+from train.data import examples_from_lists, pad_batch
+from train.eagle import EagleConfig, cached_features, run, target_features, write_features
+from train.eagle3 import draft_vocabulary
+from train.features import FeatureShards, shard_path, write_safetensors
 
 
 def _args(model_dir, data, out, **extra):
@@ -50,8 +53,8 @@ def test_cached_features_train_like_online_features(tiny_model_dir, text_data, t
     cached = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "b", noise=0,
                                                 cache_features=True)))
     printed = capsys.readouterr().out
-    assert "caching target features for train" in printed and "MiB on disk" in printed
-    assert list((tmp_path / "cache").rglob("features-train-*.bin"))
+    assert "caching target features for train" in printed and "GB on disk" in printed
+    assert list((tmp_path / "cache").rglob("features-train-*/000000.safetensors"))
     for name, value in online["draft"].state_dict().items():
         torch.testing.assert_close(cached["draft"].state_dict()[name], value, rtol=1e-4, atol=1e-5)
 
@@ -105,8 +108,9 @@ def test_eagle3_drafter_starts_with_the_targets_head_rows_of_its_vocabulary():
     model = tiny_model("llama")
     V = model.config.vocab_size
     ids = torch.randint(3, V, (6, 20), generator=torch.Generator().manual_seed(0))
-    data = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
+    data = examples_from_lists(ids.tolist())
     draft = eagle_recipe.build_drafter(EagleConfig(version=3, draft_vocab_size=V // 4), model, data)
+    assert torch.equal(draft.draft_ids, draft_vocabulary([(ids, torch.ones_like(ids))], V, V // 4).sort().values)
     assert draft.lm_head.weight.shape[0] == V // 4 and not torch.equal(draft.draft_ids, torch.arange(V // 4))
     torch.testing.assert_close(draft.lm_head.weight, model.get_output_embeddings().weight[draft.draft_ids],
                                rtol=0, atol=0)
@@ -117,3 +121,100 @@ def test_the_demo_budget_follows_the_version_and_explicit_values_win():
     assert (EagleConfig(version=3).max_steps, EagleConfig(version=3).max_minutes) == (800, 20.0)
     given = load_config(EagleConfig, ["--version", "3", "--max_steps", "2400", "--max_minutes", "10.5"])
     assert (given.max_steps, given.max_minutes) == (2400, 10.5)
+
+
+def variable_length_examples(n: int = 7):
+    """`n` rows of 5, 7, 9, ... random tokens (conversations: no two of one length), their loss masks all 1."""
+    gen = torch.Generator().manual_seed(4)
+    return examples_from_lists([torch.randint(3, 90, (5 + 2 * i,), generator=gen).tolist() for i in range(n)])
+
+
+def straightforward_features(target, examples, layers=None) -> list[torch.Tensor]:
+    """Each example's features computed alone, unpadded."""
+    return [target_features(target, examples[i]["input_ids"][None].long(), None, layers)[0]
+            for i in range(len(examples))]
+
+
+@pytest.mark.parametrize("layers", [None, [0, 1]], ids=["eagle", "eagle3"])
+def test_feature_shards_written_by_two_ranks_equal_the_straightforward_features(layers, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    target, ex = tiny_model("llama"), variable_length_examples()
+    cfg = EagleConfig(max_length=64, feature_shard_examples=2)
+    folder, size = write_features(cfg, target, ex, "train", layers, rank=0, world=2, batch_size=3)
+    assert sorted(p.name for p in folder.iterdir()) == ["000000.safetensors", "000002.safetensors"]  # rank 0's
+    with pytest.raises(RuntimeError, match="lacks 2 shard"):
+        FeatureShards(folder, len(ex), size)
+    assert write_features(cfg, target, ex, "train", layers, rank=1, world=2, batch_size=3) == (
+        folder, size)
+    assert len(list(folder.iterdir())) == 4
+    shards = FeatureShards(folder, len(ex), size)
+    for i, want in enumerate(straightforward_features(target, ex, layers)):
+        assert shards(i).shape == want.shape == (len(ex[i]["input_ids"]), 48 * (3 if layers else 1))
+        torch.testing.assert_close(shards(i), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_partly_written_feature_cache_computes_only_what_is_missing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    target, ex = tiny_model("llama"), variable_length_examples()
+    cfg = EagleConfig(max_length=64, feature_shard_examples=2)
+    folder, size = write_features(cfg, target, ex, "train")
+    assert "4 shards of 2 examples" in capsys.readouterr().out
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    shard_path(folder, 1).unlink()  # a crash: one shard never finished, its temporary file left behind
+    stray = folder / f".{shard_path(folder, 1).name}.abc123"
+    stray.write_bytes(b"half a shard")
+    computed = []
+    monkeypatch.setattr(eagle_recipe, "target_features", lambda t, ids, attn, layers: computed.append(
+        ids.shape[0]) or target_features(t, ids, attn, layers))
+    assert write_features(cfg, target, ex, "train") == (folder, size)
+    assert computed == [2] and "1 to write" in capsys.readouterr().out  # examples 2 and 3 only
+    after = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    assert after.keys() == before.keys() and not stray.exists()
+    assert all(after[name] == before[name] for name in before if name != "000001.safetensors")
+    computed.clear()
+    data = cached_features(EagleConfig(max_length=64), target, ex, "train")  # another shard size: another cache
+    assert computed == [7] and "1 shards of 4096 examples" in capsys.readouterr().out
+    data = cached_features(EagleConfig(max_length=64), target, ex, "train")  # complete: only read
+    assert computed == [7] and capsys.readouterr().out == ""
+    want = straightforward_features(target, ex)
+    batch = pad_batch([data[2], data[5]])
+    assert batch["features"].shape == (2, 15, 48) and batch["features"][0, 9:].eq(0).all()
+    torch.testing.assert_close(batch["features"][0, :9], want[2], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(batch["features"][1], want[5], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_two_processes_write_the_feature_cache_together(tiny_model_dir, text_data, tmp_path, monkeypatch):
+    """The real launch: each of 2 processes writes its shards, both train from all of them; the shards equal
+    those one process writes."""
+    from safetensors.torch import load_file as read_shard
+    from test_distributed import launch, run_args
+
+    def shards(cache: str) -> dict[str, dict[str, torch.Tensor]]:
+        return {p.name: read_shard(p) for p in sorted((tmp_path / cache).rglob("features-train-*/*.safetensors"))}
+
+    extra = {"cache_features": "true", "feature_shard_examples": 8, "max_steps": 2, "eval_fraction": 0.1}
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "c2"))
+    log = launch("cpu-2proc", "eagle", run_args("eagle", tiny_model_dir, text_data, tmp_path / "two", 2, **extra))
+    assert "written by 2 process(es)" in log
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "c1"))
+    launch("cpu", "eagle", run_args("eagle", tiny_model_dir, text_data, tmp_path / "one", 4, **extra), processes=1)
+    two, one = shards("c2"), shards("c1")
+    assert two.keys() == one.keys() and len(two) >= 4
+    for name in one:
+        assert one[name].keys() == two[name].keys()
+        for key in one[name]:
+            torch.testing.assert_close(two[name][key], one[name][key], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_shard_written_a_tensor_at_a_time_is_a_safetensors_file(dtype, tmp_path):
+    tensors = {"3": torch.randn(5, 4).to(dtype), "4": torch.randn(1, 4).to(dtype), "5": torch.randn(2, 4).to(dtype)}
+    path = str(tmp_path / "000001.safetensors")
+    write_safetensors(path, {k: tuple(v.shape) for k, v in tensors.items()}, dtype, iter(tensors.values()))
+    back = load_file(path)
+    assert back.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(back[name], tensor)
+    with pytest.raises(ValueError, match=r"tensor 4: expected \(1, 4\)"):
+        write_safetensors(path, {"3": (5, 4), "4": (1, 4)}, dtype, [tensors["3"], tensors["5"]])

@@ -157,7 +157,7 @@ def eagle3(target, prompts) -> Eagle3Draft:
     for norm in (draft.norm, draft.midlayer.input_layernorm, draft.midlayer.hidden_norm,
                  draft.midlayer.post_attention_layernorm):
         torch.nn.init.ones_(norm.weight)
-    draft.set_draft_vocab(draft_vocabulary(corpus, torch.ones_like(corpus), c.vocab_size, DRAFT_VOCAB))
+    draft.set_draft_vocab(draft_vocabulary([(corpus, torch.ones_like(corpus))], c.vocab_size, DRAFT_VOCAB))
     method = Eagle3Method(EagleConfig(version=3, ttt_steps=DRAFT_TOKENS), target, draft, [])
     opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
     threads = torch.get_num_threads()

@@ -1,80 +1,103 @@
-"""Datasets -> fixed-length examples of token ids with a loss mask.
+"""Datasets -> variable-length examples of token ids with a loss mask, memory-mapped from disk.
 
 Sources: `stdlib` (the demo corpus), a local `.txt` file or folder of text files, `.json`/`.jsonl`
 with a `text` field, ShareGPT `conversations` or OpenAI `messages` (rendered with the tokenizer's chat
-template, loss on assistant turns only), or a name for `datasets.load_dataset`. Tokenised results
-are cached on disk, keyed by the source, its files' sizes and times, the tokenizer and max_length.
+template, loss on assistant turns only), or a name for `datasets.load_dataset`. Records stream from the
+files into an Arrow file (a `.jsonl` line at a time), are tokenised with `datasets.map` a batch at a
+time, and the examples are saved as a `datasets.Dataset` under the cache folder, keyed by the source, its
+files' sizes and times, the tokenizer and max_length; later runs memory-map it, so RAM does not grow with
+the data. Rows are stored unpadded; `pad_batch` pads each batch to its own longest row.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
-from heads.io import atomic_write
 from shipped.stdlib_corpus import stdlib_texts
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+# a record: plain text, or a conversation as the JSON of its [{"role", "content"}] turns (any content type)
+RECORD_FEATURES = datasets.Features({"text": datasets.Value("string"), "messages": datasets.Value("string")})
+# an example: its token ids and, per token, 1 where the loss is taken; no padding is stored
+EXAMPLE_FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                      "loss_mask": datasets.List(datasets.Value("int8"))})
+WRITE_BATCH = 1000  # rows per Arrow record batch and per tokenising `map` batch
 
 
 class DataError(ValueError):
     """A dataset that cannot be read as any supported layout."""
 
 
-def _records_from_json(path: Path) -> list[tuple[str, Any]]:
-    """(where, record) pairs of a .json/.jsonl file; `where` names the file and line for error messages."""
-    text = path.read_text(errors="replace")
+# ---------------------------------------------------------------- records
+
+
+def _records_from_json(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, record) pairs of a .json/.jsonl file; `where` names the file and line for error messages.
+    A .jsonl file is read a line at a time; a .json file holds one JSON value, so it is parsed whole."""
     if path.suffix == ".jsonl":
-        records = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    records.append((f"{path} line {number}", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path} line {number} is not valid JSON ({e.msg} at column {e.colno})") from None
-        return records
+        with path.open(errors="replace") as lines:
+            for number, line in enumerate(lines, start=1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{path} line {number} is not valid JSON ({e.msg} at column {e.colno})") from None
+                    yield f"{path} line {number}", record
+        return
     try:
-        data = json.loads(text)
+        data = json.loads(path.read_text(errors="replace"))
     except json.JSONDecodeError as e:
         raise DataError(f"{path} line {e.lineno} is not valid JSON ({e.msg} at column {e.colno})") from None
     if isinstance(data, dict) and "data" in data:
         data = data["data"]
     if not isinstance(data, list):
         raise DataError(f"{path} must hold a list of records (or {{'data': [...]}})")
-    return [(f"{path} record {i}", r) for i, r in enumerate(data)]
+    for i, r in enumerate(data):
+        yield f"{path} record {i}", r
 
 
-def load_records(source: str, split: str = "train") -> list[dict[str, Any]]:
-    """Read a source into records with either `text` or `messages` (role/content)."""
+def iter_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
+    """A source's records, one at a time, each with either `text` or `messages` (role/content)."""
     if source in ("stdlib", "demo"):
-        return [{"text": t} for t in stdlib_texts("validation" if split == "validation" else "train")]
+        yield from ({"text": t} for t in stdlib_texts("validation" if split == "validation" else "train"))
+        return
     path = Path(source)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES | {".json", ".jsonl"})
         if not files:
             raise DataError(f"{path} holds no .txt/.md/.py/.json/.jsonl files")
-        return [r for f in files for r in load_records(str(f), split)]
+        for f in files:
+            yield from iter_records(str(f), split)
+        return
     if path.is_file():
         if path.suffix in (".json", ".jsonl"):
-            return [_normalise(r, where) for where, r in _records_from_json(path)]
-        return [{"text": path.read_text(errors="replace")}]
+            yield from (_normalise(r, where) for where, r in _records_from_json(path))
+        else:
+            yield {"text": path.read_text(errors="replace")}
+        return
     if path.suffix in TEXT_SUFFIXES | {".json", ".jsonl"} or source.startswith((".", "/", "~")):
         raise DataError(f"dataset {source!r} does not exist (no such file or folder)")
     try:
-        import datasets
-
         ds = datasets.load_dataset(source, split=split)
     except Exception as err:  # the hub and local scripts raise many types; all mean the same to the user
         raise DataError(f"could not load dataset {source!r} ({type(err).__name__}: {err}); give a local file, folder, "
                         "or a `datasets` name that is cached (HF_HUB_OFFLINE=1 blocks downloads)") from err
-    return [_normalise(dict(r), f"{source} record {i}") for i, r in enumerate(ds)]
+    yield from (_normalise(dict(r), f"{source} record {i}") for i, r in enumerate(ds))
 
 
 def _normalise(record: Any, where: str) -> dict[str, Any]:
@@ -100,6 +123,9 @@ def _normalise(record: Any, where: str) -> dict[str, Any]:
     raise DataError(f"{where}: records need a `text`, `messages` or `conversations` field; got {sorted(record)}")
 
 
+# ---------------------------------------------------------------- tokenising
+
+
 def chat_example(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
     """Render a conversation with the chat template; the loss mask covers assistant turns only.
 
@@ -123,38 +149,91 @@ def chat_example(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], 
     return enc["input_ids"], mask
 
 
-def build_examples(records: list[dict[str, Any]], tokenizer, max_length: int) -> dict[str, torch.Tensor]:
-    """Plain text is packed into max_length blocks (EOS between documents); conversations are one example each."""
-    eos = tokenizer.eos_token_id
-    ids_out, mask_out, attn_out = [], [], []
-    stream: list[int] = []
-    texts = [r["text"] for r in records if "text" in r]
-    for enc in tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []:
-        stream.extend(enc)
-        if eos is not None:
-            stream.append(eos)
-    for start in range(0, len(stream) - max_length + 1, max_length):
-        ids_out.append(stream[start : start + max_length])
-        mask_out.append([1] * max_length)
-        attn_out.append([1] * max_length)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
-    for r in records:
-        if "messages" in r:
-            ids, mask = chat_example(tokenizer, r["messages"])
-            ids, mask = ids[:max_length], mask[:max_length]
-            if sum(mask) == 0:
+class Packer:
+    """The batched `map` function that turns records into examples, in order (one process).
+
+    Plain text joins one token stream (EOS after each document) cut into full max_length blocks; the tokens
+    past the last full block carry over to the next batch, and the stream's tail is dropped at the end.
+    A conversation is one example, truncated to max_length, dropped when no token of it is trained on.
+    """
+
+    def __init__(self, tokenizer, max_length: int) -> None:
+        self.tokenizer, self.max_length = tokenizer, max_length
+        self.stream: list[int] = []  # text tokens not yet in a block
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list[list[int]]]:
+        length, eos = self.max_length, self.tokenizer.eos_token_id
+        ids_out: list[list[int]] = []
+        mask_out: list[list[int]] = []
+        texts = [t for t in batch["text"] if t is not None]
+        for enc in self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []:
+            self.stream.extend(enc)
+            if eos is not None:
+                self.stream.append(eos)
+        full = len(self.stream) // length * length
+        for start in range(0, full, length):
+            ids_out.append(self.stream[start : start + length])
+            mask_out.append([1] * length)
+        del self.stream[:full]
+        for messages in batch["messages"]:
+            if messages is None:
                 continue
-            padding = max_length - len(ids)
-            ids_out.append(ids + [pad] * padding)
-            mask_out.append(mask + [0] * padding)
-            attn_out.append([1] * len(ids) + [0] * padding)
-    if not ids_out:
-        raise DataError(f"the dataset yields no example of {max_length} tokens; lower --max_length or add data")
-    return {
-        "input_ids": torch.tensor(ids_out, dtype=torch.long),  # (N, T)
-        "loss_mask": torch.tensor(mask_out, dtype=torch.bool),  # (N, T) True where a token is trained on
-        "attention_mask": torch.tensor(attn_out, dtype=torch.long),  # (N, T) 0 on right padding
-    }
+            ids, mask = chat_example(self.tokenizer, json.loads(messages))
+            if sum(mask[:length]):
+                ids_out.append(ids[:length])
+                mask_out.append(mask[:length])
+        return {"input_ids": ids_out, "loss_mask": mask_out}
+
+
+def write_arrow(rows: Iterable[dict[str, Any]], path: Path, features: datasets.Features) -> datasets.Dataset:
+    """Write rows to one Arrow file, `WRITE_BATCH` rows at a time, and return it memory-mapped."""
+    schema = features.arrow_schema
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        rows = iter(rows)
+        while chunk := list(itertools.islice(rows, WRITE_BATCH)):
+            writer.write_batch(pa.RecordBatch.from_pylist(chunk, schema=schema))
+    return datasets.Dataset.from_file(str(path), in_memory=False)
+
+
+def save_examples(make: Callable[[Path], datasets.Dataset], path: Path) -> datasets.Dataset:
+    """Build a dataset in a scratch folder next to `path` (`make(scratch)`), save it, and move the saved
+    folder onto `path` in one rename: a crash leaves no half-written cache entry. Returns it memory-mapped."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as scratch:
+        built = make(Path(scratch))
+        quiet = datasets.utils.are_progress_bars_disabled()
+        datasets.disable_progress_bars()  # a bar for a copy of what `make` just showed
+        try:
+            built.save_to_disk(str(Path(scratch) / "saved"))
+        finally:
+            if not quiet:
+                datasets.enable_progress_bars()
+        del built  # its Arrow files are in `scratch`, removed on leaving
+        try:
+            os.replace(Path(scratch) / "saved", path)
+        except OSError:  # another process saved the same entry first: keep theirs
+            if not (path / "state.json").is_file():
+                raise
+    return datasets.load_from_disk(str(path), keep_in_memory=False)
+
+
+def build_examples(records: Iterable[dict[str, Any]], tokenizer, max_length: int, path: Path,
+                   batch_size: int = WRITE_BATCH) -> datasets.Dataset:
+    """Tokenise records into examples saved at `path` (see Packer); records never all sit in RAM."""
+
+    def make(scratch: Path) -> datasets.Dataset:
+        rows = ({"text": r.get("text"), "messages": json.dumps(r["messages"]) if "messages" in r else None}
+                for r in records)
+        table = write_arrow(rows, scratch / "records.arrow", RECORD_FEATURES)
+        examples = table.map(Packer(tokenizer, max_length), batched=True, batch_size=batch_size,
+                             remove_columns=table.column_names, features=EXAMPLE_FEATURES,
+                             cache_file_name=str(scratch / "examples.arrow"), new_fingerprint=path.name,
+                             writer_batch_size=WRITE_BATCH, desc="tokenising")
+        if len(examples) == 0:
+            raise DataError(f"the dataset yields no example of {max_length} tokens; lower --max_length or add data")
+        return examples
+
+    return save_examples(make, path)
 
 
 def _fingerprint(source: str, split: str, tokenizer, max_length: int) -> str:
@@ -178,22 +257,103 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec")) / "tokenized"
 
 
-def load_examples(source: str, tokenizer, max_length: int, split: str = "train") -> dict[str, torch.Tensor]:
-    """Tokenised examples for a source, read from the on-disk cache when the same inputs were seen before."""
-    path = cache_dir() / f"{_fingerprint(source, split, tokenizer, max_length)}.pt"
-    if path.is_file():
-        return torch.load(path, weights_only=True)
-    examples = build_examples(load_records(source, split), tokenizer, max_length)
-    atomic_write(path, lambda tmp: torch.save(examples, tmp))
-    return examples
+# ---------------------------------------------------------------- examples for a DataLoader
 
 
-def split_examples(examples: dict[str, torch.Tensor], fraction: float, seed: int) -> tuple[dict, dict]:
+class Examples(torch.utils.data.Dataset):
+    """Tokenised rows (a memory-mapped `datasets.Dataset`) as tensors for a DataLoader.
+
+    `key` names the content (the cache key, extended by every selection), so a run can be fingerprinted
+    without reading the data. `features` (EAGLE's feature cache) gives row i's target features (L_i, H)
+    from disk; `pad_batch` pads them like the tokens.
+    """
+
+    def __init__(self, rows: datasets.Dataset, key: str,
+                 features: Callable[[int], torch.Tensor] | None = None) -> None:
+        self.rows, self.key, self.features = rows, key, features
+        self._tensors = rows.with_format("torch")
+
+    def __len__(self) -> int:
+        return self.rows.num_rows
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self._tensors[i]
+        out = {"input_ids": row["input_ids"], "loss_mask": row["loss_mask"]}  # (L,) int32 and int8
+        if self.features is not None:
+            out["features"] = self.features(i)  # (L, H)
+        return out
+
+    def select(self, indices: Iterable[int] | np.ndarray, what: str) -> Examples:
+        """The rows at `indices`, in that order; `what` (e.g. "subset 64 seed 0") extends the key."""
+        if self.features is not None:
+            raise ValueError("select rows before attaching features")
+        key = hashlib.sha1(f"{self.key}|{what}".encode()).hexdigest()[:16]
+        return Examples(self.rows.select(indices, keep_in_memory=True), key)
+
+    def lengths(self) -> np.ndarray:
+        """Every row's token count (N,), read a batch at a time."""
+        arrow = self.rows.with_format("arrow")
+        return np.concatenate([pc.list_value_length(b["input_ids"]).to_numpy() for b in arrow.iter(4096)]
+                              or [np.zeros(0, dtype=np.int32)])
+
+    def token_batches(self, batch_size: int = 4096) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(ids, loss_mask) of `batch_size` rows at a time, flattened to (tokens,) each."""
+        for b in self.rows.with_format("arrow").iter(batch_size):
+            ids = pc.list_flatten(b["input_ids"]).to_numpy().astype(np.int64)
+            mask = pc.list_flatten(b["loss_mask"]).to_numpy().astype(bool)
+            yield torch.from_numpy(ids), torch.from_numpy(mask)
+
+
+def examples_from_lists(input_ids: list[list[int]], loss_mask: list[list[int]] | None = None) -> Examples:
+    """Small in-memory examples (tests, calibration): rows of ids and their loss masks (default: all 1)."""
+    masks = loss_mask if loss_mask is not None else [[1] * len(r) for r in input_ids]
+    rows = datasets.Dataset.from_dict({"input_ids": input_ids, "loss_mask": masks}, features=EXAMPLE_FEATURES)
+    return Examples(rows, hashlib.sha1(repr((input_ids, masks)).encode()).hexdigest()[:16])
+
+
+def pad_batch(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A DataLoader's collate: rows padded on the right to the batch's longest row.
+
+    input_ids (B, T) long, 0 on padding; loss_mask (B, T) bool, False on padding; attention_mask (B, T)
+    long, 0 on padding; and features (B, T, H) zero on padding when the rows carry them. The padding id is
+    never read: no real position attends to it and no loss is taken there.
+    """
+    length = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    attention = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = r["input_ids"]
+        loss_mask[i, :n] = r["loss_mask"].bool()
+        attention[i, :n] = 1
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention}
+    if "features" in rows[0]:
+        first = rows[0]["features"]
+        feats = first.new_zeros(len(rows), length, first.shape[-1])
+        for i, r in enumerate(rows):
+            feats[i, : len(r["features"])] = r["features"]
+        batch["features"] = feats
+    return batch
+
+
+def load_examples(source: str, tokenizer, max_length: int, split: str = "train") -> Examples:
+    """Tokenised examples for a source, memory-mapped from the on-disk cache (built there on first use)."""
+    key = _fingerprint(source, split, tokenizer, max_length)
+    path = cache_dir() / key
+    if (path / "state.json").is_file():
+        rows = datasets.load_from_disk(str(path), keep_in_memory=False)
+    else:
+        rows = build_examples(iter_records(source, split), tokenizer, max_length, path)
+    return Examples(rows, key)
+
+
+def split_examples(examples: Examples, fraction: float, seed: int) -> tuple[Examples, Examples]:
     """Hold out a seeded `fraction` of examples (at least one) for validation."""
-    n = examples["input_ids"].shape[0]
+    n = len(examples)
     if n < 2:
         raise DataError("need at least 2 examples to hold one out for validation; add data or lower --max_length")
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
     k = max(1, int(n * fraction))
-    take = lambda idx: {key: v[idx] for key, v in examples.items()}  # noqa: E731
-    return take(order[k:]), take(order[:k])
+    what = f"split {fraction} seed {seed}"
+    return examples.select(order[k:], f"train {what}"), examples.select(order[:k], f"held out {what}")

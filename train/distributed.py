@@ -1,17 +1,19 @@
-"""What the training loop needs to be right with several processes (DDP, DeepSpeed ZeRO-2), in one place.
+"""What the training loop needs to be right with several processes (DDP, DeepSpeed ZeRO-2/3, FSDP2), in one place.
 
 - The frozen target is loaded outside ZeRO-3's partitioning init (`unpartitioned`): it only computes
   features, never through the engine, so each rank holds it whole.
 - DeepSpeed clips gradients itself and ignores `clip_grad_norm_`: its `gradient_clipping` follows
   `--max_grad_norm` (`configure_deepspeed`).
-- ZeRO-3 and FSDP are refused for now (`check_engine`): see there.
+- ZeRO-3 and FSDP2 shard the drafter and gather a layer's weights on every call, so every rank makes the
+  same calls: the chunked losses agree on their chunk counts (`max_over_ranks`), evaluation gives every
+  rank as many batches, and methods other than forward that the losses call are registered (`expose_methods`).
 - The drafter is saved from a state dict every rank helps gather (`gathered_module`), written once.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from accelerate import Accelerator
@@ -31,8 +33,14 @@ def zero_stage(accelerator: Accelerator) -> int:
 
 
 @contextlib.contextmanager
-def unpartitioned(accelerator: Accelerator) -> Iterator[None]:
-    """Build or load models whole on every rank, even when ZeRO-3's partitioning init is on."""
+def unpartitioned(accelerator: Accelerator, seed: int | None = None) -> Iterator[None]:
+    """Build or load models whole on every rank, even when ZeRO-3's partitioning init is on. With a `seed`,
+    random initialisation starts from it on every rank: ZeRO-3 and FSDP keep each rank's own shard of what
+    it built (nothing is broadcast), so every rank must build the same drafter whatever it did before."""
+    if seed is not None:
+        from accelerate.utils import set_seed
+
+        set_seed(seed)
     plugin = deepspeed_plugin(accelerator)
     if plugin is None:
         yield
@@ -48,16 +56,82 @@ def unpartitioned(accelerator: Accelerator) -> Iterator[None]:
         plugin.set_deepspeed_weakref()
 
 
-def check_engine(accelerator: Accelerator) -> None:
-    """Refuse the engines this loop cannot run correctly yet, before any work: ZeRO-3 and FSDP gather a
-    layer's weights on every call, so every rank must call each layer equally often, but the chunked
-    losses call the vocabulary projection a data-dependent number of times (ranks would hang)."""
+def fsdp_without_gpu(accelerator: Accelerator) -> None:
+    """Run FSDP2 on CPU processes (gloo) when the launch config asks for FSDP on a machine without GPUs.
+
+    accelerate turns FSDP on only for accelerator devices (on CPU the run would silently become DDP), while
+    torch's FSDP2 shards over gloo as well: switch the multi-CPU state to FSDP with the plugin the launch
+    config describes, so tests and CPU machines run the same code path as GPUs do."""
+    import os
+
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or accelerator.distributed_type != (
+            DistributedType.MULTI_CPU):
+        return
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* settings of the launch
+    PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
+
+
+def check_engine() -> None:
+    """Refuse, before any work (and before accelerate builds an FSDP plugin), the engine this loop does not
+    drive: FSDP version 1. FSDP2's per-module hooks are what let the losses call the drafter's own
+    projections outside its forward."""
+    import os
+
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise ConfigError("FSDP version 1 is not supported: set `fsdp_version: 2` under fsdp_config "
+                          "(as configs/accelerate/fsdp.yaml does)")
+
+
+def engine_name(accelerator: Accelerator) -> str:
+    """How the drafter is trained across processes, for the run's opening line."""
     from accelerate.utils import DistributedType
 
-    if zero_stage(accelerator) == 3 or accelerator.distributed_type == DistributedType.FSDP:
-        engine = "DeepSpeed ZeRO-3" if zero_stage(accelerator) == 3 else "FSDP"
-        raise ConfigError(f"{engine} is not supported yet (its per-call weight gathering would hang on the chunked "
-                          "losses): use configs/accelerate/deepspeed-zero2.yaml or configs/accelerate/ddp.yaml")
+    if deepspeed_plugin(accelerator) is not None:
+        return f"DeepSpeed ZeRO-{zero_stage(accelerator)}"
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return f"FSDP{accelerator.state.fsdp_plugin.fsdp_version}"
+    return "DDP" if accelerator.num_processes > 1 else "one process"
+
+
+def gathers_weights(accelerator: Accelerator) -> bool:
+    """Whether the engine shards the drafter's weights and gathers a layer's on every call (ZeRO-3, FSDP):
+    then every rank must call each layer equally often, or the gathers pair up wrongly and ranks hang."""
+    from accelerate.utils import DistributedType
+
+    return zero_stage(accelerator) == 3 or accelerator.distributed_type == DistributedType.FSDP
+
+
+def max_over_ranks(accelerator: Accelerator) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Under an engine that gathers weights per call: a function giving the elementwise max of an integer
+    tensor over all ranks (how many calls each rank makes: the most any rank needs). None otherwise."""
+    if not gathers_weights(accelerator) or accelerator.num_processes == 1:
+        return None
+
+    def agree(counts: torch.Tensor) -> torch.Tensor:
+        counts = counts.to(accelerator.device)
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+        return counts.cpu()
+
+    return agree
+
+
+def expose_methods(accelerator: Accelerator, prepared: torch.nn.Module,
+                   names: tuple[str, ...] = ("logits", "project_head")) -> None:
+    """Let the losses call these drafter methods besides forward (EAGLE-3's `logits` and the Medusa heads'
+    `project_head`, chunk by chunk): under
+    FSDP2 they then gather the sharded weights as forward does. (ZeRO-3 hooks every submodule already.)"""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    for name in names:
+        if callable(getattr(prepared, name, None)):
+            register_fsdp_forward_method(prepared, name)
 
 
 def configure_deepspeed(accelerator: Accelerator, max_grad_norm: float) -> None:
@@ -93,6 +167,16 @@ def gathered_module(accelerator: Accelerator, prepared: torch.nn.Module) -> torc
     if not accelerator.is_main_process:
         return None
     inner = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
-    module = type(inner)(inner.config)
+    module = plain_class(inner)(inner.config)
     module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
     return module.to(accelerator.device)
+
+
+def plain_class(module: torch.nn.Module) -> type:
+    """The module's own class: FSDP2 swaps in a subclass FSDP<Name>(FSDPModule, <Name>) when it shards it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    while issubclass(cls, FSDPModule):
+        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+    return cls

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from heads.eagle import EagleDraft, causal_mask, layer_fields
 from heads.eagle3 import Eagle3Draft, default_feature_layers
 from heads.errors import run_main
-from heads.io import atomic_write
 from infer.tune import eagle_grid, format_rows, tune_eagle
 from train.config import ConfigError, check_at_least, load_config
-from train.data import cache_dir
+from train.data import Examples, cache_dir, pad_batch
 from train.distributed import unpartitioned
 from train.eagle3 import Eagle3Loss, draft_vocabulary, init_from_target
+from train.features import FeatureShards, examples_per_shard, missing_shards, shard_count, write_shards
 from train.loop import (
     TrainConfig,
     datasets_for,
@@ -68,6 +68,7 @@ class EagleConfig(TrainConfig):
     w_cls: float = 0.1  # weight of the soft-label token loss next to the feature regression
     noise: float = 0.1  # uniform U(-noise, noise) added to the input features while training
     cache_features: bool = False  # compute the target's features once and keep them on disk for every epoch
+    feature_shard_examples: int = 0  # with cache_features: examples per shard file (0: about 256 MiB each)
     depth: int = 0  # dynamic tree defaults stored with the drafter; 0 fits all three to this machine
     top_k: int = 0  # frontier width and children per expanded node (0: fit here)
     total_tokens: int = 0  # drafted nodes kept for verification (0: fit here)
@@ -90,7 +91,7 @@ class EagleConfig(TrainConfig):
             self.max_minutes = 20.0 if self.version == 3 else 10.5
         super().__post_init__()
         check_at_least(self, ("num_layers", "tune_prompts", "tune_new_tokens"), 1)
-        check_at_least(self, ("w_cls", "noise", "depth", "top_k", "total_tokens"), 0)
+        check_at_least(self, ("w_cls", "noise", "depth", "top_k", "total_tokens", "feature_shard_examples"), 0)
         for name in ("tune_depths", "tune_top_ks", "tune_totals"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name} must list positive numbers (e.g. 2,4,8), got {getattr(self, name)}")
@@ -216,6 +217,7 @@ class Eagle3Method(EagleMethod):
     """EAGLE-3: the training-time test over fused features (train/eagle3.py); tree fitting and saving as EAGLE."""
 
     label = "the EAGLE-3 drafter"
+    agree = None  # the loop sets it under ZeRO-3/FSDP: every rank projects as many chunks (train.distributed)
 
     def __init__(self, cfg: EagleConfig, target, draft: Eagle3Draft, tune_prompts: list[torch.Tensor]) -> None:
         super().__init__(cfg, target, draft, tune_prompts)
@@ -228,7 +230,7 @@ class Eagle3Method(EagleMethod):
             self.target, batch["input_ids"], batch["attention_mask"], self.layers)
         hidden = self.lm_head.weight.shape[1]
         draft = getattr(self.trainable, "module", self.trainable)  # DDP and DeepSpeed wrap it; FSDP2 does not
-        ttt = Eagle3Loss(draft, self.cfg.ttt_steps, self.lm_head, self.chunk, runner=self.trainable)
+        ttt = Eagle3Loss(draft, self.cfg.ttt_steps, self.lm_head, self.chunk, runner=self.trainable, agree=self.agree)
         return ttt, ttt.unroll(feats[..., :-hidden], batch, self.embed), feats[..., -hidden:]
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -238,7 +240,7 @@ class Eagle3Method(EagleMethod):
     def evaluate(self, batches: list[dict[str, torch.Tensor]],
                  total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
         """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share).
-        "loss" is the mean over batches of the batch's loss."""
+        "loss" is the mean of the batch losses over batches with trained tokens."""
         steps = self.cfg.ttt_steps
         # [summed batch losses, batches, accepted, positions, hits per step, counted positions per step]
         sums = torch.zeros(4 + 2 * steps, dtype=torch.float64, device=self.lm_head.weight.device)
@@ -246,7 +248,8 @@ class Eagle3Method(EagleMethod):
             ttt, outputs, target = self._unroll(batch)
             loss = ttt.loss(outputs, target, batch)[0].detach().double()
             hits, counts, accepted, positions = ttt.agreement(outputs, target, batch)
-            sums += torch.cat([torch.stack([loss, torch.ones_like(loss), accepted, positions]), hits, counts])
+            counted = (positions > 0).double()  # a batch without trained tokens (a rank's filler) counts for nothing
+            sums += torch.cat([torch.stack([loss, counted, accepted, positions]), hits, counts])
         sums = (total(sums) if total else sums).cpu()
         loss, batches_seen, accepted, positions = sums[:4].tolist()
         top = sums[4 : 4 + steps] / sums[4 + steps :].clamp(min=1)
@@ -260,14 +263,10 @@ class Eagle3Method(EagleMethod):
                 f"{metrics['sim_accept']:.2f} (chain, teacher-forced)")
 
 
-def calibration_prompts(eval_data: dict, count: int, length: int) -> list[torch.Tensor]:
-    """The first `length` tokens of up to `count` validation examples (padding dropped)."""
-    prompts = []
-    for ids, attn in zip(eval_data["input_ids"][:count], eval_data["attention_mask"][:count]):
-        prompt = ids[: min(length, int(attn.sum()))]
-        if prompt.numel():
-            prompts.append(prompt)
-    return prompts
+def calibration_prompts(eval_data: Examples, count: int, length: int) -> list[torch.Tensor]:
+    """The first `length` tokens of up to `count` validation examples."""
+    rows = eval_data.rows[: min(count, len(eval_data))]["input_ids"]
+    return [torch.tensor(ids[:length], dtype=torch.long) for ids in rows if ids]
 
 
 @torch.no_grad()
@@ -282,34 +281,51 @@ def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return torch.cat([out.hidden_states[i] for i in layers] + [out.last_hidden_state], dim=-1)
 
 
-def cached_features(cfg: EagleConfig, target, examples: dict, name: str, layers: list[int] | None = None,
-                    batch_size: int = 16) -> dict:
-    """`examples` plus the target's features, computed once and memory-mapped from disk afterwards."""
-    n, t = examples["input_ids"].shape
-    hidden = target.config.get_text_config().hidden_size * (len(layers) + 1 if layers else 1)
+def write_features(cfg: EagleConfig, target, examples: Examples, name: str, layers: list[int] | None = None,
+                   rank: int = 0, world: int = 1, batch_size: int = 16) -> tuple[Path, int]:
+    """Write rank `rank` of `world`'s share of the target's features of `examples` (train/features.py), keyed
+    by the target's weights, the data, the layers and the dtype; rank 0 first prints the size on disk.
+    Returns the cache folder and its examples per shard."""
+    width = target.config.get_text_config().hidden_size * (len(layers) + 1 if layers else 1)
     dtype = next(target.parameters()).dtype
-    digest = hashlib.sha1(examples["input_ids"].numpy().tobytes())
-    digest.update(f"{cfg.model}|{dtype}|{layers}|{weights_fingerprint(target)}".encode())
-    path = cache_dir() / f"features-{name}-{digest.hexdigest()[:16]}.bin"
-    size = n * t * hidden * torch.finfo(dtype).bits // 8
-    if not path.is_file():
-        print(f"caching target features for {name}: {n} x {t} tokens x {hidden} ({dtype}) = "
-              f"{size / 2**20:.0f} MiB on disk at {path}")
+    size = cfg.feature_shard_examples or examples_per_shard(cfg.max_length, width, dtype)
+    digest = hashlib.sha1(f"{examples.key}|{cfg.model}|{dtype}|{layers}|{size}|{weights_fingerprint(target)}".encode())
+    folder = cache_dir() / f"features-{name}-{digest.hexdigest()[:16]}"
+    n = len(examples)
+    missing = missing_shards(folder, n, size)
+    if not missing:
+        return folder, size
+    lengths = examples.lengths()
+    if rank == 0:
+        tokens = int(lengths.sum())
+        gb = tokens * width * torch.finfo(dtype).bits / 8 / 1e9
+        print(f"caching target features for {name}: {n} examples, {tokens} tokens x {width} ({dtype}) = {gb:.3f} GB "
+              f"on disk at {folder}, {shard_count(n, size)} shards of {size} examples written by {world} "
+              f"process(es); {len(missing)} to write")
 
-        def write(tmp: str) -> None:  # straight into a file-backed tensor: RAM never holds them all
-            out = torch.from_file(tmp, shared=True, size=n * t * hidden, dtype=dtype).view(n, t, hidden)
-            for i in range(0, n, batch_size):
-                ids = examples["input_ids"][i : i + batch_size].to(target.device)
-                attn = examples["attention_mask"][i : i + batch_size].to(target.device)
-                out[i : i + batch_size] = target_features(target, ids, attn, layers).cpu()
-            del out
+    def compute(start: int, stop: int) -> Iterator[torch.Tensor]:
+        for i in range(start, stop, batch_size):
+            rows = [examples[j] for j in range(i, min(stop, i + batch_size))]
+            batch = pad_batch(rows)
+            out = target_features(target, batch["input_ids"].to(target.device),
+                                  batch["attention_mask"].to(target.device), layers).cpu()
+            yield from (f[: len(r["input_ids"])] for f, r in zip(out, rows))
 
-        atomic_write(path, write)
-    features = torch.from_file(str(path), shared=False, size=n * t * hidden, dtype=dtype).view(n, t, hidden)
-    return examples | {"features": features}
+    write_shards(folder, lengths, width, dtype, size, rank, world, compute, show_progress=rank == 0)
+    return folder, size
 
 
-def build_drafter(cfg: EagleConfig, target, train_data: dict) -> EagleDraft | Eagle3Draft:
+def cached_features(cfg: EagleConfig, target, examples: Examples, name: str, layers: list[int] | None = None,
+                    rank: int = 0, world: int = 1, wait: Callable[[], None] | None = None) -> Examples:
+    """`examples` with the target's features, computed once into shards on disk by every rank in parallel
+    and read a batch at a time afterwards; `wait` (all ranks) lets every rank finish its share first."""
+    folder, size = write_features(cfg, target, examples, name, layers, rank, world)
+    if wait is not None:
+        wait()
+    return Examples(examples.rows, examples.key, FeatureShards(folder, len(examples), size))
+
+
+def build_drafter(cfg: EagleConfig, target, train_data: Examples) -> EagleDraft | Eagle3Draft:
     """An EAGLE-1 drafter, or (version 3) an EAGLE-3 drafter whose vocabulary is the most frequent
     loss-bearing tokens of the training data."""
     if cfg.version == 1:
@@ -327,7 +343,7 @@ def build_drafter(cfg: EagleConfig, target, train_data: dict) -> EagleDraft | Ea
                                      draft_vocab_size=size if size < vocab else 0,
                                      norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.norm_before_fc))
     if size < vocab:
-        draft.set_draft_vocab(draft_vocabulary(train_data["input_ids"], train_data["loss_mask"], vocab, size))
+        draft.set_draft_vocab(draft_vocabulary(train_data.token_batches(), vocab, size))
     init_from_target(draft, target)
     return draft
 
@@ -339,13 +355,13 @@ def run(cfg: EagleConfig) -> dict:
         target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
     with accelerator.main_process_first():
         train_data, eval_data = datasets_for(cfg, tokenizer, target)
-    with unpartitioned(accelerator):  # built whole, initialised from the target; prepare() shards it
+    with unpartitioned(accelerator, cfg.seed):  # built whole and alike on every rank; prepare() shards it
         draft = build_drafter(cfg, target, train_data).to(accelerator.device)
     layers = draft.config.feature_layers
-    if cfg.cache_features:
-        with accelerator.main_process_first():
-            train_data = cached_features(cfg, target, train_data, "train", layers)
-            eval_data = cached_features(cfg, target, eval_data, "eval", layers)
+    if cfg.cache_features:  # every rank writes its share of the shards, then all read all of them
+        ranks = (accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone)
+        train_data = cached_features(cfg, target, train_data, "train", layers, *ranks)
+        eval_data = cached_features(cfg, target, eval_data, "eval", layers, *ranks)
     initial = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     prompts = calibration_prompts(eval_data, cfg.tune_prompts, cfg.distill_prompt_tokens)
     method = (Eagle3Method if cfg.version == 3 else EagleMethod)(cfg, target, draft, prompts)

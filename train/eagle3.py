@@ -16,21 +16,24 @@ target argmax is outside the draft vocabulary, are left out. No feature-regressi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
 from heads.eagle3 import Eagle3Draft
-from train.medusa import chunk_rows, chunked_sum
+from train.medusa import agreed_calls, chunk_rows, chunked_sum, chunks
 
 STEP_DECAY = 0.8  # weight of step i's loss is STEP_DECAY ** i
 
 
-def draft_vocabulary(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` most frequent target tokens among the loss-bearing tokens (ties: the lower id), as ids (size,).
+def draft_vocabulary(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent target tokens among the loss-bearing tokens (ties: the lower id), as ids (size,),
+    counted over (input_ids, loss_mask) batches of any equal shapes one at a time, never the whole corpus at once.
     Tokens never seen fill the rest, lowest ids first, so the vocabulary always has `size` entries."""
-    counts = torch.bincount(input_ids[loss_mask.bool()].flatten(), minlength=vocab_size)[:vocab_size]
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for input_ids, loss_mask in batches:
+        counts += torch.bincount(input_ids[loss_mask.bool()].flatten().cpu(), minlength=vocab_size)[:vocab_size]
     order = torch.sort(counts, descending=True, stable=True).indices
     return order[:size]
 
@@ -81,8 +84,9 @@ class Eagle3Loss:
     """
 
     def __init__(self, draft: Eagle3Draft, steps: int, lm_head: torch.nn.Module | None = None,
-                 chunk: int | None = None, runner: torch.nn.Module | None = None) -> None:
-        self.draft, self.steps, self.lm_head = draft, steps, lm_head
+                 chunk: int | None = None, runner: torch.nn.Module | None = None,
+                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.draft, self.steps, self.lm_head, self.agree = draft, steps, lm_head, agree
         self.runner = runner if runner is not None else draft
         self.chunk = chunk or chunk_rows(draft.t2d.numel())
         self.draft_ids = draft.draft_ids  # (N,) target ids
@@ -114,6 +118,9 @@ class Eagle3Loss:
         dtype = next(self.draft.parameters()).dtype
         return self.runner(features[:, :-1].to(dtype), ids[:, 1:], embed, attn[:, 1:], unroll=self.steps)
 
+    def _calls(self, rows: list[int]) -> list[int]:
+        return agreed_calls(rows, self.chunk, self.agree)
+
     def _soft_ce_sum(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Summed over a chunk of positions: the cross-entropy of the drafter's distribution at its outputs
         (C, H) against the target's, renormalised over the draft vocabulary, at the label rows' states."""
@@ -126,14 +133,15 @@ class Eagle3Loss:
         total = outputs[0].sum() * 0.0
         logs = {}
         labels = Labels(target, batch, self.target_logits, self.chunk)
-        for i, out in enumerate(outputs):
+        steps = []
+        for i in range(len(outputs)):
             rows, b, t = labels.step(i)
             draftable = self.draft.t2d[labels.argmax[rows]]  # the target's choice must be draftable
-            rows, b, t = rows[draftable], b[draftable], t[draftable]
-            if rows.numel():
-                ce = chunked_sum(self._soft_ce_sum, (out[b, t], labels.states[rows]), self.chunk) / rows.numel()
-            else:
-                ce = self.draft.logits(out[b, t]).sum() * 0.0
+            steps.append((rows[draftable], b[draftable], t[draftable]))
+        calls = self._calls([rows.numel() for rows, _, _ in steps])
+        for i, (out, (rows, b, t)) in enumerate(zip(outputs, steps)):
+            ce = chunked_sum(self._soft_ce_sum, (out[b, t], labels.states[rows]), self.chunk, calls[i])
+            ce = ce / max(rows.numel(), 1)
             total = total + STEP_DECAY**i * ce
             logs[f"step{i}_loss"] = ce.detach()
         logs["loss"] = total.detach()
@@ -154,9 +162,10 @@ class Eagle3Loss:
         streak[b, t] = True
         positions = streak.sum(dtype=torch.float64)
         accepted = positions.clone()  # the bonus token of every counted position
+        calls = self._calls([labels.step(i)[0].numel() for i in range(len(outputs))])
         for i, out in enumerate(outputs):
             rows, b, t = labels.step(i)
-            guess = torch.cat([self.draft.logits(o).argmax(-1) for o in out[b, t].split(self.chunk)])  # (n,)
+            guess = torch.cat([self.draft.logits(o).argmax(-1) for o, in chunks((out[b, t],), self.chunk, calls[i])])
             agree = self.draft.to_target(guess) == labels.argmax[rows]
             hits[i], counts[i] = agree.sum(), rows.numel()
             agreed = torch.zeros_like(streak)

@@ -21,10 +21,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
+import datasets
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
@@ -40,9 +41,18 @@ from train.checkpoints import (
     save_checkpoint,
 )
 from train.config import ConfigError, check_at_least, check_finite
-from train.data import cache_dir, load_examples, split_examples
+from train.data import Examples, cache_dir, load_examples, pad_batch, split_examples
 from train.distill import regenerate
-from train.distributed import check_engine, configure_deepspeed, gathered_module, scheduler_steps_per_update
+from train.distributed import (
+    check_engine,
+    configure_deepspeed,
+    engine_name,
+    expose_methods,
+    fsdp_without_gpu,
+    gathered_module,
+    max_over_ranks,
+    scheduler_steps_per_update,
+)
 
 REPORTERS = ("none", "wandb", "tensorboard")
 PRECISIONS = ("no", "bf16", "fp16")
@@ -73,7 +83,7 @@ class TrainConfig:
     per_device_train_batch_size: int = 8  # examples per process per micro-batch
     per_device_eval_batch_size: int = 8  # examples per process per validation batch
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
-    max_length: int = 512  # tokens per training example (longer text is split, shorter padded)
+    max_length: int = 512  # tokens per example: text is packed into blocks of this, chats cut to it
     mixed_precision: str = "no"  # no | bf16 | fp16
     seed: int = 0  # seeds data order, subsets, initialisation and noise
     save_steps: int = 500  # write a resumable checkpoint every this many steps (and at the end)
@@ -128,6 +138,7 @@ class Method(Protocol):
     trainable: torch.nn.Module
     target: torch.nn.Module  # the frozen target (checked unchanged at the end)
     label: str  # what is saved, for the closing message ("Medusa heads")
+    agree: Any  # set by the loop: train.distributed.max_over_ranks (None unless ZeRO-3/FSDP)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss to minimise and detached scalars to log (read only at logging steps: no sync per step)."""
@@ -140,17 +151,6 @@ class Method(Protocol):
     def save(self, module: torch.nn.Module, output_dir: Path, metrics: dict[str, float]) -> None: ...
 
 
-class Examples(Dataset):
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def __len__(self) -> int:
-        return self.tensors["input_ids"].shape[0]
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: v[i] for k, v in self.tensors.items()}
-
-
 def load_frozen_target(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
     """The target and its tokenizer; every target parameter is frozen."""
     path = resolve_model(name)
@@ -160,7 +160,7 @@ def load_frozen_target(name: str, device: torch.device, dtype: torch.dtype = tor
     return model, tokenizer
 
 
-def datasets_for(cfg: TrainConfig, tokenizer, target=None) -> tuple[dict, dict]:
+def datasets_for(cfg: TrainConfig, tokenizer, target=None) -> tuple[Examples, Examples]:
     """Train and validation examples; with `self_distill` both hold the target's own continuations."""
     train = load_examples(cfg.dataset, tokenizer, cfg.max_length)
     if cfg.eval_dataset:
@@ -180,25 +180,24 @@ def datasets_for(cfg: TrainConfig, tokenizer, target=None) -> tuple[dict, dict]:
     return train, evals
 
 
-def subset(examples: dict, count: int, seed: int) -> dict:
-    """A seeded random subset of `count` examples (all of them when there are fewer)."""
-    n = examples["input_ids"].shape[0]
+def subset(examples: Examples, count: int, seed: int) -> Examples:
+    """A seeded random subset of `count` examples, in their order (all of them when there are fewer)."""
+    n = len(examples)
     if count >= n:
         return examples
     idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count].sort().values
-    return {k: v[idx] for k, v in examples.items()}
+    return examples.select(idx.numpy(), f"subset {count} seed {seed}")
 
 
-def distilled(cfg: TrainConfig, target, examples: dict, pad: int, name: str) -> dict:
-    """Self-distilled examples, cached on disk by the model, the data and the prompt length."""
-    digest = hashlib.sha1(examples["input_ids"].numpy().tobytes())
-    digest.update(f"{cfg.model}|{cfg.distill_prompt_tokens}|{weights_fingerprint(target)}".encode())
-    path = cache_dir() / f"distill-{name}-{digest.hexdigest()[:16]}.pt"
-    if path.is_file():
-        return torch.load(path, weights_only=True)
-    out = regenerate(target, examples, cfg.distill_prompt_tokens, pad_token_id=pad)
-    atomic_write(path, lambda tmp: torch.save(out, tmp))
-    return out
+def distilled(cfg: TrainConfig, target, examples: Examples, pad: int, name: str) -> Examples:
+    """Self-distilled examples, cached on disk (a saved dataset) by the model, the data and the prompt length."""
+    digest = hashlib.sha1(f"{examples.key}|{cfg.model}|{cfg.max_length}|{cfg.distill_prompt_tokens}|"
+                          f"{weights_fingerprint(target)}".encode()).hexdigest()[:16]
+    path = cache_dir() / f"distill-{name}-{digest}"
+    if (path / "state.json").is_file():
+        return Examples(datasets.load_from_disk(str(path), keep_in_memory=False), digest)
+    rows = regenerate(target, examples.rows, cfg.distill_prompt_tokens, cfg.max_length, path, pad_token_id=pad)
+    return Examples(rows, digest)
 
 
 @torch.no_grad()
@@ -211,8 +210,8 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 def start_run(cfg: TrainConfig) -> Accelerator:
     """The accelerator, the output folder checked (writable, no other run's checkpoints) before any
     heavy work, and the seed set."""
+    check_engine()
     accelerator = make_accelerator(cfg)
-    check_engine(accelerator)
     prepare_output_dir(accelerator, Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir)
     set_seed(cfg.seed)
     return accelerator
@@ -221,12 +220,13 @@ def start_run(cfg: TrainConfig) -> Accelerator:
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
     # Several CPU processes need gloo, or accelerate reports one process per rank and shards nothing. The
     # timeout covers the longest wait: other ranks while rank 0 prepares the data or fits the tree.
-    # DDP also needs cpu=True to count as multi-CPU; DeepSpeed (DS_ACCELERATOR=cpu) keeps its own type but gloo.
+    # DDP and FSDP also need cpu=True to count as multi-CPU (FSDP is then switched on: fsdp_without_gpu);
+    # DeepSpeed (DS_ACCELERATOR=cpu) keeps its own type but uses gloo.
     multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     timeout = timedelta(minutes=cfg.ddp_timeout_minutes)
     handlers = [InitProcessGroupKwargs(backend="gloo" if multi_cpu else None, timeout=timeout)]
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=multi_cpu and not deepspeed,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         mixed_precision=cfg.mixed_precision,
@@ -235,13 +235,15 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         kwargs_handlers=handlers,
     )
+    fsdp_without_gpu(accelerator)
+    return accelerator
 
 
 # ---------------------------------------------------------------- the loop
 
 
 def train(
-    cfg: TrainConfig, accelerator: Accelerator, method: Method, train_data: dict, eval_data: dict
+    cfg: TrainConfig, accelerator: Accelerator, method: Method, train_data: Examples, eval_data: Examples
 ) -> list[tuple[int, dict[str, float]]]:
     """Run the loop; returns the validation history [(step, metrics)]. `method.save` writes the result, and
     `method.trainable` is the trained module again afterwards (unwrapped from accelerate)."""
@@ -253,12 +255,13 @@ def train(
         raise ValueError("the drafter has no trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
-    loader = DataLoader(Examples(train_data), batch_size=cfg.per_device_train_batch_size, shuffle=True, drop_last=True)
-    eval_loader = DataLoader(Examples(eval_data), batch_size=cfg.per_device_eval_batch_size)
+    loader = DataLoader(train_data, batch_size=cfg.per_device_train_batch_size, shuffle=True, drop_last=True,
+                        collate_fn=pad_batch)
+    eval_loader = DataLoader(eval_data, batch_size=cfg.per_device_eval_batch_size, collate_fn=pad_batch)
     per_epoch = len(loader) // (cfg.gradient_accumulation_steps * accelerator.num_processes)
     if per_epoch == 0:
         raise ValueError(
-            f"{len(train_data['input_ids'])} training examples make no full optimizer step at batch size "
+            f"{len(train_data)} training examples make no full optimizer step at batch size "
             f"{cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} accumulation x "
             f"{accelerator.num_processes} processes: add data or lower the batch size"
         )
@@ -270,6 +273,8 @@ def train(
     configure_deepspeed(accelerator, cfg.max_grad_norm)
     trainable, optimizer, loader, scheduler = accelerator.prepare(trainable, optimizer, loader, scheduler)
     method.trainable = trainable
+    method.agree = max_over_ranks(accelerator)  # None unless the engine gathers weights per call
+    expose_methods(accelerator, trainable)
 
     step, epoch, batches_done = 0, 0, 0
     history: list[tuple[int, dict[str, float]]] = []
@@ -292,9 +297,9 @@ def train(
     global_batch = cfg.per_device_train_batch_size * accelerator.num_processes * cfg.gradient_accumulation_steps
     accelerator.print(
         f"training {sum(p.numel() for p in params) / 1e6:.2f} M parameters for {total} steps "
-        f"({len(train_data['input_ids'])} examples of {cfg.max_length} tokens, {per_epoch} steps per epoch); "
+        f"({len(train_data)} examples of up to {cfg.max_length} tokens, {per_epoch} steps per epoch); "
         f"global batch {global_batch} = {cfg.per_device_train_batch_size} per device x {accelerator.num_processes} "
-        f"processes x {cfg.gradient_accumulation_steps} accumulation"
+        f"processes x {cfg.gradient_accumulation_steps} accumulation; {engine_name(accelerator)}"
     )
     bar = tqdm(total=total, initial=step, disable=not main, desc="train", dynamic_ncols=True)
     if step == 0 and total > 0:
@@ -366,11 +371,11 @@ def train(
 
 
 def run_fingerprint(cfg: TrainConfig, accelerator: Accelerator, trainable: torch.nn.Module,
-                    train_data: dict) -> dict[str, Any]:
-    """What decides a run's result besides its seed: resuming with any of these changed is refused."""
+                    train_data: Examples) -> dict[str, Any]:
+    """What decides a run's result besides its seed: resuming with any of these changed is refused. The data
+    is named by its cache key (source files' sizes and times, tokenizer, selections), not read again."""
     shapes = hashlib.sha1(repr([(n, tuple(p.shape)) for n, p in trainable.named_parameters()]).encode())
-    return {"model": cfg.model, "train_examples": int(train_data["input_ids"].shape[0]),
-            "train_data_sha1": hashlib.sha1(train_data["input_ids"].numpy().tobytes()).hexdigest(),
+    return {"model": cfg.model, "train_examples": len(train_data), "train_data": train_data.key,
             "max_length": cfg.max_length, "per_device_train_batch_size": cfg.per_device_train_batch_size,
             "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
             "num_processes": accelerator.num_processes, "drafter_shapes_sha1": shapes.hexdigest()}
@@ -420,6 +425,11 @@ def run_eval(method: Method, loader: DataLoader, max_batches: int, accelerator: 
     batches = [{k: v.to(device) for k, v in b.items()} for b in mine]
     if n == 1:
         return method.evaluate(batches)
+    # Every rank evaluates as many batches (ZeRO-3/FSDP gather the drafter's weights per call): a rank short
+    # of one repeats a batch with no trained token, which adds nothing to any sum.
+    share = -(-min(max_batches, len(loader)) // n)
+    filler = batches[0] if batches else {k: v.to(device) for k, v in next(iter(loader)).items()}
+    batches += [filler | {"loss_mask": torch.zeros_like(filler["loss_mask"])}] * (share - len(batches))
     return method.evaluate(batches, total=lambda t: accelerator.reduce(t.to(device), "sum").to(t.device))
 
 

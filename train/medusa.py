@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from heads.errors import run_main
 from heads.medusa import MedusaHeads
 from infer.bench import forward_latency
 from infer.tree import best_choices, fit_tree
+from infer.tune import format_tree_rows
 from train.config import ConfigError, check_at_least, load_config
 from train.distributed import unpartitioned
 from train.loop import (
@@ -35,7 +37,6 @@ from train.loop import (
 
 RANKS = 10  # top-k depth of the accuracy table the default tree is fitted to
 CHUNK_ELEMENTS = 2**26  # float32 logits per loss chunk (256 MiB): positions per chunk = this // vocabulary size
-UNPROJECTED = torch.nn.Identity()  # passed as the shared lm_head: the heads return features, projected in chunks
 
 
 @dataclasses.dataclass
@@ -94,14 +95,37 @@ def chunk_rows(vocab_size: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab_size)
 
 
-def chunked_sum(fn: Callable[..., torch.Tensor], rows: tuple[torch.Tensor, ...], chunk: int) -> torch.Tensor:
+def chunk_count(rows: int, chunk: int) -> int:
+    """How many calls chunked_sum makes on `rows` rows."""
+    return -(-rows // chunk)
+
+
+def chunks(rows: tuple[torch.Tensor, ...], chunk: int, calls: int = 0) -> list[tuple[torch.Tensor, ...]]:
+    """The rows split `chunk` at a time, then padded with empty chunks to `calls` chunks."""
+    parts = list(zip(*(r.split(chunk) for r in rows)))
+    return parts + [tuple(r[:0] for r in rows)] * (calls - len(parts))
+
+
+def agreed_calls(rows: list[int], chunk: int,
+                 agree: Callable[[torch.Tensor], torch.Tensor] | None) -> list[int]:
+    """Per group of rows, how many chunks to project (at least one): this rank's own count, or under ZeRO-3/FSDP
+    (`agree`, train.distributed.max_over_ranks) the largest over ranks, so every rank calls the drafter's own
+    projection equally often."""
+    counts = torch.tensor([max(1, chunk_count(n, chunk)) for n in rows])
+    return (agree(counts) if agree is not None else counts).tolist()
+
+
+def chunked_sum(fn: Callable[..., torch.Tensor], rows: tuple[torch.Tensor, ...], chunk: int,
+                calls: int = 1) -> torch.Tensor:
     """fn(*rows) for a fn that sums over rows (a scalar or a vector of sums), computed `chunk` rows at a time.
 
     Only one chunk's vocabulary-sized tensors are alive at once: with gradients each chunk is
     checkpointed, its logits dropped after the forward pass and recomputed in the backward pass.
+    fn runs at least `calls` times (the extra calls on no rows, adding zero): under ZeRO-3 and FSDP every
+    rank must run a trainable layer equally often, whatever its share of rows (train.distributed).
     """
     total = None
-    for part in zip(*(r.split(chunk) for r in rows)):
+    for part in chunks(rows, chunk, calls):
         out = checkpoint(fn, *part, use_reentrant=False) if torch.is_grad_enabled() else fn(*part)
         total = out if total is None else total + out
     return total
@@ -109,6 +133,7 @@ def chunked_sum(fn: Callable[..., torch.Tensor], rows: tuple[torch.Tensor, ...],
 
 class MedusaMethod:
     label = "Medusa heads"
+    agree = None  # the loop sets it under ZeRO-3/FSDP: every rank projects as many chunks (train.distributed)
 
     def __init__(self, cfg: MedusaConfig, target, heads: MedusaHeads) -> None:
         self.cfg, self.target, self.trainable = cfg, target, heads
@@ -122,29 +147,32 @@ class MedusaMethod:
                                          use_cache=False)
         return out.last_hidden_state  # (B, T, H)
 
-    def _per_head(self, batch: dict[str, torch.Tensor]):
-        """Per head k: its outputs at its loss positions only, (M_k, H) features of heads that share the
-        target's lm_head (projected chunk by chunk in `_logits`) or (M_k, V) logits, and the labels (M_k,)."""
+    def _per_head(self, batch: dict[str, torch.Tensor]) -> list[tuple[int, torch.Tensor, torch.Tensor, int]]:
+        """Per head k: its features at its loss positions only (M_k, H), before any vocabulary projection (done
+        chunk by chunk in `_logits`), the labels (M_k,), and how many chunks to project them in."""
         hidden = self._hidden(batch)
         masks = [medusa_labels(batch["input_ids"], batch["loss_mask"], k) for k in range(self.num_heads)]
         some = torch.stack([mask for _, mask in masks]).any(0)  # (B, T): positions some head learns from
-        # One call through the (possibly DDP-wrapped) heads; shared heads return their features unprojected.
-        outputs = self.trainable(hidden[some], UNPROJECTED if self.shared else self.lm_head)  # K x (M, H or V)
-        for k, (labels, mask) in enumerate(masks):
-            yield k, outputs[k][mask[some]], labels[mask]
+        outputs = self.trainable(hidden[some], project=False)  # K x (M, H): one call through the (wrapped) heads
+        heads = [(k, outputs[k][mask[some]], labels[mask]) for k, (labels, mask) in enumerate(masks)]
+        calls = agreed_calls([labels.numel() for _, _, labels in heads], self.chunk, self.agree)
+        return [(k, out, labels, n) for (k, out, labels), n in zip(heads, calls)]
 
-    def _logits(self, outputs: torch.Tensor) -> torch.Tensor:
-        """A chunk of one head's outputs (C, H or V) -> float32 logits (C, V). Validation runs without autocast:
-        features meet a bf16 lm_head in its dtype."""
-        return (self.lm_head(outputs.to(self.lm_head.weight.dtype)) if self.shared else outputs).float()
+    def _logits(self, k: int, outputs: torch.Tensor) -> torch.Tensor:
+        """A chunk of head k's features (C, H) -> float32 logits (C, V), through the target's lm_head or the
+        head's own. Validation runs without autocast: features meet the projection in its dtype."""
+        if self.shared:
+            return self.lm_head(outputs.to(self.lm_head.weight.dtype)).float()
+        heads = getattr(self.trainable, "module", self.trainable)  # DDP and DeepSpeed wrap it; FSDP2 does not
+        return heads.project_head(k, outputs.to(heads.heads[k][-1].weight.dtype)).float()
 
-    def _ce_sum(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self._logits(outputs), labels, reduction="sum")
+    def _ce_sum(self, k: int, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self._logits(k, outputs), labels, reduction="sum")
 
-    def _eval_sums(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _eval_sums(self, k: int, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """(2 + RANKS,) float64: the summed cross-entropy, the number of labels, how often the label is the
         r-th choice (r < RANKS)."""
-        logits = self._logits(outputs)  # (C, V)
+        logits = self._logits(k, outputs)  # (C, V)
         top = logits.topk(RANKS, dim=-1).indices  # (C, R)
         ce = F.cross_entropy(logits, labels, reduction="sum")
         return torch.cat([torch.stack([ce.double(), ce.new_tensor(labels.numel(), dtype=torch.float64)]),
@@ -152,11 +180,8 @@ class MedusaMethod:
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         total, logs = 0.0, {}
-        for k, outputs, labels in self._per_head(batch):
-            if labels.numel():
-                ce = chunked_sum(self._ce_sum, (outputs, labels), self.chunk) / labels.numel()
-            else:
-                ce = self._logits(outputs).sum() * 0.0
+        for k, outputs, labels, calls in self._per_head(batch):
+            ce = chunked_sum(partial(self._ce_sum, k), (outputs, labels), self.chunk, calls) / max(labels.numel(), 1)
             total = total + self.cfg.head_decay**k * ce
             logs[f"head{k}_loss"] = ce.detach()
         logs["loss"] = total.detach()
@@ -169,8 +194,8 @@ class MedusaMethod:
         # per head, summed over batches, then over processes: cross-entropy, labels, hits at rank 0..RANKS-1
         sums = torch.zeros(K, 2 + RANKS, dtype=torch.float64, device=self.lm_head.weight.device)
         for batch in batches:
-            for k, outputs, labels in self._per_head(batch):
-                sums[k] += chunked_sum(self._eval_sums, (outputs, labels), self.chunk)
+            for k, outputs, labels, calls in self._per_head(batch):
+                sums[k] += chunked_sum(partial(self._eval_sums, k), (outputs, labels), self.chunk, calls)
         sums = (total(sums) if total else sums).cpu()
         loss_sum, count, hits = sums[:, 0], sums[:, 1].clamp(min=1), sums[:, 2:]
         metrics = {"loss": float((loss_sum / count * self.cfg.head_decay ** torch.arange(K)).sum())}
@@ -186,10 +211,7 @@ class MedusaMethod:
         latency = forward_latency(self.target, [1, 4, 8, 12, 16, 24, 32, 48, 64])
         choices, rows = fit_tree(accuracy, latency)
         print("tree fitted to this machine (expected tokens per step from validation top-k accuracy):")
-        for r in rows:
-            mark = " <- chosen" if r["choices"] == choices else ""
-            print(f"  {r['nodes']:3d} nodes: {r['ms']:6.2f} ms/forward, {r['tokens_per_step']:.2f} tokens/step, "
-                  f"{r['tokens_per_s']:7.1f} tokens/s{mark}")
+        print(format_tree_rows(rows, choices))
         return choices
 
     def save(self, heads: MedusaHeads, output_dir: Path, metrics: dict[str, float]) -> None:
@@ -214,7 +236,7 @@ def run(cfg: MedusaConfig) -> dict:
         target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
     heads_cfg = heads_config(cfg, target, "medusa", num_heads=cfg.num_heads, num_layers=cfg.num_layers,
                              share_lm_head=cfg.share_lm_head)
-    with unpartitioned(accelerator):  # built whole, initialised from the target; prepare() shards it
+    with unpartitioned(accelerator, cfg.seed):  # built whole and alike on every rank; prepare() shards it
         heads = MedusaHeads(heads_cfg)
         heads.init_from_lm_head(target.get_output_embeddings())
         heads.to(accelerator.device)
