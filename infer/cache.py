@@ -70,6 +70,7 @@ class PreallocatedLayer(DynamicLayer):
         ... and drop everything after them, in place."""
         if not self.is_initialized:
             return
+        src = src.to(self.key_buffer.device)  # layers may sit on several devices (device_map="auto")
         dst = torch.arange(prefix_len, prefix_len + src.numel(), device=src.device)
         for buffer in (self.key_buffer, self.value_buffer):
             buffer.index_copy_(2, dst, buffer.index_select(2, src))

@@ -117,9 +117,19 @@ def check_drafter_device(proposer: Proposer, device: torch.device) -> None:
                          f"move the drafter there (SpeculativeModel.from_pretrained(..., device='{device}'))")
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are one (an accelerator without an index means the current one)."""
+    if a.type != b.type:
+        return False
+    if a.type == "cpu" or a.index == b.index:
+        return True
+    current = torch.accelerator.current_device_index() if torch.accelerator.is_available() else 0
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
 def check_generator(generator: torch.Generator | None, device: torch.device) -> None:
     """Sampling draws on the target's device: a generator made for another device would fail mid-generation."""
-    if generator is not None and torch.device(generator.device).type != device.type:
+    if generator is not None and not same_device(torch.device(generator.device), device):
         raise ValueError(f"the random generator is on {generator.device} but the target runs on {device}: create it "
                          f"there, torch.Generator(device='{device}').manual_seed(...)")
 
@@ -163,7 +173,7 @@ class SpeculativeModel:
         self.last_stats = GenerationStats()
         self.last_tokens: list[int] = []  # new token ids of the last call
         self.root_only = tree_from_choices([]).to(self.target.device)  # the tree of a step that drafts nothing
-        self._cache: PreallocatedCache | None = None  # the target's KV cache, reused across generations
+        self._cache: PreallocatedCache | None = None  # the last finished generation's KV cache, reused by the next
 
     @classmethod
     def from_pretrained(
@@ -245,17 +255,32 @@ class SpeculativeModel:
             eos_token_id = getattr(self.model.generation_config, "eos_token_id", None)
         return self._decode(input_ids, budget, params, _eos_set(eos_token_id), generator, limit)
 
-    @torch.no_grad()
     def _decode(self, input_ids: torch.Tensor, max_new_tokens: int, params: SamplingParams, eos: set[int],
                 generator: torch.Generator | None, limit: int | None) -> Iterator[list[int]]:
-        """The decode loop on checked arguments (see `decode`)."""
+        """The decode loop with a KV cache of its own: taken from the last finished generation when it is big
+        enough (its buffers are reused), else new; handed back when this one ends, also when abandoned. Two
+        decodes running at once (interleaved streams) therefore never share one."""
+        max_len = input_ids.numel() + max_new_tokens + self.proposer.max_nodes
+        cache, self._cache = self._cache, None
+        if cache is None or cache.max_length < max_len:
+            cache = new_cache(self.model, max_len)
+        cache.reset()
+        try:
+            yield from self._decode_with(cache, input_ids, max_new_tokens, params, eos, generator, limit)
+        finally:
+            self._cache = cache
+
+    @torch.no_grad()
+    def _decode_with(self, cache: PreallocatedCache, input_ids: torch.Tensor, max_new_tokens: int,
+                     params: SamplingParams, eos: set[int], generator: torch.Generator | None,
+                     limit: int | None) -> Iterator[list[int]]:
+        """The decode loop on checked arguments (see `decode`), in an emptied cache."""
         target, proposer = self.target, self.proposer
         stats = self.last_stats = GenerationStats()
         self.last_tokens = emitted = []
         prefix_len = input_ids.numel()
         max_len = prefix_len + max_new_tokens + proposer.max_nodes
         last_tree_at = max_len if limit is None else limit - proposer.max_nodes  # the latest prefix a tree fits after
-        cache = self._cache_for(max_len)
         mask = PrefixMask(proposer.max_nodes, max_len, target.dtype, target.device)
         context = torch.empty(max_len, dtype=torch.long, device=target.device)  # every token so far, then the root
         context[:prefix_len] = input_ids
@@ -305,15 +330,6 @@ class SpeculativeModel:
             yield new
             if done:
                 return
-
-    def _cache_for(self, max_len: int) -> PreallocatedCache:
-        """The target's KV cache, emptied: the last generation's when it holds `max_len` positions (its buffers
-        are reused, not allocated again), else a new one."""
-        cache = self._cache
-        if cache is None or cache.max_length < max_len:
-            cache = self._cache = new_cache(self.model, max_len)
-        cache.reset()
-        return cache
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, **kwargs) -> torch.Tensor:
         """Like `model.generate` (batch 1): returns (1, prompt + new) token ids. See `decode` for options."""

@@ -19,12 +19,13 @@ class Clock:
     """`mark()` now; `seconds(a, b)` between two marks (b must have completed: after a host sync on CUDA)."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.events = device.type == "cuda"
 
     def mark(self) -> Mark:
         if self.events:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))  # the target's stream, whatever device is current
             return event
         return time.perf_counter()
 

@@ -115,3 +115,23 @@ def test_proposers_without_weights_follow_the_context_device():
     assert draft.tokens.tolist() == [5, 6, 4, 5]
     nodraft = NoDraft("meta")
     assert nodraft.propose(context, torch.zeros(5, 8)).tree.depths.device == context.device
+
+
+def test_two_streams_decoding_at_once_do_not_share_a_cache():
+    """A decode left open while another runs (two interleaved streams) keeps its own cache: both give the
+    target's own greedy output."""
+    model = tiny_model("llama")
+    spec = spec_model(model)
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.randint(3, VOCAB, (1, 6), generator=gen), torch.randint(3, VOCAB, (1, 9), generator=gen)
+    spec.generate(a, max_new_tokens=40, eos_token_id=[])  # leaves a finished cache to be reused
+    first, second = spec.decode(a, 40, eos_token_id=[]), spec.decode(b, 40, eos_token_id=[])
+    got_a, got_b = [], []
+    for step_a, step_b in zip(first, second):
+        got_a += step_a
+        got_b += step_b
+    got_a += [t for step in first for t in step]
+    got_b += [t for step in second for t in step]
+    for prompt, got in ((a, got_a), (b, got_b)):
+        want = model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert got == want[0, prompt.shape[1]:].tolist()

@@ -322,6 +322,9 @@ def cached_features(cfg: EagleConfig, target, examples: Examples, name: str, lay
     folder, size = write_features(cfg, target, examples, name, layers, rank, world)
     if wait is not None:
         wait()
+        # machines that do not share the cache folder: each computes the shards its disk still lacks (none on a
+        # shared folder, where every rank's shards are complete now)
+        folder, size = write_features(cfg, target, examples, name, layers, 0, 1)
     return Examples(examples.rows, examples.key, FeatureShards(folder, len(examples), size))
 
 

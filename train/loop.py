@@ -428,8 +428,9 @@ def run_eval(method: Method, loader: DataLoader, max_batches: int, accelerator: 
     # Every rank evaluates as many batches (ZeRO-3/FSDP gather the drafter's weights per call): a rank short
     # of one repeats a batch with no trained token, which adds nothing to any sum.
     share = -(-min(max_batches, len(loader)) // n)
-    filler = batches[0] if batches else {k: v.to(device) for k, v in next(iter(loader)).items()}
-    batches += [filler | {"loss_mask": torch.zeros_like(filler["loss_mask"])}] * (share - len(batches))
+    if share > len(batches):
+        filler = batches[0] if batches else {k: v.to(device) for k, v in next(iter(loader)).items()}
+        batches += [filler | {"loss_mask": torch.zeros_like(filler["loss_mask"])}] * (share - len(batches))
     return method.evaluate(batches, total=lambda t: accelerator.reduce(t.to(device), "sum").to(t.device))
 
 
