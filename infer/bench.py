@@ -109,6 +109,20 @@ def chain_acceptance(accepted: list[int], drafted: list[int]) -> dict:
     return {"alpha": alpha, "predicted_tau": statistics.fmean(per_step) if per_step else 1.0}
 
 
+DRIFT_STEPS = 100  # steps compared at the start and at the end of long generations
+
+
+def step_drift(stats: list[dict]) -> dict:
+    """Mean step time (ms) over the first and the last DRIFT_STEPS decode steps of the generations with at
+    least twice that many: a cache that copies itself per step makes late steps slower than early ones."""
+    long = [s["step_times"] for s in stats if len(s.get("step_times", [])) >= 2 * DRIFT_STEPS]
+    if not long:
+        return {}
+    first = statistics.fmean(t for times in long for t in times[:DRIFT_STEPS])
+    last = statistics.fmean(t for times in long for t in times[-DRIFT_STEPS:])
+    return {"step_ms_first_100": 1e3 * first, "step_ms_last_100": 1e3 * last}
+
+
 def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], warmup: int = 1,
               chains: frozenset[str] = frozenset()) -> dict:
     """Run every method on every prompt (interleaved); the first method is the baseline. Methods named
@@ -158,6 +172,7 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], 
             entry["ms_per_step"] = {k: 1e3 * sum(s[f"{k}_s"] for s in st) / max(1, steps)
                                     for k in ("draft", "verify", "bookkeeping")}
             entry["accept_lengths"] = [n for s in st for n in s["accept_lengths"]]
+        entry |= step_drift(st)
         if name in chains and st:
             entry |= chain_acceptance([a for s in st for a in s["accepted_drafts"]], [d for s in st for d in s["drafted"]])
         if name in memory:
@@ -190,6 +205,9 @@ def format_table(result: dict) -> str:
         if "alpha" in m:
             notes.append(f"{name}: acceptance rate alpha {m['alpha']:.3f}; the seed paper's formula predicts tau "
                          f"{m['predicted_tau']:.2f}, measured {m['tau']:.2f}")
+        if "step_ms_first_100" in m:
+            notes.append(f"{name}: {m['step_ms_first_100']:.1f} ms per step over the first 100 steps, "
+                         f"{m['step_ms_last_100']:.1f} over the last 100")
         if "peak_memory_mb" in m:
             notes.append(f"{name}: peak memory {m['peak_memory_mb']:.0f} MiB")
         for mm in m.get("mismatches", []):
