@@ -115,7 +115,8 @@ class FakeSpec:
     def __init__(self, model, setting) -> None:
         self.setting = setting
 
-    def generate(self, ids, max_new_tokens, eos_token_id):
+    def generate(self, ids, max_new_tokens, eos_token_id, do_sample):
+        assert do_sample is False  # tuning times greedy decoding, whatever the target's generation_config says
         prompt = int(ids[0, 0])
         FakeSpec.log.append((self.setting, prompt))
         tau = TAU[self.setting]
