@@ -52,12 +52,30 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest set reaching top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(outside_nucleus(logits.softmax(-1), params.top_p), float("-inf"))
     return logits.softmax(-1)
+
+
+NUCLEUS_FIRST_K = 64  # candidates the nucleus is first looked for among; 4x more each time it does not fit
+
+
+def outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """(..., V) bool: the tokens outside the smallest most-probable set whose mass reaches top_p.
+
+    Sorting the whole vocabulary is not needed: the nucleus is found among the top k tokens (k = 64, grown 4x
+    until every row's top k reach top_p), which are a full sort's first k with the same running sums. Tokens
+    tied at the boundary are cut by position in that order, as a sort would (not all kept)."""
+    vocab = probs.shape[-1]
+    k = min(NUCLEUS_FIRST_K, vocab)
+    while True:
+        top = probs.topk(k, dim=-1)  # sorted, descending
+        cum = top.values.cumsum(-1)
+        if k == vocab or bool((cum[..., -1] >= top_p).all()):
+            break
+        k = min(4 * k, vocab)
+    kept = ((cum - top.values) < top_p).sum(-1, keepdim=True)  # tokens before which the mass is below top_p
+    inside = torch.arange(k, device=probs.device) < kept  # (..., k): the first `kept` of the sorted top k
+    return ~torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top.indices, inside)
 
 
 def greedy_children(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:

@@ -144,3 +144,45 @@ def test_the_distribution_check_catches_lossy_acceptance(monkeypatch):
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     stat, dof = chi_square(run_sampling(spec, prompt, params), exact_joint(model, prompt, params), RUNS)
     assert stat > critical(dof)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 0.9), (0.7, 0, 0.5), (5.0, 0, 0.95), (1.0, 40, 0.8),
+                                                       (30.0, 0, 0.99), (1.0, 0, 1e-4)])
+def test_nucleus_without_a_full_sort_equals_transformers_warpers(temperature, top_k, top_p, monkeypatch):
+    """The warped distribution is model.generate's (transformers' own warpers), also where the nucleus holds
+    thousands of tokens (a flat distribution: the top-k search must grow), and no full sort is taken."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(5, 32000, generator=torch.Generator().manual_seed(3)) * 4
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+                                  + [TopPLogitsWarper(top_p)])
+    expected = warpers(None, logits.clone()).softmax(-1)
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: pytest.fail("a full-vocabulary sort"))
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **k: pytest.fail("a full-vocabulary sort"))
+    got = verify.target_probs(logits, verify.SamplingParams(temperature, top_k, top_p))
+    assert torch.equal(got > 0, expected > 0)  # the same tokens kept
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_nucleus_of_thousands_of_tokens_grows_the_search():
+    logits = torch.randn(3, 32000, generator=torch.Generator().manual_seed(4)) * 4
+    got = verify.target_probs(logits, verify.SamplingParams(30.0, 0, 0.99))  # nearly flat: a huge nucleus
+    assert int((got > 0).sum(-1).min()) > 16 * verify.NUCLEUS_FIRST_K
+
+
+def test_nucleus_cuts_tied_tokens_by_position_like_a_sort():
+    """bf16 logits repeat exact values: the boundary cuts a run of ties, keeping as many tokens and as much mass
+    as the sort-based warper (which tokens of a tie is the sort's arbitrary order either way)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = (torch.randn(4, 4096, generator=torch.Generator().manual_seed(5)) * 2).bfloat16().float()
+    for top_p in (0.3, 0.7, 0.9):
+        expected = TopPLogitsWarper(top_p)(None, logits.clone()).softmax(-1)
+        got = verify.target_probs(logits, verify.SamplingParams(1.0, 0, top_p))
+        assert torch.equal((got > 0).sum(-1), (expected > 0).sum(-1))
+        torch.testing.assert_close(got.sort(-1).values, expected.sort(-1).values, rtol=1e-5, atol=1e-7)
