@@ -37,6 +37,9 @@ class HeadsConfig:
     share_lm_head: bool = False  # Medusa: reuse the target's lm_head instead of one projection per head
     dtype: str = "float32"  # the dtype the drafter was trained with and its tree fitted for; the default at inference
     tree: list[list[int]] | None = None  # default static tree ("choices"); None uses infer's default
+    # Medusa-2 (trained jointly with a LoRA on the target): the heads decode with the adapted target, not base_model
+    adapter: str | None = None  # subfolder holding the LoRA adapter (peft's format) applied to base_model
+    merged_target: str | None = None  # subfolder holding the adapted target merged into a full model
     # EAGLE only
     fc_bias: bool = True  # bias on the 2H -> H input projection
     layer: dict[str, Any] | None = None  # LlamaConfig fields of the decoder layer(s) (heads, kv heads, mlp, rope)
@@ -58,6 +61,12 @@ class HeadsConfig:
         for name in ("hidden_size", "vocab_size", "num_heads", "num_layers", "depth", "top_k", "total_tokens"):
             if getattr(self, name) < (0 if name in ("hidden_size", "vocab_size") else 1):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name, folder in (("adapter", "adapter"), ("merged_target", "target")):
+            if getattr(self, name) not in (None, folder):  # the folder names the Hub download fetches
+                raise ValueError(f"{name} must be null or {folder!r} (the subfolder of the heads directory), "
+                                 f"got {getattr(self, name)!r}")
+        if self.adapter and self.merged_target:
+            raise ValueError("a heads config names either an adapter or a merged target, not both")
         if self.kind in ("eagle", "eagle3") and not self.layer:
             raise ValueError(f"an {self.kind} config needs `layer`: the decoder layer's LlamaConfig fields")
         for name in ("norm_before_residual", "norm_before_fc"):

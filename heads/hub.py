@@ -19,6 +19,8 @@ HEAD_FILES = ["config.json", WEIGHTS_NAME, "README.md"]
 # medusa_lm_head.pt / .safetensors, SafeAILab's pytorch_model.bin, shards and their index (not optimizer states).
 PUBLISHED_FILES = ["medusa_lm_head.*", "model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
                    "pytorch_model.bin.index.json"]
+# A Medusa-2 checkpoint's adapted target: the LoRA adapter (peft's files), or the merged model (HeadsConfig fields)
+TARGET_FOLDERS = ["adapter/*", "target/*"]
 RECIPE_NAME = "training_args.json"  # written next to the heads by the training loop
 BENCH_NAME = "bench.json"  # `python -m infer bench --json DIR/bench.json`
 
@@ -61,7 +63,7 @@ def resolve_heads(name_or_path: str | Path) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(str(name_or_path), allow_patterns=HEAD_FILES + PUBLISHED_FILES))
+        return Path(snapshot_download(str(name_or_path), allow_patterns=HEAD_FILES + PUBLISHED_FILES + TARGET_FOLDERS))
     except LocalEntryNotFoundError:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         why = "HF_HUB_OFFLINE=1 forbids downloading" if offline else "the Hub could not be reached"
@@ -103,18 +105,27 @@ def card_for(directory: str | Path) -> str:
 
 def push_to_hub(directory: str | Path, repo_id: str, private: bool | None = None, token: str | None = None,
                 commit_message: str = "Upload speculative-decoding heads with selfspec") -> str:
-    """Upload config.json, model.safetensors and a fresh model card from `directory`; returns the repo URL."""
+    """Upload config.json, model.safetensors, a fresh model card and (Medusa-2) the adapted target's subfolder
+    from `directory`; returns the repo URL."""
     from huggingface_hub import HfApi
 
     directory = Path(directory)
     for name in ("config.json", WEIGHTS_NAME):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"{directory} has no {name}: push a directory written by save_pretrained")
+    config = HeadsConfig.load(directory)
+    names = ["config.json", WEIGHTS_NAME]
+    for sub in filter(None, (config.adapter, config.merged_target)):
+        if not (directory / sub).is_dir():
+            raise FileNotFoundError(f"{directory}/config.json names the subfolder {sub!r}, which is missing: push the "
+                                    "whole directory the training run wrote")
+        names += sorted(str(f.relative_to(directory)) for f in (directory / sub).rglob("*") if f.is_file())
     api = HfApi(token=token)
     url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     with tempfile.TemporaryDirectory() as staging:
         stage = Path(staging)
-        for name in ("config.json", WEIGHTS_NAME):
+        for name in names:
+            (stage / name).parent.mkdir(parents=True, exist_ok=True)
             try:  # heads of a large-vocabulary model are gigabytes: link rather than copy where possible
                 os.link(directory / name, stage / name)
             except OSError:

@@ -7,6 +7,7 @@ every drafter (save_pretrained / from_pretrained / push_to_hub).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -82,10 +83,15 @@ class PretrainedHeads(nn.Module):
     """`save_pretrained` / `from_pretrained` for a drafter holding a `HeadsConfig` as `self.config`."""
 
     config: HeadsConfig
+    source_dir: Path | None = None  # the directory it was loaded from (a Medusa-2 checkpoint's adapter lives there)
 
     def save_pretrained(self, directory: str | Path, card_extra: str = "") -> None:
+        """config.json, model.safetensors and a card; a Medusa-2 checkpoint's adapted-target folder comes along."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
+        sub = self.config.adapter or self.config.merged_target
+        if sub and self.source_dir is not None and (self.source_dir / sub).is_dir() and out.resolve() != self.source_dir.resolve():
+            shutil.copytree(self.source_dir / sub, out / sub, dirs_exist_ok=True)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         atomic_write(out / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
         atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(self.config.to_json()))
@@ -114,4 +120,5 @@ class PretrainedHeads(nn.Module):
                 f"{weights} does not match its config.json ({config.kind}): missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
         model.load_state_dict(state, strict=True)
+        model.source_dir = directory
         return model.to(device=device, dtype=getattr(torch, config.dtype))

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +86,7 @@ def _load(
     checks what it can before the target's weights load."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from heads.target import adapted_target_dir, load_target
     from infer.generate import SpeculativeModel
     from shipped.models import resolve_model
 
@@ -100,13 +102,24 @@ def _load(
             if config.base_model != name:
                 print(f"note: --heads {heads} was trained on {config.base_model or 'an unnamed model'}, "
                       f"benchmarked on {name}", file=sys.stderr)
-    path = resolve_model(name)
+    adapted = [d for d in drafters if d.config.adapter or d.config.merged_target]
+    if adapted and len(drafters) > 1:
+        raise ValueError(f"--heads {heads_dirs[drafters.index(adapted[0])]} is a Medusa-2 checkpoint, which decodes "
+                         "with its own adapted target: give it alone (bench the other drafters in another run)")
     option = "--model" if args.model else "the heads' base_model"
+    path = resolve_model(name)
+    if adapted and adapted[0].config.merged_target and not args.model:
+        path = str(adapted_target_dir(adapted[0].config, adapted[0].source_dir))
+        option, name = "the heads' merged target", path
     tokenizer = load_pretrained(option, name, AutoTokenizer.from_pretrained, path)
     if before_weights is not None:
         before_weights(tokenizer, load_pretrained(option, name, AutoConfig.from_pretrained, path))
     dtype = DTYPES[args.dtype] if args.dtype else DTYPES[configs[0].dtype] if configs else "auto"
-    model = load_pretrained(option, name, AutoModelForCausalLM.from_pretrained, path, dtype=dtype)
+    if adapted:
+        load = partial(load_pretrained, option, name, AutoModelForCausalLM.from_pretrained)
+        model = load_target(adapted[0], args.model, load=load, dtype=dtype)
+    else:
+        model = load_pretrained(option, name, AutoModelForCausalLM.from_pretrained, path, dtype=dtype)
     model = model.to(args.device).eval()
     args.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     tree = args.tree  # parsed by tree_choices
@@ -331,20 +344,24 @@ def cmd_import(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from transformers import AutoModelForCausalLM
 
     from heads.config import check_compatible
     from heads.convert import export_heads
     from heads.registry import load_heads
-    from shipped.models import resolve_model
+    from heads.target import load_target
 
     heads = load_heads(args.heads, base_model=args.model or args.base_model)
     target = None
     name = args.model or args.base_model or heads.config.base_model
-    if name:  # the target supplies weights some layouts carry (a shared lm_head, the EAGLE embedding)
-        try:
-            target = AutoModelForCausalLM.from_pretrained(resolve_model(name),
-                                                          dtype=getattr(torch, heads.config.dtype))
+    adapted = heads.config.adapter or heads.config.merged_target
+    if adapted:
+        print(f"note: {args.heads} are Medusa-2 heads: serve them with their adapted target (train with --merge true "
+              "and serve its target/ folder, or merge the adapter into the base with peft), not the original model",
+              file=sys.stderr)
+    if name or adapted:  # the target supplies weights some layouts carry (a shared lm_head, the EAGLE embedding);
+        try:  # a Medusa-2 checkpoint's adapted target supplies its adapted lm_head
+            target = load_target(heads, args.model or (None if adapted else args.base_model),
+                                 dtype=getattr(torch, heads.config.dtype))
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot load the target {name!r} ({' '.join(str(e).split())}): pass --model, a "
                              "local model directory or a Hub id (and --base-model for what config.json should "

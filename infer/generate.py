@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from heads.config import check_compatible
 from heads.io import PretrainedHeads
 from heads.registry import load_heads
+from heads.target import check_adapted, load_target
 from infer.cache import PreallocatedCache, keep_accepted, new_cache
 from infer.eagle import EagleProposer
 from infer.generation_config import sampling_params
@@ -27,7 +27,6 @@ from infer.target import Target
 from infer.timing import Clock, Mark
 from infer.tree import tree_from_choices
 from infer.verify import SamplingParams, accept, sample_token
-from shipped.models import resolve_model
 
 
 @dataclasses.dataclass
@@ -198,15 +197,14 @@ class SpeculativeModel:
         else:
             heads = load_heads(heads_dir, device=device, base_model=getattr(model, "name_or_path", None))
         if model is None:
-            if not heads.config.base_model:
+            if not heads.config.base_model and not heads.config.merged_target:
                 where = "" if isinstance(heads_dir, PretrainedHeads) else f" in {heads_dir}"
                 raise ValueError(f"the drafter{where} names no target model (SafeAILab's EAGLE checkpoints never do): "
                                  "pass model=..., the model it was trained for")
-            model = AutoModelForCausalLM.from_pretrained(
-                resolve_model(heads.config.base_model), dtype=dtype or heads.config.dtype
-            ).to(device)
+            model = load_target(heads, dtype=dtype or heads.config.dtype).to(device)
         elif dtype is not None:
             model = model.to(dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+        check_adapted(heads.config, model)
         check_compatible(heads.config, model)
         # the drafter runs in the target's dtype (on CPU too: bf16 halves its weight reads, measured 6.8 vs 10.3
         # ms per EAGLE-3 draft and 12.1 vs 11.5-15.7 ms per EAGLE-2 draft on the demo, 2 threads)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import train.data as data_module
-from conftest import TOKENIZER_TEXT, tiny_model, tiny_tokenizer
+from conftest import TOKENIZER_TEXT, tiny_tokenizer
 from train.data import (
     DataError,
     Examples,
@@ -17,7 +17,6 @@ from train.data import (
     pad_batch,
     split_examples,
 )
-from train.distill import regenerate
 from train.loop import subset
 
 MSGS = [{"role": "user", "content": "add a b"}, {"role": "assistant", "content": "return a + b"},
@@ -152,15 +151,14 @@ def test_split_and_subset_select_the_seeded_permutation():
     assert subset(ex, 50, seed=1) is ex
 
 
-def test_self_distillation_keeps_prompts_and_regenerates_the_rest(tmp_path):
-    model = tiny_model("llama")
-    ids = torch.randint(3, 90, (3, 12), generator=torch.Generator().manual_seed(0))
-    chat = [[5, 6, 7, 8, 9]]  # shorter than the length: a conversation, kept as it is
-    ex = examples_from_lists(ids.tolist()[:2] + chat + ids.tolist()[2:], [[1] * 12] * 2 + [[0, 0, 1, 1, 1]] + [[1] * 12])
-    out = regenerate(model, ex.rows, prompt_tokens=4, length=12, path=tmp_path / "distilled", batch_size=2,
-                     show_progress=False)
-    ref = model.generate(ids[:, :4], max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-    rows = [(r["input_ids"], r["loss_mask"]) for r in out]
-    assert [r[0] for r in rows] == ref.tolist()[:2] + chat + ref.tolist()[2:]
-    assert [r[1] for r in rows] == [[0] * 4 + [1] * 8] * 2 + [[0, 0, 1, 1, 1]] + [[0] * 4 + [1] * 8]
-    assert (tmp_path / "distilled" / "state.json").is_file() and out.cache_files
+def test_a_folder_saved_with_save_to_disk_is_read_as_a_dataset(tmp_path):
+    texts = ["def f(a):\n    return a\n", "class A:\n    x = 1\n"]
+    chats = [[{"role": "user", "content": "add a b"}, {"role": "assistant", "content": "return a + b"}]]
+    table = datasets.Dataset.from_dict({"text": texts + [None], "messages": [None, None] + chats})
+    table.save_to_disk(str(tmp_path / "one"))
+    (tmp_path / "one" / "stray.json").write_text('{"not": "a record"}')  # never globbed as data
+    assert list(iter_records(str(tmp_path / "one"))) == [{"text": t} for t in texts] + [{"messages": chats[0]}]
+    datasets.DatasetDict({"train": table.select([0]), "validation": table.select([1])}).save_to_disk(str(tmp_path / "two"))
+    assert list(iter_records(str(tmp_path / "two"), split="validation")) == [{"text": texts[1]}]
+    with pytest.raises(DataError, match="holds the splits train, validation, not 'test'"):
+        list(iter_records(str(tmp_path / "two"), split="test"))

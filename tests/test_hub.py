@@ -2,6 +2,7 @@
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +29,8 @@ def hub(monkeypatch):
         return f"https://huggingface.co/{repo_id}"
 
     def upload_folder(self, *, repo_id, folder_path, **kwargs):
-        sent["files"] = {p.name: p.read_bytes() for p in sorted(folder_path.iterdir())}
+        root = Path(folder_path)
+        sent["files"] = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
         sent["upload"] = {"repo_id": repo_id, "token": self.token, **kwargs}
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)

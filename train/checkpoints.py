@@ -118,7 +118,9 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: dict[str,
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(str(tmp))
+        # DeepSpeed would also write every frozen tensor the trained module holds (Medusa-2's whole target)
+        accelerator.save_state(str(tmp), **({"exclude_frozen_parameters": True}
+                                            if accelerator.state.deepspeed_plugin is not None else {}))
         accelerator.wait_for_everyone()  # DeepSpeed: every rank writes its own shard; seal only after all did
         if accelerator.is_main_process:
             (tmp / STATE_NAME).write_text(json.dumps(state, indent=2))

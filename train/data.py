@@ -2,7 +2,9 @@
 
 Sources: `stdlib` (the demo corpus), a local `.txt` file or folder of text files, `.json`/`.jsonl`
 with a `text` field, ShareGPT `conversations` or OpenAI `messages` (rendered with the tokenizer's chat
-template, loss on assistant turns only), or a name for `datasets.load_dataset`. Records stream from the
+template, loss on assistant turns only), a folder written by `datasets.save_to_disk`, or a name for
+`datasets.load_dataset`. A folder written by train/regenerate.py whose tokens come from the same tokenizer
+gives its rows' exact tokens and loss masks, one example per row (cut to max_length). Records stream from the
 files into an Arrow file (a `.jsonl` line at a time), are tokenised with `datasets.map` a batch at a
 time, and the examples are saved as a `datasets.Dataset` under the cache folder, keyed by the source, its
 files' sizes and times, the tokenizer and max_length; later runs memory-map it, so RAM does not grow with
@@ -37,6 +39,7 @@ RECORD_FEATURES = datasets.Features({"text": datasets.Value("string"), "messages
 EXAMPLE_FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
                                       "loss_mask": datasets.List(datasets.Value("int8"))})
 WRITE_BATCH = 1000  # rows per Arrow record batch and per tokenising `map` batch
+REGENERATION_FILE = "regeneration.json"  # what train/regenerate.py writes beside its output (not a record file)
 
 
 class DataError(ValueError):
@@ -77,8 +80,15 @@ def iter_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
         yield from ({"text": t} for t in stdlib_texts("validation" if split == "validation" else "train"))
         return
     path = Path(source)
+    if is_saved_dataset(path):
+        yield from _records_from_saved(path, split)
+        return
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES | {".json", ".jsonl"})
+        if unfinished_regeneration(path):
+            raise DataError(f"{path} holds an unfinished regeneration: run the same train/regenerate.py command "
+                            "again to finish it")
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES | {".json", ".jsonl"}
+                       and p.name != REGENERATION_FILE)
         if not files:
             raise DataError(f"{path} holds no .txt/.md/.py/.json/.jsonl files")
         for f in files:
@@ -98,6 +108,38 @@ def iter_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
         raise DataError(f"could not load dataset {source!r} ({type(err).__name__}: {err}); give a local file, folder, "
                         "or a `datasets` name that is cached (HF_HUB_OFFLINE=1 blocks downloads)") from err
     yield from (_normalise(dict(r), f"{source} record {i}") for i, r in enumerate(ds))
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a folder written by `datasets.save_to_disk` (a Dataset or a DatasetDict)."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def unfinished_regeneration(path: Path) -> bool:
+    """Whether `path` holds a train/regenerate.py run that has not merged its shards yet."""
+    info = path / REGENERATION_FILE
+    if not info.is_file():
+        return False
+    try:
+        return not json.loads(info.read_text()).get("complete")
+    except (json.JSONDecodeError, AttributeError):
+        return True
+
+
+def load_saved(path: Path, split: str) -> datasets.Dataset:
+    """A `save_to_disk` folder, memory-mapped; of a DatasetDict, its `split`."""
+    saved = datasets.load_from_disk(str(path), keep_in_memory=False)
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise DataError(f"{path} holds the splits {', '.join(saved)}, not {split!r}; pick one of them")
+        saved = saved[split]
+    return saved
+
+
+def _records_from_saved(path: Path, split: str) -> Iterator[dict[str, Any]]:
+    """The records of a `save_to_disk` folder; a column left empty in a row (None) counts as absent."""
+    for i, row in enumerate(load_saved(path, split)):
+        yield _normalise({k: v for k, v in row.items() if v is not None}, f"{path} row {i}")
 
 
 def _normalise(record: Any, where: str) -> dict[str, Any]:
@@ -236,7 +278,57 @@ def build_examples(records: Iterable[dict[str, Any]], tokenizer, max_length: int
     return save_examples(make, path)
 
 
-def _fingerprint(source: str, split: str, tokenizer, max_length: int) -> str:
+def regenerated_token_rows(source: str, tokenizer) -> datasets.Dataset | None:
+    """A train/regenerate.py dataset folder's rows when its `input_ids` come from this tokenizer (the same
+    vocabulary, special tokens and chat template); None for any other source, or another tokenizer's rows
+    (then the records' messages/text are tokenised again)."""
+    path = Path(source)
+    info = path / REGENERATION_FILE
+    if not (is_saved_dataset(path) and info.is_file()):
+        return None
+    try:
+        recorded = json.loads(info.read_text()).get("tokenizer")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        raise DataError(f"{info} is damaged (not a JSON object); regenerate the data or delete that file") from None
+    rows = load_saved(path, "train")
+    if recorded != tokenizer_fingerprint(tokenizer) or not {"input_ids", "loss_mask"} <= set(rows.column_names):
+        return None
+    return rows
+
+
+def build_token_examples(rows: datasets.Dataset, max_length: int, path: Path) -> datasets.Dataset:
+    """Rows that already hold `input_ids` and `loss_mask` as examples saved at `path`: each row its own example,
+    cut to max_length, dropped when no token of it is trained on."""
+
+    def cut(batch: dict[str, list]) -> dict[str, list]:
+        keep = [i for i, mask in enumerate(batch["loss_mask"]) if any(mask[:max_length])]
+        return {"input_ids": [batch["input_ids"][i][:max_length] for i in keep],
+                "loss_mask": [batch["loss_mask"][i][:max_length] for i in keep]}
+
+    def make(scratch: Path) -> datasets.Dataset:
+        examples = rows.select_columns(["input_ids", "loss_mask"]).map(
+            cut, batched=True, batch_size=WRITE_BATCH, features=EXAMPLE_FEATURES,
+            cache_file_name=str(scratch / "examples.arrow"), new_fingerprint=path.name, writer_batch_size=WRITE_BATCH,
+            desc="cutting to max_length")
+        if len(examples) == 0:
+            raise DataError(f"no row of the dataset has a trained token in its first {max_length}; raise --max_length")
+        return examples
+
+    return save_examples(make, path)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A digest of what decides a tokenizer's ids: its vocabulary, special tokens and chat template (the same
+    across library versions, so data regenerated in another environment is recognised)."""
+    h = hashlib.sha1(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    specials = [str(getattr(tokenizer, f"{name}_token", None)) for name in ("bos", "eos", "pad", "unk")]
+    h.update(json.dumps(specials).encode())
+    h.update(str(getattr(tokenizer, "chat_template", "") or "").encode())
+    return h.hexdigest()[:16]
+
+
+def source_fingerprint(source: str, split: str, tokenizer, max_length: int) -> str:
+    """The cache key of a source's examples: the source, its files' sizes and times, the tokenizer, max_length."""
     h = hashlib.sha1(f"{source}|{split}|{max_length}|{tokenizer.name_or_path}|{len(tokenizer)}".encode())
     h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()[:1_000_000])
     h.update(str(getattr(tokenizer, "chat_template", "")).encode())
@@ -339,10 +431,12 @@ def pad_batch(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 def load_examples(source: str, tokenizer, max_length: int, split: str = "train") -> Examples:
     """Tokenised examples for a source, memory-mapped from the on-disk cache (built there on first use)."""
-    key = _fingerprint(source, split, tokenizer, max_length)
+    key = source_fingerprint(source, split, tokenizer, max_length)
     path = cache_dir() / key
     if (path / "state.json").is_file():
         rows = datasets.load_from_disk(str(path), keep_in_memory=False)
+    elif (tokens := regenerated_token_rows(source, tokenizer)) is not None:
+        rows = build_token_examples(tokens, max_length, path)
     else:
         rows = build_examples(iter_records(source, split), tokenizer, max_length, path)
     return Examples(rows, key)

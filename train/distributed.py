@@ -163,10 +163,12 @@ def gathered_module(accelerator: Accelerator, prepared: torch.nn.Module) -> torc
     Every rank must call this: under ZeRO-3 and FSDP the weights are sharded and gathering them is a
     collective. The drafter is rebuilt from its config (our drafters are all `cls(config)`) and the
     gathered state loaded into it in float32, so a ZeRO-3 or FSDP run saves what a single process would."""
+    inner = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
+    if not hasattr(inner, "save_pretrained"):  # Medusa-2's target + heads: whole on every rank (refused under
+        return inner if accelerator.is_main_process else None  # ZeRO-3/FSDP), saved by parts
     state = accelerator.get_state_dict(prepared)
     if not accelerator.is_main_process:
         return None
-    inner = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
     module = plain_class(inner)(inner.config)
     module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
     return module.to(accelerator.device)

@@ -356,8 +356,7 @@ def run(cfg: EagleConfig) -> dict:
     accelerator = start_run(cfg)
     with unpartitioned(accelerator):  # whole on every rank, also under ZeRO-3: it only makes features
         target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
-    with accelerator.main_process_first():
-        train_data, eval_data = datasets_for(cfg, tokenizer, target)
+    train_data, eval_data = datasets_for(cfg, tokenizer, target, accelerator)
     with unpartitioned(accelerator, cfg.seed):  # built whole and alike on every rank; prepare() shards it
         draft = build_drafter(cfg, target, train_data).to(accelerator.device)
     layers = draft.config.feature_layers

@@ -8,6 +8,7 @@ checkpoints, exact resume (step, optimizer, scheduler, RNG and data position) an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -21,7 +22,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
-import datasets
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 from accelerate.utils import set_seed
@@ -42,7 +42,6 @@ from train.checkpoints import (
 )
 from train.config import ConfigError, check_at_least, check_finite
 from train.data import Examples, cache_dir, load_examples, pad_batch, split_examples
-from train.distill import regenerate
 from train.distributed import (
     check_engine,
     configure_deepspeed,
@@ -53,6 +52,7 @@ from train.distributed import (
     max_over_ranks,
     scheduler_steps_per_update,
 )
+from train.regenerate import Items, RegenerateConfig, load_items, regenerate_with_model
 
 REPORTERS = ("none", "wandb", "tensorboard")
 PRECISIONS = ("no", "bf16", "fp16")
@@ -67,8 +67,9 @@ class TrainConfig:
     eval_dataset: str | None = None  # default: the stdlib validation split, or a held-out slice
     eval_fraction: float = 0.02  # the held-out slice of `dataset` used for validation when no eval_dataset
     max_train_examples: int = 0  # > 0: use only this many (seeded random) training examples
-    self_distill: bool = False  # train on the target's own greedy continuations (see train/distill.py)
-    distill_prompt_tokens: int = 32  # with self_distill: tokens kept from the data as each prompt
+    self_distill: bool = False  # train on the target's own answers and continuations (train/regenerate.py)
+    distill_prompt_tokens: int = 32  # with self_distill: tokens of each text window kept as its prompt
+    distill_temperature: float = 0.0  # with self_distill: the target's sampling temperature (0: greedy)
     output_dir: str = "outputs/medusa-demo"  # where the drafter, its checkpoints and training_args.json go
     overwrite_output_dir: bool = False  # delete checkpoints another run left in output_dir (else: refuse to start)
     max_steps: int = -1  # optimizer steps; -1 means num_epochs
@@ -115,7 +116,8 @@ class TrainConfig:
         check_at_least(self, ("save_steps", "eval_steps", "logging_steps", "gradient_accumulation_steps",
                      "per_device_train_batch_size", "per_device_eval_batch_size", "eval_batches", "max_length",
                      "distill_prompt_tokens"), 1)
-        check_at_least(self, ("max_train_examples", "save_total_limit", "max_minutes", "weight_decay", "max_grad_norm"), 0)
+        check_at_least(self, ("max_train_examples", "save_total_limit", "max_minutes", "weight_decay", "max_grad_norm",
+                              "distill_temperature"), 0)
         if self.ddp_timeout_minutes <= 0:
             raise ConfigError(f"--ddp_timeout_minutes must be > 0, got {self.ddp_timeout_minutes}")
         if self.learning_rate <= 0:
@@ -160,8 +162,20 @@ def load_frozen_target(name: str, device: torch.device, dtype: torch.dtype = tor
     return model, tokenizer
 
 
-def datasets_for(cfg: TrainConfig, tokenizer, target=None) -> tuple[Examples, Examples]:
-    """Train and validation examples; with `self_distill` both hold the target's own continuations."""
+def datasets_for(cfg: TrainConfig, tokenizer, target=None, accelerator: Accelerator | None = None
+                 ) -> tuple[Examples, Examples]:
+    """Train and validation examples; with `self_distill` both hold the target's own answers (`distilled`).
+
+    Without `accelerator` this process does all the work. With it, every rank calls this together: rank 0
+    tokenises first (the others then read its cache) and the self-distillation is shared among the ranks."""
+    if cfg.self_distill:
+        return distilled_datasets(cfg, tokenizer, target, accelerator)
+    with accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext():
+        return plain_datasets(cfg, tokenizer)
+
+
+def plain_datasets(cfg: TrainConfig, tokenizer) -> tuple[Examples, Examples]:
+    """The dataset's examples as written: training examples and the validation split or a held-out slice."""
     train = load_examples(cfg.dataset, tokenizer, cfg.max_length)
     if cfg.eval_dataset:
         evals = load_examples(cfg.eval_dataset, tokenizer, cfg.max_length, split="validation")
@@ -171,12 +185,6 @@ def datasets_for(cfg: TrainConfig, tokenizer, target=None) -> tuple[Examples, Ex
         train, evals = split_examples(train, cfg.eval_fraction, cfg.seed)
     if cfg.max_train_examples > 0:
         train = subset(train, cfg.max_train_examples, cfg.seed)
-    if cfg.self_distill:
-        if target is None:
-            raise ValueError("self_distill needs the target model")
-        evals = subset(evals, cfg.eval_batches * cfg.per_device_eval_batch_size, cfg.seed)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        train, evals = (distilled(cfg, target, ex, pad, name) for ex, name in ((train, "train"), (evals, "eval")))
     return train, evals
 
 
@@ -189,21 +197,54 @@ def subset(examples: Examples, count: int, seed: int) -> Examples:
     return examples.select(idx.numpy(), f"subset {count} seed {seed}")
 
 
-def distilled(cfg: TrainConfig, target, examples: Examples, pad: int, name: str) -> Examples:
-    """Self-distilled examples, cached on disk (a saved dataset) by the model, the data and the prompt length."""
-    digest = hashlib.sha1(f"{examples.key}|{cfg.model}|{cfg.max_length}|{cfg.distill_prompt_tokens}|"
-                          f"{weights_fingerprint(target)}".encode()).hexdigest()[:16]
-    path = cache_dir() / f"distill-{name}-{digest}"
-    if (path / "state.json").is_file():
-        return Examples(datasets.load_from_disk(str(path), keep_in_memory=False), digest)
-    rows = regenerate(target, examples.rows, cfg.distill_prompt_tokens, cfg.max_length, path, pad_token_id=pad)
+def distilled_datasets(cfg: TrainConfig, tokenizer, target, accelerator: Accelerator | None = None
+                       ) -> tuple[Examples, Examples]:
+    """Self-distillation: the work items the plain path would train on (text windows, conversations), selected
+    the same way (held-out slice, `max_train_examples`, `eval_batches` x batch size for validation), each
+    regenerated by the target (train/regenerate.py) and read back with the exact tokens it wrote."""
+    if target is None:
+        raise ValueError("self_distill needs the target model")
+    main_first = accelerator.main_process_first if accelerator is not None else contextlib.nullcontext
+    with main_first():
+        train = load_items(cfg.dataset, "train", tokenizer, cfg.max_length)
+        if cfg.eval_dataset:
+            evals = load_items(cfg.eval_dataset, "validation", tokenizer, cfg.max_length)
+        elif cfg.dataset in ("stdlib", "demo"):
+            evals = load_items("stdlib", "validation", tokenizer, cfg.max_length)
+        else:
+            train, evals = split_examples(train, cfg.eval_fraction, cfg.seed)
+    if cfg.max_train_examples > 0:
+        train = subset(train, cfg.max_train_examples, cfg.seed)
+    evals = subset(evals, cfg.eval_batches * cfg.per_device_eval_batch_size, cfg.seed)
+    return (distilled(cfg, target, tokenizer, train, "train", accelerator),
+            distilled(cfg, target, tokenizer, evals, "eval", accelerator))
+
+
+def distilled(cfg: TrainConfig, target, tokenizer, items: Items, name: str,
+              accelerator: Accelerator | None = None) -> Examples:
+    """`items` regenerated by the loaded target (no second load), cached as a regenerated dataset folder under
+    cache_dir() keyed by the target's weights, the items and the settings; an interrupted run resumes its shards."""
+    regen = RegenerateConfig(model=cfg.model, dataset=cfg.dataset, temperature=cfg.distill_temperature,
+                             max_new_tokens=cfg.max_length, max_length=cfg.max_length,
+                             prompt_tokens=cfg.distill_prompt_tokens, seed=cfg.seed)
+    who = {"model": cfg.model, "weights": weights_fingerprint(target)}
+    settings = json.dumps([items.key, who, dataclasses.asdict(regen)], sort_keys=True)
+    digest = hashlib.sha1(settings.encode()).hexdigest()[:16]
+    path = cache_dir() / f"regen-{name}-{digest}"
+    ranks = (accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone) if accelerator else ()
+    regenerate_with_model(target, tokenizer, items, regen, path, who, *ranks)
+    main_first = accelerator.main_process_first if accelerator is not None else contextlib.nullcontext
+    with main_first():
+        rows = load_examples(str(path), tokenizer, cfg.max_length).rows  # each row its own example, cut to max_length
     return Examples(rows, digest)
 
 
 @torch.no_grad()
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A digest of a model's weights (float64 sums per tensor, read back in one transfer): any update changes it."""
-    sums = [torch.stack([p.sum(dtype=torch.float64), p.abs().sum(dtype=torch.float64)]) for p in model.parameters()]
+    """A digest of a model's frozen weights (float64 sums per tensor, read back in one transfer): any update
+    changes it. Trainable tensors (Medusa-2's LoRA adapters in the target) are left out."""
+    sums = [torch.stack([p.sum(dtype=torch.float64), p.abs().sum(dtype=torch.float64)])
+            for p in model.parameters() if not p.requires_grad]
     return hashlib.sha1(repr(torch.stack(sums).cpu().tolist()).encode()).hexdigest()[:16] if sums else "empty"
 
 
@@ -253,7 +294,8 @@ def train(
     params = [p for p in trainable.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the drafter has no trainable parameters")
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    groups = method.param_groups(cfg.learning_rate) if hasattr(method, "param_groups") else params
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
     loader = DataLoader(train_data, batch_size=cfg.per_device_train_batch_size, shuffle=True, drop_last=True,
                         collate_fn=pad_batch)
@@ -314,6 +356,7 @@ def train(
         batches = accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
         for batch in batches_keeping_rng(batches):
             trainable.train()
+            method.step, method.total_steps = step, total  # for losses that change over the run (Medusa-2)
             with accelerator.accumulate(trainable), accelerator.autocast():
                 loss, logs = method.loss(batch)
                 accelerator.backward(loss)

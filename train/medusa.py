@@ -25,7 +25,7 @@ from infer.bench import forward_latency
 from infer.tree import best_choices, fit_tree
 from infer.tune import format_tree_rows
 from train.config import ConfigError, check_at_least, load_config
-from train.distributed import unpartitioned
+from train.distributed import gathers_weights, unpartitioned
 from train.loop import (
     TrainConfig,
     datasets_for,
@@ -60,10 +60,36 @@ class MedusaConfig(TrainConfig):
     max_train_examples: int = 1024  # bounds the self-distillation time (about 2 minutes here)
     save_steps: int = 200
     tree_nodes: int = 0  # nodes of the default tree stored with the heads; 0 fits it to this machine's latency
+    # Medusa-2 (train/medusa2.py): a LoRA on the target trained with the heads; decoding then runs the adapted target
+    medusa2: bool = False  # train the heads jointly with a LoRA on the target (Medusa-2) instead of on a frozen one
+    lora_r: int = 32  # Medusa-2: LoRA rank (attention and MLP projections, and an untied lm_head)
+    lora_alpha: int = 16  # Medusa-2: LoRA alpha (the update is scaled by alpha / r)
+    lora_dropout: float = 0.05  # Medusa-2: dropout on the LoRA input
+    head_lr_multiplier: float = 4.0  # Medusa-2: the heads' learning rate is this times learning_rate (the LoRA's)
+    heads_coefficient: float = 0.2  # Medusa-2: lambda, the heads' weight against the target's own loss, reached by
+    heads_schedule: str = "sine"  # Medusa-2: how lambda ramps up over the joint steps: constant | linear | sine
+    heads_only_steps: int = 0  # Medusa-2: train the heads alone (Medusa-1) for this many steps first, then jointly
+    backbone_loss: str = "auto"  # Medusa-2: the target's loss: kl (to its frozen self) | ce | auto (kl on self-generated data)
+    merge: bool = False  # Medusa-2: save the target with the LoRA merged in (a full model) instead of the adapter
+    gradient_checkpointing: bool = False  # Medusa-2: recompute the target's layers in the backward pass (less memory)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_at_least(self, ("num_heads", "num_layers"), 1)
+        check_at_least(self, ("num_heads", "num_layers", "lora_r", "lora_alpha"), 1)
+        check_at_least(self, ("heads_only_steps",), 0)
+        from train.medusa2 import BACKBONE_LOSSES, SCHEDULES
+
+        if self.heads_schedule not in SCHEDULES:
+            raise ConfigError(f"--heads_schedule must be one of {', '.join(SCHEDULES)}, got {self.heads_schedule!r}")
+        if self.backbone_loss not in BACKBONE_LOSSES:
+            raise ConfigError(f"--backbone_loss must be one of {', '.join(BACKBONE_LOSSES)}, got {self.backbone_loss!r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.head_lr_multiplier <= 0 or self.heads_coefficient < 0:
+            raise ConfigError("--head_lr_multiplier must be > 0 and --heads_coefficient >= 0")
+        for name in ("merge", "gradient_checkpointing"):
+            if getattr(self, name) and not self.medusa2:
+                raise ConfigError(f"--{name} applies to Medusa-2 (a LoRA-adapted target): add --medusa2 true or drop it")
         if not 0 < self.head_decay <= 1:
             raise ConfigError(f"--head_decay must be in (0, 1], got {self.head_decay}")
         if self.tree_nodes < 0:
@@ -141,22 +167,29 @@ class MedusaMethod:
         self.num_heads, self.shared = heads.config.num_heads, heads.config.share_lm_head
         self.chunk = chunk_rows(heads.config.vocab_size)  # loss positions projected onto the vocabulary at a time
 
+    def _features(self, batch: dict[str, torch.Tensor],
+                  some: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The target's last hidden states (B, T, H) and the K heads' features at the `some` positions (M, H)."""
+        hidden = self._hidden(batch)
+        return hidden, self.trainable(hidden[some], project=False)  # one call through the (wrapped) heads
+
     def _hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():  # the frozen target; base_model skips its lm_head
             out = self.target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                          use_cache=False)
         return out.last_hidden_state  # (B, T, H)
 
-    def _per_head(self, batch: dict[str, torch.Tensor]) -> list[tuple[int, torch.Tensor, torch.Tensor, int]]:
-        """Per head k: its features at its loss positions only (M_k, H), before any vocabulary projection (done
-        chunk by chunk in `_logits`), the labels (M_k,), and how many chunks to project them in."""
-        hidden = self._hidden(batch)
+    def _per_head(self, batch: dict[str, torch.Tensor]
+                  ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor, int]]]:
+        """The target's hidden states (B, T, H), and per head k: its features at its loss positions only (M_k, H),
+        before any vocabulary projection (done chunk by chunk in `_logits`), the labels (M_k,), and how many chunks
+        to project them in."""
         masks = [medusa_labels(batch["input_ids"], batch["loss_mask"], k) for k in range(self.num_heads)]
         some = torch.stack([mask for _, mask in masks]).any(0)  # (B, T): positions some head learns from
-        outputs = self.trainable(hidden[some], project=False)  # K x (M, H): one call through the (wrapped) heads
+        hidden, outputs = self._features(batch, some)  # K x (M, H)
         heads = [(k, outputs[k][mask[some]], labels[mask]) for k, (labels, mask) in enumerate(masks)]
         calls = agreed_calls([labels.numel() for _, _, labels in heads], self.chunk, self.agree)
-        return [(k, out, labels, n) for (k, out, labels), n in zip(heads, calls)]
+        return hidden, [(k, out, labels, n) for (k, out, labels), n in zip(heads, calls)]
 
     def _logits(self, k: int, outputs: torch.Tensor) -> torch.Tensor:
         """A chunk of head k's features (C, H) -> float32 logits (C, V), through the target's lm_head or the
@@ -179,12 +212,19 @@ class MedusaMethod:
                           (top == labels[:, None]).sum(0).double()])
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        _, heads = self._per_head(batch)
+        total, logs = self._heads_loss(heads)
+        logs["loss"] = total.detach()
+        return total, logs
+
+    def _heads_loss(self, heads: list[tuple[int, torch.Tensor, torch.Tensor, int]]
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """sum_k head_decay^k CE_k over each head's loss positions, and each CE_k detached for the logs."""
         total, logs = 0.0, {}
-        for k, outputs, labels, calls in self._per_head(batch):
+        for k, outputs, labels, calls in heads:
             ce = chunked_sum(partial(self._ce_sum, k), (outputs, labels), self.chunk, calls) / max(labels.numel(), 1)
             total = total + self.cfg.head_decay**k * ce
             logs[f"head{k}_loss"] = ce.detach()
-        logs["loss"] = total.detach()
         return total, logs
 
     def evaluate(self, batches: list[dict[str, torch.Tensor]],
@@ -194,7 +234,9 @@ class MedusaMethod:
         # per head, summed over batches, then over processes: cross-entropy, labels, hits at rank 0..RANKS-1
         sums = torch.zeros(K, 2 + RANKS, dtype=torch.float64, device=self.lm_head.weight.device)
         for batch in batches:
-            for k, outputs, labels, calls in self._per_head(batch):
+            hidden, heads = self._per_head(batch)
+            self._eval_extra(batch, hidden)
+            for k, outputs, labels, calls in heads:
                 sums[k] += chunked_sum(partial(self._eval_sums, k), (outputs, labels), self.chunk, calls)
         sums = (total(sums) if total else sums).cpu()
         loss_sum, count, hits = sums[:, 0], sums[:, 1].clamp(min=1), sums[:, 2:]
@@ -205,6 +247,9 @@ class MedusaMethod:
             for r in range(RANKS):
                 metrics[f"rank_acc/{k}/{r}"] = float(hits[k, r] / count[k])
         return metrics
+
+    def _eval_extra(self, batch: dict[str, torch.Tensor], hidden: torch.Tensor) -> None:
+        """What a subclass accumulates per validation batch besides the heads' sums (Medusa-2: the target's loss)."""
 
     def fit_tree(self, accuracy: torch.Tensor) -> list[list[int]]:
         """Measure the target's forward time against tree size here and keep the fastest expected tree."""
@@ -232,6 +277,9 @@ class MedusaMethod:
 def run(cfg: MedusaConfig) -> dict:
     """Set up, train and save; returns the target, the trained heads and the validation history."""
     accelerator = start_run(cfg)
+    if cfg.medusa2 and gathers_weights(accelerator):  # before any heavy work
+        raise ConfigError("Medusa-2 trains a LoRA inside the target, which stays whole on every rank: use DDP "
+                          "or DeepSpeed ZeRO-2 (configs/accelerate/ddp.yaml, deepspeed-zero2.yaml), not ZeRO-3/FSDP")
     with unpartitioned(accelerator):  # whole on every rank, also under ZeRO-3: it only makes features
         target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
     heads_cfg = heads_config(cfg, target, "medusa", num_heads=cfg.num_heads, num_layers=cfg.num_layers,
@@ -241,11 +289,16 @@ def run(cfg: MedusaConfig) -> dict:
         heads.init_from_lm_head(target.get_output_embeddings())
         heads.to(accelerator.device)
     initial = {k: v.detach().clone() for k, v in heads.state_dict().items()}
-    with accelerator.main_process_first():
-        train_data, eval_data = datasets_for(cfg, tokenizer, target)
-    method = MedusaMethod(cfg, target, heads)
+    train_data, eval_data = datasets_for(cfg, tokenizer, target, accelerator)
+    if cfg.medusa2:
+        from train.medusa2 import medusa2_method
+
+        method = medusa2_method(cfg, target, heads, tokenizer)
+    else:
+        method = MedusaMethod(cfg, target, heads)
     history = train(cfg, accelerator, method, train_data, eval_data)
-    return {"target": target, "heads": method.trainable, "initial": initial, "history": history}
+    trained = method.trainable.heads if cfg.medusa2 else method.trainable
+    return {"target": method.target, "heads": trained, "initial": initial, "history": history}
 
 
 def main(argv: list[str] | None = None) -> None:

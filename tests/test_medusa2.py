@@ -1,0 +1,216 @@
+"""Medusa-2: heads trained jointly with a peft LoRA on the target, saved as heads + adapter (or a merged target),
+and decoded losslessly against that adapted target."""
+
+import json
+import math
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from test_hub import hub  # noqa: F401 - the fixture recording what would be uploaded
+
+from conftest import check_resume, medusa_args, tiny_model, tiny_tokenizer
+from heads.config import HeadsConfig
+from heads.medusa import MedusaHeads
+from heads.registry import load_heads
+from heads.target import load_target
+from infer.cli import main as cli
+from infer.generate import SpeculativeModel
+from train.config import ConfigError, load_config
+from train.medusa import MedusaConfig, run
+from train.medusa2 import Medusa2Method, add_lora, heads_weight, lora_targets
+
+PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
+
+
+def lora_tensors(model) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_lora_covers_attention_mlp_and_an_untied_lm_head():
+    model = tiny_model("llama")
+    assert lora_targets(model) == ["down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj",
+                                   "v_proj"]
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied: merging into it would change the embeddings
+    assert "lm_head" not in lora_targets(model)
+    assert lora_targets(tiny_model("gpt2")) == ["c_attn", "c_fc", "c_proj"]
+
+
+def test_adapters_off_is_the_base_model_and_kl_starts_at_zero():
+    base = tiny_model("llama")
+    reference = tiny_model("llama")  # the same seed: an untouched copy
+    backbone = add_lora(base, r=4, alpha=8, dropout=0.0)
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        assert torch.equal(backbone(input_ids=ids).logits, expected)  # LoRA B = 0: exactly the target at first
+        for name, p in lora_tensors(backbone).items():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+        assert not torch.allclose(backbone(input_ids=ids).logits, expected, atol=1e-3)
+        with backbone.disable_adapter():
+            assert torch.equal(backbone(input_ids=ids).logits, expected)
+
+    cfg = load_config(MedusaConfig, ["--medusa2", "true", "--self_distill", "true", "--num_heads", "2"])
+    fresh = add_lora(tiny_model("llama"), r=4, alpha=8, dropout=0.0)
+    heads = MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=2, share_lm_head=True))
+    method = Medusa2Method(cfg, fresh, heads, kl=True)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids).bool()}
+    hidden, _ = method._per_head(batch)
+    assert method._l0(batch, hidden).abs().item() < 1e-6
+    for name, p in lora_tensors(fresh).items():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.5)
+    hidden, _ = method._per_head(batch)
+    assert method._l0(batch, hidden).item() > 1e-3  # the KL sees an adapted target
+
+
+def test_heads_weight_schedules_ramp_to_the_coefficient():
+    assert heads_weight("constant", 0.2, 0.0) == heads_weight("constant", 0.2, 0.7) == 0.2
+    assert heads_weight("linear", 0.2, 0.25) == pytest.approx(0.05)
+    assert heads_weight("sine", 0.2, 0.5) == pytest.approx(0.2 * math.sin(math.pi / 4))
+    assert heads_weight("sine", 0.2, 0.0) == 0 and heads_weight("linear", 0.2, 1.5) == pytest.approx(0.2)
+
+
+def train_medusa2(tiny_model_dir, text_data, out, **extra):
+    options = {"max_steps": 6, "medusa2": True, "share_lm_head": True, "lora_r": 4, "lora_alpha": 8,
+               "learning_rate": 5e-3} | extra
+    args = medusa_args(tiny_model_dir, text_data, out, **options)
+    return run(load_config(MedusaConfig, args))
+
+
+@pytest.mark.parametrize("merge, shared", [(False, True), (True, False)], ids=["adapter+shared-lm-head",
+                                                                             "merged+own-lm-heads"])
+def test_only_lora_and_heads_train_and_decoding_matches_the_adapted_target(
+    merge, shared, tiny_model_dir, text_data, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "medusa2"
+    result = train_medusa2(tiny_model_dir, text_data, out, merge=merge, share_lm_head=shared)
+    assert set(result["heads"].state_dict()) == set(load_heads(out).state_dict())  # the heads' own lm_heads or not
+    assert any(n.endswith(f"{1}.weight") for n in result["heads"].state_dict()) != shared
+    assert "backbone_ce" in result["history"][-1][1]  # not self-generated data: plain cross-entropy
+    config = HeadsConfig.load(out)
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    merged = result["target"].state_dict()
+    changed = sorted(n for n in original if not torch.equal(original[n], merged[n]))
+    # only the LoRA'd projections moved; embeddings and norms are the original's bit for bit
+    assert changed and all(n.rsplit(".", 2)[-2] in lora_targets(tiny_model("llama")) for n in changed)
+    assert all(torch.equal(original[n], merged[n]) for n in original if "norm" in n or "embed" in n)
+    if merge:
+        assert config.merged_target == "target" and config.adapter is None and not (out / "adapter").exists()
+        assert (out / "target" / "config.json").is_file() and (out / "target" / "tokenizer.json").is_file()
+    else:
+        assert config.adapter == "adapter" and config.merged_target is None
+        adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+        assert adapter and all("lora_" in n for n in adapter)  # LoRA tensors only, no copy of the lm_head
+        assert any("lora_B" in n and v.abs().sum() > 0 for n, v in adapter.items())  # the adapter trained
+        rebuilt = PeftModel.from_pretrained(tiny_model("llama"), str(out / "adapter")).merge_and_unload()
+        for name, value in rebuilt.state_dict().items():
+            torch.testing.assert_close(value, merged[name])  # base + saved adapter = the adapted target
+    spec = SpeculativeModel.from_pretrained(out, dtype=torch.float32)
+    assert spec.model.state_dict().keys() == merged.keys()
+    for name, value in spec.model.state_dict().items():
+        torch.testing.assert_close(value, merged[name])
+    plain = spec.model.generate(PROMPT, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(spec.generate(PROMPT, max_new_tokens=24), plain)
+    with pytest.raises(ValueError, match="trained with a LoRA adapter"):  # the base alone would accept little
+        SpeculativeModel.from_pretrained(out, model=tiny_model("llama"))
+    again = SpeculativeModel.from_pretrained(result["heads"], model=result["target"])  # what run() returns fits
+    assert torch.equal(again.generate(PROMPT, max_new_tokens=24), plain)
+    if merge:
+        with pytest.raises(ValueError, match="decode with their merged target in .*target, not"):
+            load_target(load_heads(out), str(tiny_model_dir))
+
+
+def test_cli_generates_with_the_adapter_and_push_uploads_it(tiny_model_dir, text_data, tmp_path, monkeypatch,
+                                                            capsys, hub):  # noqa: F811
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "medusa2"
+    train_medusa2(tiny_model_dir, text_data, out, max_steps=2, eval_steps=2)
+    capsys.readouterr()
+    cli(["generate", "--heads", str(out), "--prompt", "def add", "--max-new-tokens", "12", "--json",
+         str(tmp_path / "out.json"), "--quiet"])
+    adapted = load_target(load_heads(out))  # the base model named in the config, the adapter merged in
+    prompt = tiny_tokenizer()("def add", return_tensors="pt").input_ids
+    expected = adapted.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
+    assert json.loads((tmp_path / "out.json").read_text())["token_ids"] == expected.tolist()
+    medusa1 = tmp_path / "medusa1"
+    load_heads(out).save_pretrained(medusa1)  # a copy brings its adapter along
+    assert (medusa1 / "adapter" / "adapter_config.json").is_file()
+    with pytest.raises(SystemExit):  # an adapted target cannot be shared with other drafters in one run
+        cli(["bench", "--heads", str(out), "--heads", str(medusa1), "--num-prompts", "1"])
+    assert "Medusa-2 checkpoint" in capsys.readouterr().err
+    cli(["push", "--heads", str(out), "--repo-id", "me/tiny-medusa2"])
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= set(hub["files"])
+    assert json.loads(hub["files"]["config.json"])["adapter"] == "adapter"
+
+
+def test_missing_adapter_and_bad_options_are_one_line_errors(medusa_dir, tmp_path):
+    config = json.loads((medusa_dir / "config.json").read_text())
+    (medusa_dir / "config.json").write_text(json.dumps(config | {"adapter": "adapter"}))
+    with pytest.raises(FileNotFoundError, match="adapted target in .*adapter, which is missing"):
+        load_target(load_heads(medusa_dir))
+    with pytest.raises(ValueError, match="adapter must be null or 'adapter'"):
+        HeadsConfig(adapter="../elsewhere")
+    with pytest.raises(ConfigError, match="--merge applies to Medusa-2"):
+        load_config(MedusaConfig, ["--merge", "true"])
+    with pytest.raises(ConfigError, match="--heads_schedule must be one of constant, linear, sine"):
+        load_config(MedusaConfig, ["--medusa2", "true", "--heads_schedule", "cosine"])
+    with pytest.raises(ConfigError, match="--backbone_loss"):
+        load_config(MedusaConfig, ["--medusa2", "true", "--backbone_loss", "mse"])
+
+
+def test_bits_per_byte_of_a_uniform_model_is_log2_vocab_per_token():
+    from train.bits_per_byte import bits_per_byte
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every next token at probability 1/96
+    texts = ["def add(a, b):\n", "    return a + b\n"]
+    tokens = sum(len(ids) + 1 for ids in tok(texts, add_special_tokens=False)["input_ids"])  # EOS after each
+    expected = (tokens - 1) * math.log2(96) / len("".join(texts).encode())
+    assert bits_per_byte(model, tok, texts, seq_len=64) == pytest.approx(expected, rel=1e-3)
+
+
+def test_heads_only_stage_leaves_the_lora_alone_then_the_joint_loss_adds_l0():
+    cfg = load_config(MedusaConfig, ["--medusa2", "true", "--num_heads", "2", "--heads_only_steps", "3",
+                                     "--heads_schedule", "linear", "--heads_coefficient", "0.5"])
+    backbone = add_lora(tiny_model("llama"), r=4, alpha=8, dropout=0.0)
+    for name, p in lora_tensors(backbone).items():
+        if "lora_B" in name:  # a trained adapter, so that L0 is not zero
+            p.data.normal_(0, 0.5)
+    method = Medusa2Method(cfg, backbone, MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=2,
+                                                                  share_lm_head=True)), kl=False)
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids).bool()}
+    method.step, method.total_steps = 2, 7
+    loss, logs = method.loss(batch)
+    loss.backward()
+    # zero gradients (DDP needs one for every trained tensor), so AdamW leaves the adapter as it is
+    assert all(p.grad is not None and not p.grad.any() for p in lora_tensors(backbone).values())
+    assert "backbone_ce" not in logs and all(p.grad is not None for p in method.trainable.heads.parameters())
+    for p in lora_tensors(backbone).values():
+        p.grad = None
+    method.step = 5  # joint: lambda = 0.5 * (5 - 3) / (7 - 3)
+    loss, logs = method.loss(batch)
+    assert loss.item() == pytest.approx(logs["backbone_ce"].item() + 0.25 * logs["heads_loss"].item(), rel=1e-5)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora_tensors(backbone).values())
+
+
+def test_resumed_medusa2_run_ends_like_an_uninterrupted_one(tiny_model_dir, text_data, tmp_path, monkeypatch):
+    """Checkpoints hold the adapters and heads only (not the frozen target), and resuming restores both."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+
+    def run_to(out, **extra):
+        return train_medusa2(tiny_model_dir, text_data, out, **extra)
+
+    check_resume(monkeypatch, Medusa2Method, run_to, tmp_path, "heads")
+    saved = load_file(str(next((tmp_path / "full" / "checkpoints").glob("step-*")) / "model.safetensors"))
+    assert saved and all("lora_" in n or n.startswith("heads.") for n in saved)
+    full, resumed = (load_file(str(tmp_path / d / "adapter" / "adapter_model.safetensors")) for d in ("full", "resumed"))
+    assert full.keys() == resumed.keys()
+    for name, value in full.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6)

@@ -1,0 +1,224 @@
+"""Medusa-2: the heads trained jointly with a LoRA on the target (peft), so the target also learns to be drafted.
+
+    loss = L0 + lambda(t) * sum_k head_decay^k * CE_k
+
+L0 keeps the adapted target close to the original: on data the target wrote itself (self-distilled or
+regenerated) it is KL(frozen || adapted), the frozen distribution read from the same model with its adapters
+switched off (no second copy in memory); on other data it is the plain next-token cross-entropy. lambda(t)
+ramps to `heads_coefficient` by a constant, linear or sine schedule. With `heads_only_steps` the run first
+trains the heads alone (Medusa-1) and then jointly. The decoded target is the adapted one: output stays
+exactly what *it* would generate, which is slightly different from the original target.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.medusa import MedusaHeads
+from heads.target import ADAPTED
+from infer.target import decoder_layers
+from train.medusa import MedusaMethod, agreed_calls, chunked_sum
+
+SCHEDULES = ("constant", "linear", "sine")
+BACKBONE_LOSSES = ("auto", "kl", "ce")
+ADAPTER_DIR, MERGED_DIR = "adapter", "target"
+
+
+def heads_weight(schedule: str, coefficient: float, progress: float) -> float:
+    """lambda(t): `coefficient` times the schedule's ramp at `progress` in [0, 1] (1, t, or sin(t * pi / 2))."""
+    progress = min(max(progress, 0.0), 1.0)
+    ramp = {"constant": 1.0, "linear": progress, "sine": math.sin(progress * math.pi / 2)}[schedule]
+    return coefficient * ramp
+
+
+def lora_targets(model: nn.Module) -> list[str]:
+    """Every linear projection inside the decoder layers (attention and MLP), and the lm_head unless it is tied
+    to the input embeddings (merging a LoRA into a tied lm_head would change the embeddings too)."""
+    from transformers.pytorch_utils import Conv1D
+
+    names = {name.rsplit(".", 1)[-1] for layer in decoder_layers(model) for name, module in layer.named_modules()
+             if isinstance(module, (nn.Linear, Conv1D))}
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not model.get_input_embeddings().weight:
+        names.add(next(n for n, m in model.named_modules() if m is head))
+    return sorted(names)
+
+
+def add_lora(target: nn.Module, r: int, alpha: int, dropout: float) -> nn.Module:
+    """The target wrapped by peft with a LoRA on `lora_targets` (B = 0: it computes exactly the target at first)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=lora_targets(target),
+                        bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(target, config)
+
+
+class JointMedusa(nn.Module):
+    """What Medusa-2 trains: the target with its LoRA adapters, and the heads. Its state holds only what trains
+    (the adapters and the heads), so checkpoints stay small whatever the target's size."""
+
+    def __init__(self, backbone: nn.Module, heads: MedusaHeads) -> None:
+        super().__init__()
+        self.backbone, self.heads = backbone, heads
+        self.config = heads.config
+        self.trained = {n for n, p in self.named_parameters() if p.requires_grad}
+        # hooks, not overrides: they apply however deeply DDP or DeepSpeed wrap the module (prefixed names)
+        self.register_state_dict_post_hook(_drop_frozen)
+        self.register_load_state_dict_post_hook(_frozen_not_missing)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, some: torch.Tensor,
+                joint: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The adapted target's last hidden states (B, T, H) and the heads' features at `some` (M, H) each; with
+        joint=False the target runs without gradients (the heads-only stage)."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and joint):
+            hidden = self.backbone.get_base_model().base_model(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return hidden, self.heads(hidden[some], project=False)
+
+    def frozen(self, key: str) -> bool:
+        """Whether a state-dict key (any wrapper's `module.` prefixes removed) names a frozen target tensor."""
+        while key.startswith("module."):
+            key = key[len("module."):]
+        return key not in self.trained
+
+
+def _drop_frozen(module: JointMedusa, state: dict, prefix: str, _metadata) -> None:
+    for key in [k for k in state if k.startswith(prefix) and module.frozen(k[len(prefix):])]:
+        del state[key]
+
+
+def _frozen_not_missing(module: JointMedusa, incompatible) -> None:
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not module.frozen(k)]
+
+
+class Medusa2Method(MedusaMethod):
+    """MedusaMethod on the adapted target, plus the target's own loss L0 (see the module docstring)."""
+
+    label = "Medusa-2 heads and LoRA adapter"
+
+    def __init__(self, cfg, backbone: nn.Module, heads: MedusaHeads, kl: bool, tokenizer=None) -> None:
+        super().__init__(cfg, backbone.get_base_model(), heads)
+        self.backbone, self.kl, self.tokenizer = backbone, kl, tokenizer
+        self.trainable = JointMedusa(backbone, heads)
+        self.step, self.total_steps = 0, 1  # set by the loop before each loss
+        self._l0_sums = None
+
+    def param_groups(self, lr: float) -> list[dict]:
+        """The adapters at the run's learning rate, the heads at head_lr_multiplier times it."""
+        joint = getattr(self.trainable, "module", self.trainable)
+        lora = [p for p in joint.backbone.parameters() if p.requires_grad]
+        heads = [p for p in joint.heads.parameters() if p.requires_grad]
+        return [{"params": lora, "lr": lr}, {"params": heads, "lr": lr * self.cfg.head_lr_multiplier}]
+
+    def _joint_stage(self) -> bool:
+        return self.step >= self.cfg.heads_only_steps
+
+    def _features(self, batch, some):
+        return self.trainable(batch["input_ids"], batch["attention_mask"], some,
+                              joint=self._joint_stage() and torch.is_grad_enabled())
+
+    def _logits(self, k: int, outputs: torch.Tensor) -> torch.Tensor:
+        if not self.shared:  # the heads' own projection, inside the joint module (DDP and DeepSpeed wrap it)
+            heads = getattr(self.trainable, "module", self.trainable).heads
+            return heads.project_head(k, outputs.to(heads.heads[k][-1].weight.dtype)).float()
+        if not self._joint_stage():  # heads alone: the lm_head's frozen weights (its LoRA is still 0)
+            frozen = getattr(self.lm_head, "base_layer", self.lm_head)
+            return frozen(outputs.to(frozen.weight.dtype)).float()
+        return super()._logits(k, outputs)
+
+    def _l0_rows(self, batch, hidden):
+        """The adapted and frozen hidden states at the positions whose next token is trained on, and that token."""
+        mask = batch["loss_mask"][:, 1:].bool()  # position t predicts t + 1
+        labels = batch["input_ids"][:, 1:][mask]
+        with torch.no_grad(), self.backbone.disable_adapter():
+            frozen = self.target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                            use_cache=False).last_hidden_state if self.kl else None
+        adapted = hidden[:, :-1][mask]
+        return adapted, (frozen[:, :-1][mask] if frozen is not None else adapted.detach()), labels
+
+    def _l0_sum(self, adapted: torch.Tensor, frozen: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed L0 over a chunk of rows: KL(frozen || adapted), or the cross-entropy of the labels."""
+        logits = self.lm_head(adapted.to(self.lm_head.weight.dtype)).float()
+        if not self.kl:
+            return F.cross_entropy(logits, labels, reduction="sum")
+        with torch.no_grad(), self.backbone.disable_adapter():
+            reference = self.lm_head(frozen.to(self.lm_head.weight.dtype)).float().log_softmax(-1)
+        return F.kl_div(logits.log_softmax(-1), reference, log_target=True, reduction="sum")
+
+    def _l0(self, batch, hidden) -> torch.Tensor:
+        rows = self._l0_rows(batch, hidden)
+        calls = agreed_calls([rows[2].numel()], self.chunk, self.agree)[0]
+        return chunked_sum(self._l0_sum, rows, self.chunk, calls) / max(rows[2].numel(), 1)
+
+    def loss(self, batch):
+        hidden, heads = self._per_head(batch)
+        heads_loss, logs = self._heads_loss(heads)
+        if not self._joint_stage():
+            # every adapter tensor still gets a (zero) gradient: DDP expects each trained tensor's every step
+            untouched = sum(p.sum() for p in getattr(self.trainable, "module", self.trainable).backbone.parameters()
+                            if p.requires_grad)
+            logs["loss"] = heads_loss.detach()
+            return heads_loss + 0.0 * untouched, logs
+        joint_steps = max(self.total_steps - self.cfg.heads_only_steps, 1)
+        weight = heads_weight(self.cfg.heads_schedule, self.cfg.heads_coefficient,
+                              (self.step - self.cfg.heads_only_steps) / joint_steps)
+        l0 = self._l0(batch, hidden)
+        total = l0 + weight * heads_loss
+        logs |= {"backbone_" + ("kl" if self.kl else "ce"): l0.detach(), "heads_loss": heads_loss.detach(),
+                 "loss": total.detach()}
+        return total, logs
+
+    def _eval_extra(self, batch, hidden) -> None:
+        rows = self._l0_rows(batch, hidden)
+        calls = agreed_calls([rows[2].numel()], self.chunk, self.agree)[0]
+        part = torch.stack([chunked_sum(self._l0_sum, rows, self.chunk, calls).double(),
+                            torch.tensor(rows[2].numel(), dtype=torch.float64, device=hidden.device)])
+        self._l0_sums = part if self._l0_sums is None else self._l0_sums + part
+
+    def evaluate(self, batches, total=None):
+        self._l0_sums = None
+        metrics = super().evaluate(batches, total)
+        sums = self._l0_sums if self._l0_sums is not None else torch.zeros(2, dtype=torch.float64)
+        sums = (total(sums) if total else sums).cpu()
+        metrics["backbone_" + ("kl" if self.kl else "ce")] = float(sums[0] / sums[1].clamp(min=1))
+        return metrics
+
+    def save(self, joint: JointMedusa, output_dir: Path, metrics: dict[str, float]) -> None:
+        """The adapter (peft's format), then the heads with a tree fitted on the merged target; with `merge` the
+        merged target (and tokenizer) next to them instead of the adapter."""
+        backbone, heads = joint.backbone, joint.heads
+        if self.cfg.merge:
+            heads.config.merged_target, heads.config.adapter = MERGED_DIR, None
+        else:
+            heads.config.adapter, heads.config.merged_target = ADAPTER_DIR, None
+            # the lm_head's own weights are frozen: the adapter holds the LoRA tensors only, not a vocabulary copy
+            backbone.save_pretrained(str(output_dir / ADAPTER_DIR), save_embedding_layers=False)
+        merged = backbone.merge_and_unload()  # what decoding runs: time the tree on it
+        setattr(merged, ADAPTED, str(output_dir / (MERGED_DIR if self.cfg.merge else ADAPTER_DIR)))
+        self.target = merged.eval()
+        heads.source_dir = output_dir  # the returned heads find their adapted target, as loaded ones do
+        if self.cfg.merge:
+            merged.save_pretrained(str(output_dir / MERGED_DIR))
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(output_dir / MERGED_DIR))
+        super().save(heads, output_dir, metrics)
+
+
+def self_generated(cfg) -> bool:
+    """Whether the training text is the target's own: self-distilled here, or a regenerated dataset folder."""
+    return bool(cfg.self_distill) or (Path(cfg.dataset) / "regeneration.json").is_file()
+
+
+def medusa2_method(cfg, target, heads: MedusaHeads, tokenizer) -> Medusa2Method:
+    """The Medusa-2 method for a frozen target: LoRA added, L0 chosen (KL on self-generated data, else CE)."""
+    if cfg.gradient_checkpointing:
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    backbone = add_lora(target, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+    kl = cfg.backbone_loss == "kl" or (cfg.backbone_loss == "auto" and self_generated(cfg))
+    return Medusa2Method(cfg, backbone, heads, kl, tokenizer)
+
