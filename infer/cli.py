@@ -168,12 +168,15 @@ def _draft_proposer(args: argparse.Namespace, model: Any):
 
 
 def method_names(specs: list[SpeculativeModel]) -> list[str]:
-    """Each drafter's method name: its proposer's name, numbered from the second of a kind (medusa, medusa-2)."""
+    """Each drafter's method name: its proposer's name (`medusa2` for Medusa-2 heads, which decode an adapted
+    target), numbered from the second of a kind (medusa, medusa#2)."""
     names, seen = [], {}
     for spec in specs:
-        base = spec.proposer.name
+        config = getattr(getattr(spec.proposer, "heads", None), "config", None)
+        adapted = config is not None and (config.adapter or config.merged_target)
+        base = "medusa2" if adapted else spec.proposer.name
         seen[base] = seen.get(base, 0) + 1
-        names.append(base if seen[base] == 1 else f"{base}-{seen[base]}")
+        names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
     return names
 
 

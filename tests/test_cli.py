@@ -100,13 +100,13 @@ def test_bench_compares_several_drafters_on_one_target(medusa_dir, eagle_dir, tm
     cli(["bench", "--heads", str(medusa_dir), "--heads", str(eagle_dir), "--heads", str(medusa_dir),
          "--prompts", str(prompts), "--max-new-tokens", "8", "--json", str(out)])
     result = json.loads(out.read_text())
-    assert list(result["methods"]) == ["hf_generate", "plain", "medusa", "eagle", "medusa-2"]
+    assert list(result["methods"]) == ["hf_generate", "plain", "medusa", "eagle", "medusa#2"]
     for m in result["methods"].values():
         assert m["identical_to_baseline"] is True
-    assert result["tree_nodes"] == {"medusa": 25, "eagle": 9, "medusa-2": 25}  # 24 default choices; 8 + root
+    assert result["tree_nodes"] == {"medusa": 25, "eagle": 9, "medusa#2": 25}  # 24 default choices; 8 + root
     assert result["dtype"] == "float32"
     err = capsys.readouterr().err
-    assert "medusa 25, eagle 9, medusa-2 25" in err
+    assert "medusa 25, eagle 9, medusa#2 25" in err
 
 
 @pytest.mark.parametrize("extra, message", [

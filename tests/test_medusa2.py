@@ -138,6 +138,11 @@ def test_cli_generates_with_the_adapter_and_push_uploads_it(tiny_model_dir, text
     prompt = tiny_tokenizer()("def add", return_tensors="pt").input_ids
     expected = adapted.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
     assert json.loads((tmp_path / "out.json").read_text())["token_ids"] == expected.tolist()
+    cli(["bench", "--heads", str(out), "--num-prompts", "2", "--max-new-tokens", "8", "--json",
+         str(tmp_path / "bench.json")])
+    methods = json.loads((tmp_path / "bench.json").read_text())["methods"]
+    assert list(methods) == ["hf_generate", "plain", "medusa2"]  # the baseline is the adapted target's generate
+    assert all(m["identical_to_baseline"] for m in methods.values())
     medusa1 = tmp_path / "medusa1"
     load_heads(out).save_pretrained(medusa1)  # a copy brings its adapter along
     assert (medusa1 / "adapter" / "adapter_config.json").is_file()
