@@ -4,8 +4,8 @@
     python train/bits_per_byte.py --heads outputs/medusa2-demo     # the adapted target Medusa-2 heads decode with
 
 Medusa-2 changes the target; this is the check that it still predicts text as well as the original did.
-The model reads the texts as one stream (EOS between files) in windows of `seq_len` tokens, float32
-weights under bf16 autocast, exactly as train/target.py scores the demo target for its model card.
+The model reads the texts as one stream (EOS between files) in windows of `seq_len` tokens, in float32
+(train/target.py scores the demo target for its card the same way, under bf16 autocast).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def bits_per_byte(model: torch.nn.Module, tokenizer, texts: list[str], seq_len: 
     ids: list[int] = []
     for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         ids.extend(enc + [tokenizer.eos_token_id])
-    nll, _ = stream_nll(model.float(), torch.tensor(ids), seq_len)
+    nll, _ = stream_nll(model.float(), torch.tensor(ids), seq_len, autocast=False)
     return nll / math.log(2) / len("".join(texts).encode())
 
 
