@@ -242,7 +242,7 @@ def train_target(argv: list[str]) -> None:
         progress = elapsed / budget if budget > 0 else step / cfg.max_steps
         for group in opt.param_groups:
             group["lr"] = lr_at(step, progress, cfg)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
