@@ -66,6 +66,19 @@ def test_adapters_off_is_the_base_model_and_kl_starts_at_zero():
     assert method._l0(batch, hidden).item() > 1e-3  # the KL sees an adapted target
 
 
+def test_the_targets_fingerprint_ignores_its_adapters_only():
+    from train.loop import weights_fingerprint
+
+    plain = weights_fingerprint(tiny_model("llama"))
+    backbone = add_lora(tiny_model("llama"), r=4, alpha=8, dropout=0.0)
+    for p in lora_tensors(backbone).values():
+        p.data.normal_()
+    assert weights_fingerprint(backbone) == plain
+    with torch.no_grad():
+        backbone.get_base_model().model.norm.weight.add_(1e-3)
+    assert weights_fingerprint(backbone) != plain
+
+
 def test_heads_weight_schedules_ramp_to_the_coefficient():
     assert heads_weight("constant", 0.2, 0.0) == heads_weight("constant", 0.2, 0.7) == 0.2
     assert heads_weight("linear", 0.2, 0.25) == pytest.approx(0.05)

@@ -241,10 +241,11 @@ def distilled(cfg: TrainConfig, target, tokenizer, items: Items, name: str,
 
 @torch.no_grad()
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A digest of a model's frozen weights (float64 sums per tensor, read back in one transfer): any update
-    changes it. Trainable tensors (Medusa-2's LoRA adapters in the target) are left out."""
+    """A digest of a model's weights (float64 sums per tensor, read back in one transfer): any update changes it.
+    LoRA adapters (Medusa-2 trains them inside the target) are left out, so the digest of a target with adapters
+    equals that of the target alone."""
     sums = [torch.stack([p.sum(dtype=torch.float64), p.abs().sum(dtype=torch.float64)])
-            for p in model.parameters() if not p.requires_grad]
+            for name, p in model.named_parameters() if "lora_" not in name]
     return hashlib.sha1(repr(torch.stack(sums).cpu().tolist()).encode()).hexdigest()[:16] if sums else "empty"
 
 
