@@ -150,10 +150,15 @@ class Medusa2Method(MedusaMethod):
             reference = self.lm_head(frozen.to(self.lm_head.weight.dtype)).float().log_softmax(-1)
         return F.kl_div(logits.log_softmax(-1), reference, log_target=True, reduction="sum")
 
-    def _l0(self, batch, hidden) -> torch.Tensor:
+    def _l0_total(self, batch, hidden) -> tuple[torch.Tensor, int]:
+        """L0 summed over the batch's trained positions, and how many there are."""
         rows = self._l0_rows(batch, hidden)
         calls = agreed_calls([rows[2].numel()], self.chunk, self.agree)[0]
-        return chunked_sum(self._l0_sum, rows, self.chunk, calls) / max(rows[2].numel(), 1)
+        return chunked_sum(self._l0_sum, rows, self.chunk, calls), rows[2].numel()
+
+    def _l0(self, batch, hidden) -> torch.Tensor:
+        total, count = self._l0_total(batch, hidden)
+        return total / max(count, 1)
 
     def loss(self, batch):
         hidden, heads = self._per_head(batch)
@@ -174,10 +179,8 @@ class Medusa2Method(MedusaMethod):
         return total, logs
 
     def _eval_extra(self, batch, hidden) -> None:
-        rows = self._l0_rows(batch, hidden)
-        calls = agreed_calls([rows[2].numel()], self.chunk, self.agree)[0]
-        part = torch.stack([chunked_sum(self._l0_sum, rows, self.chunk, calls).double(),
-                            torch.tensor(rows[2].numel(), dtype=torch.float64, device=hidden.device)])
+        total, count = self._l0_total(batch, hidden)
+        part = torch.stack([total.double(), torch.tensor(count, dtype=torch.float64, device=hidden.device)])
         self._l0_sums = part if self._l0_sums is None else self._l0_sums + part
 
     def evaluate(self, batches, total=None):
