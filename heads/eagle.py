@@ -73,25 +73,35 @@ class DraftCache:
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_length: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        self.keys = torch.zeros(layers, 1, kv_heads, max_length, head_dim, dtype=dtype, device=device)
+                 device: torch.device | str, batch: int = 1) -> None:
+        self.keys = torch.zeros(layers, batch, kv_heads, max_length, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.length = 0
 
     @classmethod
-    def for_drafter(cls, draft: nn.Module, max_length: int) -> DraftCache:
+    def for_drafter(cls, draft: nn.Module, max_length: int, batch: int = 1) -> DraftCache:
         param = next(draft.parameters())
         layer = draft.config.layer or {}
         heads = layer.get("num_attention_heads") or 1
         return cls(draft.config.num_layers, layer.get("num_key_value_heads") or heads,
-                   layer.get("head_dim") or draft.config.hidden_size // heads, max_length, param.dtype, param.device)
+                   layer.get("head_dim") or draft.config.hidden_size // heads, max_length, param.dtype, param.device,
+                   batch)
+
+    def keep_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per row b, move the entries at positions src[b] (B, W) to dst[b] in every layer (all reads before
+        any write, so the two may overlap)."""
+        for buffer in (self.keys, self.values):
+            L, B, H, _, D = buffer.shape
+            shape = (L, B, H, src.shape[1], D)
+            moved = buffer.gather(3, src[None, :, None, :, None].expand(shape))
+            buffer.scatter_(3, dst[None, :, None, :, None].expand(shape), moved)
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[3]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v (1, kv, T, d) at positions length .. length + T -> every valid key and value (1, kv, length + T, d)."""
+        """k, v (B, kv, T, d) at positions length .. length + T -> every valid key and value (B, kv, length + T, d)."""
         end = self.length + k.shape[2]
         if end > self.capacity:
             raise ValueError(f"the drafter's cache holds {self.capacity} positions; {end} needed")

@@ -76,6 +76,20 @@ class PreallocatedLayer(DynamicLayer):
             buffer.index_copy_(2, dst, buffer.index_select(2, src))
         self._set_length(prefix_len + src.numel())
 
+    def keep_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Per row b, move the entries at positions src[b] (B, W) to dst[b] (reads all happen before writes, so
+        the two may overlap), then count `length` positions as filled (rows past their own end are masked)."""
+        if not self.is_initialized:
+            return
+        device = self.key_buffer.device
+        src, dst = src.to(device), dst.to(device)
+        for buffer in (self.key_buffer, self.value_buffer):
+            B, H, _, D = buffer.shape
+            shape = (B, H, src.shape[1], D)
+            moved = buffer.gather(2, src[:, None, :, None].expand(shape))
+            buffer.scatter_(2, dst[:, None, :, None].expand(shape), moved)
+        self._set_length(length)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `tokens_to_remove` positions (a negative count, as DynamicLayer.crop takes it)."""
         if tokens_to_remove > 0:
@@ -125,6 +139,13 @@ def keep_accepted(cache: PreallocatedCache, prefix_len: int, path: torch.Tensor,
     src = prefix_len + path[:length]  # (L,) increasing, src[j] >= prefix_len + j
     for layer in cache.layers:
         layer.keep(prefix_len, src)
+
+
+def keep_accepted_rows(cache: PreallocatedCache, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+    """Batched `keep_accepted`: row b's accepted entries at cache positions src[b] (B, W) move to dst[b]; every
+    layer then counts `length` filled positions (the longest row; shorter rows mask their gap)."""
+    for layer in cache.layers:
+        layer.keep_rows(src, dst, length)
 
 
 def truncate(cache: PreallocatedCache, length: int) -> None:

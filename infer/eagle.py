@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from heads.eagle import DraftCache, EagleDraft
-from infer.mask import PrefixMask
+from infer.mask import PrefixMask, RowMask
 from infer.proposers import Draft
 from infer.tree import Tree, descend, select_tree, tree_from_choices
 from infer.verify import SamplingParams
@@ -108,6 +108,97 @@ class EagleProposer:
         if self.static is not None:
             return Draft(*self._static(context[-1:], root_feature, root_logp))
         return Draft(*self._dynamic(context[-1:], root_feature, root_logp))
+
+    @property
+    def drafts_rows(self) -> bool:
+        """Whether `propose_rows` drafts a batch in one set of drafter calls (the dynamic tree does)."""
+        return self.static is None
+
+    def reset_rows(self, rows: int, max_length: int) -> None:
+        """A batch of `rows` sequences of at most `max_length` tokens starts (`propose_rows`): one drafter cache for
+        all of them. Row b's confirmed pairs sit in columns 0 .. lengths[b] - 1; each call writes at the shared
+        column max(lengths), then moves each row's pairs down to its own end, as the target's cache does."""
+        draft_columns = max(self.max_nodes, self.depth * self.top_k)
+        capacity = max_length + draft_columns + self.max_nodes
+        self.row_cache = DraftCache.for_drafter(self.draft, capacity, batch=rows)
+        self.row_mask = RowMask(rows, max(self.top_k, self.max_nodes), capacity, self.dtype, self.device)
+        self.row_lengths = [0] * rows
+
+    @torch.no_grad()
+    def propose_rows(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+                     ) -> list[Draft | None]:
+        """`propose` for every row of a batch at once (after `reset_rows`): the same drafts each row's own
+        proposer would make, from depth + 1 drafter calls for the whole batch instead of per row. Rows not
+        `active` (stopped, or verifying their root alone) feed nothing and get None."""
+        B, device, k = len(contexts), self.device, self.top_k
+        counts = [h.shape[0] if on else 0 for h, on in zip(hiddens, active)]
+        M = max(counts)
+        cache, mask = self.row_cache, self.row_mask
+        # 1. the confirmed pairs (f_t, x_{t+1}) of each row, right-padded to M and written at the shared column
+        feats = hiddens[0].new_zeros(B, M, hiddens[0].shape[-1])
+        tokens = torch.zeros(B, M, dtype=torch.long, device=device)
+        for b, m in enumerate(counts):
+            if m:
+                feats[b, :m] = hiddens[b]
+                tokens[b, :m] = contexts[b][-m:]
+        at = cache.length
+        lengths = torch.tensor(self.row_lengths, device=device)
+        cols = torch.arange(M, device=device)
+        count_t = torch.tensor(counts, device=device)
+        positions = lengths[:, None] + cols
+        if at == 0:  # the prompts: right padding after causal pairs is never seen by them
+            block = None
+        else:
+            causal = torch.ones(M, M, dtype=torch.bool, device=device).tril()
+            block = mask.at(at, (causal[None] & (cols < count_t[:, None])[:, None, :]) | torch.eye(M, dtype=torch.bool, device=device))
+        out = self.draft(self.draft.fuse(feats.to(self.dtype)), tokens, self.embed, block, positions, cache)
+        last = out.gather(1, (count_t - 1).clamp(min=0)[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]  # (B, H)
+        root_logp = torch.log_softmax(self.draft.logits(last, self.lm_head).float(), dim=-1).nan_to_num(nan=-1e4, neginf=-1e4)
+        # each row's pairs move down to its own end; the shared column becomes the longest row's end
+        dst = lengths[:, None] + cols
+        cache.keep_rows(at + cols.expand(B, M), dst)
+        mask.commit(at, M, dst, cols < count_t[:, None])
+        self.row_lengths = [n + m for n, m in zip(self.row_lengths, counts)]
+        cache.length = base = max(self.row_lengths)
+        lengths = lengths + count_t
+        # 2. EAGLE-2's expansion, every row's frontier in one call per depth
+        top = root_logp.topk(k)
+        scores, drafted = [top.values], [self.draft.to_target(top.indices)]
+        parents = [torch.full((B, k), -1, dtype=torch.long, device=device)]
+        ranks = [self.slots.expand(B, k)]
+        front_scores, front_tokens, front_index = top.values, drafted[0], self.slots.expand(B, k)
+        front_features = last[:, None].expand(B, k, last.shape[-1])
+        visible = self.own.expand(B, k, k)
+        offset = k
+        for d in range(1, self.depth):
+            out = self.draft(front_features, front_tokens, self.embed, mask.at(base, visible),
+                             (lengths - 1 + d)[:, None].expand(B, k), cache)
+            logp = torch.log_softmax(self.draft.logits(out, self.lm_head).float(), dim=-1).nan_to_num(nan=-1e4, neginf=-1e4)
+            top = logp.topk(k)  # (B, k, k) children of each frontier node
+            child_scores = descend(front_scores, top.values).flatten(1)
+            scores.append(child_scores)
+            drafted.append(self.draft.to_target(top.indices.flatten(1)))
+            parents.append(front_index.repeat_interleave(k, dim=1))
+            ranks.append(self.child_ranks.expand(B, -1))
+            best = child_scores.topk(k).indices  # (B, k)
+            parent_slot = best // k
+            front_scores, front_tokens = child_scores.gather(1, best), drafted[-1].gather(1, best)
+            front_index = offset + best
+            front_features = out.gather(1, parent_slot[..., None].expand(-1, -1, out.shape[-1]))
+            visible = torch.cat([visible.gather(1, parent_slot[..., None].expand(-1, -1, visible.shape[-1])),
+                                 self.own.expand(B, k, k)], dim=2)
+            offset += k * k
+        mask.hide(base, cache.length - base)
+        cache.length = base  # the draft nodes are dropped (overwritten next time)
+        scores, drafted, parents, ranks = (torch.cat(x, dim=1) for x in (scores, drafted, parents, ranks))
+        drafts: list[Draft | None] = []
+        for b in range(B):
+            if not active[b]:
+                drafts.append(None)
+                continue
+            chosen, tree = select_tree(scores[b], parents[b], ranks[b], self.max_nodes - 1, self.depth, k)
+            drafts.append(Draft(torch.cat([contexts[b][-1:], drafted[b][chosen]]), tree))
+        return drafts
 
     def _dynamic(self, root: torch.Tensor, root_feature: torch.Tensor, root_logp: torch.Tensor) -> tuple[torch.Tensor, Tree]:
         k, device = self.top_k, self.device

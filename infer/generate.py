@@ -6,6 +6,7 @@ the target's distribution (see verify.py).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 import warnings
@@ -13,20 +14,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from heads.config import check_compatible
 from heads.io import PretrainedHeads
 from heads.registry import load_heads
 from heads.target import check_adapted, load_target
-from infer.cache import PreallocatedCache, keep_accepted, new_cache
+from infer.cache import PreallocatedCache, keep_accepted_rows, new_cache
 from infer.eagle import EagleProposer
 from infer.generation_config import sampling_params
-from infer.mask import PrefixMask
+from infer.mask import RowMask
 from infer.proposers import Draft, MedusaProposer, Proposer
 from infer.target import Target
 from infer.timing import Clock, Mark
-from infer.tree import tree_from_choices
-from infer.verify import SamplingParams, accept, sample_token
+from infer.tree import stack_trees, tree_from_choices
+from infer.verify import SamplingParams, accept, accept_greedy_rows, sample_token
 
 
 @dataclasses.dataclass
@@ -55,26 +57,27 @@ class GenerationStats:
         out["tau"] = self.tau
         return out
 
-    def record_prefill(self, seconds: float) -> None:
-        """The prompt's forward, which also chose the first new token."""
+    def record_prefill(self, seconds: float, rows: int = 1) -> None:
+        """The prompt's forward, which also chose each row's first new token."""
         self.target_forwards += 1
-        self.new_tokens = 1
+        self.new_tokens = rows
         self.prefill_s = seconds
 
-    def record_step(self, drafted: int, accepted: int, produced: int, began: float, marks: tuple[Mark, Mark, Mark],
-                    clock: Clock) -> None:
-        """One decode step: a tree of `drafted` nodes (root excluded), `accepted` of them on the accepted path
-        (before the budget/EOS cut), `produced` new tokens. `began` is the step's perf_counter start; `marks`
-        the clock's marks when it began, had proposed, and had verified + accepted (completed: read after the
-        step's host sync); the rest of the step, until now, is bookkeeping."""
+    def record_step(self, drafted: list[int], accepted: list[int], produced: list[int], began: float,
+                    marks: tuple[Mark, Mark, Mark], clock: Clock) -> None:
+        """One decode step (one target forward) of the rows still decoding: per row a tree of `drafted` nodes
+        (root excluded), `accepted` of them on the accepted path (before the budget/EOS cut), `produced` new
+        tokens; each row counts as a decode step of its own, so tau is tokens per row and forward. `began` is the
+        step's perf_counter start; `marks` the clock's marks when it began, had proposed, and had verified +
+        accepted (completed: read after the step's host sync); the rest of the step, until now, is bookkeeping."""
         now = time.perf_counter()
         self.target_forwards += 1
-        self.decode_steps += 1
-        self.decode_tokens += produced
-        self.new_tokens += produced
-        self.accept_lengths.append(produced)
-        self.accepted_drafts.append(accepted)
-        self.drafted.append(drafted)
+        self.decode_steps += len(produced)
+        self.decode_tokens += sum(produced)
+        self.new_tokens += sum(produced)
+        self.accept_lengths.extend(produced)
+        self.accepted_drafts.extend(accepted)
+        self.drafted.extend(drafted)
         draft, verify = clock.seconds(marks[0], marks[1]), clock.seconds(marks[1], marks[2])
         self.draft_s += draft
         self.verify_s += verify
@@ -143,10 +146,51 @@ def _cut(new: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
     return new, done
 
 
-def _eos_set(eos_token_id: int | list[int] | None) -> set[int]:
+def eos_set(eos_token_id: int | list[int] | None) -> set[int]:
+    """The EOS id or ids as a set (None: none)."""
     if eos_token_id is None:
         return set()
     return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+
+
+def prompt_starts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Where each row's prompt begins after its left padding (attention_mask 0 on padding, 1 on tokens)."""
+    if attention_mask is None:
+        return [0] * input_ids.shape[0]
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have the shape of input_ids "
+                         f"{tuple(input_ids.shape)}")
+    m = attention_mask.to(torch.long).cpu()
+    if not bool(((m == 0) | (m == 1)).all()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (tokens) only")
+    if bool((m[:, 1:] < m[:, :-1]).any()):
+        raise ValueError("attention_mask has padding after tokens: pad on the left (tokenizer.padding_side = 'left')")
+    starts = (m == 0).sum(1).tolist()
+    if max(starts) == input_ids.shape[1]:
+        raise ValueError(f"row {starts.index(input_ids.shape[1])} of the batch is all padding: give every row a token")
+    return starts
+
+
+def first_tokens(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Each row's first new token from its prompt's last logits (B, V), as plain decoding chooses it."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return torch.stack([sample_token(row, params, g) for row, g in zip(logits, generators)])
+
+
+def ends_root(device: torch.device) -> torch.Tensor:
+    """The end node of a row that accepted nothing (its root), as `accept` returns it."""
+    return torch.zeros(1, dtype=torch.long, device=device)
+
+
+def row_copy(proposer: Proposer) -> Proposer:
+    """A proposer for one more row: the same weights and settings, its own per-sequence state (set by `reset`);
+    a composite (lookup-first) copies its parts."""
+    twin = copy.copy(proposer)
+    for part in ("primary", "lookup"):
+        if hasattr(proposer, part):
+            setattr(twin, part, row_copy(getattr(proposer, part)))
+    return twin
 
 
 def proposer_for(heads: torch.nn.Module, model: torch.nn.Module, tree: list[list[int]] | None = None,
@@ -162,7 +206,7 @@ def proposer_for(heads: torch.nn.Module, model: torch.nn.Module, tree: list[list
 
 
 class SpeculativeModel:
-    """A frozen target plus a proposer; `generate` mirrors `model.generate` for batch size 1."""
+    """A frozen target plus a proposer; `generate` mirrors `model.generate`, batches included."""
 
     def __init__(self, model: torch.nn.Module, proposer: Proposer) -> None:
         self.target = Target(model, getattr(proposer, "feature_layers", None))
@@ -170,7 +214,8 @@ class SpeculativeModel:
         self.proposer = proposer
         self.model = model
         self.last_stats = GenerationStats()
-        self.last_tokens: list[int] = []  # new token ids of the last call
+        self.last_rows: list[list[int]] = []  # new token ids of the last call, per row
+        self._rows: list[Proposer] = []  # proposers of batch rows after the first (row_copy), kept for reuse
         self.root_only = tree_from_choices([]).to(self.target.device)  # the tree of a step that drafts nothing
         self._cache: PreallocatedCache | None = None  # the last finished generation's KV cache, reused by the next
 
@@ -222,118 +267,229 @@ class SpeculativeModel:
         generator: torch.Generator | None = None,
         do_sample: bool | None = None,
     ) -> Iterator[list[int]]:
-        """Yield the new token ids of each step (the first from prefill), stopping at EOS or the budget.
+        """Yield the new token ids of each step (the first from prefill) for one prompt (T,) or (1, T), stopping
+        at EOS or the budget. See `decode_batch`, which this is for a batch of one."""
+        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+            raise ValueError(f"decode takes one prompt, got a batch of {input_ids.shape[0]}: use decode_batch "
+                             "(or generate) for batches")
+        rows = self.decode_batch(input_ids.reshape(1, -1), max_new_tokens, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, eos_token_id=eos_token_id, generator=generator, do_sample=do_sample)
+        return (step[0] for step in rows)
+
+    def decode_batch(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 128,
+        attention_mask: torch.Tensor | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | list[int] | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        do_sample: bool | None = None,
+    ) -> Iterator[list[list[int]]]:
+        """Decode a left-padded batch (B, T) (`attention_mask` 0 on the padding, as a tokenizer with
+        padding_side="left" gives it; None: no padding). Yields per step each row's new token ids ([] once the
+        row has stopped), rows stopping independently at EOS or their budget.
 
         Arguments are checked here, before the first step (ValueError). A model that embeds at most `limit`
-        positions (`max_positions`) gets prompt + new tokens <= limit: a longer budget is clipped to that, with
-        a warning, and a prompt that leaves no room is an error. Drafted trees stay inside the limit too: a step
-        whose tree could reach past it (prefix + proposer.max_nodes > limit) verifies the root alone, so the
-        last few tokens before the limit are decoded one per forward, exactly as plain decoding would.
+        positions (`max_positions`) gets prompt + new tokens <= limit per row: a longer budget is clipped to that,
+        with a warning, and a prompt that leaves no room is an error. Drafted trees stay inside the limit too: a
+        row whose tree could reach past it verifies its root alone, so the last few tokens before the limit are
+        decoded one per forward, exactly as plain decoding would.
         Sampling settings and EOS ids the call leaves out (None) come from the target's generation_config, as
         in model.generate (`infer.generation_config`); a config asking for what this loop cannot apply
-        exactly (a repetition penalty, ...) is refused.
+        exactly (a repetition penalty, ...) is refused. `generator` may be one per row: then each row's draws
+        come from its own stream, and a seeded row's output does not depend on the rest of the batch.
         """
-        if input_ids.dim() == 2:
-            if input_ids.shape[0] != 1:
-                raise ValueError(f"speculative decoding here is batch size 1; got a batch of {input_ids.shape[0]}")
-            input_ids = input_ids[0]
-        if input_ids.numel() == 0:
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[1] == 0:
             raise ValueError("the prompt is empty: give at least one token (e.g. the tokenizer's bos token)")
         if max_new_tokens < 1:  # as model.generate
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        starts = prompt_starts(input_ids, attention_mask)
         # as model.generate: what the call leaves out comes from the target's generation_config
         params = sampling_params(getattr(self.model, "generation_config", None), do_sample, temperature, top_k, top_p)
-        check_generator(generator, self.target.device)
+        generators = generator if isinstance(generator, (list, tuple)) else [generator] * input_ids.shape[0]
+        if len(generators) != input_ids.shape[0]:
+            raise ValueError(f"got {len(generators)} generators for a batch of {input_ids.shape[0]}: give one per row")
+        for g in generators:
+            check_generator(g, self.target.device)
         limit = max_positions(self.model.config)
-        budget = fit_budget(input_ids.numel(), max_new_tokens, limit)
-        if budget < max_new_tokens:
-            warnings.warn(f"prompt ({input_ids.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
-                          f"model's {limit} positions: generating at most {budget} new tokens", stacklevel=2)
+        T = input_ids.shape[1]
+        budgets = [fit_budget(T - start, max_new_tokens, limit) for start in starts]
+        if min(budgets) < max_new_tokens:
+            warnings.warn(f"prompt ({T - min(starts)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
+                          f"model's {limit} positions: generating at most {min(budgets)} new tokens", stacklevel=2)
         if eos_token_id is None:
             eos_token_id = getattr(self.model.generation_config, "eos_token_id", None)
-        return self._decode(input_ids, budget, params, _eos_set(eos_token_id), generator, limit)
+        return self._decode(input_ids.to(self.target.device), starts, budgets, params, eos_set(eos_token_id),
+                            list(generators), limit)
 
-    def _decode(self, input_ids: torch.Tensor, max_new_tokens: int, params: SamplingParams, eos: set[int],
-                generator: torch.Generator | None, limit: int | None) -> Iterator[list[int]]:
+    def _decode(self, input_ids: torch.Tensor, starts: list[int], budgets: list[int], params: SamplingParams,
+                eos: set[int], generators: list[torch.Generator | None], limit: int | None) -> Iterator[list[list[int]]]:
         """The decode loop with a KV cache of its own: taken from the last finished generation when it is big
         enough (its buffers are reused), else new; handed back when this one ends, also when abandoned. Two
         decodes running at once (interleaved streams) therefore never share one."""
-        max_len = input_ids.numel() + max_new_tokens + self.proposer.max_nodes
+        max_len = input_ids.shape[1] + max(budgets) + self.proposer.max_nodes
         cache, self._cache = self._cache, None
         if cache is None or cache.max_length < max_len:
             cache = new_cache(self.model, max_len)
         cache.reset()
         try:
-            yield from self._decode_with(cache, input_ids, max_new_tokens, params, eos, generator, limit)
+            yield from self._decode_with(cache, input_ids, starts, budgets, params, eos, generators, limit)
         finally:
             self._cache = cache
 
-    @torch.no_grad()
-    def _decode_with(self, cache: PreallocatedCache, input_ids: torch.Tensor, max_new_tokens: int,
-                     params: SamplingParams, eos: set[int], generator: torch.Generator | None,
-                     limit: int | None) -> Iterator[list[int]]:
-        """The decode loop on checked arguments (see `decode`), in an emptied cache."""
-        target, proposer = self.target, self.proposer
-        stats = self.last_stats = GenerationStats()
-        self.last_tokens = emitted = []
-        prefix_len = input_ids.numel()
-        max_len = prefix_len + max_new_tokens + proposer.max_nodes
-        last_tree_at = max_len if limit is None else limit - proposer.max_nodes  # the latest prefix a tree fits after
-        mask = PrefixMask(proposer.max_nodes, max_len, target.dtype, target.device)
-        context = torch.empty(max_len, dtype=torch.long, device=target.device)  # every token so far, then the root
-        context[:prefix_len] = input_ids
-        proposer.reset(max_len, params, generator)
-        clock = Clock(target.device)
+    def _row_proposers(self, rows: int) -> list[Proposer]:
+        """One proposer per row: the drafter's weights are shared, its per-sequence state (EAGLE's cache, a draft
+        model's cache, prompt lookup's index) is each row's own."""
+        while len(self._rows) < rows:
+            self._rows.append(row_copy(self.proposer))
+        return [self.proposer, *self._rows[: rows - 1]]
 
-        # 0. prefill: the prompt once; its last logits give the first token (the first tree root)
+    @torch.no_grad()
+    def _decode_with(self, cache: PreallocatedCache, input_ids: torch.Tensor, starts: list[int], budgets: list[int],
+                     params: SamplingParams, eos: set[int], generators: list[torch.Generator | None],
+                     limit: int | None) -> Iterator[list[list[int]]]:
+        """The decode loop on checked arguments (see `decode_batch`), in an emptied cache.
+
+        Row b's tokens sit in cache columns starts[b] .. filled[b] - 1 (left padding before them); every step's
+        trees are written at the shared column `at` = max(filled), and each row's accepted path moves down to its
+        own end, so rows accept different lengths without any copy of the prefix."""
+        target, device = self.target, self.target.device
+        B, T = input_ids.shape
+        together = B > 1 and getattr(self.proposer, "drafts_rows", False)  # the drafter batches rows itself
+        proposers = [self.proposer] if together else self._row_proposers(B)
+        max_nodes = self.proposer.max_nodes
+        stats = self.last_stats = GenerationStats()
+        self.last_rows = emitted = [[] for _ in range(B)]
+        max_len = T + max(budgets) + max_nodes
+        last_tree_at = None if limit is None else limit - max_nodes  # the latest root position a tree fits after
+        mask = RowMask(B, max_nodes, max_len, target.dtype, device)
+        context = torch.empty(B, max_len + 1, dtype=torch.long, device=device)  # each row's tokens, then its root
+        context[:, :T] = input_ids
+        start_t = torch.tensor(starts, device=device)
+        for proposer, generator in zip(proposers, generators):
+            proposer.reset(max_len, params, generator)
+        if together:
+            self.proposer.reset_rows(B, max_len)
+        clock = Clock(device)
+
+        # 0. prefill: the prompts once; their last logits give each row's first token (its first tree root)
         t0 = time.perf_counter()
-        logits, hiddens = target.prefill(context[None, :prefix_len], cache)
-        context[prefix_len] = root = sample_token(logits, params, generator)
-        first = int(root)
-        stats.record_prefill(time.perf_counter() - t0)
-        emitted.append(first)
-        yield [first]
-        if first in eos or max_new_tokens == 1:
+        logits, features = target.prefill_rows(input_ids, cache, start_t if any(starts) else None)
+        roots = first_tokens(logits, params, generators)
+        context[:, T] = roots
+        mask.open(start_t, T)
+        first = roots.tolist()
+        stats.record_prefill(time.perf_counter() - t0, B)
+        hiddens = [features[b, starts[b]:] for b in range(B)]
+        filled = [T] * B  # cache columns used per row (padding included); its root sits in context[b, filled[b]]
+        produced = [1] * B
+        done = [tok in eos or budget == 1 for tok, budget in zip(first, budgets)]
+        for row, tok in zip(emitted, first):
+            row.append(tok)
+        yield [[tok] for tok in first]
+        if all(done):
             return
 
         while True:
-            # 1. propose: the drafter builds a tree below the root (near the position limit: the root alone)
+            # 1. propose: each row's drafter builds a tree below its root (near the position limit, or once the
+            # row has stopped: the root alone, padding)
             began, m1 = time.perf_counter(), clock.mark()
-            if prefix_len <= last_tree_at:
-                draft = proposer.propose(context[: prefix_len + 1], hiddens)
+            active = [not done[b] and (last_tree_at is None or filled[b] - starts[b] <= last_tree_at) for b in range(B)]
+            contexts = [context[b, starts[b] : filled[b] + 1] for b in range(B)]
+            if together:  # one set of drafter calls for the whole batch
+                drafts = proposers[0].propose_rows(active, contexts, hiddens)
             else:
-                draft = Draft(context[prefix_len : prefix_len + 1], self.root_only)
-            tokens, tree = draft.tokens, draft.tree  # (N,)
-            # 2. verify: one target forward over every node
+                drafts = [p.propose(c, h) if on else None for p, c, h, on in zip(proposers, contexts, hiddens, active)]
+            drafts = [d if d is not None else Draft(c[-1:], self.root_only) for d, c in zip(drafts, contexts)]
+            trees = stack_trees([d.tree for d in drafts])
+            N = trees.parents.shape[1]
+            tokens = torch.stack([d.tokens if d.tokens.numel() == N else nn.functional.pad(d.tokens, (0, N - d.tokens.numel()))
+                                  for d in drafts])  # (B, N)
+            # 2. verify: one target forward over every row's tree, all written at column `at`
             m2 = clock.mark()
-            logits, node_hiddens = target.verify(tokens, tree, mask, prefix_len, cache)  # (N, V), (N, H)
-            # 3. accept: the deepest node whose path the target agrees with, plus a bonus token
-            end, bonus = accept(logits, tokens, tree, params, generator, draft.probs)
+            at = max(f for f, stopped in zip(filled, done) if not stopped)  # a stopped row's columns are free
+            # a stopped row stands where the trees go: its leftover moves and writes stay inside the tree block
+            filled = [at if stopped else f for f, stopped in zip(filled, done)]
+            filled_t = torch.tensor(filled, device=device)
+            positions = (filled_t - start_t)[:, None] + trees.depths  # (B, N)
+            logits, node_features = target.verify_rows(tokens, positions, mask.at(at, trees.ancestors), cache)
+            # 3. accept: per row the deepest node whose path the target agrees with, plus a bonus token
+            if params.greedy:
+                ends, bonus = accept_greedy_rows(logits, tokens, trees)
+            else:  # each row on its own tree and generator: its draws never depend on the other rows
+                picks = [accept(logits[b, : d.tree.size], d.tokens, d.tree, params, generators[b], d.probs)
+                         if not done[b] else (ends_root(device), tokens[b, 0]) for b, d in enumerate(drafts)]
+                ends, bonus = torch.cat([e for e, _ in picks]), torch.stack([t for _, t in picks])
             m3 = clock.mark()
-            path = tree.paths.index_select(0, end)[0]  # (D+1,) root first, padded with the end node
-            path_tokens = tokens[path]
-            host = torch.cat([tree.depths.index_select(0, end), path_tokens, bonus.view(1)]).tolist()  # the one sync
-            length = host[0] + 1
-            new = host[2 : 1 + length] + [host[-1]]  # accepted drafted tokens, then the bonus
-            # 4. commit: the cache keeps prefix + accepted path; the bonus is the next root
-            keep_accepted(cache, prefix_len, path, length)
-            context[prefix_len : prefix_len + length] = path_tokens[:length]
-            context[prefix_len + length] = bonus
-            hiddens = node_hiddens.index_select(0, path[:length])
-            prefix_len += length
-            # 5. stop at EOS or the budget, exactly where plain decoding would
-            new, done = _cut(new, max_new_tokens - stats.new_tokens, eos)
-            stats.record_step(tree.size - 1, length - 1, len(new), began, (m1, m2, m3), clock)
-            emitted.extend(new)
-            yield new
-            if done:
+            W = trees.paths.shape[-1]
+            paths = trees.paths.gather(1, ends[:, None, None].expand(B, 1, W))[:, 0]  # (B, D+1) root first
+            path_tokens = tokens.gather(1, paths)
+            host = torch.cat([trees.depths.gather(1, ends[:, None]), path_tokens, bonus[:, None]], 1).tolist()  # the one sync
+            # 4. commit: each row keeps its prefix + accepted path; its bonus is its next root
+            lengths, new_rows, drafted, accepted, made = [], [], [], [], []
+            for b in range(B):
+                if done[b]:
+                    lengths.append(0)
+                    new_rows.append([])
+                    continue
+                length = host[b][0] + 1
+                new, done[b] = _cut(host[b][2 : 1 + length] + [host[b][-1]], budgets[b] - produced[b], eos)
+                lengths.append(length)
+                new_rows.append(new)
+                produced[b] += len(new)
+                emitted[b].extend(new)
+                drafted.append(drafts[b].tree.size - 1)
+                accepted.append(length - 1)
+                made.append(len(new))
+            columns = torch.arange(W, device=device)
+            dst = filled_t[:, None] + columns  # (B, D+1) where each row's accepted path moves to
+            kept = columns[None] < torch.tensor(lengths, device=device)[:, None]
+            filled = [f + n for f, n in zip(filled, lengths)]
+            keep_accepted_rows(cache, at + paths, dst, max(f for f, stopped in zip(filled, done) if not stopped)
+                               if not all(done) else at)
+            mask.commit(at, N, dst, kept)
+            context.scatter_(1, dst, path_tokens)
+            context.scatter_(1, torch.tensor(filled, device=device)[:, None], bonus[:, None])
+            roots = bonus
+            path_features = node_features.gather(1, paths[:, :, None].expand(-1, -1, node_features.shape[-1]))
+            hiddens = [path_features[b, : lengths[b]] for b in range(B)]
+            # 5. rows stop at EOS or their budget, exactly where plain decoding would
+            stats.record_step(drafted, accepted, made, began, (m1, m2, m3), clock)
+            yield new_rows
+            if all(done):
                 return
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, **kwargs) -> torch.Tensor:
-        """Like `model.generate` (batch 1): returns (1, prompt + new) token ids. See `decode` for options."""
+    @property
+    def last_tokens(self) -> list[int]:
+        """The new token ids of the last call's first row (the only one for a single prompt)."""
+        return self.last_rows[0] if self.last_rows else []
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, attention_mask: torch.Tensor | None = None,
+                 pad_token_id: int | None = None, **kwargs) -> torch.Tensor:
+        """Like `model.generate`: (B, T) left-padded prompts (with their attention_mask) -> (B, T + new) token ids,
+        rows that stopped early filled with `pad_token_id` (default: the generation config's, else the first EOS
+        id). See `decode_batch` for options."""
         prompt = input_ids if input_ids.dim() == 2 else input_ids[None]
-        new = [t for step in self.decode(prompt, max_new_tokens, **kwargs) for t in step]
-        return torch.cat([prompt, torch.tensor([new], dtype=prompt.dtype, device=prompt.device)], dim=1)
+        rows: list[list[int]] = [[] for _ in range(prompt.shape[0])]
+        for step in self.decode_batch(prompt, max_new_tokens, attention_mask=attention_mask, **kwargs):
+            for row, new in zip(rows, step):
+                row.extend(new)
+        width = max(map(len, rows))
+        if pad_token_id is None:
+            pad_token_id = getattr(self.model.generation_config, "pad_token_id", None)
+        if pad_token_id is None:
+            eos = kwargs.get("eos_token_id", getattr(self.model.generation_config, "eos_token_id", None))
+            pad_token_id = (eos if isinstance(eos, int) else (list(eos or []) or [0])[0])
+        new = torch.tensor([row + [pad_token_id] * (width - len(row)) for row in rows], dtype=prompt.dtype,
+                           device=prompt.device)
+        return torch.cat([prompt, new], dim=1)
 
     def stream(self, input_ids: torch.Tensor, tokenizer, max_new_tokens: int = 128, **kwargs) -> Iterator[str]:
         """Yield text pieces as steps are accepted. Each piece is the text the newest ids add when decoded

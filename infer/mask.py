@@ -29,3 +29,50 @@ class PrefixMask:
         self.buffer[0, 0, :q, prefix_len : prefix_len + n].masked_fill_(~block, self.low)
         self.placed = (prefix_len, n)
         return self.buffer[..., :q, : prefix_len + n]
+
+
+class RowMask:
+    """The target's additive mask for a batch of rows with ragged prefixes, (B, 1, rows, max_len), kept up to date
+    in place. Row b sees its own filled columns (its prompt without left padding, then what it accepted); every
+    step's tree is written at one shared column L for all rows, so a row that accepted less than the longest one
+    has a gap of stale columns before L, hidden here. Per step only the tree block and the accepted columns are
+    written: nothing that grows with the sequence."""
+
+    def __init__(self, batch: int, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.low = torch.finfo(dtype).min
+        self.buffer = torch.full((batch, 1, rows, max_len), self.low, dtype=dtype, device=device)
+
+    def open(self, start: torch.Tensor, stop: int) -> None:
+        """Row b sees columns start[b] .. stop - 1 (its prompt after the left padding)."""
+        cols = torch.arange(stop, device=self.buffer.device)
+        self.buffer[..., :stop] = torch.where(cols >= start[:, None], 0.0, self.low)[:, None, None, :].to(self.buffer.dtype)
+
+    def at(self, at: int, block: torch.Tensor) -> torch.Tensor:
+        """block (B, q, n) bool (True = visible), written at columns at .. at + n -> the mask (B, 1, q, at + n)."""
+        q, n = block.shape[1:]
+        if at + n > self.buffer.shape[-1] or q > self.buffer.shape[-2]:
+            raise ValueError(f"a {q}x{n} block after {at} columns does not fit the mask {tuple(self.buffer.shape)}")
+        self.buffer[:, 0, :q, at : at + n] = torch.where(block, 0.0, self.low).to(self.buffer.dtype)
+        return self.buffer[:, :, :q, : at + n]
+
+    def hide(self, at: int, n: int) -> None:
+        """Hide columns at .. at + n from every row again (a tree or draft block that is done with)."""
+        self.buffer[..., at : at + n] = self.low
+
+    def commit(self, at: int, n: int, dst: torch.Tensor, keep: torch.Tensor) -> None:
+        """After a tree at columns at .. at + n: hide them again, and show row b's columns dst[b] (B, W) where
+        keep[b] (B, W) is True (the accepted path's new places)."""
+        self.hide(at, n)
+        values = torch.where(keep, 0.0, self.low).to(self.buffer.dtype)  # hidden where not kept: past the row's end
+        B, _, rows, _ = self.buffer.shape
+        self.buffer.scatter_(3, dst[:, None, None, :].expand(B, 1, rows, -1),
+                             values[:, None, None, :].expand(B, 1, rows, -1))
+
+
+def padded_causal_mask(start: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, T, T) additive mask for a left-padded prompt batch: causal, keys before start[b] hidden. A padding
+    query sees itself only (a row with nothing visible would turn softmax into NaN); nothing reads its output."""
+    pos = torch.arange(length, device=start.device)
+    visible = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] >= start[:, None, None])
+    visible |= torch.eye(length, dtype=torch.bool, device=start.device)[None]
+    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]

@@ -82,9 +82,28 @@ class MedusaProposer:
 
     @torch.no_grad()
     def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
-        logits = torch.stack(self.heads(hiddens[-1].to(self.dtype), self.lm_head))  # (K, V)
-        top = logits.topk(self.top_k, dim=-1).indices  # (K, k)
-        return Draft(torch.cat([context[-1:], top[self.node_head, self.node_rank]]), self.tree)
+        return Draft(self.propose_batch(context[-1:], hiddens[-1:])[0], self.tree)
+
+    drafts_rows = True  # propose_rows drafts a whole batch in one call
+
+    def reset_rows(self, rows: int, max_length: int) -> None:
+        pass  # stateless
+
+    @torch.no_grad()
+    def propose_rows(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+                     ) -> list[Draft | None]:
+        """`propose` for every row of a batch in one heads call; rows not `active` get None."""
+        last = torch.stack([h[-1] if on else h.new_zeros(h.shape[-1]) for h, on in zip(hiddens, active)])
+        rows = self.propose_batch(torch.stack([c[-1] for c in contexts]), last)
+        return [Draft(row, self.tree) if on else None for row, on in zip(rows, active)]
+
+    @torch.no_grad()
+    def propose_batch(self, roots: torch.Tensor, hiddens: torch.Tensor) -> torch.Tensor:
+        """Every row's tree tokens at once (Medusa reads nothing but the newest hidden state): roots (B,) and
+        the hidden states that produced them (B, H) -> tokens (B, N) of `self.tree`, root first."""
+        logits = torch.stack(self.heads(hiddens.to(self.dtype), self.lm_head), dim=1)  # (B, K, V)
+        top = logits.topk(self.top_k, dim=-1).indices  # (B, K, k)
+        return torch.cat([roots[:, None], top[:, self.node_head, self.node_rank]], dim=1)
 
 
 class NoDraft:

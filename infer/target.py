@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from infer.cache import PreallocatedCache
-from infer.mask import PrefixMask
+from infer.mask import PrefixMask, padded_causal_mask
 from infer.tree import Tree
 
 
@@ -49,48 +49,65 @@ class Target:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids (1, T) after the cached tokens -> logits (V,) at the last position and the drafter's features
         (T, H or nH) at every position (None without `hidden`)."""
+        logits, features = self.prefill_rows(input_ids, cache, hidden=hidden)
+        return logits[0], features[0] if hidden else None
+
+    @torch.no_grad()
+    def prefill_rows(
+        self, input_ids: torch.Tensor, cache: PreallocatedCache, start: torch.Tensor | None = None, hidden: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids (B, T), row b left-padded up to start[b] (None: no padding) -> logits (B, V) at the last
+        position and the drafter's features (B, T, H or nH) (None without `hidden`)."""
         kwargs = {self.cache_kw: cache, "use_cache": True}
         if self.keep_kw:
             kwargs[self.keep_kw] = 1
+        if start is not None:  # positions count from each row's first real token, as model.generate does
+            T = input_ids.shape[1]
+            kwargs["attention_mask"] = padded_causal_mask(start, T, self.dtype)
+            kwargs["position_ids"] = (torch.arange(T, device=start.device)[None] - start[:, None]).clamp(min=0)
         with self.capture(hidden) as features:
             out = self.model(input_ids=input_ids, **kwargs)
-        return out.logits[0, -1], features() if hidden else None
+        return out.logits[:, -1], features() if hidden else None
 
     @torch.no_grad()
     def verify(
         self, tokens: torch.Tensor, tree: Tree, mask: PrefixMask, prefix_len: int, cache: PreallocatedCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """ONE forward over all tree nodes on top of the cache -> logits (N, V), the drafter's features (N, H or nH)."""
-        positions = (prefix_len + tree.depths)[None]  # (1, N)
+        logits, features = self.verify_rows(tokens[None], (prefix_len + tree.depths)[None],
+                                            mask.at(prefix_len, tree.ancestors), cache)
+        return logits[0], features[0]
+
+    @torch.no_grad()
+    def verify_rows(
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: PreallocatedCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ONE forward over a batch of trees: tokens and their position ids (B, N), the additive mask (B, 1, N,
+        cached + N) -> logits (B, N, V) and the drafter's features (B, N, H or nH)."""
         with self.capture() as features:
-            out = self.model(
-                input_ids=tokens[None],
-                attention_mask=mask.at(prefix_len, tree.ancestors),
-                position_ids=positions,
-                use_cache=True,
-                **{self.cache_kw: cache},
-            )
-        return out.logits[0], features()
+            out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                             **{self.cache_kw: cache})
+        return out.logits, features()
 
     @contextlib.contextmanager
     def capture(self, enabled: bool = True) -> Iterator[Callable[[], torch.Tensor]]:
         """Keep, during one forward, only the hidden states the drafter reads, instead of asking the model for
         every layer's (output_hidden_states holds layers x tokens x hidden: ~2 GB for an 8B target and an
-        8K prompt). Yields a function giving them after the forward: the last hidden states (T, H) -- the
-        base model's output, what the lm_head reads -- or EAGLE-3's layers concatenated, low to high (T, nH)."""
+        8K prompt). Yields a function giving them after the forward: the last hidden states (B, T, H) -- the
+        base model's output, what the lm_head reads -- or EAGLE-3's layers concatenated, low to high (B, T, nH)."""
         if not enabled:
             yield lambda: None
             return
         kept: dict[int, torch.Tensor] = {}
         if self.feature_layers is None:  # the base model's output
             def last(module: nn.Module, args: tuple, output: Any) -> None:
-                kept[0] = output.last_hidden_state[0]  # (T, H)
+                kept[0] = output.last_hidden_state  # (B, T, H)
 
             handles = [self.base.register_forward_hook(last)]
         else:  # hidden_states[i] is what decoder layer i reads (the embeddings, or layer i - 1's output)
             def reads(index: int) -> Callable:
                 def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-                    kept[index] = (args[0] if args else kwargs["hidden_states"])[0]  # (T, H)
+                    kept[index] = args[0] if args else kwargs["hidden_states"]  # (B, T, H)
                 return hook
 
             handles = [self.layers[i].register_forward_pre_hook(reads(n), with_kwargs=True)

@@ -57,6 +57,48 @@ def tree_from_parents(parents: list[int], ranks: list[int]) -> Tree:
     return build_tree(torch.tensor(parents), torch.tensor(ranks), max(depths), width)
 
 
+def pad_tree(tree: Tree, size: int, width: int, depth: int) -> Tree:
+    """`tree` grown to `size` nodes, `width` children columns and paths `depth` deep, for stacking with other
+    rows' trees. The extra nodes are padding: no parent (-1) and depth 0, seeing only themselves, nobody's
+    children, so no acceptance rule ever picks them."""
+    n, device = tree.size, tree.parents.device
+    extra = size - n
+    if extra == 0 and tree.children.shape[1] == width and tree.max_depth == depth:
+        return tree
+    idx = torch.arange(size, device=device)
+    ancestors = torch.zeros(size, size, dtype=torch.bool, device=device)
+    ancestors[:n, :n] = tree.ancestors
+    ancestors[n:, n:] = torch.eye(extra, dtype=torch.bool, device=device)
+    children = torch.full((size, width), -1, dtype=torch.long, device=device)
+    children[:n, : tree.children.shape[1]] = tree.children
+    paths = idx[:, None].expand(size, depth + 1).clone()
+    paths[:n, : tree.max_depth + 1] = tree.paths
+    paths[:n, tree.max_depth + 1 :] = tree.paths[:, -1:]
+    fill = torch.full((extra,), -1, dtype=torch.long, device=device)
+    return Tree(parents=torch.cat([tree.parents, fill]), depths=torch.cat([tree.depths, fill.new_zeros(extra)]),
+                ranks=torch.cat([tree.ranks, fill.new_zeros(extra)]), ancestors=ancestors, children=children,
+                paths=paths)
+
+
+def stack_trees(trees: Sequence[Tree]) -> Tree:
+    """One Tree of batched fields (B, ...) from each row's tree, the smaller ones padded (`pad_tree`); the same
+    tree for every row is expanded, not copied."""
+    first = trees[0]
+    if all(t is first for t in trees):
+        return Tree(**{f.name: getattr(first, f.name).expand(len(trees), *getattr(first, f.name).shape)
+                       for f in dataclasses.fields(first)})
+    size = max(t.size for t in trees)
+    width = max(t.children.shape[1] for t in trees)
+    depth = max(t.max_depth for t in trees)
+    padded = [pad_tree(t, size, width, depth) for t in trees]
+    return Tree(**{f.name: torch.stack([getattr(t, f.name) for t in padded]) for f in dataclasses.fields(first)})
+
+
+def row_tree(trees: Tree, b: int) -> Tree:
+    """Row b of a batched tree."""
+    return Tree(**{f.name: getattr(trees, f.name)[b] for f in dataclasses.fields(trees)})
+
+
 def build_tree(parents: torch.Tensor, ranks: torch.Tensor, max_depth: int, width: int) -> Tree:
     """Tree fields from a valid parent vector, with tensor ops only (no host sync), so a drafter can
     build its tree on the device every step. `max_depth` bounds the depth (paths are that wide) and

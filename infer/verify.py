@@ -181,6 +181,18 @@ def accept(
     return end, residual_sample(p.index_select(0, end)[0], tokens[kids.clamp(min=0)], kids >= 0, generator)
 
 
+def accept_greedy_rows(logits: torch.Tensor, tokens: torch.Tensor, trees: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance over a batch of trees: logits (B, N, V), tokens (B, N), batched trees (B, ...) -> each
+    row's end node (B,) and bonus token (B,). A node is picked when its token is the target's argmax at its
+    parent; padding nodes (no parent) never are."""
+    argmax = logits.argmax(-1)  # (B, N)
+    picked = (tokens == argmax.gather(1, trees.parents.clamp(min=0))) & (trees.parents >= 0)
+    picked[:, 0] = True
+    ok = ~(trees.ancestors & ~picked[:, None, :]).any(-1)  # (B, N): the whole root path picked
+    end = torch.where(ok, trees.depths, -1).argmax(-1)  # the deepest; ties go to the first (the root at depth 0)
+    return end, argmax.gather(1, end[:, None])[:, 0]
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token from a single position's logits (V,), as plain decoding would choose it."""
     if params.greedy:

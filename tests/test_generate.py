@@ -70,10 +70,10 @@ def test_stats_count_forwards_and_tokens(model):
     assert sum(stats.accept_lengths) == stats.decode_tokens
 
 
-def test_rejects_batches_and_empty_prompts(model):
+def test_rejects_empty_prompts_and_decode_of_a_batch(model):
     spec = oracle_heads_model(model)
-    with pytest.raises(ValueError, match="batch size 1"):
-        spec.generate(torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="decode_batch"):
+        spec.decode(torch.ones(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="empty"):
         spec.generate(torch.ones(1, 0, dtype=torch.long))
 

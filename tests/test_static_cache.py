@@ -23,14 +23,14 @@ def spec_model(model) -> SpeculativeModel:
 def watch_cache(monkeypatch) -> list[list[tuple[int, int, int]]]:
     """Record, after every acceptance, each layer's (key storage, value storage, filled length)."""
     seen = []
-    keep = generate_module.keep_accepted
+    keep = generate_module.keep_accepted_rows
 
-    def recording(cache, prefix_len, path, length):
-        keep(cache, prefix_len, path, length)
+    def recording(cache, src, dst, length):
+        keep(cache, src, dst, length)
         seen.append([(layer.key_buffer.data_ptr(), layer.value_buffer.data_ptr(), layer.length)
                      for layer in cache.layers])
 
-    monkeypatch.setattr(generate_module, "keep_accepted", recording)
+    monkeypatch.setattr(generate_module, "keep_accepted_rows", recording)
     return seen
 
 

@@ -1,0 +1,176 @@
+"""Batched decoding: left-padded prompts of different lengths, rows accepting different lengths, stopping at
+different steps; every row must come out exactly as it would alone."""
+
+import pytest
+import torch
+from test_eagle import random_draft
+from test_eagle3 import reduced_draft
+from test_generate import CHOICES, random_heads
+from test_sampling import RUNS, V, chi_square, critical, exact_joint, make_spec
+
+import infer.generate as generate_module
+from conftest import VOCAB, tiny_model
+from infer.cache import PreallocatedCache
+from infer.draft_model import DraftModelProposer
+from infer.eagle import EagleProposer
+from infer.generate import SpeculativeModel
+from infer.prompt_lookup import LookupFirst, PromptLookupProposer
+from infer.proposers import MedusaProposer
+from infer.target import Target
+
+KINDS = ["medusa", "eagle", "eagle3", "draft_model", "prompt_lookup", "medusa+lookup"]
+
+
+def drafter(model, kind: str):
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    if kind == "medusa":
+        return MedusaProposer(random_heads(model, scale=0.0), lm_head, CHOICES)  # the target's own guesses: accepts
+    if kind == "eagle":
+        return EagleProposer(random_draft(model), embed, lm_head)
+    if kind == "eagle3":
+        return EagleProposer(reduced_draft(model), embed, lm_head)
+    if kind == "draft_model":
+        return DraftModelProposer(tiny_model("llama", seed=1), num_tokens=3, vocab_size=VOCAB)
+    if kind == "prompt_lookup":
+        return PromptLookupProposer(num_tokens=4, max_ngram=2)
+    return LookupFirst(MedusaProposer(random_heads(model, scale=0.0), lm_head, CHOICES), PromptLookupProposer(4))
+
+
+def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(p.numel() for p in prompts)
+    ids = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - p.numel():] = p
+        mask[b, T - p.numel():] = 1
+    return ids, mask
+
+
+def alone(model, prompt: torch.Tensor, n: int, eos: int | None) -> list[int]:
+    """The row decoded by itself with model.generate greedy, up to and including its EOS."""
+    out = model.generate(prompt[None], max_new_tokens=n, do_sample=False, pad_token_id=0,
+                         eos_token_id=eos)[0, prompt.numel():].tolist()
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+def batch_prompts(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen) for n in (6, 1, 11, 4)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_greedy_equals_each_row_alone(model, kind):
+    spec = SpeculativeModel(model, drafter(model, kind))
+    prompts = batch_prompts()
+    ids, mask = left_padded(prompts)
+    free = alone(model, prompts[0], 30, None)
+    eos = free[9]  # appears mid-generation: rows stop at different steps, some only at the budget
+    for n in (1, 5, 30):
+        out = spec.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=eos, pad_token_id=0)
+        want = [alone(model, p, n, eos) for p in prompts]
+        assert out.shape == (4, ids.shape[1] + max(map(len, want)))
+        for b, w in enumerate(want):
+            row = out[b, ids.shape[1]:].tolist()
+            assert row[: len(w)] == w, (kind, n, b)
+            assert row[len(w):] == [0] * (out.shape[1] - ids.shape[1] - len(w))  # padded after the row stopped
+        assert any(eos in w for w in want) and any(eos not in w for w in want) or n < 30
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "draft_model"])
+def test_rows_take_the_steps_they_take_alone(kind):
+    """Greedy drafting of a row does not depend on the batch: the batch costs as many forwards as its slowest
+    row alone, and finished rows stop counting."""
+    model = tiny_model("llama")
+    # a draft model that is the target itself, so its drafts are accepted
+    spec = SpeculativeModel(model, DraftModelProposer(model, 3) if kind == "draft_model" else drafter(model, kind))
+    prompts = batch_prompts(1)
+    steps, forwards = 0, 0
+    for p in prompts:
+        spec.generate(p[None], max_new_tokens=24, eos_token_id=[])
+        steps += spec.last_stats.decode_steps
+        forwards = max(forwards, spec.last_stats.target_forwards)
+        drafted = spec.last_stats.accepted_drafts
+    ids, mask = left_padded(prompts)
+    spec.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
+    assert spec.last_stats.target_forwards == forwards
+    assert spec.last_stats.decode_steps == steps and spec.last_stats.new_tokens == 4 * 24
+    assert drafted and spec.last_stats.tau > 1.0
+
+
+def test_each_rows_cache_after_acceptance_equals_a_plain_run_of_it(monkeypatch):
+    live = []
+    make = generate_module.new_cache
+    monkeypatch.setattr(generate_module, "new_cache", lambda *a: live.append(make(*a)) or live[-1])
+    model = tiny_model("qwen2")
+    spec = SpeculativeModel(model, drafter(model, "medusa"))
+    prompts = batch_prompts(2)
+    ids, mask = left_padded(prompts)
+    T, budget = ids.shape[1], 20
+    rows = [[] for _ in prompts]
+    checked = 0
+    for step in spec.decode_batch(ids, budget, attention_mask=mask, eos_token_id=[]):
+        for b, new in enumerate(step):
+            rows[b].extend(new)
+        for b, p in enumerate(prompts):
+            if not step[b] or len(rows[b]) == budget:  # a stopped row's columns are free for the others' trees
+                continue
+            tokens = torch.cat([p, torch.tensor(rows[b][:-1], dtype=torch.long)])  # the newest is a root, not cached
+            reference = PreallocatedCache(64)
+            Target(model).prefill(tokens[None], reference, hidden=False)
+            start = T - p.numel()
+            for layer, ref in zip(live[-1].layers, reference.layers):
+                assert torch.allclose(layer.key_buffer[b, :, start : start + tokens.numel()], ref.keys[0], atol=1e-5)
+                assert torch.allclose(layer.value_buffer[b, :, start : start + tokens.numel()], ref.values[0],
+                                      atol=1e-5)
+            checked += 1
+    assert checked > 20
+
+
+@pytest.mark.parametrize("kind", ["medusa", "draft_model"])
+def test_a_seeded_row_samples_the_same_in_any_batch(kind):
+    model, spec = make_spec(seed=3, kind=kind)
+    prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([2, 6]), torch.tensor([7, 7, 1, 2, 3, 4, 5])]
+    ids, mask = left_padded(prompts)
+    for seed in range(3):
+        gens = [torch.Generator().manual_seed(100 * seed + b) for b in range(3)]
+        out = spec.generate(ids, attention_mask=mask, max_new_tokens=12, temperature=0.9, eos_token_id=[],
+                            generator=gens)
+        for b, p in enumerate(prompts):
+            single = spec.generate(p[None], max_new_tokens=12, temperature=0.9, eos_token_id=[],
+                                   generator=torch.Generator().manual_seed(100 * seed + b))
+            assert out[b, ids.shape[1]:].tolist() == single[0, p.numel():].tolist(), (seed, b)
+
+
+def test_batched_sampling_matches_the_target_distribution_in_every_row():
+    """Two prompts (one left-padded), each twice with its own generator: every row samples from the target's
+    distribution (that a row's draws are its own is checked above, against the same seed alone)."""
+    model, spec = make_spec(seed=5, kind="medusa")
+    prompts = [torch.tensor([3, 1, 4, 1, 5, 3, 1, 4, 1]), torch.tensor([6, 2, 6])] * 2
+    ids, mask = left_padded(prompts)
+    params = (0.8, 0, 0.95)
+    gens = [torch.Generator().manual_seed(7 + b) for b in range(4)]
+    counts = [{}, {}]
+    for _ in range(RUNS // 2):
+        out = spec.generate(ids, attention_mask=mask, max_new_tokens=2, temperature=params[0], top_p=params[2],
+                            eos_token_id=[], generator=gens)
+        for b in range(4):
+            key = tuple(out[b, ids.shape[1]:].tolist())
+            counts[b % 2][key] = counts[b % 2].get(key, 0) + 1
+    for b in range(2):
+        stat, dof = chi_square(counts[b], exact_joint(model, prompts[b][None], params), RUNS)
+        assert stat < critical(dof), f"prompt {b}: chi2 {stat:.1f} with {dof} dof"
+    assert model.config.vocab_size == V
+
+
+def test_bad_batches_are_clear_errors():
+    model = tiny_model("llama")
+    spec = SpeculativeModel(model, drafter(model, "medusa"))
+    ids, mask = left_padded(batch_prompts())
+    with pytest.raises(ValueError, match="padding_side = 'left'"):
+        spec.generate(ids, attention_mask=mask.flip(1))
+    with pytest.raises(ValueError, match="all padding"):
+        spec.generate(ids, attention_mask=torch.cat([torch.zeros(1, ids.shape[1], dtype=torch.long), mask[1:]]))
+    with pytest.raises(ValueError, match="shape of input_ids"):
+        spec.generate(ids, attention_mask=mask[:, 1:])
+    with pytest.raises(ValueError, match="one per row"):
+        spec.generate(ids, attention_mask=mask, do_sample=True, generator=[torch.Generator()])
