@@ -1,9 +1,11 @@
 """Benchmark decoding methods on the same prompts, in one process, against `model.generate` greedy.
 
-Reports per method: tokens/s (all prompts' new tokens over their wall time), speedup vs the
-baseline measured in the same run (aggregate and median per prompt), tau (tokens per decode-phase
-target forward), target forwards, and whether every output equals the baseline's token ids.
-Methods run interleaved prompt by prompt so that machine noise hits them alike.
+Prompts run in batches of a given size (left-padded; 1: one prompt at a time). Reports per method:
+tokens/s (all rows' new tokens, each row's up to and including its EOS, over the wall time), speedup
+vs the baseline measured in the same run at the same batch size (aggregate and median per batch), tau
+(tokens per decode-phase target forward of a row), target forwards, and whether every row's output
+equals the baseline's token ids. Methods run interleaved batch by batch so that machine noise hits
+them alike.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from pathlib import Path
 
 import torch
 
-from infer.generate import SpeculativeModel
+from infer.generate import SpeculativeModel, eos_set
 from infer.tree import LatencyCurve, tree_from_parents
 from shipped.stdlib_corpus import stdlib_files
 
-Runner = Callable[[torch.Tensor], tuple[list[int], dict | None]]
+# a method under test: (ids (B, T) left-padded, attention_mask (B, T)) -> each row's new tokens (up to and
+# including its first EOS), and the call's stats (None: it keeps none)
+Runner = Callable[[torch.Tensor, torch.Tensor], tuple[list[list[int]], dict | None]]
 
 
 def default_prompts(n: int = 16, context_lines: int = 12) -> list[str]:
@@ -55,29 +59,62 @@ def load_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
-def hf_runner(model, max_new_tokens: int, eos: int | list[int] | None, pad: int | None, **generate_kwargs) -> Runner:
-    """`model.generate` greedy (plus e.g. `assistant_model=` or `prompt_lookup_num_tokens=`); a forward hook
-    counts the target's forward passes, so its tau is measured the same way as ours."""
+def left_pad(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths as one batch, padded on the left as the tokenizer's left padding does (every
+    row's last token is the last column, where generation continues): ids (B, T) and attention_mask (B, T),
+    0 on the padding."""
+    width = max(row.numel() for row in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)  # (B, T)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
+    for i, row in enumerate(rows):
+        ids[i, width - row.numel() :] = row
+        mask[i, width - row.numel() :] = 1
+    return ids, mask
 
-    def run(ids: torch.Tensor) -> tuple[list[int], dict | None]:
+
+def new_rows(out: torch.Tensor, prompt_len: int, eos: set[int]) -> list[list[int]]:
+    """Each row's new tokens in a `generate` output (B, T + k), cut after the row's first EOS: a row that stopped
+    before the others is filled with pad tokens, which are not tokens it generated."""
+    rows = []
+    for row in out[:, prompt_len:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        rows.append(row[:end])
+    return rows
+
+
+def hf_runner(model, max_new_tokens: int, eos: int | list[int] | None, pad: int | None, **generate_kwargs) -> Runner:
+    """`model.generate` greedy (plus e.g. `assistant_model=` or `prompt_lookup_num_tokens=`, which transformers
+    runs at batch size 1 only); a forward hook counts the target's forward passes, so its tau is measured the
+    same way as ours."""
+    stop = eos_set(eos if eos is not None else model.generation_config.eos_token_id)
+
+    def run(ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[list[int]], dict | None]:
         calls = [0]
         handle = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
         try:
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                                 pad_token_id=pad, **generate_kwargs)
+            out = model.generate(ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=pad, **generate_kwargs)
         finally:
             handle.remove()
-        new = out[0, ids.shape[1] :].tolist()
-        return new, {"target_forwards": calls[0], "decode_steps": calls[0] - 1, "decode_tokens": len(new) - 1}
+        rows = new_rows(out, ids.shape[1], stop)
+        tokens = sum(len(row) - 1 for row in rows)  # after each row's first, which the prefill chose
+        # one row: every forward after the prefill is one of its steps (assisted generation checks several tokens
+        # in one); a batch (plain greedy): every forward gives each row that has not stopped one token
+        steps = calls[0] - 1 if len(rows) == 1 else tokens
+        return rows, {"target_forwards": calls[0], "decode_steps": steps, "decode_tokens": tokens}
 
     return run
 
 
-def speculative_runner(spec: SpeculativeModel, max_new_tokens: int, eos: int | list[int] | None) -> Runner:
-    def run(ids: torch.Tensor) -> tuple[list[int], dict | None]:
+def speculative_runner(spec: SpeculativeModel, max_new_tokens: int, eos: int | list[int] | None,
+                       pad: int | None = None) -> Runner:
+    stop = eos_set(eos if eos is not None else spec.model.generation_config.eos_token_id)
+
+    def run(ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[list[int]], dict | None]:
         # greedy like the baseline; the rest of the target's generation_config applies to both alike (or is refused)
-        out = spec.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos, do_sample=False)
-        return out[0, ids.shape[1] :].tolist(), spec.last_stats.as_dict()
+        out = spec.generate(ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                            do_sample=False, pad_token_id=pad)
+        return new_rows(out, ids.shape[1], stop), spec.last_stats.as_dict()
 
     return run
 
@@ -124,52 +161,64 @@ def step_drift(stats: list[dict]) -> dict:
 
 
 def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], warmup: int = 1,
-              chains: frozenset[str] = frozenset()) -> dict:
-    """Run every method on every prompt (interleaved); the first method is the baseline. Methods named
-    in `chains` draft chains and also get alpha and the seed paper's predicted tau."""
-    encoded = [tokenizer(p, return_tensors="pt").input_ids.to(model.device) for p in prompts]
-    for ids in encoded[:warmup]:
+              chains: frozenset[str] = frozenset(), batch_size: int = 1, pad_token_id: int | None = None) -> dict:
+    """Run every method on every batch of `batch_size` consecutive prompts (the last batch may be smaller),
+    left-padded with `pad_token_id`; the methods take turns batch by batch, after `warmup` batches that are not
+    timed. The first method is the baseline. Methods named in `chains` draft chains and also get alpha and the
+    seed paper's predicted tau."""
+    if batch_size > 1 and pad_token_id is None:
+        raise ValueError("batches of several prompts are left-padded: pass pad_token_id (the tokenizer's pad token, "
+                         "else its EOS)")
+    encoded = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]  # each (1, T_i), unpadded
+    batches = []
+    for first in range(0, len(encoded), batch_size):
+        ids, mask = left_pad([row[0] for row in encoded[first : first + batch_size]],
+                             pad_token_id if pad_token_id is not None else 0)  # a batch of one has no padding
+        batches.append((ids.to(model.device), mask.to(model.device)))
+    for ids, mask in batches[:warmup]:
         for run in runners.values():
-            run(ids)
+            run(ids, mask)
     names = list(runners)
-    outs = {n: [] for n in names}
-    secs = {n: [] for n in names}
-    stats = {n: [] for n in names}
+    outs = {n: [] for n in names}  # each prompt's new tokens, in prompt order
+    tokens = {n: [] for n in names}  # per batch
+    secs = {n: [] for n in names}  # per batch
+    stats = {n: [] for n in names}  # per batch
     memory: dict[str, float] = {}
     cuda = torch.device(model.device).type == "cuda"
-    for ids in encoded:
+    for ids, mask in batches:
         for name in names:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
-            new, st = runners[name](ids)
+            rows, st = runners[name](ids, mask)
             secs[name].append(time.perf_counter() - t)
-            outs[name].append(new)
+            outs[name].extend(rows)
+            tokens[name].append(sum(map(len, rows)))
             stats[name].append(st)
             if cuda:  # peak memory is only measured where torch tracks it (CUDA)
                 memory[name] = max(memory.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
     base = names[0]
     result = {"baseline": base, "num_prompts": len(prompts), "methods": {}}
-    base_tps = sum(map(len, outs[base])) / sum(secs[base])
+    base_tps = sum(tokens[base]) / sum(secs[base])
     for name in names:
-        tokens = sum(map(len, outs[name]))
-        tps = tokens / sum(secs[name])
-        per_prompt = [
-            (len(o) / s) / (len(b) / bs) for o, s, b, bs in zip(outs[name], secs[name], outs[base], secs[base]) if b
+        tps = sum(tokens[name]) / sum(secs[name])
+        per_batch = [
+            (n / s) / (b / bs) for n, s, b, bs in zip(tokens[name], secs[name], tokens[base], secs[base]) if b
         ]
         entry = {
             "tokens_per_s": tps,
             "speedup": tps / base_tps,
-            "median_speedup": statistics.median(per_prompt),
-            "new_tokens": tokens,
+            "median_speedup": statistics.median(per_batch),
+            "new_tokens": sum(tokens[name]),
             "identical_to_baseline": all(o == b for o, b in zip(outs[name], outs[base])),
         }
         st = [s for s in stats[name] if s]
-        steps = sum(s["decode_steps"] for s in st)
+        steps = sum(s["decode_steps"] for s in st)  # row-steps: one per row per step it was decoding in
         entry |= {"tau": sum(s["decode_tokens"] for s in st) / max(1, steps),
                   "target_forwards": sum(s["target_forwards"] for s in st)}
         if st and "draft_s" in st[0]:
-            entry["ms_per_step"] = {k: 1e3 * sum(s[f"{k}_s"] for s in st) / max(1, steps)
+            batched_steps = sum(len(s["step_times"]) for s in st)  # one per step of a whole batch
+            entry["ms_per_step"] = {k: 1e3 * sum(s[f"{k}_s"] for s in st) / max(1, batched_steps)
                                     for k in ("draft", "verify", "bookkeeping")}
             entry["accept_lengths"] = [n for s in st for n in s["accept_lengths"]]
         entry |= step_drift(st)
@@ -181,6 +230,7 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], 
         for i, (o, b) in enumerate(zip(outs[name], outs[base])):
             if o != b:
                 pos = next((j for j, (x, y) in enumerate(zip(o, b)) if x != y), min(len(o), len(b)))
+                # the prompt as it is, without its batch's padding
                 margin, tie = top2_margin(model, encoded[i], b, pos) if pos < len(b) else (None, False)
                 mismatches.append({"prompt": i, "position": pos, "top2_logit_margin": margin, "near_tie": tie})
         if mismatches:
@@ -191,7 +241,8 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], 
 
 
 def format_table(result: dict) -> str:
-    head = f"{'method':<14}{'tokens/s':>10}{'speedup':>9}{'median':>8}{'tau':>7}{'fwd':>7}  identical  ms/step draft/verify/book"
+    width = max(14, 1 + max(map(len, result["methods"]), default=0))  # hf_prompt_lookup is 16 characters
+    head = f"{'method':<{width}}{'tokens/s':>10}{'speedup':>9}{'median':>8}{'tau':>7}{'fwd':>7}  identical  ms/step draft/verify/book"
     rows = [head, "-" * len(head)]
     notes = []
     for name, m in result["methods"].items():
@@ -199,7 +250,7 @@ def format_table(result: dict) -> str:
         split_s = "/".join(f"{split[k]:.1f}" for k in ("draft", "verify", "bookkeeping")) if split else "-"
         same = "yes" if m["identical_to_baseline"] else ("ties" if m.get("all_mismatches_near_ties") else "NO")
         rows.append(
-            f"{name:<14}{m['tokens_per_s']:>10.1f}{m['speedup']:>8.2f}x{m['median_speedup']:>7.2f}x"
+            f"{name:<{width}}{m['tokens_per_s']:>10.1f}{m['speedup']:>8.2f}x{m['median_speedup']:>7.2f}x"
             f"{m['tau']:>7.2f}{m['target_forwards']:>7d}  {same:<9}  {split_s}"
         )
         if "alpha" in m:
@@ -215,6 +266,14 @@ def format_table(result: dict) -> str:
             notes.append(f"{name}: prompt {mm['prompt']} differs from the baseline at new token {mm['position']}; "
                          f"top-2 logit margin there {mm['top2_logit_margin']}, {kind}")
     return "\n".join(rows + notes)
+
+
+def format_tables(results: dict[int, dict]) -> str:
+    """The table of each batch size's run (`run_bench`'s result by batch size): one block each, headed by its
+    batch size when there are several."""
+    if len(results) == 1:
+        return format_table(next(iter(results.values())))
+    return "\n\n".join(f"batch size {size}\n{format_table(result)}" for size, result in results.items())
 
 
 def check_plot_file(path: str | Path) -> None:

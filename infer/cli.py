@@ -225,7 +225,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from infer.bench import (
         check_plot_file,
         default_prompts,
-        format_table,
+        format_tables,
         hf_runner,
         load_prompts,
         plot_bench,
@@ -242,6 +242,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
     output_file("--plot", args.plot)
     prompts = load_prompts(args.prompts) if args.prompts else default_prompts(args.num_prompts)
     n = args.max_new_tokens
+    sizes = args.batch_size
+    if len(set(sizes)) < len(sizes):
+        raise ValueError(f"--batch-size {' '.join(map(str, sizes))}: give each batch size once")
+    if max(sizes) > len(prompts):
+        raise ValueError(f"--batch-size {max(sizes)} is more than the {len(prompts)} prompts: give at least "
+                         f"{max(sizes)} prompts (--num-prompts or --prompts) or a smaller batch size")
+    if args.plot and len(sizes) > 1:
+        raise ValueError(f"--plot draws the run of one batch size, and --batch-size gives {len(sizes)}: give one "
+                         "--batch-size, or leave out --plot")
 
     def fit(tokenizer: Any, config: Any) -> None:
         """Every prompt + --max-new-tokens must fit the model's positions: a benchmark compares equal work."""
@@ -260,7 +269,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runners = {
         "hf_generate": hf_runner(model, n, eos, pad),
-        "plain": speculative_runner(SpeculativeModel(model, NoDraft(args.device)), n, eos),
+        "plain": speculative_runner(SpeculativeModel(model, NoDraft(args.device)), n, eos, pad),
     }
     # transformers' own speculative decoding next to ours, with the same draft model / lookup length
     draft = next((s.proposer.draft.model for s in specs if s.proposer.name == "draft_model"), None)
@@ -270,15 +279,29 @@ def cmd_bench(args: argparse.Namespace) -> None:
         runners["hf_prompt_lookup"] = hf_runner(model, n, eos, pad, prompt_lookup_num_tokens=args.prompt_lookup_tokens)
     tree_nodes = {}
     for name, spec in zip(method_names(specs), specs):
-        runners[name] = speculative_runner(spec, n, eos)
+        runners[name] = speculative_runner(spec, n, eos, pad)
         tree_nodes[name] = spec.proposer.max_nodes
     trees = ", ".join(f"{name} {size}" for name, size in tree_nodes.items())
-    print(f"benchmarking {len(prompts)} prompts x {n} new tokens, {args.dtype}, {torch.get_num_threads()} threads, "
-          f"trees of at most {trees or 'no'} nodes", file=sys.stderr)
+    batches = f"batch size{'s' if len(sizes) > 1 else ''} {', '.join(map(str, sizes))}"
+    print(f"benchmarking {len(prompts)} prompts x {n} new tokens, {batches}, {args.dtype}, {torch.get_num_threads()} "
+          f"threads, trees of at most {trees or 'no'} nodes", file=sys.stderr)
+    batch_one = [name for name in ("hf_assisted", "hf_prompt_lookup") if name in runners]
+    larger = [size for size in sizes if size > 1]
+    if batch_one and larger:
+        sizes_s = f"size{'s' if len(larger) > 1 else ''} {', '.join(map(str, larger))}"
+        print(f"note: {' and '.join(batch_one)} skipped at batch {sizes_s}: transformers' assisted generation takes "
+              "one prompt at a time", file=sys.stderr)
     chains = frozenset(name for name in tree_nodes if name.split("-")[0] in ("draft_model", "prompt_lookup"))
-    result = run_bench(model, tokenizer, runners, prompts, chains=chains)
-    result |= {"dtype": args.dtype, "max_new_tokens": n, "threads": torch.get_num_threads(), "tree_nodes": tree_nodes}
-    print(format_table(result))
+    results = {}
+    for size in sizes:
+        chosen = {name: run for name, run in runners.items() if size == 1 or name not in batch_one}
+        results[size] = run_bench(model, tokenizer, chosen, prompts, chains=chains, batch_size=size, pad_token_id=pad)
+    shared = {"dtype": args.dtype, "max_new_tokens": n, "threads": torch.get_num_threads(), "tree_nodes": tree_nodes}
+    if len(sizes) == 1:
+        result = results[sizes[0]] | shared
+    else:
+        result = {"by_batch_size": {str(size): r for size, r in results.items()}} | shared
+    print(format_tables(results))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:

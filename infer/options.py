@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", help='a .jsonl file of {"prompt": ...} (default: demo test-split functions)')
     bench.add_argument("--num-prompts", type=at_least(1), default=16)
     bench.add_argument("--threads", type=at_least(0), default=0, help="torch threads (0: torch's choice)")
+    bench.add_argument("--batch-size", type=at_least(1), nargs="+", default=[1], metavar="B",
+                       help="prompts decoded together, left-padded; several values run one after another, e.g. "
+                            "--batch-size 1 4 16 (hf_assisted and hf_prompt_lookup run at batch size 1 only)")
     bench.add_argument("--plot", help="draw tokens/s, tau and tokens per step per method into this PNG (needs "
                                       "matplotlib; its folder is made if missing)")
 
