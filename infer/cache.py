@@ -9,6 +9,8 @@ O(T^2) over a generation).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -29,8 +31,10 @@ class PreallocatedLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         B, H, _, D = key_states.shape
-        self.key_buffer = key_states.new_empty(B, H, self.max_length, D)  # only the filled part is ever read
-        self.value_buffer = value_states.new_empty(B, value_states.shape[1], self.max_length, value_states.shape[-1])
+        # zeros, not empty: a fixed-shape forward attends over the whole buffer (masked), and masked garbage
+        # that happens to be NaN would still poison the attention's weighted sum
+        self.key_buffer = key_states.new_zeros(B, H, self.max_length, D)
+        self.value_buffer = value_states.new_zeros(B, value_states.shape[1], self.max_length, value_states.shape[-1])
         self.is_initialized = True
         self._set_length(0)
 
@@ -39,9 +43,18 @@ class PreallocatedLayer(DynamicLayer):
         self.keys = self.key_buffer[:, :, :length]
         self.values = self.value_buffer[:, :, :length]
 
+    write_at: torch.Tensor | None = None  # fixed-shape mode (a compiled verify): where to write, as a tensor
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new positions after the filled part; return views of everything filled (the attention's keys)."""
+        """Write the new positions after the filled part; return views of everything filled (the attention's keys).
+        In fixed-shape mode (`PreallocatedCache.fixed`): write at `write_at` and return the whole buffers, so
+        every call has the same shapes (the mask hides what is not filled)."""
+        if self.write_at is not None:
+            at = self.write_at + torch.arange(key_states.shape[-2], device=self.write_at.device)
+            self.key_buffer.index_copy_(2, at, key_states)
+            self.value_buffer.index_copy_(2, at, value_states)
+            return self.key_buffer, self.value_buffer
         if not self.is_initialized or (self.length == 0 and not self._fits(key_states, value_states)):
             self.lazy_initialization(key_states, value_states)  # first use, or reused for another batch/dtype
         end = self.length + key_states.shape[-2]
@@ -113,6 +126,19 @@ class PreallocatedCache(Cache):
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+
+    @contextlib.contextmanager
+    def fixed(self, at: torch.Tensor) -> Iterator[None]:
+        """Within: every layer writes its new positions at `at` (a 0-dim tensor) and attends over its whole
+        buffer, so a forward's shapes never change from step to step (what torch.compile needs to compile once).
+        The filled length is left as it was: the caller sets it when it keeps what it accepted."""
+        for layer in self.layers:
+            layer.write_at = at
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.write_at = None
 
 
 def new_cache(model: torch.nn.Module, max_length: int) -> PreallocatedCache:

@@ -147,6 +147,9 @@ def _load(
         from infer.prompt_lookup import PromptLookupProposer
 
         specs.append(SpeculativeModel(model, PromptLookupProposer(args.prompt_lookup_tokens, device=args.device)))
+    if getattr(args, "compile", False):
+        for spec in specs:
+            spec.target.compile()
     return model, tokenizer, specs
 
 
@@ -269,7 +272,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runners = {
         "hf_generate": hf_runner(model, n, eos, pad),
-        "plain": speculative_runner(SpeculativeModel(model, NoDraft(args.device)), n, eos, pad),
+        "plain": speculative_runner(SpeculativeModel(model, NoDraft(args.device), compile=args.compile), n, eos, pad),
     }
     # transformers' own speculative decoding next to ours, with the same draft model / lookup length
     draft = next((s.proposer.draft.model for s in specs if s.proposer.name == "draft_model"), None)

@@ -85,6 +85,9 @@ class GenerationStats:
         self.step_times.append(now - began)
 
 
+COMPILED_CACHE_STEP = 256  # a compiled verify attends over the whole cache, whose size is a multiple of this
+
+
 def max_positions(config) -> int | None:
     """How many positions a model embeds: `max_position_embeddings` (`n_positions` in GPT-2-style configs);
     None when its config names no limit."""
@@ -208,8 +211,12 @@ def proposer_for(heads: torch.nn.Module, model: torch.nn.Module, tree: list[list
 class SpeculativeModel:
     """A frozen target plus a proposer; `generate` mirrors `model.generate`, batches included."""
 
-    def __init__(self, model: torch.nn.Module, proposer: Proposer) -> None:
+    def __init__(self, model: torch.nn.Module, proposer: Proposer, compile: bool = False) -> None:
+        """`compile`: verify trees through torch.compile (fixed shapes: every step verifies the largest tree
+        over the whole cache; the first steps pay the compilation)."""
         self.target = Target(model, getattr(proposer, "feature_layers", None))
+        if compile:
+            self.target.compile()
         check_drafter_device(proposer, self.target.lm_head.weight.device)
         self.proposer = proposer
         self.model = model
@@ -227,6 +234,7 @@ class SpeculativeModel:
         dtype: torch.dtype | str | None = None,
         device: str | torch.device = "cpu",
         tree: list[list[int]] | None = None,
+        compile: bool = False,
         **eagle_options: int | None,
     ) -> SpeculativeModel:
         """Load a drafter and the target named in its config (or use `model`).
@@ -234,7 +242,8 @@ class SpeculativeModel:
         `heads_dir` is a selfspec heads directory, a published Medusa / EAGLE checkpoint as it is (converted
         in memory for `model`, named by its `name_or_path`: see `heads.registry.load_heads`), a Hub repo id of
         either, or a drafter already loaded.
-        `tree` fixes a static tree (Medusa choices; EAGLE-1 style for EAGLE); `eagle_options` (depth,
+        `tree` fixes a static tree (Medusa choices; EAGLE-1 style for EAGLE); `compile` verifies through
+        torch.compile (see __init__); `eagle_options` (depth,
         top_k, total_tokens) override an EAGLE drafter's dynamic-tree defaults.
         """
         if isinstance(heads_dir, PretrainedHeads):
@@ -254,7 +263,7 @@ class SpeculativeModel:
         # the drafter runs in the target's dtype (on CPU too: bf16 halves its weight reads, measured 6.8 vs 10.3
         # ms per EAGLE-3 draft and 12.1 vs 11.5-15.7 ms per EAGLE-2 draft on the demo, 2 threads)
         heads = heads.to(dtype=next(model.parameters()).dtype)
-        return cls(model, proposer_for(heads, model, tree, **eagle_options))
+        return cls(model, proposer_for(heads, model, tree, **eagle_options), compile=compile)
 
     def decode(
         self,
@@ -335,6 +344,8 @@ class SpeculativeModel:
         enough (its buffers are reused), else new; handed back when this one ends, also when abandoned. Two
         decodes running at once (interleaved streams) therefore never share one."""
         max_len = input_ids.shape[1] + max(budgets) + self.proposer.max_nodes
+        if self.target.compiled is not None:  # sizes in steps of COMPILED_CACHE_STEP: one compilation serves many prompts
+            max_len = -(-max_len // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP
         cache, self._cache = self._cache, None
         if cache is None or cache.max_length < max_len:
             cache = new_cache(self.model, max_len)
@@ -363,13 +374,15 @@ class SpeculativeModel:
         target, device = self.target, self.target.device
         B, T = input_ids.shape
         together = B > 1 and getattr(self.proposer, "drafts_rows", False)  # the drafter batches rows itself
+        fixed = target.compiled is not None
         proposers = [self.proposer] if together else self._row_proposers(B)
         max_nodes = self.proposer.max_nodes
         stats = self.last_stats = GenerationStats()
         self.last_rows = emitted = [[] for _ in range(B)]
         max_len = T + max(budgets) + max_nodes
         last_tree_at = None if limit is None else limit - max_nodes  # the latest root position a tree fits after
-        mask = RowMask(B, max_nodes, max_len, target.dtype, device)
+        # as wide as the cache's buffers (a reused cache may be larger): a compiled verify keeps one shape
+        mask = RowMask(B, max_nodes, cache.max_length, target.dtype, device)
         context = torch.empty(B, max_len + 1, dtype=torch.long, device=device)  # each row's tokens, then its root
         context[:, :T] = input_ids
         start_t = torch.tensor(starts, device=device)
@@ -408,7 +421,7 @@ class SpeculativeModel:
             else:
                 drafts = [p.propose(c, h) if on else None for p, c, h, on in zip(proposers, contexts, hiddens, active)]
             drafts = [d if d is not None else Draft(c[-1:], self.root_only) for d, c in zip(drafts, contexts)]
-            trees = stack_trees([d.tree for d in drafts])
+            trees = stack_trees([d.tree for d in drafts], max_nodes if fixed else 0)
             N = trees.parents.shape[1]
             tokens = torch.stack([d.tokens if d.tokens.numel() == N else nn.functional.pad(d.tokens, (0, N - d.tokens.numel()))
                                   for d in drafts])  # (B, N)
@@ -419,7 +432,12 @@ class SpeculativeModel:
             filled = [at if stopped else f for f, stopped in zip(filled, done)]
             filled_t = torch.tensor(filled, device=device)
             positions = (filled_t - start_t)[:, None] + trees.depths  # (B, N)
-            logits, node_features = target.verify_rows(tokens, positions, mask.at(at, trees.ancestors), cache)
+            if fixed:  # compiled: the same shapes every step (the largest tree, the whole cache)
+                at_t = torch.tensor(at, device=device)
+                logits, node_features = target.verify_rows(tokens, positions, mask.at(at, trees.ancestors, full=True),
+                                                           cache, at=at_t)
+            else:
+                logits, node_features = target.verify_rows(tokens, positions, mask.at(at, trees.ancestors), cache)
             # 3. accept: per row the deepest node whose path the target agrees with, plus a bonus token
             if params.greedy:
                 ends, bonus = accept_greedy_rows(logits, tokens, trees)
@@ -453,7 +471,7 @@ class SpeculativeModel:
             kept = columns[None] < torch.tensor(lengths, device=device)[:, None]
             filled = [f + n for f, n in zip(filled, lengths)]
             keep_accepted_rows(cache, at + paths, dst, max(f for f, stopped in zip(filled, done) if not stopped)
-                               if not all(done) else at)
+                               if not all(done) else max(filled))
             mask.commit(at, N, dst, kept)
             context.scatter_(1, dst, path_tokens)
             context.scatter_(1, torch.tensor(filled, device=device)[:, None], bonus[:, None])

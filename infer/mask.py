@@ -47,13 +47,14 @@ class RowMask:
         cols = torch.arange(stop, device=self.buffer.device)
         self.buffer[..., :stop] = torch.where(cols >= start[:, None], 0.0, self.low)[:, None, None, :].to(self.buffer.dtype)
 
-    def at(self, at: int, block: torch.Tensor) -> torch.Tensor:
-        """block (B, q, n) bool (True = visible), written at columns at .. at + n -> the mask (B, 1, q, at + n)."""
+    def at(self, at: int, block: torch.Tensor, full: bool = False) -> torch.Tensor:
+        """block (B, q, n) bool (True = visible), written at columns at .. at + n -> the mask (B, 1, q, at + n),
+        or over every column with `full` (B, 1, q, max_len): the same shape at every step."""
         q, n = block.shape[1:]
         if at + n > self.buffer.shape[-1] or q > self.buffer.shape[-2]:
             raise ValueError(f"a {q}x{n} block after {at} columns does not fit the mask {tuple(self.buffer.shape)}")
         self.buffer[:, 0, :q, at : at + n] = torch.where(block, 0.0, self.low).to(self.buffer.dtype)
-        return self.buffer[:, :, :q, : at + n]
+        return self.buffer[:, :, :q] if full else self.buffer[:, :, :q, : at + n]
 
     def hide(self, at: int, n: int) -> None:
         """Hide columns at .. at + n from every row again (a tree or draft block that is done with)."""

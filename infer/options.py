@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-new-tokens", type=at_least(1), default=128,
                        help="new tokens per prompt (clipped to the model's positions)")
         p.add_argument("--json", help="write results to this JSON file (its folder is made if missing)")
+        p.add_argument("--compile", action="store_true",
+                       help="verify trees through torch.compile (fixed shapes; the first steps pay the compilation)")
 
     def eagle_tree(p: argparse.ArgumentParser, top_k_flags: list[str], note: str) -> None:
         g = p.add_argument_group("EAGLE dynamic tree", "override the EAGLE heads' defaults (from their config.json); "

@@ -78,12 +78,34 @@ class Target:
                                             mask.at(prefix_len, tree.ancestors), cache)
         return logits[0], features[0]
 
+    def compile(self) -> None:
+        """Run tree verification through torch.compile from now on (`verify_rows(..., at=...)`), with shapes that
+        never change, so it compiles once."""
+        self.compiled = torch.compile(self._features_and_logits, dynamic=False)
+
+    compiled: Callable | None = None
+
+    def _features_and_logits(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                             cache: PreallocatedCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify forward as one function of tensors (what `compile` compiles): logits and the drafter's
+        features, the latter from output_hidden_states (a tree's few tokens: cheap) instead of hooks."""
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                         output_hidden_states=True, **{self.cache_kw: cache})
+        if self.feature_layers is None:  # the last entry is what the lm_head read
+            return out.logits, out.hidden_states[-1]
+        return out.logits, torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
+
     @torch.no_grad()
     def verify_rows(
-        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: PreallocatedCache
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: PreallocatedCache,
+        at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """ONE forward over a batch of trees: tokens and their position ids (B, N), the additive mask (B, 1, N,
-        cached + N) -> logits (B, N, V) and the drafter's features (B, N, H or nH)."""
+        cached + N) -> logits (B, N, V) and the drafter's features (B, N, H or nH). Compiled (`compile`): the
+        trees are written at column `at` (a 0-dim tensor) and the mask covers the whole cache (B, 1, N, max)."""
+        if self.compiled is not None:
+            with cache.fixed(at):
+                return self.compiled(tokens, positions, mask, cache)
         with self.capture() as features:
             out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                              **{self.cache_kw: cache})

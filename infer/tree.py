@@ -80,14 +80,14 @@ def pad_tree(tree: Tree, size: int, width: int, depth: int) -> Tree:
                 paths=paths)
 
 
-def stack_trees(trees: Sequence[Tree]) -> Tree:
-    """One Tree of batched fields (B, ...) from each row's tree, the smaller ones padded (`pad_tree`); the same
-    tree for every row is expanded, not copied."""
+def stack_trees(trees: Sequence[Tree], size: int = 0) -> Tree:
+    """One Tree of batched fields (B, ...) from each row's tree, the smaller ones padded (`pad_tree`) to the
+    largest, or to `size` nodes when that is more; the same tree for every row is expanded, not copied."""
     first = trees[0]
-    if all(t is first for t in trees):
+    if all(t is first for t in trees) and first.size >= size:
         return Tree(**{f.name: getattr(first, f.name).expand(len(trees), *getattr(first, f.name).shape)
                        for f in dataclasses.fields(first)})
-    size = max(t.size for t in trees)
+    size = max(size, *(t.size for t in trees))
     width = max(t.children.shape[1] for t in trees)
     depth = max(t.max_depth for t in trees)
     padded = [pad_tree(t, size, width, depth) for t in trees]

@@ -1,0 +1,62 @@
+"""`compile=True`: tree verification through torch.compile with fixed shapes gives the same tokens, and does
+not recompile step by step."""
+
+import torch
+from test_batch import drafter, left_padded
+from torch._dynamo.utils import counters
+
+from conftest import VOCAB, tiny_model
+from heads.config import HeadsConfig
+from heads.eagle import layer_fields
+from heads.eagle3 import Eagle3Draft
+from infer.eagle import EagleProposer
+from infer.generate import SpeculativeModel
+
+
+def plain(model, prompt, n):
+    return model.generate(prompt[None], max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, prompt.numel():].tolist()
+
+
+def test_compiled_verification_equals_generate_and_compiles_once_per_shape():
+    model = tiny_model("llama")
+    spec = SpeculativeModel(model, drafter(model, "medusa"), compile=True)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (7, 3)]
+    out = spec.generate(prompts[0][None], max_new_tokens=40, eos_token_id=[])
+    assert out[0, 7:].tolist() == plain(model, prompts[0], 40)
+    assert spec.last_stats.decode_steps > 5
+    graphs = counters["stats"]["unique_graphs"]
+    out = spec.generate(prompts[1][None], max_new_tokens=30, eos_token_id=[])  # fits the same cache: no recompile
+    assert out[0, 3:].tolist() == plain(model, prompts[1], 30)
+    assert counters["stats"]["unique_graphs"] == graphs
+    ids, mask = left_padded(prompts)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[])
+    for b, p in enumerate(prompts):
+        assert out[b, ids.shape[1]:].tolist() == plain(model, p, 20)
+
+
+def test_compiled_verification_reads_eagle3_features():
+    """The drafter gets the same fused layers from the compiled forward as from the eager one."""
+    model = tiny_model("qwen2")
+    prompt = torch.randint(3, VOCAB, (5,), generator=torch.Generator().manual_seed(1))
+    seen = {}
+    for compiled in (True, False):
+        torch.manual_seed(0)
+        config = HeadsConfig(kind="eagle3", hidden_size=48, vocab_size=VOCAB, layer=layer_fields(model.config),
+                             feature_layers=[0, 1])  # both layers' inputs: the embeddings and layer 0's output
+        embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        spec = SpeculativeModel(model, EagleProposer(Eagle3Draft(config).eval(), embed, lm_head), compile=compiled)
+        propose, seen[compiled] = spec.proposer.propose, []
+
+        def recording(context, hiddens, propose=propose, record=seen[compiled]):
+            record.append(hiddens.clone())
+            return propose(context, hiddens)
+
+        spec.proposer.propose = recording
+        out = spec.generate(prompt[None], max_new_tokens=12, eos_token_id=[])
+        assert out[0, 5:].tolist() == plain(model, prompt, 12)
+    assert len(seen[True]) == len(seen[False]) > 5
+    assert seen[True][1].shape[-1] == 2 * 48  # two layers, fused by the drafter
+    for a, b in zip(seen[True], seen[False]):
+        assert torch.allclose(a, b, atol=1e-5)
