@@ -131,6 +131,8 @@ class EagleProposer:
         proposer would make, from depth + 1 drafter calls for the whole batch instead of per row. Rows not
         `active` (stopped, or verifying their root alone) feed nothing and get None."""
         B, device, k = len(contexts), self.device, self.top_k
+        if not any(active):  # nothing to feed or draft (e.g. every row near the position limit)
+            return [None] * B
         counts = [h.shape[0] if on else 0 for h, on in zip(hiddens, active)]
         M = max(counts)
         cache, mask = self.row_cache, self.row_mask

@@ -404,6 +404,11 @@ class SpeculativeModel:
         filled = [T] * B  # cache columns used per row (padding included); its root sits in context[b, filled[b]]
         produced = [1] * B
         done = [tok in eos or budget == 1 for tok, budget in zip(first, budgets)]
+        # the same on the device, so that a step sends nothing there (a copy from the host would wait for the device)
+        filled_t = torch.full((B,), T, dtype=torch.long, device=device)
+        stopped = list(done)
+        stopped_t = torch.tensor(stopped, device=device)  # sent again only when a row stops
+        columns = torch.arange(max_nodes, device=device)
         for row, tok in zip(emitted, first):
             row.append(tok)
         yield [[tok] for tok in first]
@@ -427,15 +432,15 @@ class SpeculativeModel:
                                   for d in drafts])  # (B, N)
             # 2. verify: one target forward over every row's tree, all written at column `at`
             m2 = clock.mark()
-            at = max(f for f, stopped in zip(filled, done) if not stopped)  # a stopped row's columns are free
+            at = max(f for f, off in zip(filled, done) if not off)  # a stopped row's columns are free
             # a stopped row stands where the trees go: its leftover moves and writes stay inside the tree block
-            filled = [at if stopped else f for f, stopped in zip(filled, done)]
-            filled_t = torch.tensor(filled, device=device)
-            positions = (filled_t - start_t)[:, None] + trees.depths  # (B, N)
+            filled = [at if off else f for f, off in zip(filled, done)]
+            filled_t = torch.where(stopped_t, at, filled_t)
+            # a stopped row's padding tree sits at position 0: its place in the cache may be past the model's limit
+            positions = torch.where(stopped_t[:, None], trees.depths, (filled_t - start_t)[:, None] + trees.depths)
             if fixed:  # compiled: the same shapes every step (the largest tree, the whole cache)
-                at_t = torch.tensor(at, device=device)
                 logits, node_features = target.verify_rows(tokens, positions, mask.at(at, trees.ancestors, full=True),
-                                                           cache, at=at_t)
+                                                           cache, at=filled_t.max())
             else:
                 logits, node_features = target.verify_rows(tokens, positions, mask.at(at, trees.ancestors), cache)
             # 3. accept: per row the deepest node whose path the target agrees with, plus a bonus token
@@ -449,7 +454,8 @@ class SpeculativeModel:
             W = trees.paths.shape[-1]
             paths = trees.paths.gather(1, ends[:, None, None].expand(B, 1, W))[:, 0]  # (B, D+1) root first
             path_tokens = tokens.gather(1, paths)
-            host = torch.cat([trees.depths.gather(1, ends[:, None]), path_tokens, bonus[:, None]], 1).tolist()  # the one sync
+            end_depths = trees.depths.gather(1, ends[:, None])  # (B, 1)
+            host = torch.cat([end_depths, path_tokens, bonus[:, None]], 1).tolist()  # the one sync
             # 4. commit: each row keeps its prefix + accepted path; its bonus is its next root
             lengths, new_rows, drafted, accepted, made = [], [], [], [], []
             for b in range(B):
@@ -466,16 +472,20 @@ class SpeculativeModel:
                 drafted.append(drafts[b].tree.size - 1)
                 accepted.append(length - 1)
                 made.append(len(new))
-            columns = torch.arange(W, device=device)
-            dst = filled_t[:, None] + columns  # (B, D+1) where each row's accepted path moves to
-            kept = columns[None] < torch.tensor(lengths, device=device)[:, None]
+            lengths_t = torch.where(stopped_t, 0, end_depths[:, 0] + 1)  # the rows that stopped before this step keep none
+            dst = filled_t[:, None] + columns[:W]  # (B, D+1) where each row's accepted path moves to
+            kept = columns[None, :W] < lengths_t[:, None]
             filled = [f + n for f, n in zip(filled, lengths)]
-            keep_accepted_rows(cache, at + paths, dst, max(f for f, stopped in zip(filled, done) if not stopped)
+            filled_t = filled_t + lengths_t
+            keep_accepted_rows(cache, at + paths, dst, max(f for f, off in zip(filled, done) if not off)
                                if not all(done) else max(filled))
             mask.commit(at, N, dst, kept)
             context.scatter_(1, dst, path_tokens)
-            context.scatter_(1, torch.tensor(filled, device=device)[:, None], bonus[:, None])
+            context.scatter_(1, filled_t[:, None], bonus[:, None])
             roots = bonus
+            if done != stopped:  # rows stopped in this step: the device learns it (once per row)
+                stopped = list(done)
+                stopped_t = torch.tensor(done, device=device)
             path_features = node_features.gather(1, paths[:, :, None].expand(-1, -1, node_features.shape[-1]))
             hiddens = [path_features[b, : lengths[b]] for b in range(B)]
             # 5. rows stop at EOS or their budget, exactly where plain decoding would

@@ -162,6 +162,24 @@ def test_batched_sampling_matches_the_target_distribution_in_every_row():
     assert model.config.vocab_size == V
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_rows_reaching_the_position_limit_at_different_steps(kind):
+    """GPT-2 embeds 512 positions: the long row's budget is clipped and it stops first while the short one goes
+    on; then both end one token per forward near the limit. A stopped row must not be given positions past the
+    limit, and a batch with no row left to draft for must not feed the drafter."""
+    model = tiny_model("gpt2")
+    spec = SpeculativeModel(model, drafter(model, kind))
+    gen = torch.Generator().manual_seed(4)
+    for lengths in ((500, 3, 497), (500, 497)):  # the second: in the end no row has room for a tree
+        prompts = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
+        ids, mask = left_padded(prompts)
+        with pytest.warns(UserWarning, match="positions"):
+            out = spec.generate(ids, attention_mask=mask, max_new_tokens=60, eos_token_id=[], pad_token_id=0)
+        for b, p in enumerate(prompts):
+            budget = min(60, 512 - p.numel())
+            assert out[b, ids.shape[1]:][:budget].tolist() == alone(model, p, budget, None), (lengths, b)
+
+
 def test_bad_batches_are_clear_errors():
     model = tiny_model("llama")
     spec = SpeculativeModel(model, drafter(model, "medusa"))
