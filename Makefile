@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo test lint bench clean-demo
+.PHONY: demo test lint bench bench-gpu clean-demo
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
@@ -26,6 +26,15 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
+
+# On a GPU machine (build the venv with a CUDA torch: make bench-gpu TORCH_SPEC=torch): the CUDA tests, then the
+# bench in bf16 at batch 1 and 8, eager and compiled. HEADS: the trained drafters (make demo writes these two).
+HEADS ?= --heads outputs/medusa-demo --heads outputs/eagle-demo
+bench-gpu: $(VENV)/.installed
+	$(PY) -m pytest -m cuda tests/test_cuda.py
+	$(PY) -m infer bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --json outputs/bench-gpu.json
+	$(PY) -m infer bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --compile \
+		--json outputs/bench-gpu-compile.json
 
 clean-demo:
 	rm -rf outputs/medusa-demo outputs/eagle-demo outputs/eagle3-demo outputs/bench-demo.json outputs/bench-demo.png
