@@ -78,17 +78,6 @@ class PreallocatedLayer(DynamicLayer):
     def get_max_length(self) -> int:
         return self.max_length
 
-    def keep(self, prefix_len: int, src: torch.Tensor) -> None:
-        """Move the entries at positions `src` (increasing, each >= its destination) to prefix_len, prefix_len + 1,
-        ... and drop everything after them, in place."""
-        if not self.is_initialized:
-            return
-        src = src.to(self.key_buffer.device)  # layers may sit on several devices (device_map="auto")
-        dst = torch.arange(prefix_len, prefix_len + src.numel(), device=src.device)
-        for buffer in (self.key_buffer, self.value_buffer):
-            buffer.index_copy_(2, dst, buffer.index_select(2, src))
-        self._set_length(prefix_len + src.numel())
-
     def keep_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """Per row b, move the entries at positions src[b] (B, W) to dst[b] (reads all happen before writes, so
         the two may overlap), then count `length` positions as filled (rows past their own end are masked)."""
@@ -163,8 +152,8 @@ def keep_accepted(cache: PreallocatedCache, prefix_len: int, path: torch.Tensor,
     prefix is never touched or recomputed.
     """
     src = prefix_len + path[:length]  # (L,) increasing, src[j] >= prefix_len + j
-    for layer in cache.layers:
-        layer.keep(prefix_len, src)
+    dst = torch.arange(prefix_len, prefix_len + length, device=src.device)
+    keep_accepted_rows(cache, src[None], dst[None], prefix_len + length)
 
 
 def keep_accepted_rows(cache: PreallocatedCache, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:

@@ -79,10 +79,11 @@ def outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def greedy_children(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
-    """(N,) bool: node i is its parent's pick, i.e. its token is the target's argmax at the parent."""
-    argmax = logits.argmax(-1)  # (N,)
-    picked = tokens == argmax[tree.parents.clamp(min=0)]
-    picked[0] = True
+    """(..., N) bool, one tree or a batch of them (leading dims on every argument): node i is its parent's pick,
+    i.e. its token is the target's argmax at the parent. Padding nodes (no parent, see tree.pad_tree) never are."""
+    argmax = logits.argmax(-1)  # (..., N)
+    picked = (tokens == argmax.gather(-1, tree.parents.clamp(min=0))) & (tree.parents >= 0)
+    picked[..., 0] = True
     return picked
 
 
@@ -132,9 +133,10 @@ def sampled_children_from(
 
 
 def accepted_end(picked: torch.Tensor, tree: Tree) -> torch.Tensor:
-    """The deepest node whose whole root path was picked, as a (1,) tensor (index_select-ready, no sync)."""
-    ok = ~(tree.ancestors & ~picked[None, :]).any(dim=1)  # (N,)
-    return torch.where(ok, tree.depths, -1).argmax().view(1)
+    """The deepest node whose whole root path was picked, as a (..., 1) tensor (index_select-ready, no sync);
+    ties go to the first node (the root, when nothing deeper was picked)."""
+    ok = ~(tree.ancestors & ~picked[..., None, :]).any(dim=-1)  # (..., N)
+    return torch.where(ok, tree.depths, -1).argmax(-1, keepdim=True)
 
 
 def draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -183,14 +185,9 @@ def accept(
 
 def accept_greedy_rows(logits: torch.Tensor, tokens: torch.Tensor, trees: Tree) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance over a batch of trees: logits (B, N, V), tokens (B, N), batched trees (B, ...) -> each
-    row's end node (B,) and bonus token (B,). A node is picked when its token is the target's argmax at its
-    parent; padding nodes (no parent) never are."""
-    argmax = logits.argmax(-1)  # (B, N)
-    picked = (tokens == argmax.gather(1, trees.parents.clamp(min=0))) & (trees.parents >= 0)
-    picked[:, 0] = True
-    ok = ~(trees.ancestors & ~picked[:, None, :]).any(-1)  # (B, N): the whole root path picked
-    end = torch.where(ok, trees.depths, -1).argmax(-1)  # the deepest; ties go to the first (the root at depth 0)
-    return end, argmax.gather(1, end[:, None])[:, 0]
+    row's end node (B,) and bonus token (B,)."""
+    end = accepted_end(greedy_children(logits, tokens, trees), trees)  # (B, 1)
+    return end[:, 0], logits.gather(1, end[:, :, None].expand(-1, 1, logits.shape[-1]))[:, 0].argmax(-1)
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
