@@ -12,6 +12,8 @@ next step, so its cache only ever holds confirmed positions plus the current dra
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -91,9 +93,13 @@ class EagleProposer:
         out = self.draft(features[None], tokens[None], self.embed, mask, position[None], self.cache)[0]
         if last_only:
             out = out[-1:]
-        logp = torch.log_softmax(self.draft.logits(out, self.lm_head).float(), dim=-1)  # over the draft vocabulary
-        # a finite floor keeps scores strictly falling along paths (NaN would break the tree selection)
-        return out, logp.nan_to_num(nan=-1e4, neginf=-1e4)
+        return out, self._log_probs(out)
+
+    def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
+        """Predicted features (..., H) -> log-probabilities over the draft vocabulary (..., V), float32, with a
+        finite floor that keeps scores strictly falling along paths (NaN would break the tree selection)."""
+        logp = torch.log_softmax(self.draft.logits(out, self.lm_head).float(), dim=-1)
+        return logp.nan_to_num(nan=-1e4, neginf=-1e4)
 
     @torch.no_grad()
     def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
@@ -155,7 +161,7 @@ class EagleProposer:
             block = mask.at(at, (causal[None] & (cols < count_t[:, None])[:, None, :]) | torch.eye(M, dtype=torch.bool, device=device))
         out = self.draft(self.draft.fuse(feats.to(self.dtype)), tokens, self.embed, block, positions, cache)
         last = out.gather(1, (count_t - 1).clamp(min=0)[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]  # (B, H)
-        root_logp = torch.log_softmax(self.draft.logits(last, self.lm_head).float(), dim=-1).nan_to_num(nan=-1e4, neginf=-1e4)
+        root_logp = self._log_probs(last)
         # each row's pairs move down to its own end; the shared column becomes the longest row's end
         dst = lengths[:, None] + cols
         cache.keep_rows(at + cols.expand(B, M), dst)
@@ -164,35 +170,14 @@ class EagleProposer:
         cache.length = base = max(self.row_lengths)
         lengths = lengths + count_t
         # 2. EAGLE-2's expansion, every row's frontier in one call per depth
-        top = root_logp.topk(k)
-        scores, drafted = [top.values], [self.draft.to_target(top.indices)]
-        parents = [torch.full((B, k), -1, dtype=torch.long, device=device)]
-        ranks = [self.slots.expand(B, k)]
-        front_scores, front_tokens, front_index = top.values, drafted[0], self.slots.expand(B, k)
-        front_features = last[:, None].expand(B, k, last.shape[-1])
-        visible = self.own.expand(B, k, k)
-        offset = k
-        for d in range(1, self.depth):
-            out = self.draft(front_features, front_tokens, self.embed, mask.at(base, visible),
-                             (lengths - 1 + d)[:, None].expand(B, k), cache)
-            logp = torch.log_softmax(self.draft.logits(out, self.lm_head).float(), dim=-1).nan_to_num(nan=-1e4, neginf=-1e4)
-            top = logp.topk(k)  # (B, k, k) children of each frontier node
-            child_scores = descend(front_scores, top.values).flatten(1)
-            scores.append(child_scores)
-            drafted.append(self.draft.to_target(top.indices.flatten(1)))
-            parents.append(front_index.repeat_interleave(k, dim=1))
-            ranks.append(self.child_ranks.expand(B, -1))
-            best = child_scores.topk(k).indices  # (B, k)
-            parent_slot = best // k
-            front_scores, front_tokens = child_scores.gather(1, best), drafted[-1].gather(1, best)
-            front_index = offset + best
-            front_features = out.gather(1, parent_slot[..., None].expand(-1, -1, out.shape[-1]))
-            visible = torch.cat([visible.gather(1, parent_slot[..., None].expand(-1, -1, visible.shape[-1])),
-                                 self.own.expand(B, k, k)], dim=2)
-            offset += k * k
+        def run(features: torch.Tensor, tokens: torch.Tensor, visible: torch.Tensor, d: int):
+            out = self.draft(features, tokens, self.embed, mask.at(base, visible), (lengths - 1 + d)[:, None].expand(B, k),
+                             cache)
+            return out, self._log_probs(out)
+
+        scores, drafted, parents, ranks = self._expand(last, root_logp, run)
         mask.hide(base, cache.length - base)
         cache.length = base  # the draft nodes are dropped (overwritten next time)
-        scores, drafted, parents, ranks = (torch.cat(x, dim=1) for x in (scores, drafted, parents, ranks))
         drafts: list[Draft | None] = []
         for b in range(B):
             if not active[b]:
@@ -203,34 +188,49 @@ class EagleProposer:
         return drafts
 
     def _dynamic(self, root: torch.Tensor, root_feature: torch.Tensor, root_logp: torch.Tensor) -> tuple[torch.Tensor, Tree]:
-        k, device = self.top_k, self.device
+        def run(features: torch.Tensor, tokens: torch.Tensor, visible: torch.Tensor, d: int):
+            position = torch.full((self.top_k,), self.length - 1 + d, device=self.device)
+            out, logp = self._run(features[0], tokens[0], visible[0], position)
+            return out[None], logp[None]
+
+        scores, tokens, parents, ranks = self._expand(root_feature[None], root_logp[None], run)
+        chosen, tree = select_tree(scores[0], parents[0], ranks[0], self.max_nodes - 1, self.depth, self.top_k)
+        return torch.cat([root, tokens[0][chosen]]), tree
+
+    def _expand(self, root_feature: torch.Tensor, root_logp: torch.Tensor, run: Callable
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """EAGLE-2's candidates for a batch of rows (one row: B = 1): from each root's predicted feature (B, H) and
+        log-probabilities (B, V), `depth` levels, each running the `top_k` best frontier nodes through
+        `run(features (B, k, H), tokens (B, k), visible (B, k, n), depth)` -> (out (B, k, H), logp (B, k, V)).
+        Returns every candidate's cumulative score, target token, parent candidate (-1: the root) and rank among
+        its siblings, (B, C) each, in depth order (what tree.select_tree takes)."""
+        B, k = root_feature.shape[0], self.top_k
         top = root_logp.topk(k)
         scores, tokens = [top.values], [self.draft.to_target(top.indices)]
-        parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
-        ranks = [self.slots]
+        parents = [torch.full((B, k), -1, dtype=torch.long, device=self.device)]
+        ranks = [self.slots.expand(B, k)]
         # the frontier: the k best nodes of the newest depth; each runs on its parent's predicted feature
-        front_scores, front_tokens, front_index = top.values, tokens[0], self.slots
-        front_features = root_feature.expand(k, -1)
-        visible = self.own  # frontier x draft columns so far
+        front_scores, front_tokens, front_index = top.values, tokens[0], self.slots.expand(B, k)
+        front_features = root_feature[:, None].expand(B, k, root_feature.shape[-1])
+        visible = self.own.expand(B, k, k)  # frontier x draft columns so far
         offset = k  # candidates recorded so far
         for d in range(1, self.depth):
-            position = torch.full((k,), self.length - 1 + d, device=device)
-            feats, logp = self._run(front_features, front_tokens, visible, position)
-            top = logp.topk(k)  # (k, k) children of each frontier node
-            child_scores = descend(front_scores, top.values).flatten()
+            out, logp = run(front_features, front_tokens, visible, d)
+            top = logp.topk(k)  # (B, k, k) children of each frontier node
+            child_scores = descend(front_scores, top.values).flatten(1)
             scores.append(child_scores)
-            tokens.append(self.draft.to_target(top.indices.flatten()))
-            parents.append(front_index.repeat_interleave(k))
-            ranks.append(self.child_ranks)
-            best = child_scores.topk(k).indices
+            tokens.append(self.draft.to_target(top.indices.flatten(1)))
+            parents.append(front_index.repeat_interleave(k, dim=1))
+            ranks.append(self.child_ranks.expand(B, -1))
+            best = child_scores.topk(k).indices  # (B, k)
             parent_slot = best // k
-            front_scores, front_tokens = child_scores[best], tokens[-1][best]
-            front_index, front_features = offset + best, feats[parent_slot]
-            visible = torch.cat([visible[parent_slot], self.own], dim=1)
+            front_scores, front_tokens = child_scores.gather(1, best), tokens[-1].gather(1, best)
+            front_index = offset + best
+            front_features = out.gather(1, parent_slot[..., None].expand(-1, -1, out.shape[-1]))
+            visible = torch.cat([visible.gather(1, parent_slot[..., None].expand(-1, -1, visible.shape[-1])),
+                                 self.own.expand(B, k, k)], dim=2)
             offset += k * k
-        chosen, tree = select_tree(torch.cat(scores), torch.cat(parents), torch.cat(ranks),
-                                   self.max_nodes - 1, self.depth, k)
-        return torch.cat([root, torch.cat(tokens)[chosen]]), tree
+        return tuple(torch.cat(x, dim=1) for x in (scores, tokens, parents, ranks))
 
     def _static(self, root: torch.Tensor, root_feature: torch.Tensor, root_logp: torch.Tensor) -> tuple[torch.Tensor, Tree]:
         tree, width = self.static, self.static_width
