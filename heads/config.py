@@ -46,9 +46,11 @@ class HeadsConfig:
     depth: int = 6  # EAGLE-2 dynamic tree: draft steps
     top_k: int = 8  # EAGLE-2 dynamic tree: frontier width and children per expanded node
     total_tokens: int = 32  # EAGLE-2 dynamic tree: drafted nodes kept for verification (root not counted)
+    # EAGLE-1/2 and EAGLE-3: the target tokens drafted among (d2t maps draft ids to target ids); 0 = the target's
+    # whole vocabulary. EAGLE-3 has an lm_head of this size; EAGLE-1/2 reads these rows of the target's
+    draft_vocab_size: int = 0
     # EAGLE-3 only
     feature_layers: list[int] | None = None  # target hidden_states indices fused by fc (0 = embeddings), low to high
-    draft_vocab_size: int = 0  # the drafter's own vocabulary (d2t maps it to target ids); 0 = the target's
     norm_before_residual: bool = False  # the attention residual is hidden_norm(h), not h (speculators' variant)
     norm_before_fc: bool = False  # an RMSNorm `input_norm` over the concatenated features before fc (speculators)
 
@@ -73,13 +75,15 @@ class HeadsConfig:
             if getattr(self, name) and self.kind != "eagle3":
                 raise ValueError(f"{name} is an EAGLE-3 variant ({self.kind} drafters have no such norm): leave "
                                  "it false or use kind 'eagle3'")
-        if self.kind == "eagle3":
-            if not self.feature_layers or min(self.feature_layers) < 0:
-                raise ValueError(f"an eagle3 config needs `feature_layers`: the target hidden_states indices its fc "
-                                 f"fuses (e.g. [2, L // 2, L - 3]), got {self.feature_layers}")
-            if not 0 <= self.draft_vocab_size <= self.vocab_size:
-                raise ValueError(f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}] (0: the target's "
-                                 f"vocabulary), got {self.draft_vocab_size}")
+        if self.draft_vocab_size and self.kind not in ("eagle", "eagle3"):
+            raise ValueError(f"draft_vocab_size is for EAGLE drafters ({self.kind} heads draft over the target's "
+                             "vocabulary): leave it 0")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}] (0: the target's "
+                             f"vocabulary), got {self.draft_vocab_size}")
+        if self.kind == "eagle3" and (not self.feature_layers or min(self.feature_layers) < 0):
+            raise ValueError(f"an eagle3 config needs `feature_layers`: the target hidden_states indices its fc "
+                             f"fuses (e.g. [2, L // 2, L - 3]), got {self.feature_layers}")
 
     def _check_types(self) -> None:
         """A config.json edited by hand (or written by another tool) fails here, naming the field, not deep inside."""

@@ -185,7 +185,34 @@ def causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (visible | torch.eye(T, dtype=torch.bool, device=visible.device))[:, None]
 
 
-class EagleDraft(PretrainedHeads):
+class DraftVocabulary:
+    """A drafter that drafts among `draft_vocab_size` target tokens: `d2t` maps draft id i to target id
+    i + d2t[i] (SpecForge's convention; `t2d`, where a drafter has it, marks the target ids it holds)."""
+
+    d2t: torch.Tensor
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Use these target ids (draft_vocab_size of them) as the draft vocabulary, in increasing id order."""
+        ids = target_ids.unique().sort().values.to(self.d2t.device)
+        if ids.numel() != self.d2t.numel():
+            raise ValueError(f"need {self.d2t.numel()} distinct target ids for the draft vocabulary, got {ids.numel()}")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        t2d = getattr(self, "t2d", None)
+        if t2d is not None:
+            t2d.zero_()
+            t2d[ids] = True
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft token ids as target ids."""
+        return draft_ids + self.d2t[draft_ids]
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """The target ids of the draft vocabulary, in draft order (N,)."""
+        return self.to_target(torch.arange(self.d2t.numel(), device=self.d2t.device))
+
+
+class EagleDraft(DraftVocabulary, PretrainedHeads):
     """fc (2H -> H) + Llama decoder layer(s); predicts the next feature. See the module docstring."""
 
     def __init__(self, config: HeadsConfig) -> None:
@@ -198,18 +225,40 @@ class EagleDraft(PretrainedHeads):
         self.layers = nn.ModuleList(LlamaDecoderLayer(lc, i) for i in range(config.num_layers))
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1: fc's output goes straight into attention
         self.rotary_emb = Float32RotaryEmbedding(lc)  # inv_freq is a non-persistent buffer: not in the weights
+        # frequency-ranked drafting: top-k over the draft vocabulary's rows of the target's lm_head only, which
+        # cuts the lm_head read of every draft call by vocab / draft_vocab_size (verification is unchanged)
+        if config.draft_vocab_size:
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self._head_rows: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features as this drafter reads them (EAGLE-1: as they are; EAGLE-3 fuses layers)."""
         return features
 
     def logits(self, out: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Predicted features (..., H) -> logits over the target's vocabulary through its frozen lm_head."""
-        return lm_head(out.to(lm_head.weight.dtype))
+        """Predicted features (..., H) -> logits through the target's frozen lm_head, over the draft vocabulary
+        (..., N) where the drafter has one, else over the target's whole vocabulary."""
+        out = out.to(lm_head.weight.dtype)
+        if self.config.draft_vocab_size == 0:
+            return lm_head(out)
+        if not isinstance(lm_head, nn.Linear):  # a wrapped or quantised head: its logits, then the rows
+            return lm_head(out)[..., self.draft_ids.to(out.device)]
+        weight, bias = self._draft_rows(lm_head)
+        return F.linear(out, weight, bias)
 
-    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        """Draft token ids as target ids: EAGLE-1 drafts in the target's own vocabulary."""
-        return ids
+    def _draft_rows(self, lm_head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lm_head's weight (and bias) rows of the draft vocabulary, gathered once per head weight."""
+        w = lm_head.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device, self.d2t._version)
+        if self._head_rows is None or self._head_rows[0] != key:
+            ids = self.draft_ids.to(w.device)
+            bias = lm_head.bias[ids].detach() if lm_head.bias is not None else None
+            self._head_rows = (key, w[ids].detach(), bias)
+        return self._head_rows[1], self._head_rows[2]
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft token ids as target ids (the same ids without a draft vocabulary)."""
+        return super().to_target(draft_ids) if self.config.draft_vocab_size else draft_ids
 
     def forward(
         self,

@@ -30,7 +30,15 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from heads.config import HeadsConfig
-from heads.eagle import DraftCache, Float32RotaryEmbedding, attend, continue_after, llama_config, project
+from heads.eagle import (
+    DraftCache,
+    DraftVocabulary,
+    Float32RotaryEmbedding,
+    attend,
+    continue_after,
+    llama_config,
+    project,
+)
 from heads.io import PretrainedHeads
 
 
@@ -67,7 +75,7 @@ class Eagle3Layer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Eagle3Draft(PretrainedHeads):
+class Eagle3Draft(DraftVocabulary, PretrainedHeads):
     """fc (nH -> H) on fused target features + one EAGLE-3 layer + norm + lm_head over the draft vocabulary."""
 
     def __init__(self, config: HeadsConfig) -> None:
@@ -89,25 +97,6 @@ class Eagle3Draft(PretrainedHeads):
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(vocab) < draft_vocab)
         self.rotary_emb = Float32RotaryEmbedding(lc)
-
-    # ---------------------------------------------------------------- vocabulary mapping
-
-    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
-        """Use these target ids (draft_vocab_size of them) as the draft vocabulary, in increasing id order."""
-        ids = target_ids.unique().sort().values.to(self.d2t.device)
-        if ids.numel() != self.d2t.numel():
-            raise ValueError(f"need {self.d2t.numel()} distinct target ids for the draft vocabulary, got {ids.numel()}")
-        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
-        self.t2d.zero_()
-        self.t2d[ids] = True
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """The target ids of the draft vocabulary, in draft order (N,)."""
-        return self.to_target(torch.arange(self.d2t.numel(), device=self.d2t.device))
 
     # ---------------------------------------------------------------- forward
 

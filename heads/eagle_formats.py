@@ -335,6 +335,9 @@ def export_eagle(
         raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
     cfg, engines = draft.config, LAYOUTS[fmt].engines
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
+    if state.pop("d2t", None) is not None:  # the published layout drafts over the whole vocabulary
+        warnings.warn("the exported drafter drafts over the target's whole vocabulary: these layouts have no "
+                      f"draft vocabulary (selfspec drafts among {cfg.draft_vocab_size} tokens)", stacklevel=2)
     expected = {"fc.weight", *(["fc.bias"] if cfg.fc_bias else []), *layer_keys(cfg.num_layers)}
     if set(state) != expected:
         raise ValueError(f"this drafter has tensors no EAGLE-1 loader reads (e.g. attention biases): "

@@ -30,7 +30,9 @@ def _shape(config: HeadsConfig) -> str:
         return (f"EAGLE-3 draft model: fc over target layers {config.feature_layers} + one decoder layer, "
                 f"draft vocabulary of {config.draft_vocab_size or config.vocab_size} tokens")
     if config.kind == "eagle":
-        return f"EAGLE draft model: fc (2H -> H) + {config.num_layers} Llama decoder layer(s) on the target's features"
+        vocab = f", drafting among {config.draft_vocab_size} tokens" if config.draft_vocab_size else ""
+        return (f"EAGLE draft model: fc (2H -> H) + {config.num_layers} Llama decoder layer(s) on the target's "
+                f"features{vocab}")
     return f"{config.num_heads} Medusa heads x {config.num_layers} residual block(s)"
 
 

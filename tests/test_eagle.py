@@ -199,6 +199,82 @@ def test_save_load_round_trip_and_no_target_weights(tmp_path):
     assert "eagle" in card and "base_model: tiny" in card
 
 
+# ---------------------------------------------------------------- frequency-ranked drafting (draft vocabulary)
+
+
+def vocab_draft(model, size=VOCAB // 4, seed=0, **config) -> EagleDraft:
+    """A random drafter that drafts among `size` random target tokens."""
+    draft = random_draft(model, seed=seed, draft_vocab_size=size, **config)
+    draft.set_draft_vocab(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:size])
+    return draft
+
+
+def test_draft_vocabulary_logits_are_the_targets_rows_and_follow_the_head():
+    model = tiny_model("llama")
+    draft, lm_head = vocab_draft(model), model.get_output_embeddings()
+    assert draft.draft_ids.shape == (VOCAB // 4,) and not torch.equal(draft.draft_ids, torch.arange(VOCAB // 4))
+    out = torch.randn(2, 3, model.config.hidden_size)
+    torch.testing.assert_close(draft.logits(out, lm_head), lm_head(out)[..., draft.draft_ids], rtol=0, atol=0)
+    with torch.no_grad():  # the gathered rows are refreshed when the head changes (a new load, a cast, an edit)
+        lm_head.weight.mul_(2)
+    torch.testing.assert_close(draft.logits(out, lm_head), lm_head(out)[..., draft.draft_ids], rtol=0, atol=0)
+    assert torch.equal(draft.to_target(torch.arange(VOCAB // 4)), draft.draft_ids)
+
+
+@pytest.mark.parametrize("choices", [None, STATIC], ids=["dynamic", "static"])
+def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(model, choices):
+    draft = vocab_draft(model, seed=1)
+    allowed = set(draft.draft_ids.tolist())
+    prop = proposer(model, draft, choices=choices)
+    spec = SpeculativeModel(model, prop)
+    drafted = []
+    propose = prop.propose
+
+    def recording(*args):
+        out = propose(*args)
+        drafted.append(out.tokens[1:].tolist())
+        return out
+
+    prop.propose = recording
+    gen = torch.Generator().manual_seed(6)
+    for length in (1, 6):
+        prompt = torch.randint(3, VOCAB, (1, length), generator=gen)
+        for n in (3, 30):
+            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(model, prompt, n)
+    assert drafted and all(set(tokens) <= allowed for tokens in drafted)
+    assert sum(len(t) for t in drafted) > 20  # trees were drafted, not only roots
+
+
+def test_a_draft_vocabulary_batched_equals_each_row_alone():
+    model = tiny_model("qwen2")
+    spec = SpeculativeModel(model, proposer(model, vocab_draft(model, seed=2)))
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (2, 7, 4)]
+    width = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts]).long()
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, pad_token_id=0)
+    for row, p in enumerate(prompts):
+        assert out[row, width:].tolist() == plain_greedy(model, p[None], 20)
+
+
+def test_a_draft_vocabulary_round_trips_and_is_left_out_of_published_layouts(tmp_path):
+    from heads.eagle_formats import export_eagle, read_eagle_weights
+
+    model = tiny_model("llama")
+    draft = vocab_draft(model, seed=3)
+    draft.config.base_model = "tiny"
+    draft.save_pretrained(tmp_path / "ours")
+    loaded = load_heads(tmp_path / "ours")
+    assert loaded.config.draft_vocab_size == VOCAB // 4 and torch.equal(loaded.draft_ids, draft.draft_ids)
+    with pytest.warns(UserWarning, match="drafts over the target's whole vocabulary"):
+        export_eagle(draft, "eagle1", tmp_path / "published", model.get_input_embeddings().weight)
+    assert "d2t" not in read_eagle_weights(tmp_path / "published")
+    with pytest.raises(ValueError, match="draft_vocab_size is for EAGLE drafters"):
+        HeadsConfig(kind="medusa", hidden_size=8, vocab_size=VOCAB, draft_vocab_size=4)
+    with pytest.raises(ValueError, match="draft_vocab_size must be in"):
+        random_draft(model, draft_vocab_size=VOCAB + 1)
+
+
 def test_features_of_the_wrong_size_are_a_clear_error():
     model = tiny_model("llama")
     draft = random_draft(model)

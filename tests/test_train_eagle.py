@@ -116,6 +116,24 @@ def test_eagle3_drafter_starts_with_the_targets_head_rows_of_its_vocabulary():
                                rtol=0, atol=0)
 
 
+def test_an_eagle1_drafter_drafts_among_the_most_frequent_tokens_when_asked():
+    """--draft_vocab_size N on EAGLE-1 keeps the N most frequent trained tokens (its d2t); unset, EAGLE-1 drafts
+    over the whole vocabulary (published loaders' layout) and EAGLE-3 takes a quarter of it (2048 to 32768)."""
+    model = tiny_model("llama")
+    V = model.config.vocab_size
+    ids = torch.randint(3, V, (6, 20), generator=torch.Generator().manual_seed(1))
+    data = examples_from_lists(ids.tolist())
+    draft = eagle_recipe.build_drafter(EagleConfig(draft_vocab_size=V // 4), model, data)
+    assert draft.config.draft_vocab_size == V // 4
+    assert torch.equal(draft.draft_ids, draft_vocabulary([(ids, torch.ones_like(ids))], V, V // 4).sort().values)
+    assert eagle_recipe.build_drafter(EagleConfig(), model, data).config.draft_vocab_size == 0
+    sizes = {v: eagle_recipe.draft_vocab_size(EagleConfig(version=3), v) for v in (1000, 8192, 128256, 200000)}
+    assert sizes == {1000: 0, 8192: 2048, 128256: 32064, 200000: 32768}
+    assert eagle_recipe.draft_vocab_size(EagleConfig(version=3, draft_vocab_size=0), 8192) == 0
+    with pytest.raises(ConfigError, match="--draft_vocab_size must be >= 0"):
+        EagleConfig(draft_vocab_size=-1)
+
+
 def test_the_demo_budget_follows_the_version_and_explicit_values_win():
     assert (EagleConfig().max_steps, EagleConfig().max_minutes) == (2400, 10.5)
     assert (EagleConfig(version=3).max_steps, EagleConfig(version=3).max_minutes) == (800, 20.0)

@@ -79,7 +79,10 @@ class EagleConfig(TrainConfig):
     tune_new_tokens: int = 128  # as many as the bench: the truncated last step weighs less
     version: int = 1  # 1: EAGLE-1/2 (feature regression + soft labels); 3: EAGLE-3 (fused layers, training-time test)
     ttt_steps: int = 7  # EAGLE-3: draft steps unrolled per sequence in training (the training-time test)
-    draft_vocab_size: int = 2048  # EAGLE-3: the drafter's vocabulary, the most frequent trained tokens (<= target's)
+    # the target tokens the drafter drafts among: the most frequent trained ones (FR-Spec for EAGLE-1/2: draft calls
+    # read only these rows of the lm_head). None: EAGLE-3 a quarter of the target's vocabulary (2048 to 32768),
+    # EAGLE-1/2 the whole vocabulary (what published EAGLE-1 loaders expect); 0: the whole vocabulary
+    draft_vocab_size: int | None = None
     feature_layers: list[int] | None = None  # EAGLE-3: target hidden_states indices fused (None: [2, L//2, L-3])
     norm_before_residual: bool = False  # EAGLE-3: residual from hidden_norm(h), not h (speculators; vLLM, not SGLang)
     norm_before_fc: bool = False  # EAGLE-3: one RMSNorm over the fused features before fc (speculators; vLLM, SGLang)
@@ -97,8 +100,10 @@ class EagleConfig(TrainConfig):
                 raise ConfigError(f"--{name} must list positive numbers (e.g. 2,4,8), got {getattr(self, name)}")
         if self.version not in (1, 3):
             raise ConfigError(f"--version must be 1 (EAGLE-1/2) or 3 (EAGLE-3), got {self.version}")
-        if self.ttt_steps < 1 or self.draft_vocab_size < 1:
-            raise ConfigError(f"--ttt_steps and --draft_vocab_size must be >= 1, got {self.ttt_steps} and "
+        if self.ttt_steps < 1:
+            raise ConfigError(f"--ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
+            raise ConfigError(f"--draft_vocab_size must be >= 0 (0: the target's whole vocabulary), got "
                               f"{self.draft_vocab_size}")
         for name in ("norm_before_residual", "norm_before_fc"):
             if self.version == 1 and getattr(self, name):
@@ -328,24 +333,35 @@ def cached_features(cfg: EagleConfig, target, examples: Examples, name: str, lay
     return Examples(examples.rows, examples.key, FeatureShards(folder, len(examples), size))
 
 
+def draft_vocab_size(cfg: EagleConfig, vocab: int) -> int:
+    """The drafter's vocabulary size for a target of `vocab` tokens, 0 when it is the whole vocabulary."""
+    size = cfg.draft_vocab_size
+    if size is None:
+        size = min(max(2048, vocab // 4), 32768) if cfg.version == 3 else 0
+    return size if 0 < size < vocab else 0
+
+
 def build_drafter(cfg: EagleConfig, target, train_data: Examples) -> EagleDraft | Eagle3Draft:
     """An EAGLE-1 drafter, or (version 3) an EAGLE-3 drafter whose vocabulary is the most frequent
     loss-bearing tokens of the training data."""
-    if cfg.version == 1:
-        return EagleDraft(heads_config(cfg, target, "eagle", num_layers=cfg.num_layers, fc_bias=cfg.fc_bias,
-                                       layer=layer_fields(target.config)))
-    text = target.config.get_text_config()
     vocab = target.get_output_embeddings().weight.shape[0]
+    size = draft_vocab_size(cfg, vocab)
+    if cfg.version == 1:
+        draft = EagleDraft(heads_config(cfg, target, "eagle", num_layers=cfg.num_layers, fc_bias=cfg.fc_bias,
+                                        layer=layer_fields(target.config), draft_vocab_size=size))
+        if size:
+            draft.set_draft_vocab(draft_vocabulary(train_data.token_batches(), vocab, size))
+        return draft
+    text = target.config.get_text_config()
     layers = cfg.feature_layers or default_feature_layers(text.num_hidden_layers)
     if max(layers) >= text.num_hidden_layers or min(layers) < 0:
         raise ConfigError(f"--feature_layers must be hidden_states indices in [0, {text.num_hidden_layers - 1}] "
                           f"(the last, {text.num_hidden_layers}, is already normed), got {layers}")
-    size = min(cfg.draft_vocab_size, vocab)
     draft = Eagle3Draft(heads_config(cfg, target, "eagle3", num_layers=1, fc_bias=False,
                                      layer=layer_fields(target.config), feature_layers=layers,
-                                     draft_vocab_size=size if size < vocab else 0,
+                                     draft_vocab_size=size,
                                      norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.norm_before_fc))
-    if size < vocab:
+    if size:
         draft.set_draft_vocab(draft_vocabulary(train_data.token_batches(), vocab, size))
     init_from_target(draft, target)
     return draft
