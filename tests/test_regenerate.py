@@ -27,7 +27,8 @@ import train.regenerate as regen_module
 from conftest import TOKENIZER_TEXT, tiny_model, tiny_tokenizer
 from train.data import DataError, chat_example, iter_records, load_examples
 from train.loop import TrainConfig, datasets_for
-from train.regenerate import RegenerateConfig, end_of_turn_token, load_items, main, run
+from train.regen_chat import end_of_turn_token
+from train.regenerate import RegenerateConfig, load_items, main, run
 
 ROOT = Path(__file__).resolve().parents[1]
 # the conftest template with a generation prompt (what chat models ship): "<|assistant|>" opens each answer

