@@ -47,7 +47,7 @@ class HeadsConfig:
     top_k: int = 8  # EAGLE-2 dynamic tree: frontier width and children per expanded node
     total_tokens: int = 32  # EAGLE-2 dynamic tree: drafted nodes kept for verification (root not counted)
     # EAGLE-1/2 and EAGLE-3: the target tokens drafted among (d2t maps draft ids to target ids); 0 = the target's
-    # whole vocabulary. EAGLE-3 has an lm_head of this size; EAGLE-1/2 reads these rows of the target's
+    # whole vocabulary. EAGLE-3 has an lm_head of this size; EAGLE-1/2 reads these rows of the target's lm_head
     draft_vocab_size: int = 0
     # EAGLE-3 only
     feature_layers: list[int] | None = None  # target hidden_states indices fused by fc (0 = embeddings), low to high

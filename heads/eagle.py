@@ -185,6 +185,11 @@ def causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (visible | torch.eye(T, dtype=torch.bool, device=visible.device))[:, None]
 
 
+def version(t: torch.Tensor) -> int | None:
+    """t's in-place edit counter (None for a tensor made under torch.inference_mode, which keeps none)."""
+    return None if t.is_inference() else t._version
+
+
 class DraftVocabulary:
     """A drafter that drafts among `draft_vocab_size` target tokens: `d2t` maps draft id i to target id
     i + d2t[i] (SpecForge's convention; `t2d`, where a drafter has it, marks the target ids it holds)."""
@@ -249,7 +254,7 @@ class EagleDraft(DraftVocabulary, PretrainedHeads):
     def _draft_rows(self, lm_head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The lm_head's weight (and bias) rows of the draft vocabulary, gathered once per head weight."""
         w = lm_head.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device, self.d2t._version)
+        key = (id(w), w.data_ptr(), version(w), w.dtype, w.device, id(self.d2t), version(self.d2t))
         if self._head_rows is None or self._head_rows[0] != key:
             ids = self.draft_ids.to(w.device)
             bias = lm_head.bias[ids].detach() if lm_head.bias is not None else None

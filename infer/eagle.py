@@ -56,6 +56,11 @@ class EagleProposer:
             if getattr(self, name) < 1:
                 raise ValueError(f"EAGLE {name} must be >= 1, got {getattr(self, name)}")
         self.depth = min(self.depth, self.total_tokens)  # a kept tree is never deeper than its node count
+        drafted = cfg.draft_vocab_size or cfg.vocab_size
+        width = max(r for c in choices for r in c) + 1 if choices else 1
+        if max(self.top_k, width) > drafted:
+            raise ValueError(f"this drafter drafts among {drafted} tokens, fewer than top_k {self.top_k} (or the "
+                             f"static tree's {width} children per node): use a top_k / tree of at most {drafted}")
         # per-step constants of the dynamic tree, made once: frontier slots, each child's rank among its
         # parent's k, and the frontier's view of its own new cache columns
         self.slots = torch.arange(self.top_k, device=self.device)
@@ -68,7 +73,7 @@ class EagleProposer:
             # level d of the static tree: node indices [start_d, end_d), and which of them have children
             depths = self.static.depths.tolist()
             self.levels = [(depths.index(d), len(depths) - depths[::-1].index(d)) for d in range(max(depths) + 1)]
-            self.static_width = max(r for c in choices for r in c) + 1 if choices else 1
+            self.static_width = width
         else:
             self.max_nodes = min(self.total_tokens, self.top_k + (self.depth - 1) * self.top_k**2) + 1
         self.reset(0)

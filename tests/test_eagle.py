@@ -257,6 +257,36 @@ def test_a_draft_vocabulary_batched_equals_each_row_alone():
         assert out[row, width:].tolist() == plain_greedy(model, p[None], 20)
 
 
+def test_a_draft_vocabulary_decodes_under_inference_mode():
+    """Tensors made under torch.inference_mode (a drafter moved to its device there) keep no edit counter: the
+    gathered head rows must not need one."""
+    model = tiny_model("llama")
+    draft = vocab_draft(model, seed=4)
+    prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        draft.d2t = draft.d2t.clone()  # as a move to another device inside inference mode makes it
+        out = SpeculativeModel(model, proposer(model, draft)).generate(prompt, max_new_tokens=12)
+    assert out[0, 5:].tolist() == plain_greedy(model, prompt, 12)
+
+
+def test_top_k_wider_than_the_draft_vocabulary_is_a_clear_error():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="drafts among 4 tokens, fewer than top_k 5"):
+        proposer(model, vocab_draft(model, size=4), top_k=5)
+    with pytest.raises(ValueError, match="static tree's 6 children per node"):
+        proposer(model, vocab_draft(model, size=4, top_k=2), choices=[[0], [5]])
+
+
+def test_validation_ranks_only_the_tokens_a_draft_vocabulary_can_draft():
+    from train.eagle import RANKS, EagleConfig, EagleMethod
+
+    model = tiny_model("llama")
+    draft = vocab_draft(model, size=8, top_k=2)
+    ranked = EagleMethod(EagleConfig(), model, draft, [])._ranked(torch.randn(5, VOCAB))
+    assert ranked.shape == (5, RANKS) and set(ranked[:, :8].flatten().tolist()) <= set(draft.draft_ids.tolist())
+    assert (ranked[:, 8:] == -1).all()  # fewer tokens than ranks: the rest is no token
+
+
 def test_a_draft_vocabulary_round_trips_and_is_left_out_of_published_layouts(tmp_path):
     from heads.eagle_formats import export_eagle, read_eagle_weights
 

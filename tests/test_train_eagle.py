@@ -132,6 +132,24 @@ def test_an_eagle1_drafter_drafts_among_the_most_frequent_tokens_when_asked():
     assert eagle_recipe.draft_vocab_size(EagleConfig(version=3, draft_vocab_size=0), 8192) == 0
     with pytest.raises(ConfigError, match="--draft_vocab_size must be >= 0"):
         EagleConfig(draft_vocab_size=-1)
+    with pytest.raises(ConfigError, match="--draft_vocab_size 4 is below top_k 8"):
+        EagleConfig(draft_vocab_size=4)  # the tree fit tries top_k 2, 4 and 8
+
+
+def test_resuming_with_another_draft_vocabulary_is_refused_by_the_fingerprint():
+    from types import SimpleNamespace
+
+    from train.loop import run_fingerprint
+
+    model = tiny_model("llama")
+    V = model.config.vocab_size
+    data = examples_from_lists(torch.randint(3, V, (6, 20), generator=torch.Generator().manual_seed(1)).tolist())
+    one = SimpleNamespace(num_processes=1)
+    prints = [run_fingerprint(EagleConfig(draft_vocab_size=size), one,
+                              eagle_recipe.build_drafter(EagleConfig(draft_vocab_size=size), model, data), data)
+              for size in (V // 4, V // 2)]
+    assert prints[0]["drafter_shapes_sha1"] == prints[1]["drafter_shapes_sha1"]  # d2t is a buffer, not a parameter
+    assert prints[0]["drafter_buffers_sha1"] != prints[1]["drafter_buffers_sha1"]
 
 
 def test_the_demo_budget_follows_the_version_and_explicit_values_win():

@@ -79,10 +79,8 @@ class EagleConfig(TrainConfig):
     tune_new_tokens: int = 128  # as many as the bench: the truncated last step weighs less
     version: int = 1  # 1: EAGLE-1/2 (feature regression + soft labels); 3: EAGLE-3 (fused layers, training-time test)
     ttt_steps: int = 7  # EAGLE-3: draft steps unrolled per sequence in training (the training-time test)
-    # the target tokens the drafter drafts among: the most frequent trained ones (FR-Spec for EAGLE-1/2: draft calls
-    # read only these rows of the lm_head). None: EAGLE-3 a quarter of the target's vocabulary (2048 to 32768),
-    # EAGLE-1/2 the whole vocabulary (what published EAGLE-1 loaders expect); 0: the whole vocabulary
-    draft_vocab_size: int | None = None
+    # FR-Spec for EAGLE-1/2: draft calls read only these rows of the target's lm_head
+    draft_vocab_size: int | None = None  # drafts among the N most frequent trained tokens (None: EAGLE-3 vocab/4 in 2048..32768, EAGLE-1 all; 0: all)
     feature_layers: list[int] | None = None  # EAGLE-3: target hidden_states indices fused (None: [2, L//2, L-3])
     norm_before_residual: bool = False  # EAGLE-3: residual from hidden_norm(h), not h (speculators; vLLM, not SGLang)
     norm_before_fc: bool = False  # EAGLE-3: one RMSNorm over the fused features before fc (speculators; vLLM, SGLang)
@@ -105,6 +103,10 @@ class EagleConfig(TrainConfig):
         if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
             raise ConfigError(f"--draft_vocab_size must be >= 0 (0: the target's whole vocabulary), got "
                               f"{self.draft_vocab_size}")
+        widest = max(self.tune_top_ks + [self.top_k])
+        if self.draft_vocab_size and self.draft_vocab_size < widest:
+            raise ConfigError(f"--draft_vocab_size {self.draft_vocab_size} is below top_k {widest} (the tree drafts "
+                              f"top_k tokens per node): use at least {widest}, or 0 for the whole vocabulary")
         for name in ("norm_before_residual", "norm_before_fc"):
             if self.version == 1 and getattr(self, name):
                 raise ConfigError(f"--{name} is an EAGLE-3 variant: add --version 3, or leave it false")
@@ -120,6 +122,8 @@ class EagleMethod:
 
     def __init__(self, cfg: EagleConfig, target, draft: EagleDraft, tune_prompts: list[torch.Tensor]) -> None:
         self.cfg, self.target, self.trainable, self.tune_prompts = cfg, target, draft, tune_prompts
+        # an EAGLE-1/2 draft vocabulary (fixed for the run; read here, before an engine wraps the drafter)
+        self.draft_ids = draft.draft_ids.clone() if draft.config.kind == "eagle" and draft.config.draft_vocab_size else None
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.chunk = chunk_rows(self.lm_head.weight.shape[0])  # positions projected onto the vocabulary at a time
@@ -149,6 +153,15 @@ class EagleMethod:
         """The target's frozen lm_head on (predicted) features, as float32."""
         return self.lm_head(features.to(self.lm_head.weight.dtype)).float()
 
+    def _ranked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafter's RANKS best target tokens per row (C, RANKS): among its draft vocabulary when it has one,
+        since it never drafts the others."""
+        if self.draft_ids is None:
+            return logits.topk(RANKS, dim=-1).indices
+        ids = self.draft_ids.to(logits.device)
+        ranked = ids[logits[:, ids].topk(min(RANKS, ids.numel()), dim=-1).indices]
+        return F.pad(ranked, (0, RANKS - ranked.shape[1]), value=-1)  # -1: no token, for vocabularies under RANKS
+
     def _cls_sum(self, pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
         """The soft-label cross-entropy of a chunk of pairs, summed: the target's distribution at the true
         feature against the drafter's at the predicted one."""
@@ -162,7 +175,7 @@ class EagleMethod:
         target, logits = self.logits(true), self.logits(pred)  # (C, V) each
         reg = F.smooth_l1_loss(pred.float(), true.float(), reduction="none").mean(-1).sum()
         cls = -(target.softmax(-1) * logits.log_softmax(-1)).sum()
-        hits = (logits.topk(RANKS, dim=-1).indices == target.argmax(-1, keepdim=True)).sum(0)
+        hits = (self._ranked(logits) == target.argmax(-1, keepdim=True)).sum(0)
         return torch.cat([torch.stack([reg, cls]).double(), reg.new_tensor([pred.shape[0]], dtype=torch.float64),
                           hits.double()])
 

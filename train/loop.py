@@ -419,7 +419,8 @@ def run_fingerprint(cfg: TrainConfig, accelerator: Accelerator, trainable: torch
     """What decides a run's result besides its seed: resuming with any of these changed is refused. The data
     is named by its cache key (source files' sizes and times, tokenizer, selections), not read again."""
     shapes = hashlib.sha1(repr([(n, tuple(p.shape)) for n, p in trainable.named_parameters()]).encode())
-    return {"model": cfg.model, "train_examples": len(train_data), "train_data": train_data.key,
+    buffers = hashlib.sha1(repr([(n, tuple(b.shape)) for n, b in trainable.named_buffers()]).encode())  # e.g. d2t
+    return {"drafter_buffers_sha1": buffers.hexdigest(), "model": cfg.model, "train_examples": len(train_data), "train_data": train_data.key,
             "max_length": cfg.max_length, "per_device_train_batch_size": cfg.per_device_train_batch_size,
             "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
             "num_processes": accelerator.num_processes, "drafter_shapes_sha1": shapes.hexdigest()}
