@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import (
 
 from heads.config import HeadsConfig
 from heads.io import PretrainedHeads
+from heads.projection import apply_head, vocab_logits
 
 
 def _rope(config: Any) -> dict[str, Any]:
@@ -245,11 +246,11 @@ class EagleDraft(DraftVocabulary, PretrainedHeads):
         (..., N) where the drafter has one, else over the target's whole vocabulary."""
         out = out.to(lm_head.weight.dtype)
         if self.config.draft_vocab_size == 0:
-            return lm_head(out)
-        if not isinstance(lm_head, nn.Linear):  # a wrapped or quantised head: its logits, then the rows
+            return apply_head(lm_head, out)
+        if type(lm_head) is not nn.Linear:  # a wrapped or quantised head: its logits, then the rows
             return lm_head(out)[..., self.draft_ids.to(out.device)]
         weight, bias = self._draft_rows(lm_head)
-        return F.linear(out, weight, bias)
+        return vocab_logits(out, weight, bias)
 
     def _draft_rows(self, lm_head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The lm_head's weight (and bias) rows of the draft vocabulary, gathered once per head weight."""

@@ -40,6 +40,7 @@ from heads.eagle import (
     project,
 )
 from heads.io import PretrainedHeads
+from heads.projection import apply_head
 
 
 def default_feature_layers(num_layers: int) -> list[int]:
@@ -108,7 +109,7 @@ class Eagle3Draft(DraftVocabulary, PretrainedHeads):
 
     def logits(self, out: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """Layer outputs (..., H) -> logits over the draft vocabulary (..., N) (the target's lm_head is unused)."""
-        return self.lm_head(self.norm(out))
+        return apply_head(self.lm_head, self.norm(out))
 
     def forward(
         self,

@@ -11,6 +11,7 @@ from torch import nn
 
 from heads.config import HeadsConfig
 from heads.io import PretrainedHeads
+from heads.projection import apply_head
 
 
 class ResBlock(nn.Module):
@@ -69,8 +70,8 @@ class MedusaHeads(PretrainedHeads):
             if lm_head is None:
                 raise ValueError("these heads share the target's lm_head: pass lm_head=model.get_output_embeddings()")
             # One lm_head call for all heads: the projection is read from memory once, not K times.
-            return tuple(lm_head(torch.stack([head(hidden) for head in self.heads])).unbind(0))
-        return tuple(head(hidden) for head in self.heads)
+            return tuple(apply_head(lm_head, torch.stack([head(hidden) for head in self.heads])).unbind(0))
+        return tuple(apply_head(head[-1], head[:-1](hidden)) for head in self.heads)
 
     def project_head(self, k: int, features: torch.Tensor) -> torch.Tensor:
         """Head k's own vocabulary projection of its features (..., H) -> logits (..., V)."""

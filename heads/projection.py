@@ -1,0 +1,34 @@
+"""Vocabulary projections for drafting (x @ W.T over tens of thousands of rows), laid out for the CPU's GEMM.
+
+A draft call projects a few rows (the heads, a tree frontier) onto the vocabulary. On CPU in float32, MKL's
+GEMM computes that 2-4x faster as W @ x.T than as x @ W.T (`F.linear`) when x has 2-64 rows: an 8192 x 384
+head with 8 rows takes 3.9 ms through `F.linear` and 1.7 ms the other way round on the 2-core AMD EPYC this
+was measured on, and no case measured is slower (bfloat16 and float16 are unaffected, so they keep
+`F.linear`). Only the summation order can differ, and a draft only proposes: verification is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def vocab_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., H) -> x @ weight.T + bias (..., V), as `F.linear`; float32 on CPU without autograd uses W @ x.T."""
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or weight.device != x.device or weight.dtype != x.dtype
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.mm(weight, rows.T).T.contiguous()  # (M, V); top-k and softmax then read rows
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def apply_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """head(x) for a vocabulary projection; a plain `nn.Linear` goes through `vocab_logits`. Subclasses
+    (quantised layers), wrappers (LoRA) and hooked modules (accelerate offload) run their own forward."""
+    if type(head) is nn.Linear and not getattr(head, "_hf_hook", None):
+        return vocab_logits(x, head.weight, head.bias)
+    return head(x)

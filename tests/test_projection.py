@@ -1,0 +1,59 @@
+"""The drafters' vocabulary projection: the same logits as F.linear, by the faster GEMM layout where it applies."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import heads.projection as projection
+from heads.projection import apply_head, vocab_logits
+
+
+def forbid_linear(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("F.linear was called")
+    monkeypatch.setattr(projection.F, "linear", fail)
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (8, 32), (2, 5, 32), (4, 1, 3, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_float32_takes_the_transposed_product_and_equals_linear(monkeypatch, shape, bias):
+    torch.manual_seed(0)
+    x, w = torch.randn(shape), torch.randn(300, 32)
+    b = torch.randn(300) if bias else None
+    expected = F.linear(x, w, b)
+    forbid_linear(monkeypatch)
+    with torch.no_grad():
+        out = vocab_logits(x, w, b)
+    assert out.shape == expected.shape and out.is_contiguous()
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(out.argmax(-1), expected.argmax(-1))
+
+
+def test_other_dtypes_and_autograd_keep_linear_exactly(monkeypatch):
+    torch.manual_seed(0)
+    monkeypatch.setattr(projection.torch, "mm", None)  # the fast path would call it
+    x, w = torch.randn(6, 32), torch.randn(300, 32)
+    for dtype in (torch.bfloat16, torch.float16):  # no faster layout measured for these: bit-identical
+        assert torch.equal(vocab_logits(x.to(dtype), w.to(dtype)), F.linear(x.to(dtype), w.to(dtype)))
+    wg = w.clone().requires_grad_()
+    vocab_logits(x, wg).sum().backward()  # training: F.linear and its own backward
+    torch.testing.assert_close(wg.grad, x.sum(0).expand_as(w))
+
+
+def test_apply_head_uses_the_fast_path_for_plain_linear_only(monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(3, 32)
+    plain = nn.Linear(32, 300, bias=True)
+
+    class Scaled(nn.Linear):  # a subclass (quantised layers are) keeps its own forward
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    scaled = Scaled(32, 300)
+    scaled.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        expected = plain(x)
+        torch.testing.assert_close(apply_head(scaled, x), 2 * expected)
+        forbid_linear(monkeypatch)
+        torch.testing.assert_close(apply_head(plain, x), expected)
