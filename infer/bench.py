@@ -324,8 +324,9 @@ def plot_bench(result: dict, path: str | Path) -> None:
 
 @torch.no_grad()
 def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int = 15,
-                    timer: Callable[[], float] = time.perf_counter) -> LatencyCurve:
-    """Seconds of one target forward of n tree nodes on top of a cached prefix, for each n in `sizes`.
+                    timer: Callable[[], float] = time.perf_counter, batch_size: int = 1) -> LatencyCurve:
+    """Seconds of one target forward of n tree nodes on top of a cached prefix, for each n in `sizes`; with
+    `batch_size` B, of B rows' trees of n nodes each in one forward (a batch makes wide trees dearer).
 
     The sizes take turns: after a warm-up round, each of `repeats` rounds times every size once, so a
     busy spell of the machine lands on several sizes once each instead of on every repeat of one.
@@ -339,19 +340,22 @@ def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int
     target = Target(model)
     vocab, largest = target.vocab_size, max(sizes)
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(target.device)
+    B = batch_size
+    prefix = torch.randint(0, vocab, (B, prefix_len), generator=gen).to(target.device)
     trees = {n: tree_from_parents([-1] + [0] * (n - 1), list(range(n))).to(target.device) for n in sizes}  # stars
-    tokens = {n: torch.randint(0, vocab, (n,), generator=gen).to(target.device) for n in sizes}
+    tokens = {n: torch.randint(0, vocab, (B, n), generator=gen).to(target.device) for n in sizes}
     cache = new_cache(model, prefix_len + largest)
-    target.prefill(prefix, cache)  # once: every timed forward starts from this prefix
+    target.prefill_rows(prefix, cache, hidden=False)  # once: every timed forward starts from this prefix
     mask = PrefixMask(largest, prefix_len + largest, target.dtype, target.device)
+    positions = {n: (prefix_len + trees[n].depths)[None].expand(B, -1) for n in sizes}
     sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for round_ in range(repeats + 1):  # round 0 warms up the kernels and is not kept
         for n in sizes:
             sync()
             start = timer()
-            target.verify(tokens[n], trees[n], mask, prefix_len, cache)
+            target.verify_rows(tokens[n], positions[n], mask.at(prefix_len, trees[n].ancestors).expand(B, -1, -1, -1),
+                               cache)
             sync()
             if round_:
                 samples[n].append(timer() - start)

@@ -343,16 +343,16 @@ def cmd_tune(args: argparse.Namespace) -> None:
     prompts = [p.to(args.device) for p in calibration_prompts(tokenizer, args.prompts, args.num_prompts)]
     proposer = spec.proposer
     config = proposer.draft.config if isinstance(proposer, EagleProposer) else proposer.heads.config
-    print(f"measuring on {len(prompts)} calibration prompts, {args.dtype}, {torch.get_num_threads()} threads",
-          file=sys.stderr)
+    print(f"measuring on {len(prompts)} calibration prompts, batch size {args.batch_size}, {args.dtype}, "
+          f"{torch.get_num_threads()} threads", file=sys.stderr)
     if isinstance(proposer, EagleProposer):
-        best, rows = tune_eagle(model, proposer.draft, prompts, eagle_grid(), args.max_new_tokens)
+        best, rows = tune_eagle(model, proposer.draft, prompts, eagle_grid(), args.max_new_tokens, args.batch_size)
         print("EAGLE dynamic tree, measured by greedy decoding (tau, 20th-percentile step time):")
         print(format_rows(rows, best))
         config.depth, config.top_k, config.total_tokens = best["depth"], best["top_k"], best["total_tokens"]
         chosen = f"depth {config.depth}, top_k {config.top_k}, total_tokens {config.total_tokens}"
     else:
-        choices, rows, accuracy = tune_medusa(model, proposer.heads, prompts)
+        choices, rows, accuracy = tune_medusa(model, proposer.heads, prompts, batch_size=args.batch_size)
         print("Medusa heads' top-1..3 accuracy on the target's own continuations:")
         for k, row in enumerate(accuracy.tolist()):
             print(f"  head {k}: " + " ".join(f"{a:.3f}" for a in row[:3]))
@@ -361,7 +361,8 @@ def cmd_tune(args: argparse.Namespace) -> None:
         config.tree = choices
         chosen = f"a {len(choices) + 1}-node tree"
     atomic_write(Path(args.heads, "config.json"), lambda tmp: Path(tmp).write_text(config.to_json()))
-    print(f"stored {chosen} as the default in {args.heads}/config.json (the most tokens per second measured here)")
+    print(f"stored {chosen} as the default in {args.heads}/config.json (the most tokens per second measured here, "
+          f"at batch size {args.batch_size})")
 
 
 def cmd_import(args: argparse.Namespace) -> None:

@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--num-prompts", type=at_least(1), default=6)
     tune.add_argument("--max-new-tokens", type=at_least(1), default=128,
                       help="tokens decoded per prompt and EAGLE setting")
+    tune.add_argument("--batch-size", type=at_least(1), default=1,
+                      help="fit the tree for batches of this many prompts (a batch makes wide trees dearer); the "
+                           "fitted tree becomes the default for every batch size")
     from heads.convert import EXPORT_FORMATS
 
     imp = sub.add_parser("import", help="convert a published Medusa/EAGLE checkpoint into a selfspec heads directory")

@@ -49,14 +49,16 @@ def medusa_accuracy(model: torch.nn.Module, heads: MedusaHeads, prompts: Sequenc
 
 
 def tune_medusa(model: torch.nn.Module, heads: MedusaHeads, prompts: Sequence[torch.Tensor],
-                latency: dict[int, float] | None = None) -> tuple[list[list[int]], list[dict], torch.Tensor]:
+                latency: dict[int, float] | None = None,
+                batch_size: int = 1) -> tuple[list[list[int]], list[dict], torch.Tensor]:
     """The static tree with the most expected tokens per second; `latency` (nodes -> seconds per target
-    forward) is measured here when not given. Returns the choices, a row per size and the accuracy table."""
+    forward) is measured here, for batches of `batch_size` rows, when not given. Returns the choices, a row
+    per size and the accuracy table."""
     from infer.bench import forward_latency
 
     accuracy = medusa_accuracy(model, heads, prompts).clamp(min=1e-6)
     if latency is None:
-        latency = forward_latency(model, LATENCY_SIZES)
+        latency = forward_latency(model, LATENCY_SIZES, batch_size=batch_size)
     choices, rows = fit_tree(accuracy, latency)
     return choices, rows, accuracy
 
@@ -74,37 +76,47 @@ def tune_eagle(
     prompts: Sequence[torch.Tensor],
     grid: Sequence[tuple[int, int, int]],
     max_new_tokens: int = 128,
+    batch_size: int = 1,
 ) -> tuple[dict, list[dict]]:
-    """Decode `prompts` (1-D token tensors) with every (depth, top_k, total_tokens) in `grid`; returns
-    the fastest setting's row and all rows.
+    """Decode `prompts` (1-D token tensors), `batch_size` at a time (left-padded), with every (depth, top_k,
+    total_tokens) in `grid`; returns the fastest setting's row and all rows.
 
-    The settings take turns prompt by prompt, so a busy spell of the machine slows several settings a
+    The settings take turns batch by batch, so a busy spell of the machine slows several settings a
     little instead of one a lot. tau is exact (greedy decoding is deterministic); the step time is the
     20th percentile of the setting's decode steps and `spread` how far their median lies above it.
     """
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     proposers = [EagleProposer(draft, embed, lm_head, *setting) for setting in grid]
+    from infer.bench import left_pad
 
-    def decode(proposer: EagleProposer, prompt: torch.Tensor, new_tokens: int) -> GenerationStats:
+    device = prompts[0].device  # a batch of one keeps no mask: the single-prompt path, as generate gets it
+    batches = [(prompts[i][None], None) if batch_size == 1 else
+               tuple(t.to(device) for t in left_pad(list(prompts[i : i + batch_size]), 0))
+               for i in range(0, len(prompts), batch_size)]
+
+    def decode(proposer: EagleProposer, batch: tuple[torch.Tensor, torch.Tensor | None],
+               new_tokens: int) -> GenerationStats:
         spec = SpeculativeModel(model, proposer)  # per decode: one per setting would hold a KV cache each
-        spec.generate(prompt[None], max_new_tokens=new_tokens, eos_token_id=[], do_sample=False)
+        ids, mask = batch
+        spec.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=[], do_sample=False)
         return spec.last_stats
 
     for proposer in proposers:
-        decode(proposer, prompts[0], 8)  # warm-up, not counted
+        decode(proposer, batches[0], 8)  # warm-up, not counted
     steps, tokens = [0] * len(grid), [0] * len(grid)
     times: list[list[float]] = [[] for _ in grid]
-    for prompt in prompts:
+    for batch in batches:
         for i, proposer in enumerate(proposers):
-            s = decode(proposer, prompt, max_new_tokens)
+            s = decode(proposer, batch, max_new_tokens)
             steps[i], tokens[i] = steps[i] + s.decode_steps, tokens[i] + s.decode_tokens
             times[i] += s.step_times
     rows = []
     for (depth, top_k, total), n, t, ts in zip(grid, steps, tokens, times):
-        tau = t / max(n, 1)
+        tau = t / max(n, 1)  # per row and step
         step, spread = low_and_spread(ts) if ts else (float("inf"), 0.0)
+        per_forward = t / max(len(ts), 1)  # every row's tokens of one forward (tau at batch size 1)
         rows.append({"depth": depth, "top_k": top_k, "total_tokens": total, "tau": tau, "ms_per_step": 1e3 * step,
-                     "tokens_per_s": tau / step, "spread": spread})
+                     "tokens_per_s": per_forward / step, "spread": spread})
     return max(rows, key=lambda r: r["tokens_per_s"]), rows
 
 

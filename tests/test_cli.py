@@ -187,8 +187,9 @@ def test_tune_stores_a_medusa_tree_and_an_eagle_setting(medusa_dir, eagle_dir, c
     chosen = next(line for line in capsys.readouterr().out.splitlines() if "<- chosen" in line)
     tree = json.loads((medusa_dir / "config.json").read_text())["tree"]
     assert tree is not None and chosen.startswith(f"{len(tree) + 1:5d} nodes:")  # what was measured best is stored
-    cli(["tune", "--heads", str(eagle_dir), "--num-prompts", "2", "--max-new-tokens", "6"])
+    cli(["tune", "--heads", str(eagle_dir), "--num-prompts", "2", "--max-new-tokens", "6", "--batch-size", "2"])
     printed = capsys.readouterr().out
+    assert "at batch size 2" in printed
     config = json.loads((eagle_dir / "config.json").read_text())
     chosen = next(line for line in printed.splitlines() if "<- chosen" in line)
     assert f"depth {config['depth']:2d}  top_k {config['top_k']:2d}  total_tokens {config['total_tokens']:3d}" in chosen

@@ -22,31 +22,43 @@ def clean(n: int) -> float:
 
 
 class FakeClock:
-    """Time that moves only when the model runs: its k-th forward of n tokens takes cost(n, k) seconds
-    (k counts from 0 at the first forward after the prefill). Records the token count of every forward."""
+    """Time that moves only when the model runs: its k-th forward of n tokens (all rows together) takes
+    cost(n, k) seconds (k counts from 0 at the first forward after the prefill). Records the token count and
+    the row count of every forward."""
 
     def __init__(self, model: torch.nn.Module, cost) -> None:
-        self.now, self.cost, self.sizes = 0.0, cost, []
+        self.now, self.cost, self.sizes, self.rows = 0.0, cost, [], []
         model.register_forward_pre_hook(self.tick, with_kwargs=True)
 
     def tick(self, module, args, kwargs) -> None:
-        n = kwargs["input_ids"].shape[1]
+        n = kwargs["input_ids"].numel()
         self.now += self.cost(n, len(self.sizes) - 1)
         self.sizes.append(n)
+        self.rows.append(kwargs["input_ids"].shape[0])
 
     def __call__(self) -> float:
         return self.now
 
 
-def latency(cost, repeats: int = 15):
+def latency(cost, repeats: int = 15, batch_size: int = 1):
     model = tiny_model("llama")
     clock = FakeClock(model, cost)
-    return forward_latency(model, LATENCY_SIZES, prefix_len=PREFIX, repeats=repeats, timer=clock), clock
+    return forward_latency(model, LATENCY_SIZES, prefix_len=PREFIX, repeats=repeats, timer=clock,
+                           batch_size=batch_size), clock
 
 
 def test_sizes_take_turns_round_by_round_after_one_prefill():
     _, clock = latency(lambda n, k: clean(n), repeats=3)
     assert clock.sizes == [PREFIX] + LATENCY_SIZES * 4  # the warm-up round, then 3 timed rounds
+
+
+def test_a_batch_times_every_row_s_tree_in_one_forward_and_fits_a_smaller_tree():
+    curve, clock = latency(lambda n, k: clean(n), repeats=3, batch_size=8)
+    assert clock.rows == [8] * (1 + 4 * len(LATENCY_SIZES))  # the prefill and every timed forward: all 8 rows
+    assert clock.sizes == [8 * PREFIX] + [8 * n for n in LATENCY_SIZES] * 4
+    assert curve.fitted == pytest.approx({n: clean(8 * n) for n in LATENCY_SIZES})
+    choices, _ = fit_tree(ACCURACY, curve)
+    assert len(choices) + 1 < 24  # each node costs 8 rows' worth: the tree fitted at batch 1 is too wide
 
 
 def test_the_curve_is_the_clean_one_when_quiet():
@@ -98,8 +110,9 @@ def test_a_busy_machine_is_reported_and_a_quiet_one_is_not():
     assert "warning" not in format_tree_rows(rows, choices)
 
 
-def test_forward_latency_on_a_real_clock_is_a_non_decreasing_curve():
-    curve = forward_latency(tiny_model("llama"), [1, 4, 8], prefix_len=PREFIX, repeats=3)
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_forward_latency_on_a_real_clock_is_a_non_decreasing_curve(batch_size):
+    curve = forward_latency(tiny_model("llama"), [1, 4, 8], prefix_len=PREFIX, repeats=3, batch_size=batch_size)
     assert list(curve) == [1, 4, 8]
     assert curve[1] <= curve[4] <= curve[8]
     assert all(curve.fitted[n] <= curve.measured[n] for n in curve)
@@ -115,12 +128,14 @@ class FakeSpec:
     def __init__(self, model, setting) -> None:
         self.setting = setting
 
-    def generate(self, ids, max_new_tokens, eos_token_id, do_sample):
+    def generate(self, ids, max_new_tokens, eos_token_id, do_sample, attention_mask=None):
         assert do_sample is False  # tuning times greedy decoding, whatever the target's generation_config says
-        prompt = int(ids[0, 0])
+        rows = ids.shape[0]
+        assert (attention_mask is None) == (rows == 1)
+        prompt = int(ids[-1, -3])  # the last row is never padded
         FakeSpec.log.append((self.setting, prompt))
-        tau = TAU[self.setting]
-        self.last_stats = GenerationStats(decode_steps=4, decode_tokens=4 * tau,
+        tau = TAU[self.setting]  # per row and step: a forward makes rows x tau tokens
+        self.last_stats = GenerationStats(decode_steps=4 * rows, decode_tokens=4 * tau * rows,
                                           step_times=[FakeSpec.step_time(self.setting, prompt)] * 4)
         return ids
 
@@ -130,13 +145,21 @@ TAU = {WIDE: 3, NARROW: 2}
 STEP = {WIDE: 0.010, NARROW: 0.008}  # 300 vs 250 tokens/s: WIDE is faster
 
 
-def fake_tune(monkeypatch, step_time):
+def fake_tune(monkeypatch, step_time, batch_size=1):
     monkeypatch.setattr(infer.tune, "SpeculativeModel", FakeSpec)
     monkeypatch.setattr(infer.tune, "EagleProposer", lambda draft, embed, lm_head, *setting: setting)
     monkeypatch.setattr(FakeSpec, "log", [])
     monkeypatch.setattr(FakeSpec, "step_time", staticmethod(step_time))
     prompts = [torch.tensor([p, 5, 6]) for p in range(6)]
-    return tune_eagle(tiny_model("llama"), None, prompts, [WIDE, NARROW], max_new_tokens=8)
+    return tune_eagle(tiny_model("llama"), None, prompts, [WIDE, NARROW], max_new_tokens=8, batch_size=batch_size)
+
+
+def test_eagle_settings_take_turns_batch_by_batch_and_count_every_row(monkeypatch):
+    best, rows = fake_tune(monkeypatch, lambda s, p: STEP[s], batch_size=2)
+    warmup = [(WIDE, 1), (NARROW, 1)]  # each batch is logged by its last prompt: 1, 3, 5
+    assert FakeSpec.log == warmup + [(s, p) for p in (1, 3, 5) for s in (WIDE, NARROW)]
+    assert [r["tau"] for r in rows] == [3, 2]  # per row and step, as at batch size 1
+    assert best["total_tokens"] == 32 and best["tokens_per_s"] == pytest.approx(600)  # 2 rows x 3 / 10 ms
 
 
 def test_eagle_settings_take_turns_prompt_by_prompt(monkeypatch):
