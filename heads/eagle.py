@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import (
 
 from heads.config import HeadsConfig
 from heads.io import PretrainedHeads
-from heads.projection import apply_head, vocab_logits
+from heads.projection import apply_head, is_plain_linear, vocab_logits
 
 
 def _rope(config: Any) -> dict[str, Any]:
@@ -247,7 +247,7 @@ class EagleDraft(DraftVocabulary, PretrainedHeads):
         out = out.to(lm_head.weight.dtype)
         if self.config.draft_vocab_size == 0:
             return apply_head(lm_head, out)
-        if type(lm_head) is not nn.Linear:  # a wrapped or quantised head: its logits, then the rows
+        if not is_plain_linear(lm_head):  # a wrapped, quantised or hooked head: its logits, then the rows
             return lm_head(out)[..., self.draft_ids.to(out.device)]
         weight, bias = self._draft_rows(lm_head)
         return vocab_logits(out, weight, bias)

@@ -26,9 +26,17 @@ def vocab_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def is_plain_linear(head: nn.Module) -> bool:
+    """Whether `head(x)` is exactly x @ weight.T + bias: an `nn.Linear` itself, not a subclass (quantised
+    layers), and without hooks (accelerate offload, weight_norm, pruning) that would change or move its weight."""
+    return (type(head) is nn.Linear and not getattr(head, "_hf_hook", None) and not head._forward_hooks
+            and not head._forward_pre_hooks and not nn.modules.module._global_forward_hooks
+            and not nn.modules.module._global_forward_pre_hooks)
+
+
 def apply_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """head(x) for a vocabulary projection; a plain `nn.Linear` goes through `vocab_logits`. Subclasses
-    (quantised layers), wrappers (LoRA) and hooked modules (accelerate offload) run their own forward."""
-    if type(head) is nn.Linear and not getattr(head, "_hf_hook", None):
+    """head(x) for a vocabulary projection; a plain `nn.Linear` goes through `vocab_logits`, anything else
+    (quantised, wrapped by LoRA, hooked) runs its own forward."""
+    if is_plain_linear(head):
         return vocab_logits(x, head.weight, head.bias)
     return head(x)

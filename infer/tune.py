@@ -60,6 +60,8 @@ def tune_medusa(model: torch.nn.Module, heads: MedusaHeads, prompts: Sequence[to
     if latency is None:
         latency = forward_latency(model, LATENCY_SIZES, batch_size=batch_size)
     choices, rows = fit_tree(accuracy, latency)
+    for row in rows:  # every row's tokens per second, as EAGLE's rows count them (the choice is the same)
+        row["tokens_per_s"] *= batch_size
     return choices, rows, accuracy
 
 
@@ -90,9 +92,10 @@ def tune_eagle(
     from infer.bench import left_pad
 
     device = prompts[0].device  # a batch of one keeps no mask: the single-prompt path, as generate gets it
-    batches = [(prompts[i][None], None) if batch_size == 1 else
-               tuple(t.to(device) for t in left_pad(list(prompts[i : i + batch_size]), 0))
-               for i in range(0, len(prompts), batch_size)]
+    rows = cycled(prompts, batch_size)
+    batches = [(rows[i][None], None) if batch_size == 1 else
+               tuple(t.to(device) for t in left_pad(rows[i : i + batch_size], 0))
+               for i in range(0, len(rows), batch_size)]
 
     def decode(proposer: EagleProposer, batch: tuple[torch.Tensor, torch.Tensor | None],
                new_tokens: int) -> GenerationStats:
@@ -118,6 +121,13 @@ def tune_eagle(
         rows.append({"depth": depth, "top_k": top_k, "total_tokens": total, "tau": tau, "ms_per_step": 1e3 * step,
                      "tokens_per_s": per_forward / step, "spread": spread})
     return max(rows, key=lambda r: r["tokens_per_s"]), rows
+
+
+def cycled(prompts: Sequence[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
+    """The prompts, repeated from the first as needed to fill whole batches: every batch is timed at
+    `batch_size` rows, also when there are fewer prompts than that or they do not divide evenly."""
+    count = -(-len(prompts) // batch_size) * batch_size
+    return [prompts[i % len(prompts)] for i in range(count)]
 
 
 def noise_warning(rows: list[dict], name: str) -> str | None:

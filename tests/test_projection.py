@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import heads.projection as projection
-from heads.projection import apply_head, vocab_logits
+from heads.projection import apply_head, is_plain_linear, vocab_logits
 
 
 def forbid_linear(monkeypatch):
@@ -57,3 +57,13 @@ def test_apply_head_uses_the_fast_path_for_plain_linear_only(monkeypatch):
         torch.testing.assert_close(apply_head(scaled, x), 2 * expected)
         forbid_linear(monkeypatch)
         torch.testing.assert_close(apply_head(plain, x), expected)
+
+
+def test_a_hooked_linear_runs_its_own_forward(monkeypatch):
+    torch.manual_seed(0)
+    x, head = torch.randn(3, 32), nn.Linear(32, 300)
+    assert is_plain_linear(head)
+    head.register_forward_pre_hook(lambda module, args: (2 * args[0],))  # as offload or weight_norm hooks do
+    assert not is_plain_linear(head)
+    with torch.no_grad():
+        torch.testing.assert_close(apply_head(head, x), F.linear(2 * x, head.weight, head.bias))

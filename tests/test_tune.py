@@ -123,6 +123,7 @@ class FakeSpec:
     of tau TAU[setting], each taking step_time(setting, prompt) seconds; `log` records the decodes in order."""
 
     log: list[tuple[tuple[int, int, int], int]] = []
+    rows: list[int] = []
     step_time = None
 
     def __init__(self, model, setting) -> None:
@@ -132,6 +133,7 @@ class FakeSpec:
         assert do_sample is False  # tuning times greedy decoding, whatever the target's generation_config says
         rows = ids.shape[0]
         assert (attention_mask is None) == (rows == 1)
+        FakeSpec.rows.append(rows)
         prompt = int(ids[-1, -3])  # the last row is never padded
         FakeSpec.log.append((self.setting, prompt))
         tau = TAU[self.setting]  # per row and step: a forward makes rows x tau tokens
@@ -149,9 +151,17 @@ def fake_tune(monkeypatch, step_time, batch_size=1):
     monkeypatch.setattr(infer.tune, "SpeculativeModel", FakeSpec)
     monkeypatch.setattr(infer.tune, "EagleProposer", lambda draft, embed, lm_head, *setting: setting)
     monkeypatch.setattr(FakeSpec, "log", [])
+    monkeypatch.setattr(FakeSpec, "rows", [])
     monkeypatch.setattr(FakeSpec, "step_time", staticmethod(step_time))
     prompts = [torch.tensor([p, 5, 6]) for p in range(6)]
     return tune_eagle(tiny_model("llama"), None, prompts, [WIDE, NARROW], max_new_tokens=8, batch_size=batch_size)
+
+
+@pytest.mark.parametrize("batch_size", [4, 8])
+def test_every_eagle_batch_has_batch_size_rows_whatever_the_prompt_count(monkeypatch, batch_size):
+    fake_tune(monkeypatch, lambda s, p: STEP[s], batch_size=batch_size)  # 6 prompts: 4 + 2, or 6 of 8
+    assert FakeSpec.rows and set(FakeSpec.rows) == {batch_size}
+    assert len(FakeSpec.rows) == 2 * (1 + -(-6 // batch_size))  # warm-up + the batches, both settings
 
 
 def test_eagle_settings_take_turns_batch_by_batch_and_count_every_row(monkeypatch):
