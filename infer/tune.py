@@ -87,15 +87,15 @@ def tune_eagle(
     little instead of one a lot. tau is exact (greedy decoding is deterministic); the step time is the
     20th percentile of the setting's decode steps and `spread` how far their median lies above it.
     """
-    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    proposers = [EagleProposer(draft, embed, lm_head, *setting) for setting in grid]
     from infer.bench import left_pad
 
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    proposers = [EagleProposer(draft, embed, lm_head, *setting) for setting in grid]
     device = prompts[0].device  # a batch of one keeps no mask: the single-prompt path, as generate gets it
-    rows = cycled(prompts, batch_size)
-    batches = [(rows[i][None], None) if batch_size == 1 else
-               tuple(t.to(device) for t in left_pad(rows[i : i + batch_size], 0))
-               for i in range(0, len(rows), batch_size)]
+    filled = cycled(prompts, batch_size)
+    batches = [(filled[i][None], None) if batch_size == 1 else
+               tuple(t.to(device) for t in left_pad(filled[i : i + batch_size], 0))
+               for i in range(0, len(filled), batch_size)]
 
     def decode(proposer: EagleProposer, batch: tuple[torch.Tensor, torch.Tensor | None],
                new_tokens: int) -> GenerationStats:

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -418,12 +419,14 @@ def run_fingerprint(cfg: TrainConfig, accelerator: Accelerator, trainable: torch
                     train_data: Examples) -> dict[str, Any]:
     """What decides a run's result besides its seed: resuming with any of these changed is refused. The data
     is named by its cache key (source files' sizes and times, tokenizer, selections), not read again."""
-    shapes = hashlib.sha1(repr([(n, tuple(p.shape)) for n, p in trainable.named_parameters()]).encode())
-    buffers = hashlib.sha1(repr([(n, tuple(b.shape)) for n, b in trainable.named_buffers()]).encode())  # e.g. d2t
-    return {"drafter_buffers_sha1": buffers.hexdigest(), "model": cfg.model, "train_examples": len(train_data), "train_data": train_data.key,
+    def shapes_sha1(named: Iterator[tuple[str, torch.Tensor]]) -> str:
+        return hashlib.sha1(repr([(n, tuple(t.shape)) for n, t in named]).encode()).hexdigest()
+
+    return {"drafter_buffers_sha1": shapes_sha1(trainable.named_buffers()),  # e.g. an EAGLE draft vocabulary's d2t
+            "model": cfg.model, "train_examples": len(train_data), "train_data": train_data.key,
             "max_length": cfg.max_length, "per_device_train_batch_size": cfg.per_device_train_batch_size,
             "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-            "num_processes": accelerator.num_processes, "drafter_shapes_sha1": shapes.hexdigest()}
+            "num_processes": accelerator.num_processes, "drafter_shapes_sha1": shapes_sha1(trainable.named_parameters())}
 
 
 def batches_keeping_rng(loader: DataLoader):
