@@ -77,6 +77,7 @@ class DraftCache:
                  device: torch.device | str, batch: int = 1) -> None:
         self.keys = torch.zeros(layers, batch, kv_heads, max_length, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
+        self.storage = (self.keys, self.values)  # every row; keys/values: the rows in use (see `select_rows`)
         self.length = 0
 
     @classmethod
@@ -96,6 +97,16 @@ class DraftCache:
             shape = (L, B, H, src.shape[1], D)
             moved = buffer.gather(3, src[None, :, None, :, None].expand(shape))
             buffer.scatter_(3, dst[None, :, None, :, None].expand(shape), moved)
+
+    def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
+        """Keep only the batch rows `keep` (in that order; `index`: the same on the device) as rows 0 .. n - 1:
+        the rest of a batch has stopped. Their valid part moves down in place (nothing when they are the first
+        rows already)."""
+        n = len(keep)
+        if keep != list(range(n)):
+            for storage, buffer in zip(self.storage, (self.keys, self.values)):
+                storage[:, :n, :, : self.length] = buffer[:, :, :, : self.length].index_select(1, index)
+        self.keys, self.values = (storage[:, :n] for storage in self.storage)
 
     @property
     def capacity(self) -> int:

@@ -25,6 +25,8 @@ class PreallocatedLayer(DynamicLayer):
         super().__init__()
         self.max_length = max_length
         self.length = 0
+        self.key_storage: torch.Tensor | None = None  # every row's buffers; key/value_buffer: the rows in use
+        self.value_storage: torch.Tensor | None = None
         self.key_buffer: torch.Tensor | None = None
         self.value_buffer: torch.Tensor | None = None
 
@@ -33,8 +35,9 @@ class PreallocatedLayer(DynamicLayer):
         B, H, _, D = key_states.shape
         # zeros, not empty: a fixed-shape forward attends over the whole buffer (masked), and masked garbage
         # that happens to be NaN would still poison the attention's weighted sum
-        self.key_buffer = key_states.new_zeros(B, H, self.max_length, D)
-        self.value_buffer = value_states.new_zeros(B, value_states.shape[1], self.max_length, value_states.shape[-1])
+        self.key_storage = key_states.new_zeros(B, H, self.max_length, D)
+        self.value_storage = value_states.new_zeros(B, value_states.shape[1], self.max_length, value_states.shape[-1])
+        self.key_buffer, self.value_buffer = self.key_storage, self.value_storage  # all rows until `select_rows`
         self.is_initialized = True
         self._set_length(0)
 
@@ -92,6 +95,19 @@ class PreallocatedLayer(DynamicLayer):
             buffer.scatter_(2, dst[:, None, :, None].expand(shape), moved)
         self._set_length(length)
 
+    def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
+        """Keep only the batch rows `keep` (in that order; `index`: the same on the device) as rows 0 .. n - 1: a
+        batch whose other rows have stopped. Their filled part moves down in place (nothing when they are the
+        first rows already); later forwards take the smaller batch."""
+        if not self.is_initialized:
+            return
+        n = len(keep)
+        if keep != list(range(n)):
+            for storage, buffer in ((self.key_storage, self.key_buffer), (self.value_storage, self.value_buffer)):
+                storage[:n, :, : self.length] = buffer[:, :, : self.length].index_select(0, index)
+        self.key_buffer, self.value_buffer = self.key_storage[:n], self.value_storage[:n]
+        self._set_length(self.length)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `tokens_to_remove` positions (a negative count, as DynamicLayer.crop takes it)."""
         if tokens_to_remove > 0:
@@ -100,8 +116,9 @@ class PreallocatedLayer(DynamicLayer):
             self._set_length(max(0, self.length + tokens_to_remove))
 
     def reset(self) -> None:
-        """Empty the layer, keeping its buffers for the next generation."""
+        """Empty the layer, keeping its buffers (every row of them) for the next generation."""
         if self.is_initialized:
+            self.key_buffer, self.value_buffer = self.key_storage, self.value_storage
             self._set_length(0)
 
 
@@ -115,6 +132,11 @@ class PreallocatedCache(Cache):
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+
+    def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
+        """Keep only the batch rows `keep`, in that order (see `PreallocatedLayer.select_rows`)."""
+        for layer in self.layers:
+            layer.select_rows(keep, index)
 
     @contextlib.contextmanager
     def fixed(self, at: torch.Tensor) -> Iterator[None]:

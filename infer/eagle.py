@@ -135,6 +135,13 @@ class EagleProposer:
         self.row_mask = RowMask(rows, max(self.top_k, self.max_nodes), capacity, self.dtype, self.device)
         self.row_lengths = [0] * rows
 
+    def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
+        """The batch goes on with rows `keep` only, in that order (the others stopped; `index`: the same on the
+        device): their drafter cache and mask rows move down, and later calls draft for len(keep) rows."""
+        self.row_cache.select_rows(keep, index)
+        self.row_mask.select_rows(keep, index, self.row_cache.length)
+        self.row_lengths = [self.row_lengths[i] for i in keep]
+
     @torch.no_grad()
     def propose_rows(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
                      ) -> list[Draft | None]:

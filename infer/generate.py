@@ -370,7 +370,10 @@ class SpeculativeModel:
 
         Row b's tokens sit in cache columns starts[b] .. filled[b] - 1 (left padding before them); every step's
         trees are written at the shared column `at` = max(filled), and each row's accepted path moves down to its
-        own end, so rows accept different lengths without any copy of the prefix."""
+        own end, so rows accept different lengths without any copy of the prefix. Rows that stop leave the batch
+        at the next step: the running ones move down to the first slots of the cache, the mask and the drafter's
+        state (once per stop, never per step), so later forwards carry only them (a compiled verify keeps its
+        fixed shapes instead: its stopped rows stay as padding)."""
         target, device = self.target, self.target.device
         B, T = input_ids.shape
         together = B > 1 and getattr(self.proposer, "drafts_rows", False)  # the drafter batches rows itself
@@ -415,10 +418,30 @@ class SpeculativeModel:
         if all(done):
             return
 
+        slots = list(range(B))  # the batch row each slot of the cache (and of every per-row tensor) holds
         while True:
+            began, m1 = time.perf_counter(), clock.mark()
+            if not fixed and any(done):  # rows that stopped leave the batch: no target or drafter work on them
+                keep = [s for s, off in enumerate(done) if not off]
+                index = torch.tensor(keep, device=device)
+                cache.select_rows(keep, index)
+                mask.select_rows(keep, index, max(filled))
+                if together:
+                    proposers[0].select_rows(keep, index)
+                else:
+                    proposers = [proposers[s] for s in keep]
+                used = max(filled) + 1  # every row's tokens and root
+                context[: len(keep), :used] = context[:, :used].index_select(0, index)
+                context = context[: len(keep)]
+                start_t, filled_t = start_t[index], filled_t[index]
+                slots, done, filled, produced, budgets, starts, generators, hiddens = (
+                    [values[s] for s in keep]
+                    for values in (slots, done, filled, produced, budgets, starts, generators, hiddens))
+                stopped = list(done)
+                stopped_t = torch.tensor(stopped, device=device)
+                B = len(keep)
             # 1. propose: each row's drafter builds a tree below its root (near the position limit, or once the
             # row has stopped: the root alone, padding)
-            began, m1 = time.perf_counter(), clock.mark()
             active = [not done[b] and (last_tree_at is None or filled[b] - starts[b] <= last_tree_at) for b in range(B)]
             contexts = [context[b, starts[b] : filled[b] + 1] for b in range(B)]
             if together:  # one set of drafter calls for the whole batch
@@ -468,7 +491,7 @@ class SpeculativeModel:
                 lengths.append(length)
                 new_rows.append(new)
                 produced[b] += len(new)
-                emitted[b].extend(new)
+                emitted[slots[b]].extend(new)
                 drafted.append(drafts[b].tree.size - 1)
                 accepted.append(length - 1)
                 made.append(len(new))
@@ -482,7 +505,6 @@ class SpeculativeModel:
             mask.commit(at, N, dst, kept)
             context.scatter_(1, dst, path_tokens)
             context.scatter_(1, filled_t[:, None], bonus[:, None])
-            roots = bonus
             if done != stopped:  # rows stopped in this step: the device learns it (once per row)
                 stopped = list(done)
                 stopped_t = torch.tensor(done, device=device)
@@ -490,7 +512,13 @@ class SpeculativeModel:
             hiddens = [path_features[b, : lengths[b]] for b in range(B)]
             # 5. rows stop at EOS or their budget, exactly where plain decoding would
             stats.record_step(drafted, accepted, made, began, (m1, m2, m3), clock)
-            yield new_rows
+            if len(slots) == len(emitted):
+                yield new_rows
+            else:  # in the caller's row order, [] for the rows that left the batch
+                by_row = [[] for _ in emitted]
+                for slot, new in zip(slots, new_rows):
+                    by_row[slot] = new
+                yield by_row
             if all(done):
                 return
 

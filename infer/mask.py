@@ -40,7 +40,16 @@ class RowMask:
 
     def __init__(self, batch: int, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
         self.low = torch.finfo(dtype).min
-        self.buffer = torch.full((batch, 1, rows, max_len), self.low, dtype=dtype, device=device)
+        self.storage = torch.full((batch, 1, rows, max_len), self.low, dtype=dtype, device=device)
+        self.buffer = self.storage  # the rows in use (see `select_rows`)
+
+    def select_rows(self, keep: list[int], index: torch.Tensor, columns: int) -> None:
+        """Keep only the batch rows `keep` (in that order; `index`: the same on the device) as rows 0 .. n - 1,
+        moving their first `columns` columns down in place (nothing when they are the first rows already)."""
+        n = len(keep)
+        if keep != list(range(n)):
+            self.storage[:n, ..., :columns] = self.buffer[..., :columns].index_select(0, index)
+        self.buffer = self.storage[:n]
 
     def open(self, start: torch.Tensor, stop: int) -> None:
         """Row b sees columns start[b] .. stop - 1 (its prompt after the left padding)."""

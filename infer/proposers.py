@@ -44,6 +44,10 @@ class Proposer(Protocol):
         """
         ...
 
+    # A proposer that drafts a whole batch in one call sets `drafts_rows = True` and has `reset_rows(rows,
+    # max_length)`, `propose_rows(active, contexts, hiddens)` and `select_rows(keep, index)` (the batch goes on
+    # with rows `keep` only, in that order: rows that stopped leave it); see MedusaProposer and EagleProposer.
+
 
 def default_medusa_choices(num_heads: int, num_nodes: int = 24) -> list[list[int]]:
     """A tree for untuned heads from a typical accuracy profile (falls with depth and rank)."""
@@ -88,6 +92,9 @@ class MedusaProposer:
 
     def reset_rows(self, rows: int, max_length: int) -> None:
         pass  # stateless
+
+    def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
+        pass  # stateless: the rows' hidden states come with each call
 
     @torch.no_grad()
     def propose_rows(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]

@@ -76,6 +76,33 @@ def test_batched_greedy_equals_each_row_alone(model, kind):
         assert any(eos in w for w in want) and any(eos not in w for w in want) or n < 30
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stopped_row_leaves_the_batch(model, kind):
+    """Once a row stops, the target's forwards (and a batched drafter's calls) carry only the rows still running,
+    and the rows that go on, moved to other slots, still decode exactly as alone."""
+    spec = SpeculativeModel(model, drafter(model, kind))
+    prompts = batch_prompts()
+    ids, mask = left_padded(prompts)
+    eos = alone(model, prompts[0], 30, None)[9]
+    verified, drafted = [], []
+    verify = spec.target.verify_rows
+    spec.target.verify_rows = lambda tokens, *a, **k: verified.append(tokens.shape[0]) or verify(tokens, *a, **k)
+    drafter_module = {"medusa": "heads", "eagle": "draft", "eagle3": "draft"}.get(kind)
+    if drafter_module is not None:  # EAGLE and Medusa draft the whole batch in one call
+        drafter_module = getattr(spec.proposer, drafter_module)
+        drafter_module.register_forward_pre_hook(lambda m, args: drafted.append(args[0].shape[0]))
+    rows, running = [[] for _ in prompts], []
+    for step in spec.decode_batch(ids, 30, attention_mask=mask, eos_token_id=eos):
+        running.append(sum(1 for new in step if new))  # a row in a step's forward makes at least one token
+        for row, new in zip(rows, step):
+            row.extend(new)
+    assert verified == running[1:] and verified[0] > verified[-1]  # the first yield is the prefill's
+    if drafter_module is not None:
+        assert max(drafted) == verified[0] and min(drafted) == verified[-1]
+    for row, p in zip(rows, prompts):
+        assert row == alone(model, p, 30, eos)
+
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "draft_model"])
 def test_rows_take_the_steps_they_take_alone(kind):
     """Greedy drafting of a row does not depend on the batch: the batch costs as many forwards as its slowest
@@ -107,23 +134,28 @@ def test_each_rows_cache_after_acceptance_equals_a_plain_run_of_it(monkeypatch):
     ids, mask = left_padded(prompts)
     T, budget = ids.shape[1], 20
     rows = [[] for _ in prompts]
-    checked = 0
+    gone: set[int] = set()  # rows that stopped in an earlier step: they have left the cache
+    checked = moved = 0
     for step in spec.decode_batch(ids, budget, attention_mask=mask, eos_token_id=[]):
         for b, new in enumerate(step):
             rows[b].extend(new)
+        slots = [b for b in range(len(prompts)) if b not in gone]  # running rows fill the first slots, in order
         for b, p in enumerate(prompts):
             if not step[b] or len(rows[b]) == budget:  # a stopped row's columns are free for the others' trees
                 continue
             tokens = torch.cat([p, torch.tensor(rows[b][:-1], dtype=torch.long)])  # the newest is a root, not cached
             reference = PreallocatedCache(64)
             Target(model).prefill(tokens[None], reference, hidden=False)
-            start = T - p.numel()
+            start, slot = T - p.numel(), slots.index(b)
             for layer, ref in zip(live[-1].layers, reference.layers):
-                assert torch.allclose(layer.key_buffer[b, :, start : start + tokens.numel()], ref.keys[0], atol=1e-5)
-                assert torch.allclose(layer.value_buffer[b, :, start : start + tokens.numel()], ref.values[0],
+                assert layer.key_buffer.shape[0] == len(slots)
+                assert torch.allclose(layer.key_buffer[slot, :, start : start + tokens.numel()], ref.keys[0], atol=1e-5)
+                assert torch.allclose(layer.value_buffer[slot, :, start : start + tokens.numel()], ref.values[0],
                                       atol=1e-5)
             checked += 1
-    assert checked > 20
+            moved += slot != b
+        gone |= {b for b in range(len(prompts)) if len(rows[b]) == budget}
+    assert checked > 20 and moved  # row 1 ran on alone, moved into slot 0
 
 
 @pytest.mark.parametrize("kind", ["medusa", "draft_model"])

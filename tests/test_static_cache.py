@@ -12,6 +12,7 @@ import infer.generate as generate_module
 from conftest import VOCAB, tiny_model
 from infer.cache import PreallocatedLayer, new_cache
 from infer.generate import SpeculativeModel
+from infer.mask import RowMask
 from infer.prompt_lookup import PromptLookupProposer
 from infer.proposers import MedusaProposer, NoDraft
 
@@ -72,6 +73,33 @@ def test_writing_past_the_allocation_is_a_clear_error():
         assert "holds 4 positions but 5 were written" in str(err)
     else:
         raise AssertionError("writing past the buffers must fail")
+
+
+def test_selected_rows_move_down_in_place_and_reset_brings_every_row_back():
+    layer = PreallocatedLayer(8)
+    states = torch.arange(4.0)[:, None, None, None].expand(4, 2, 3, 4).clone()  # row b holds b everywhere
+    layer.update(states, -states)
+    ptr = layer.key_storage.data_ptr()
+    layer.select_rows([1, 3], torch.tensor([1, 3]))  # rows 0 and 2 stopped
+    assert layer.keys.shape == (2, 2, 3, 4) and layer.get_seq_length() == 3
+    assert layer.keys[:, 0, 0, 0].tolist() == [1.0, 3.0] and layer.values[:, 0, 0, 0].tolist() == [-1.0, -3.0]
+    keys, _ = layer.update(torch.full((2, 2, 1, 4), 7.0), torch.zeros(2, 2, 1, 4))  # the next forward: 2 rows
+    assert keys.shape == (2, 2, 4, 4) and keys[:, 0, :, 0].tolist() == [[1.0, 1.0, 1.0, 7.0], [3.0, 3.0, 3.0, 7.0]]
+    layer.select_rows([1], torch.tensor([1]))  # slot 1 (row 3) moves to slot 0
+    assert layer.keys[:, 0, :, 0].tolist() == [[3.0, 3.0, 3.0, 7.0]]
+    layer.select_rows([0], torch.tensor([0]))  # already in place: it stays as it is
+    layer.key_storage[1] = -1.0  # a slot that left the batch
+    assert layer.keys.shape[0] == 1 and layer.keys[:, 0, :, 0].tolist() == [[3.0, 3.0, 3.0, 7.0]]
+    layer.reset()
+    assert layer.key_buffer.shape[0] == 4 and layer.key_buffer.data_ptr() == ptr == layer.key_storage.data_ptr()
+
+
+def test_a_row_mask_keeps_the_selected_rows():
+    mask = RowMask(3, 2, 6, torch.float32, "cpu")
+    mask.open(torch.tensor([0, 2, 4]), 5)  # row b sees columns start[b] .. 4
+    mask.select_rows([2, 0], torch.tensor([2, 0]), 5)
+    visible = (mask.at(5, torch.ones(2, 1, 1, dtype=torch.bool))[:, 0, 0] == 0).tolist()
+    assert visible == [[False] * 4 + [True] * 2, [True] * 6]
 
 
 def test_crop_and_reset_keep_the_buffers():
