@@ -23,9 +23,11 @@ demo: $(VENV)/.installed
 	$(PY) -m infer bench --heads outputs/medusa-demo --heads outputs/eagle-demo --draft-model demo-draft \
 		--prompt-lookup --lookup-first --json outputs/bench-demo.json --plot outputs/bench-demo.png
 
+# pytest runs TEST_WORKERS processes side by side (pytest-xdist), each with cores / workers torch threads
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 # On a GPU machine (build the venv with a CUDA torch: make bench-gpu TORCH_SPEC=torch): the CUDA tests, then the
 # bench in bf16 at batch 1 and 8, eager and compiled. HEADS: the trained drafters (make demo writes these two).

@@ -17,7 +17,8 @@ from transformers import (
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# the cores shared among pytest-xdist's workers (`make test` runs two), at most 2 threads each
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 VOCAB = 96
 ARCHS = ("llama", "qwen2", "mistral", "gpt2", "gemma")
