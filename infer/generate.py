@@ -188,11 +188,10 @@ def ends_root(device: torch.device) -> torch.Tensor:
 
 def row_copy(proposer: Proposer) -> Proposer:
     """A proposer for one more row: the same weights and settings, its own per-sequence state (set by `reset`);
-    a composite (lookup-first) copies its parts."""
+    a composite (lookup-first) copies the proposers it names in `parts`."""
     twin = copy.copy(proposer)
-    for part in ("primary", "lookup"):
-        if hasattr(proposer, part):
-            setattr(twin, part, row_copy(getattr(proposer, part)))
+    for part in getattr(proposer, "parts", ()):
+        setattr(twin, part, row_copy(getattr(proposer, part)))
     return twin
 
 

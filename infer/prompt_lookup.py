@@ -75,6 +75,8 @@ class LookupFirst:
     step; drafters that assume they drafted the previous step themselves (a draft model) are refused.
     """
 
+    parts = ("primary", "lookup")  # the proposers inside it: each row gets its own copy of both (row_copy)
+
     def __init__(self, primary, lookup: PromptLookupProposer, min_tokens: int = 3) -> None:
         if primary.name.startswith("draft_model"):
             raise ValueError("lookup-first needs a drafter that reads the target's hidden states (Medusa, EAGLE)")

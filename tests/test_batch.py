@@ -103,10 +103,11 @@ def test_a_stopped_row_leaves_the_batch(model, kind):
         assert row == alone(model, p, 30, eos)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "draft_model"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "draft_model", "prompt_lookup", "medusa+lookup"])
 def test_rows_take_the_steps_they_take_alone(kind):
     """Greedy drafting of a row does not depend on the batch: the batch costs as many forwards as its slowest
-    row alone, and finished rows stop counting."""
+    row alone, and finished rows stop counting. (Prompt lookup once drafted every row from the first row's
+    context: lossless, so every output still matched, but its batched tau fell from 2.5 to 1.2 on the demo.)"""
     model = tiny_model("llama")
     # a draft model that is the target itself, so its drafts are accepted
     spec = SpeculativeModel(model, DraftModelProposer(model, 3) if kind == "draft_model" else drafter(model, kind))
