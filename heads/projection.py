@@ -4,7 +4,8 @@ A draft call projects a few rows (the heads, a tree frontier) onto the vocabular
 GEMM computes that 2-4x faster as W @ x.T than as x @ W.T (`F.linear`) when x has 2-64 rows: an 8192 x 384
 head with 8 rows takes 3.9 ms through `F.linear` and 1.7 ms the other way round on the 2-core AMD EPYC this
 was measured on, and no case measured is slower (bfloat16 and float16 are unaffected, so they keep
-`F.linear`). Only the summation order can differ, and a draft only proposes: verification is unchanged.
+`F.linear`). Only the summation order can differ. The target's own lm_head goes through it too during prefill and tree
+verification (infer.target.Target.vocab_layout), as a tree's few rows are the same case.
 """
 
 from __future__ import annotations

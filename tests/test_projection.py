@@ -67,3 +67,53 @@ def test_a_hooked_linear_runs_its_own_forward(monkeypatch):
     assert not is_plain_linear(head)
     with torch.no_grad():
         torch.testing.assert_close(apply_head(head, x), F.linear(2 * x, head.weight, head.bias))
+
+
+def softcapped_model() -> nn.Module:
+    """A tiny Gemma-2, whose forward caps its logits at +-0.5 after the lm_head (tanh(x / 0.5) * 0.5)."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=12, final_logit_softcapping=0.5,
+                          attn_logit_softcapping=None, max_position_embeddings=128, pad_token_id=0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def test_verification_projects_through_the_cpu_layout_and_keeps_the_models_logit_processing(monkeypatch):
+    """Prefill and tree verification run the target's lm_head matmul through vocab_logits, while the model's own
+    code around it (here Gemma-2's softcapping) still runs; the model is left unchanged afterwards."""
+    import infer.target as target_module
+    from infer.cache import new_cache
+    from infer.mask import PrefixMask
+    from infer.target import Target
+    from infer.tree import tree_from_choices
+
+    model = softcapped_model()
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits  # (1, 12, V), capped
+    seen = []
+    real = target_module.vocab_logits
+    monkeypatch.setattr(target_module, "vocab_logits", lambda x, w, b=None: seen.append(w) or real(x, w, b))
+    target, cache = Target(model), new_cache(model, 16)
+    last, _ = target.prefill_rows(ids[:, :9], cache, hidden=False)
+    chain = tree_from_choices([[0], [0, 0]])
+    mask = PrefixMask(3, 12, target.dtype, target.device).at(9, chain.ancestors)
+    logits, _ = target.verify_rows(ids[:, 9:], (9 + chain.depths)[None], mask, cache)
+    assert len(seen) == 2 and all(w is model.lm_head.weight for w in seen)
+    torch.testing.assert_close(last, expected[:, 8])
+    torch.testing.assert_close(logits, expected[:, 9:])
+    assert expected.abs().max() < 0.5 and "forward" not in vars(model.lm_head)
+
+
+def test_verification_leaves_a_hooked_lm_head_to_its_own_forward(monkeypatch):
+    import infer.target as target_module
+    from infer.cache import new_cache
+    from infer.target import Target
+
+    model = softcapped_model()
+    model.lm_head.register_forward_hook(lambda module, args, out: out)  # e.g. accelerate's offload hook
+    monkeypatch.setattr(target_module, "vocab_logits", None)  # would fail if called
+    Target(model).prefill_rows(torch.tensor([[5, 6, 7]]), new_cache(model, 8), hidden=False)
+    assert "forward" not in vars(model.lm_head)
