@@ -365,9 +365,19 @@ def cmd_tune(args: argparse.Namespace) -> None:
           f"at batch size {args.batch_size})")
 
 
+def refuse_to_overwrite(out: str) -> None:
+    """A checkpoint already in `out` (trained heads, an earlier export) is never written over: a mix of two
+    checkpoints' files would load as neither."""
+    held = sorted(p.name for p in Path(out).glob("*") if p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+    if held:
+        raise ValueError(f"--out {out} already holds a checkpoint ({', '.join(held)}): write to a new folder, or "
+                         "delete it first")
+
+
 def cmd_import(args: argparse.Namespace) -> None:
     from heads.convert import import_heads
 
+    refuse_to_overwrite(args.out)
     heads = import_heads(args.src, args.format, base_model=args.base_model, vocab_size=args.vocab_size)
     heads.save_pretrained(args.out)
     print(f"imported {heads.config.kind} heads from {args.src} into {args.out}")
@@ -380,6 +390,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     from heads.registry import load_heads
     from heads.target import load_target
 
+    refuse_to_overwrite(args.out)
     heads = load_heads(args.heads, base_model=args.model or args.base_model)
     target = None
     name = args.model or args.base_model or heads.config.base_model

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
+import operator
 import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -149,11 +152,36 @@ def _cut(new: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
     return new, done
 
 
-def eos_set(eos_token_id: int | list[int] | None) -> set[int]:
-    """The EOS id or ids as a set (None: none)."""
-    if eos_token_id is None:
-        return set()
-    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+def token_ids(value: Any, name: str) -> list[int]:
+    """Token ids as model.generate takes them -- an int, a list of them, a tensor or a numpy array or integer --
+    as a list of ints; anything else (floats, bools, strings) is a one-line error."""
+    if hasattr(value, "reshape") and hasattr(value, "tolist"):  # torch and numpy, any shape
+        value = value.reshape(-1).tolist()
+    values = list(value) if isinstance(value, (list, tuple, set)) else [value]
+    try:
+        if any(isinstance(v, bool) or getattr(v, "dtype", None) in (torch.bool, bool) for v in values):
+            raise TypeError
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise ValueError(f"{name} must be a token id or a list of them, got {value!r}") from None
+
+
+def eos_set(eos_token_id: Any) -> set[int]:
+    """The EOS id or ids as a set of ints (None: none); see `token_ids` for what it takes."""
+    return set() if eos_token_id is None else set(token_ids(eos_token_id, "eos_token_id"))
+
+
+def infer_attention_mask(input_ids: torch.Tensor, pad_token_id: int | None, eos: set[int]) -> torch.Tensor | None:
+    """The attention mask model.generate infers when none is given: 0 where input_ids hold the pad id, if they
+    hold it and it is not an EOS id; None (no padding) otherwise."""
+    if pad_token_id is None or pad_token_id in eos or not bool((input_ids == pad_token_id).any()):
+        return None
+    mask = (input_ids != pad_token_id).long()
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError(f"input_ids hold the pad id {pad_token_id} after a prompt's first token, and no "
+                         "attention_mask was given (model.generate would mask those tokens out): pass the "
+                         "tokenizer's attention_mask")
+    return mask
 
 
 def prompt_starts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
@@ -221,7 +249,7 @@ class SpeculativeModel:
         self.model = model
         self.last_stats = GenerationStats()
         self.last_rows: list[list[int]] = []  # new token ids of the last call, per row
-        self._rows: list[Proposer] = []  # proposers of batch rows after the first (row_copy), kept for reuse
+        self._decoding = False  # a generation is under way (one at a time: the drafter holds its state)
         self.root_only = tree_from_choices([]).to(self.target.device)  # the tree of a step that drafts nothing
         self._cache: PreallocatedCache | None = None  # the last finished generation's KV cache, reused by the next
 
@@ -274,14 +302,18 @@ class SpeculativeModel:
         eos_token_id: int | list[int] | None = None,
         generator: torch.Generator | None = None,
         do_sample: bool | None = None,
+        attention_mask: torch.Tensor | None = None,
+        pad_token_id: int | None = None,
     ) -> Iterator[list[int]]:
         """Yield the new token ids of each step (the first from prefill) for one prompt (T,) or (1, T), stopping
         at EOS or the budget. See `decode_batch`, which this is for a batch of one."""
         if input_ids.dim() == 2 and input_ids.shape[0] != 1:
             raise ValueError(f"decode takes one prompt, got a batch of {input_ids.shape[0]}: use decode_batch "
                              "(or generate) for batches")
-        rows = self.decode_batch(input_ids.reshape(1, -1), max_new_tokens, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, eos_token_id=eos_token_id, generator=generator, do_sample=do_sample)
+        rows = self.decode_batch(input_ids.reshape(1, -1), max_new_tokens,
+                                 None if attention_mask is None else attention_mask.reshape(1, -1),
+                                 temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                                 generator=generator, do_sample=do_sample, pad_token_id=pad_token_id)
         return (step[0] for step in rows)
 
     def decode_batch(
@@ -295,10 +327,12 @@ class SpeculativeModel:
         eos_token_id: int | list[int] | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
         do_sample: bool | None = None,
+        pad_token_id: int | None = None,
     ) -> Iterator[list[list[int]]]:
         """Decode a left-padded batch (B, T) (`attention_mask` 0 on the padding, as a tokenizer with
-        padding_side="left" gives it; None: no padding). Yields per step each row's new token ids ([] once the
-        row has stopped), rows stopping independently at EOS or their budget.
+        padding_side="left" gives it; None: inferred as model.generate does, 0 where input_ids hold
+        `pad_token_id` (default: the generation config's) unless that is an EOS id). Yields per step each row's
+        new token ids ([] once the row has stopped), rows stopping independently at EOS or their budget.
 
         Arguments are checked here, before the first step (ValueError). A model that embeds at most `limit`
         positions (`max_positions`) gets prompt + new tokens <= limit per row: a longer budget is clipped to that,
@@ -316,8 +350,18 @@ class SpeculativeModel:
             raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}")
         if input_ids.shape[1] == 0:
             raise ValueError("the prompt is empty: give at least one token (e.g. the tokenizer's bos token)")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         if max_new_tokens < 1:  # as model.generate
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        config = getattr(self.model, "generation_config", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(config, "eos_token_id", None)
+        eos = eos_set(eos_token_id)
+        if attention_mask is None:  # as model.generate: padding is where the pad id is
+            pad = getattr(config, "pad_token_id", None) if pad_token_id is None else pad_token_id
+            pad = None if pad is None else token_ids(pad, "pad_token_id")[0]
+            attention_mask = infer_attention_mask(input_ids, pad, eos)
         starts = prompt_starts(input_ids, attention_mask)
         # as model.generate: what the call leaves out comes from the target's generation_config
         params = sampling_params(getattr(self.model, "generation_config", None), do_sample, temperature, top_k, top_p)
@@ -332,34 +376,40 @@ class SpeculativeModel:
         if min(budgets) < max_new_tokens:
             warnings.warn(f"prompt ({T - min(starts)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
                           f"model's {limit} positions: generating at most {min(budgets)} new tokens", stacklevel=2)
-        if eos_token_id is None:
-            eos_token_id = getattr(self.model.generation_config, "eos_token_id", None)
-        return self._decode(input_ids.to(self.target.device), starts, budgets, params, eos_set(eos_token_id),
-                            list(generators), limit)
+        return self._decode(input_ids.to(self.target.device), starts, budgets, params, eos, list(generators), limit)
 
     def _decode(self, input_ids: torch.Tensor, starts: list[int], budgets: list[int], params: SamplingParams,
                 eos: set[int], generators: list[torch.Generator | None], limit: int | None) -> Iterator[list[list[int]]]:
         """The decode loop with a KV cache of its own: taken from the last finished generation when it is big
-        enough (its buffers are reused), else new; handed back when this one ends, also when abandoned. Two
-        decodes running at once (interleaved streams) therefore never share one."""
-        max_len = input_ids.shape[1] + max(budgets) + self.proposer.max_nodes
-        if self.target.compiled is not None:  # sizes in steps of COMPILED_CACHE_STEP: one compilation serves many prompts
-            max_len = -(-max_len // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP
+        enough (its buffers are reused), else new; handed back when this one ends, also when abandoned. A
+        drafter that holds one generation's state (all but Medusa's and NoDraft) makes a second decode started
+        while another is unfinished (two streams advanced in turn) an error instead of corrupting both."""
+        stateful = not getattr(self.proposer, "stateless", False)
+        if stateful and self._decoding:
+            raise ValueError("this SpeculativeModel is still decoding another generation (an unfinished stream), and "
+                             "its drafter holds that one's state: finish or close() the first, decode the prompts "
+                             "together as a batch, or use one SpeculativeModel and drafter per stream")
+        self._decoding = self._decoding or stateful
         cache, self._cache = self._cache, None
-        if cache is None or cache.max_length < max_len:
-            cache = new_cache(self.model, max_len)
-        cache.reset()
         try:
+            max_len = input_ids.shape[1] + max(budgets) + self.proposer.max_nodes
+            if self.target.compiled is not None:  # sizes in steps of COMPILED_CACHE_STEP: one compilation serves many
+                max_len = -(-max_len // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP
+            if cache is None or cache.max_length < max_len:
+                cache = new_cache(self.model, max_len)
+            cache.reset()
             yield from self._decode_with(cache, input_ids, starts, budgets, params, eos, generators, limit)
         finally:
-            self._cache = cache
+            if stateful:
+                self._decoding = False
+            if cache is not None:
+                self._cache = cache
 
     def _row_proposers(self, rows: int) -> list[Proposer]:
         """One proposer per row: the drafter's weights are shared, its per-sequence state (EAGLE's cache, a draft
-        model's cache, prompt lookup's index) is each row's own."""
-        while len(self._rows) < rows:
-            self._rows.append(row_copy(self.proposer))
-        return [self.proposer, *self._rows[: rows - 1]]
+        model's cache, prompt lookup's index) is each row's own. The copies are made per generation, so they
+        follow any change to `self.proposer`'s settings."""
+        return [self.proposer, *(row_copy(self.proposer) for _ in range(rows - 1))]
 
     @torch.no_grad()
     def _decode_with(self, cache: PreallocatedCache, input_ids: torch.Tensor, starts: list[int], budgets: list[int],
@@ -533,7 +583,8 @@ class SpeculativeModel:
         id). See `decode_batch` for options."""
         prompt = input_ids if input_ids.dim() == 2 else input_ids[None]
         rows: list[list[int]] = [[] for _ in range(prompt.shape[0])]
-        for step in self.decode_batch(prompt, max_new_tokens, attention_mask=attention_mask, **kwargs):
+        for step in self.decode_batch(prompt, max_new_tokens, attention_mask=attention_mask,
+                                      pad_token_id=pad_token_id, **kwargs):
             for row, new in zip(rows, step):
                 row.extend(new)
         width = max(map(len, rows))
@@ -541,7 +592,8 @@ class SpeculativeModel:
             pad_token_id = getattr(self.model.generation_config, "pad_token_id", None)
         if pad_token_id is None:
             eos = kwargs.get("eos_token_id", getattr(self.model.generation_config, "eos_token_id", None))
-            pad_token_id = (eos if isinstance(eos, int) else (list(eos or []) or [0])[0])
+            eos = eos.tolist() if hasattr(eos, "tolist") else eos  # a tensor or numpy id, as model.generate takes
+            pad_token_id = eos if isinstance(eos, int) else (list(eos or []) or [0])[0]
         new = torch.tensor([row + [pad_token_id] * (width - len(row)) for row in rows], dtype=prompt.dtype,
                            device=prompt.device)
         return torch.cat([prompt, new], dim=1)

@@ -61,6 +61,7 @@ class MedusaProposer:
     """Medusa: all heads read the one hidden state the root came from; the tree picks their top-k ranks."""
 
     name = "medusa"
+    stateless = True  # nothing kept between calls: streams may interleave on one SpeculativeModel
 
     def __init__(self, heads: MedusaHeads, lm_head: torch.nn.Module, choices: list[list[int]] | None = None) -> None:
         if choices is None:
@@ -79,6 +80,10 @@ class MedusaProposer:
         self.node_head = (self.tree.depths[1:] - 1).clone()  # (N-1,) which head drafts each node
         self.node_rank = self.tree.ranks[1:].clone()  # (N-1,) which of its top-k
         self.top_k = int(tree.ranks[1:].max()) + 1 if len(choices) else 1  # read on the host-side tree
+        vocab = heads.config.vocab_size or lm_head.weight.shape[0]
+        if self.top_k > vocab:
+            raise ValueError(f"the tree takes rank {self.top_k - 1} of a head's guesses, but the heads guess among "
+                             f"{vocab} tokens: use ranks below {vocab} (--tree)")
         self.dtype = next(heads.parameters()).dtype
 
     def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
@@ -117,6 +122,7 @@ class NoDraft:
     """Drafts nothing: the tree is the root alone, so the loop becomes plain one-token decoding."""
 
     name = "plain"
+    stateless = True
 
     max_nodes = 1
 

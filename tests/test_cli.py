@@ -355,3 +355,19 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_DEBUG", "1")
     with pytest.raises(ValueError, match="no config.json"):
         cli(argv)
+
+
+@pytest.mark.parametrize("command", ["export", "import"])
+def test_export_and_import_never_write_over_a_checkpoint(medusa_dir, tmp_path, capsys, command):
+    """Writing a checkpoint's files over another's leaves a mix that loads as neither: refused, files untouched."""
+    before = {p.name: p.read_bytes() for p in medusa_dir.iterdir() if p.is_file()}
+    argv = (["export", "--heads", str(medusa_dir), "--format", "vllm-medusa"] if command == "export"
+            else ["import", "--src", str(medusa_dir)])
+    err = user_error(capsys, [*argv, "--out", str(medusa_dir)])
+    assert f"--out {medusa_dir} already holds a checkpoint (config.json, model.safetensors)" in err
+    assert {p.name: p.read_bytes() for p in medusa_dir.iterdir() if p.is_file()} == before
+
+
+def test_a_medusa_tree_rank_beyond_the_vocabulary_is_a_clear_error(medusa_dir, capsys):
+    err = user_error(capsys, ["generate", "--heads", str(medusa_dir), "--prompt", "def", "--tree", "[[0], [9000]]"])
+    assert "rank 9000 of a head's guesses" in err
