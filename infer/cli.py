@@ -183,9 +183,17 @@ def method_names(specs: list[SpeculativeModel]) -> list[str]:
     return names
 
 
+def check_lookup_first(args: argparse.Namespace) -> None:
+    """--lookup-first runs prompt lookup in front of heads: without heads it would be silently ignored."""
+    if args.lookup_first and not args.heads:
+        raise ValueError("--lookup-first puts prompt lookup in front of heads: give --heads DIR as well, or use "
+                         "--prompt-lookup alone")
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from infer.generate import fit_budget, max_positions
 
+    check_lookup_first(args)
     given = sum(map(bool, (args.heads, args.draft_model, args.prompt_lookup)))
     if given != 1:
         raise ValueError("generate takes exactly one drafter: --heads DIR, --draft-model PATH or --prompt-lookup")
@@ -239,6 +247,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from infer.proposers import NoDraft
 
     # everything that can fail without the model fails before it loads
+    check_lookup_first(args)
     if args.plot:
         check_plot_file(args.plot)
     output_file("--json", args.json)

@@ -84,8 +84,12 @@ def device(text: str) -> str:
         kind = torch.device(text).type
     except RuntimeError as e:
         raise argparse.ArgumentTypeError(" ".join(str(e).split())) from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text}: no CUDA device is available here; use --device cpu")
+    available = {"cpu": lambda: True, "cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available,
+                 "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}
+    if kind not in available:
+        raise argparse.ArgumentTypeError(f"{text}: a model cannot run on a {kind} device; use cpu, cuda, mps or xpu")
+    if not available[kind]():
+        raise argparse.ArgumentTypeError(f"{text}: no {kind.upper()} device is available here; use --device cpu")
     return text
 
 

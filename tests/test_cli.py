@@ -238,6 +238,8 @@ TEMPERATURE_RULE = "temperature must be 0 (greedy) or a finite number >= 1e-06"
     (BENCH + ["--threads", "-1"], "--threads", "got -1", "an integer >= 0"),
     (BENCH + ["--top-k", "0"], "--draft-top-k/--top-k", "got 0", "an integer >= 1"),
     (["tune", "--heads", "x", "--num-prompts", "0"], "--num-prompts", "got 0", "an integer >= 1"),
+    (GEN + ["--device", "meta"], "--device", "meta", "a model cannot run on a meta device"),
+    (GEN + ["--device", "xpu"], "--device", "xpu", "no XPU device is available here; use --device cpu"),
 ])
 def test_bad_option_values_are_one_line_errors(argv, option, value, rule, capsys, no_weights):
     line = user_error(capsys, argv)
@@ -371,3 +373,9 @@ def test_export_and_import_never_write_over_a_checkpoint(medusa_dir, tmp_path, c
 def test_a_medusa_tree_rank_beyond_the_vocabulary_is_a_clear_error(medusa_dir, capsys):
     err = user_error(capsys, ["generate", "--heads", str(medusa_dir), "--prompt", "def", "--tree", "[[0], [9000]]"])
     assert "rank 9000 of a head's guesses" in err
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "def"], ["bench"]])
+def test_lookup_first_without_heads_is_a_clear_error(command, capsys, no_weights):
+    err = user_error(capsys, [*command, "--prompt-lookup", "--lookup-first"])
+    assert "--lookup-first puts prompt lookup in front of heads: give --heads DIR" in err
