@@ -364,7 +364,7 @@ class SpeculativeModel:
             attention_mask = infer_attention_mask(input_ids, pad, eos)
         starts = prompt_starts(input_ids, attention_mask)
         # as model.generate: what the call leaves out comes from the target's generation_config
-        params = sampling_params(getattr(self.model, "generation_config", None), do_sample, temperature, top_k, top_p)
+        params = sampling_params(config, do_sample, temperature, top_k, top_p)
         generators = generator if isinstance(generator, (list, tuple)) else [generator] * input_ids.shape[0]
         if len(generators) != input_ids.shape[0]:
             raise ValueError(f"got {len(generators)} generators for a batch of {input_ids.shape[0]}: give one per row")
@@ -592,8 +592,7 @@ class SpeculativeModel:
             pad_token_id = getattr(self.model.generation_config, "pad_token_id", None)
         if pad_token_id is None:
             eos = kwargs.get("eos_token_id", getattr(self.model.generation_config, "eos_token_id", None))
-            eos = eos.tolist() if hasattr(eos, "tolist") else eos  # a tensor or numpy id, as model.generate takes
-            pad_token_id = eos if isinstance(eos, int) else (list(eos or []) or [0])[0]
+            pad_token_id = ([*token_ids(eos, "eos_token_id"), 0] if eos is not None else [0])[0]
         new = torch.tensor([row + [pad_token_id] * (width - len(row)) for row in rows], dtype=prompt.dtype,
                            device=prompt.device)
         return torch.cat([prompt, new], dim=1)
