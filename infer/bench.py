@@ -46,16 +46,25 @@ def default_prompts(n: int = 16, context_lines: int = 12) -> list[str]:
 
 
 def load_prompts(path: str | Path) -> list[str]:
-    """A .jsonl file with one {"prompt": "..."} per line."""
+    """A .jsonl file with one {"prompt": "..."} per line; a bad line is an error naming it."""
+    layout = 'write one {"prompt": "..."} per line'
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise ValueError(f"--prompts {path}: cannot read it ({reason})") from None
     prompts = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
-            record = json.loads(line)
-            if "prompt" not in record:
-                raise ValueError(f"{path}:{n} has no \"prompt\" field")
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n} is not JSON ({e.msg}): {layout}") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ValueError(f'{path}:{n} has no "prompt" string: {layout}')
             prompts.append(record["prompt"])
     if not prompts:
-        raise ValueError(f"{path} holds no prompts")
+        raise ValueError(f"{path} holds no prompts: {layout}")
     return prompts
 
 

@@ -14,7 +14,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -32,6 +32,8 @@ from infer.target import Target
 from infer.timing import Clock, Mark
 from infer.tree import stack_trees, tree_from_choices
 from infer.verify import SamplingParams, accept, accept_greedy_rows, sample_token
+
+Item = TypeVar("Item")
 
 
 @dataclasses.dataclass
@@ -212,6 +214,22 @@ def first_tokens(logits: torch.Tensor, params: SamplingParams, generators: list[
 def ends_root(device: torch.device) -> torch.Tensor:
     """The end node of a row that accepted nothing (its root), as `accept` returns it."""
     return torch.zeros(1, dtype=torch.long, device=device)
+
+
+def without_grad(steps: Iterator[Item]) -> Iterator[Item]:
+    """`steps` advanced under torch.no_grad, each item yielded outside it (the caller's grad mode stays its own).
+    Unlike torch.no_grad on a generator, closing it builds no grad-mode object, so a stream still open when the
+    interpreter exits closes quietly."""
+    try:
+        while True:
+            with torch.no_grad():
+                try:
+                    item = next(steps)
+                except StopIteration:
+                    return
+            yield item
+    finally:
+        steps.close()
 
 
 def row_copy(proposer: Proposer) -> Proposer:
@@ -398,7 +416,7 @@ class SpeculativeModel:
             if cache is None or cache.max_length < max_len:
                 cache = new_cache(self.model, max_len)
             cache.reset()
-            yield from self._decode_with(cache, input_ids, starts, budgets, params, eos, generators, limit)
+            yield from without_grad(self._decode_with(cache, input_ids, starts, budgets, params, eos, generators, limit))
         finally:
             if stateful:
                 self._decoding = False
@@ -411,7 +429,6 @@ class SpeculativeModel:
         follow any change to `self.proposer`'s settings."""
         return [self.proposer, *(row_copy(self.proposer) for _ in range(rows - 1))]
 
-    @torch.no_grad()
     def _decode_with(self, cache: PreallocatedCache, input_ids: torch.Tensor, starts: list[int], budgets: list[int],
                      params: SamplingParams, eos: set[int], generators: list[torch.Generator | None],
                      limit: int | None) -> Iterator[list[list[int]]]:

@@ -379,3 +379,17 @@ def test_a_medusa_tree_rank_beyond_the_vocabulary_is_a_clear_error(medusa_dir, c
 def test_lookup_first_without_heads_is_a_clear_error(command, capsys, no_weights):
     err = user_error(capsys, [*command, "--prompt-lookup", "--lookup-first"])
     assert "--lookup-first puts prompt lookup in front of heads: give --heads DIR" in err
+
+
+@pytest.mark.parametrize("lines, message", [
+    ('{"prompt": "def f():"}\n{"prompt": "x"\n', "prompts.jsonl:2 is not JSON"),
+    ('{"prompt": "def f():"}\n\n"def g():"\n', "prompts.jsonl:3 has no \"prompt\" string"),
+    ('{"prompt": 3}\n', "prompts.jsonl:1 has no \"prompt\" string"),
+    ('{"text": "def f():"}\n', "prompts.jsonl:1 has no \"prompt\" string"),
+    ('\n\n', "holds no prompts"),
+    (b'\xff\xfe{"prompt"', "cannot read it"),
+])
+def test_a_bad_prompts_file_is_one_line_naming_the_line(medusa_dir, tmp_path, lines, message, capsys, no_weights):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(lines if isinstance(lines, bytes) else lines.encode())
+    assert message in user_error(capsys, ["bench", "--heads", str(medusa_dir), "--prompts", str(prompts)])

@@ -1,6 +1,11 @@
 """What `SpeculativeModel.generate`/`decode` take as model.generate takes it: EOS ids of any integer type, a padded
 batch without its mask, and one generation at a time per drafter."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +16,8 @@ from conftest import tiny_model
 from infer.generate import SpeculativeModel
 from infer.prompt_lookup import PromptLookupProposer
 from infer.proposers import MedusaProposer
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def greedy(model, ids, n, **kwargs):
@@ -97,3 +104,39 @@ def test_the_stream_guard_clears_after_an_error_and_spares_stateless_drafters(ll
     medusa = SpeculativeModel(llama, MedusaProposer(random_heads(llama, scale=0.0), llama.lm_head, CHOICES))
     first, second = medusa.decode(prompt, 8, eos_token_id=[]), medusa.decode(prompt[:4], 8, eos_token_id=[])
     assert next(first) and next(second)  # Medusa keeps no state between calls: both streams may run
+
+
+ABANDONED_STREAM = """
+import sys, torch
+sys.path[:0] = ["tests"]
+from conftest import tiny_model
+from infer.generate import SpeculativeModel
+from infer.prompt_lookup import PromptLookupProposer
+spec = SpeculativeModel(tiny_model("llama"), PromptLookupProposer(4))
+stream = spec.decode(torch.tensor([5, 6, 7, 5, 6]), 50, eos_token_id=[])
+for i, step in enumerate(stream):
+    assert torch.is_grad_enabled()  # the caller's grad mode between steps
+    if i == 3:
+        break
+print("left the stream open")
+"""
+
+
+def test_a_stream_left_open_at_exit_closes_quietly():
+    """A user breaks out of a stream and the script ends: the generator is closed during interpreter shutdown, where
+    torch.no_grad's generator wrapper printed an 'Exception ignored ... AttributeError' traceback."""
+    done = subprocess.run([sys.executable, "-c", ABANDONED_STREAM], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "left the stream open" in done.stdout
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_decoding_runs_without_grad_and_leaves_the_callers_grad_mode(llama):
+    spec = SpeculativeModel(llama, PromptLookupProposer(4))
+    seen = []
+    propose = spec.proposer.propose
+    spec.proposer.propose = lambda *a: seen.append(torch.is_grad_enabled()) or propose(*a)
+    for _ in spec.decode(torch.tensor([5, 6, 7, 5, 6]), 12, eos_token_id=[]):
+        assert torch.is_grad_enabled()
+    assert seen and not any(seen)
