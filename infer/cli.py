@@ -1,4 +1,5 @@
-"""`python -m infer generate | bench`: speculative decoding from the command line.
+"""`python -m infer generate | bench | tune | import | export | push | draft-vocab`: speculative decoding and
+the checkpoint tools from the command line.
 
 Drafters: trained heads directories (`--heads`, Medusa or EAGLE), a separate small draft model
 (`--draft-model`, the seed paper's algorithm) or prompt lookup (`--prompt-lookup`).
@@ -421,6 +422,53 @@ def cmd_export(args: argparse.Namespace) -> None:
     print(f"exported {args.heads} as {args.format} into {args.out}")
 
 
+def cmd_draft_vocab(args: argparse.Namespace) -> None:
+    """Restrict an EAGLE-1/2 drafter to the dataset's most frequent tokens (frequency-ranked drafting, as FR-Spec does
+    for published EAGLE-2 drafters): each draft call then reads only those rows of the lm_head. No training; the
+    drafter's weights are unchanged and verification keeps the output exact."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from heads.eagle import EagleDraft
+    from shipped.models import resolve_model
+    from train.data import load_examples
+    from train.eagle import default_draft_vocab_size
+    from train.eagle3 import most_frequent, token_counts
+
+    refuse_to_overwrite(args.out)
+    [heads] = _drafters([args.heads], "cpu", args.model)
+    if heads.config.kind != "eagle":
+        why = ("EAGLE-3 drafters learn their vocabulary's projection in training: set it with train/eagle.py "
+               "--draft_vocab_size" if heads.config.kind == "eagle3" else "Medusa heads draft over the whole vocabulary")
+        raise ValueError(f"--heads {args.heads} are {heads.config.kind} heads; draft-vocab restricts EAGLE-1/2 "
+                         f"drafters ({why})")
+    vocab = heads.config.vocab_size
+    size = args.size or default_draft_vocab_size(vocab)
+    if not 0 < size < vocab:
+        raise ValueError(f"--size {size} must be between 1 and the target's vocabulary size - 1 ({vocab - 1})")
+    name = args.model or heads.config.base_model
+    if not name:
+        raise ValueError(f"--heads {args.heads} names no target model: pass --model, whose tokenizer reads --dataset")
+    tokenizer = load_pretrained("--model" if args.model else "the heads' base_model", name,
+                                AutoTokenizer.from_pretrained, resolve_model(name))
+    counts = token_counts(load_examples(args.dataset, tokenizer, args.max_length).token_batches(), vocab)
+    if not counts.any():
+        raise ValueError(f"--dataset {args.dataset} has no tokens to count (no loss-bearing tokens)")
+    ids = most_frequent(counts, size)
+    config = dataclasses.replace(heads.config, draft_vocab_size=size, base_model=heads.config.base_model or name)
+    restricted = EagleDraft(config)
+    weights = {k: v for k, v in heads.state_dict().items() if k not in ("d2t", "t2d")}
+    loaded = restricted.load_state_dict(weights, strict=False)  # all but d2t, set next
+    if loaded.missing_keys != ["d2t"] or loaded.unexpected_keys:
+        raise RuntimeError(f"the drafter's weights do not fit a restricted drafter: {loaded}")
+    restricted.set_draft_vocab(ids)
+    restricted.save_pretrained(args.out)
+    covered = counts[ids].sum().item() / counts.sum().item()
+    print(f"wrote {args.out}: drafting among {size} of {vocab} tokens, which are {100 * covered:.2f}% of the "
+          f"{counts.sum().item()} trained-on tokens in {args.dataset}")
+
+
 def cmd_push(args: argparse.Namespace) -> None:
     from heads.hub import push_to_hub
 
@@ -429,7 +477,7 @@ def cmd_push(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune, "import": cmd_import,
-            "export": cmd_export, "push": cmd_push}
+            "export": cmd_export, "push": cmd_push, "draft-vocab": cmd_draft_vocab}
 
 
 def run(argv: list[str]) -> None:

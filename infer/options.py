@@ -222,6 +222,20 @@ def build_parser() -> argparse.ArgumentParser:
                           "pytorch_model.bin (SafeAILab's original EAGLE-1 code)")
     exp.add_argument("--out", required=True, help="the directory to write (config.json and the weights)")
 
+    vocab = sub.add_parser("draft-vocab", help="restrict an EAGLE-1/2 drafter (yours or a published one) to the "
+                                               "most frequent tokens of a dataset: cheaper draft calls, no training")
+    vocab.add_argument("--heads", required=True, help="an EAGLE-1/2 drafter: a selfspec heads directory, a published "
+                                                      "checkpoint (SafeAILab, SGLang) or a Hub id of either")
+    vocab.add_argument("--dataset", required=True,
+                       help="text or chat data like the target's traffic, as train/eagle.py --dataset takes it "
+                            "(.jsonl, .txt, a saved dataset, a Hub dataset); its trained-on tokens are counted")
+    vocab.add_argument("--size", type=at_least(1),
+                       help="tokens to draft among (default: a quarter of the vocabulary, within 2048..32768)")
+    vocab.add_argument("--model", help="the target whose tokenizer reads --dataset (default: the heads' base_model; "
+                                       "needed for published EAGLE checkpoints, which name none)")
+    vocab.add_argument("--max-length", type=at_least(8), default=2048, help="tokens per example when tokenising")
+    vocab.add_argument("--out", required=True, help="the heads directory to write")
+
     push = sub.add_parser("push", help="upload a heads directory to the Hugging Face Hub with a model card")
     push.add_argument("--heads", required=True, help="a heads directory (config.json + model.safetensors)")
     push.add_argument("--repo-id", required=True, help="e.g. your-name/llama3-8b-medusa")

@@ -346,11 +346,16 @@ def cached_features(cfg: EagleConfig, target, examples: Examples, name: str, lay
     return Examples(examples.rows, examples.key, FeatureShards(folder, len(examples), size))
 
 
+def default_draft_vocab_size(vocab: int) -> int:
+    """A quarter of the target's vocabulary, clamped to 2048..32768 (2048 on the demo, 32064 for Llama-3)."""
+    return min(max(2048, vocab // 4), 32768)
+
+
 def draft_vocab_size(cfg: EagleConfig, vocab: int) -> int:
     """The drafter's vocabulary size for a target of `vocab` tokens, 0 when it is the whole vocabulary."""
     size = cfg.draft_vocab_size
     if size is None:
-        size = min(max(2048, vocab // 4), 32768) if cfg.version == 3 else 0
+        size = default_draft_vocab_size(vocab) if cfg.version == 3 else 0
     return size if 0 < size < vocab else 0
 
 

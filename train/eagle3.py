@@ -27,15 +27,25 @@ from train.medusa import agreed_calls, chunk_rows, chunked_sum, chunks
 STEP_DECAY = 0.8  # weight of step i's loss is STEP_DECAY ** i
 
 
-def draft_vocabulary(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` most frequent target tokens among the loss-bearing tokens (ties: the lower id), as ids (size,),
-    counted over (input_ids, loss_mask) batches of any equal shapes one at a time, never the whole corpus at once.
-    Tokens never seen fill the rest, lowest ids first, so the vocabulary always has `size` entries."""
+def token_counts(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int) -> torch.Tensor:
+    """How often each target token is loss-bearing (vocab_size,), counted over (input_ids, loss_mask) batches of any
+    equal shapes one at a time, never the whole corpus at once."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for input_ids, loss_mask in batches:
         counts += torch.bincount(input_ids[loss_mask.bool()].flatten().cpu(), minlength=vocab_size)[:vocab_size]
-    order = torch.sort(counts, descending=True, stable=True).indices
-    return order[:size]
+    return counts
+
+
+def draft_vocabulary(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent target tokens among the loss-bearing tokens (ties: the lower id), as ids (size,)
+    (see `token_counts`). Tokens never seen fill the rest, lowest ids first, so the vocabulary always has `size`
+    entries."""
+    return most_frequent(token_counts(batches, vocab_size), size)
+
+
+def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The ids of the `size` largest counts, ties to the lower id."""
+    return torch.sort(counts, descending=True, stable=True).indices[:size]
 
 
 @torch.no_grad()

@@ -1,0 +1,81 @@
+"""`python -m infer draft-vocab`: an EAGLE-1/2 drafter restricted to a dataset's most frequent trained-on tokens,
+without training (frequency-ranked drafting); decoding with it stays exact."""
+
+import json
+
+import pytest
+import torch
+from test_cli import user_error
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from heads.registry import load_heads
+from infer.cli import main as cli
+from infer.generate import SpeculativeModel
+
+USER, ANSWER = "QQQQ QQQQ QQQQ QQQQ", "return a + b"
+
+
+@pytest.fixture
+def chats(tmp_path, monkeypatch):
+    """Conversations whose user turns repeat tokens the assistant never writes."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "chats.jsonl"
+    record = {"messages": [{"role": "user", "content": USER}, {"role": "assistant", "content": ANSWER}]}
+    path.write_text("\n".join(json.dumps(record) for _ in range(40)) + "\n")
+    return path
+
+
+def test_the_drafter_drafts_among_the_answers_tokens_only_and_decodes_exactly(eagle_dir, tiny_model_dir, chats,
+                                                                            tmp_path, capsys):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # what the chat template adds for the answer (its header, the text, the end of turn): the trained-on tokens
+    answer = set(tokenizer("<|assistant|>" + ANSWER + "<eos>", add_special_tokens=False).input_ids)
+    user = set(tokenizer(USER, add_special_tokens=False).input_ids) - answer
+    assert user
+    out = tmp_path / "restricted"
+    cli(["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--size", str(len(answer)),
+         "--out", str(out)])
+    assert f"drafting among {len(answer)} of" in capsys.readouterr().out
+    before, after = load_heads(eagle_dir), load_heads(out)
+    assert after.config.draft_vocab_size == len(answer)
+    assert set(after.draft_ids.tolist()) == answer
+    weights = after.state_dict()
+    assert weights.pop("d2t") is not None and weights.keys() == before.state_dict().keys()
+    assert all(torch.equal(v, before.state_dict()[k]) for k, v in weights.items())
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    spec = SpeculativeModel.from_pretrained(out, model=model)
+    drafted = []
+    propose = spec.proposer.propose
+    spec.proposer.propose = lambda *a: (d := propose(*a), drafted.extend(d.tokens[1:].tolist()))[0]
+    prompt = torch.tensor([tokenizer("def add(a, b):\n    return").input_ids])
+    want = model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=[])
+    assert torch.equal(spec.generate(prompt, max_new_tokens=20, eos_token_id=[]), want)
+    assert drafted and set(drafted) <= answer
+
+
+def test_a_published_drafter_is_restricted_for_the_target_given(eagle_dir, tiny_model_dir, chats, tmp_path):
+    published = tmp_path / "safeailab"
+    cli(["export", "--heads", str(eagle_dir), "--format", "eagle1", "--model", str(tiny_model_dir),
+         "--out", str(published)])
+    out = tmp_path / "restricted"
+    cli(["draft-vocab", "--heads", str(published), "--model", str(tiny_model_dir), "--dataset", str(chats),
+         "--size", "16", "--out", str(out)])
+    heads = load_heads(out)
+    assert heads.config.draft_vocab_size == 16 and heads.config.base_model == str(tiny_model_dir)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--size", "0"], "--size: must be an integer >= 1, got 0"),
+    (["--size", "100000"], "--size 100000 must be between 1 and the target's vocabulary size"),
+])
+def test_bad_sizes_are_one_line_errors(eagle_dir, chats, tmp_path, extra, message, capsys):
+    argv = ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--out", str(tmp_path / "o"), *extra]
+    assert message in user_error(capsys, argv)
+
+
+def test_medusa_heads_and_an_existing_checkpoint_are_refused(medusa_dir, eagle_dir, chats, capsys):
+    assert "are medusa heads; draft-vocab restricts EAGLE-1/2 drafters" in user_error(
+        capsys, ["draft-vocab", "--heads", str(medusa_dir), "--dataset", str(chats), "--out", str(chats.parent / "o")])
+    assert "already holds a checkpoint" in user_error(
+        capsys, ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--out", str(eagle_dir)])
