@@ -49,22 +49,25 @@ def load_prompts(path: str | Path) -> list[str]:
     """A .jsonl file with one {"prompt": "..."} per line; a bad line is an error naming it."""
     layout = 'write one {"prompt": "..."} per line'
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is skipped
     except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        reason = (e.strerror or str(e)) if isinstance(e, OSError) else "not UTF-8 text"
         raise ValueError(f"--prompts {path}: cannot read it ({reason})") from None
     prompts = []
-    for n, line in enumerate(text.splitlines(), 1):
+    # lines end at \n only, as JSONL's do: JSON text may hold U+2028 and other characters splitlines() breaks at
+    for n, line in enumerate(text.split("\n"), 1):
         if line.strip():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n} is not JSON ({e.msg}): {layout}") from None
+                raise ValueError(f"--prompts {path}:{n} is not JSON ({e.msg}): {layout}") from None
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ValueError(f'{path}:{n} has no "prompt" string: {layout}')
+                raise ValueError(f'--prompts {path}:{n} has no "prompt" string: {layout}')
+            if not record["prompt"].strip():
+                raise ValueError(f"--prompts {path}:{n} has an empty prompt: give each line some text to continue")
             prompts.append(record["prompt"])
     if not prompts:
-        raise ValueError(f"{path} holds no prompts: {layout}")
+        raise ValueError(f"--prompts {path} holds no prompts: {layout}")
     return prompts
 
 

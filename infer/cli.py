@@ -322,17 +322,20 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(f"plot written to {args.plot}", file=sys.stderr)
 
 
-def calibration_prompts(tokenizer, path: str | None, count: int, length: int = 32) -> list[torch.Tensor]:
+def calibration_texts(path: str | None, count: int) -> list[str]:
     """Prompts to measure acceptance on: a .jsonl of {"prompt": ...}, else openings of files from the
     demo corpus's validation split (never trained on)."""
     from infer.bench import load_prompts
     from shipped.stdlib_corpus import stdlib_texts
 
     if path:
-        texts = load_prompts(path)[:count]
-    else:
-        texts = [t for t in stdlib_texts("validation") if len(t) > 400]
-        texts = texts[:: max(1, len(texts) // count)][:count]
+        return load_prompts(path)[:count]
+    texts = [t for t in stdlib_texts("validation") if len(t) > 400]
+    return texts[:: max(1, len(texts) // count)][:count]
+
+
+def calibration_prompts(tokenizer, texts: list[str], length: int = 32) -> list[torch.Tensor]:
+    """The first `length` tokens of each calibration text."""
     return [tokenizer(t, return_tensors="pt").input_ids[0, :length] for t in texts]
 
 
@@ -349,8 +352,9 @@ def cmd_tune(args: argparse.Namespace) -> None:
         raise ValueError(f"--heads {args.heads}: tune stores its result in the heads' config.json, and this one is "
                          f"a published checkpoint's: write it in selfspec's layout first (python -m infer import "
                          f"--src {args.heads} --out DIR)")
+    texts = calibration_texts(args.prompts, args.num_prompts)  # a bad --prompts file fails before the model loads
     model, tokenizer, (spec,) = _load(args, [args.heads])
-    prompts = [p.to(args.device) for p in calibration_prompts(tokenizer, args.prompts, args.num_prompts)]
+    prompts = [p.to(args.device) for p in calibration_prompts(tokenizer, texts)]
     proposer = spec.proposer
     config = proposer.draft.config if isinstance(proposer, EagleProposer) else proposer.heads.config
     print(f"measuring on {len(prompts)} calibration prompts, batch size {args.batch_size}, {args.dtype}, "
@@ -428,11 +432,11 @@ def cmd_draft_vocab(args: argparse.Namespace) -> None:
     drafter's weights are unchanged and verification keeps the output exact."""
     import dataclasses
 
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from heads.eagle import EagleDraft
     from shipped.models import resolve_model
-    from train.data import load_examples
+    from train.data import DataError, load_examples
     from train.eagle import default_draft_vocab_size
     from train.eagle3 import most_frequent, token_counts
 
@@ -443,28 +447,41 @@ def cmd_draft_vocab(args: argparse.Namespace) -> None:
                "--draft_vocab_size" if heads.config.kind == "eagle3" else "Medusa heads draft over the whole vocabulary")
         raise ValueError(f"--heads {args.heads} are {heads.config.kind} heads; draft-vocab restricts EAGLE-1/2 "
                          f"drafters ({why})")
-    vocab = heads.config.vocab_size
+    vocab, config = heads.config.vocab_size, heads.config
     size = args.size or default_draft_vocab_size(vocab)
-    if not 0 < size < vocab:
-        raise ValueError(f"--size {size} must be between 1 and the target's vocabulary size - 1 ({vocab - 1})")
-    name = args.model or heads.config.base_model
+    if size >= vocab:
+        raise ValueError(f"--size {size} must be below the target's vocabulary size ({vocab})" if args.size else
+                         f"the target's vocabulary has only {vocab} tokens, at most the default size {size}: "
+                         f"give a --size below {vocab}")
+    widest = max(config.top_k, max(rank for path in config.tree for rank in path) + 1 if config.tree else 1)
+    if size < widest:
+        raise ValueError(f"--size {size} is fewer tokens than the drafter's tree takes per node ({widest}, its top_k "
+                         "or static tree): give a --size of at least that")
+    name = args.model or config.base_model
     if not name:
         raise ValueError(f"--heads {args.heads} names no target model: pass --model, whose tokenizer reads --dataset")
-    tokenizer = load_pretrained("--model" if args.model else "the heads' base_model", name,
-                                AutoTokenizer.from_pretrained, resolve_model(name))
-    counts = token_counts(load_examples(args.dataset, tokenizer, args.max_length).token_batches(), vocab)
-    if not counts.any():
-        raise ValueError(f"--dataset {args.dataset} has no tokens to count (no loss-bearing tokens)")
+    option = "--model" if args.model else "the heads' base_model"
+    target = load_pretrained(option, name, AutoConfig.from_pretrained, resolve_model(name)).get_text_config()
+    tokenizer = load_pretrained(option, name, AutoTokenizer.from_pretrained, resolve_model(name))
+    if target.hidden_size != config.hidden_size or len(tokenizer) > vocab:
+        raise ValueError(f"{option} {name} does not fit the drafter (hidden size {target.hidden_size} vs "
+                         f"{config.hidden_size}, {len(tokenizer)} tokenizer tokens vs {vocab}): give the model it "
+                         "was trained for")
+    try:
+        examples = load_examples(args.dataset, tokenizer, args.max_length)
+    except DataError as e:
+        raise ValueError(f"--dataset {args.dataset}: {str(e).replace('--max_length', '--max-length')}") from None
+    counts = token_counts(examples.token_batches(), vocab)
     ids = most_frequent(counts, size)
-    config = dataclasses.replace(heads.config, draft_vocab_size=size, base_model=heads.config.base_model or name)
-    restricted = EagleDraft(config)
+    restricted = EagleDraft(dataclasses.replace(config, draft_vocab_size=size, base_model=config.base_model or name))
+    restricted.to(next(heads.parameters()).dtype)  # saved in the drafter's own dtype
     weights = {k: v for k, v in heads.state_dict().items() if k not in ("d2t", "t2d")}
     loaded = restricted.load_state_dict(weights, strict=False)  # all but d2t, set next
     if loaded.missing_keys != ["d2t"] or loaded.unexpected_keys:
         raise RuntimeError(f"the drafter's weights do not fit a restricted drafter: {loaded}")
     restricted.set_draft_vocab(ids)
     restricted.save_pretrained(args.out)
-    covered = counts[ids].sum().item() / counts.sum().item()
+    covered = counts[ids].sum().item() / max(counts.sum().item(), 1)
     print(f"wrote {args.out}: drafting among {size} of {vocab} tokens, which are {100 * covered:.2f}% of the "
           f"{counts.sum().item()} trained-on tokens in {args.dataset}")
 

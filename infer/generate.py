@@ -219,7 +219,8 @@ def ends_root(device: torch.device) -> torch.Tensor:
 def without_grad(steps: Iterator[Item]) -> Iterator[Item]:
     """`steps` advanced under torch.no_grad, each item yielded outside it (the caller's grad mode stays its own).
     Unlike torch.no_grad on a generator, closing it builds no grad-mode object, so a stream still open when the
-    interpreter exits closes quietly."""
+    interpreter exits closes quietly. An exception thrown into it closes `steps` (runs its `finally` blocks)
+    instead of being raised inside them."""
     try:
         while True:
             with torch.no_grad():

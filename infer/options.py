@@ -233,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens to draft among (default: a quarter of the vocabulary, within 2048..32768)")
     vocab.add_argument("--model", help="the target whose tokenizer reads --dataset (default: the heads' base_model; "
                                        "needed for published EAGLE checkpoints, which name none)")
-    vocab.add_argument("--max-length", type=at_least(8), default=2048, help="tokens per example when tokenising")
+    vocab.add_argument("--max-length", type=at_least(8), default=512,
+                       help="tokens per example when tokenising (plain text is cut into blocks of this many, the "
+                            "last partial block left out; the tokenised copy is cached under SELFSPEC_CACHE)")
     vocab.add_argument("--out", required=True, help="the heads directory to write")
 
     push = sub.add_parser("push", help="upload a heads directory to the Hugging Face Hub with a model card")

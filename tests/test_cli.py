@@ -387,9 +387,24 @@ def test_lookup_first_without_heads_is_a_clear_error(command, capsys, no_weights
     ('{"prompt": 3}\n', "prompts.jsonl:1 has no \"prompt\" string"),
     ('{"text": "def f():"}\n', "prompts.jsonl:1 has no \"prompt\" string"),
     ('\n\n', "holds no prompts"),
-    (b'\xff\xfe{"prompt"', "cannot read it"),
+    (b'\xff\xfe{"prompt"', "cannot read it (not UTF-8 text)"),
+    ('{"prompt": " \\n "}\n', "prompts.jsonl:1 has an empty prompt"),
 ])
-def test_a_bad_prompts_file_is_one_line_naming_the_line(medusa_dir, tmp_path, lines, message, capsys, no_weights):
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_a_bad_prompts_file_is_one_line_naming_the_line(medusa_dir, tmp_path, lines, message, command, capsys,
+                                                        no_weights):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_bytes(lines if isinstance(lines, bytes) else lines.encode())
-    assert message in user_error(capsys, ["bench", "--heads", str(medusa_dir), "--prompts", str(prompts)])
+    assert message in user_error(capsys, [command, "--heads", str(medusa_dir), "--prompts", str(prompts)])
+
+
+def test_a_prompts_file_is_read_as_jsonl_is_written(tmp_path):
+    """Lines end at \\n only (JSON text may hold U+2028, which splitlines() breaks at), a byte-order mark and CRLF
+    line ends are taken as editors write them."""
+    from infer.bench import load_prompts
+
+    prompts = ["def f():\u2028    return 1", "class A:\u0085pass", "x = 1"]
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(json.dumps({"prompt": p}, ensure_ascii=False)
+                                                  for p in prompts).encode() + b"\r\n")
+    assert load_prompts(path) == prompts

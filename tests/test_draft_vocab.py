@@ -4,10 +4,13 @@ without training (frequency-ranked drafting); decoding with it stays exact."""
 import json
 
 import pytest
+import safetensors.torch
 import torch
 from test_cli import user_error
+from test_eagle3 import eagle3_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from heads.eagle3 import Eagle3Draft
 from heads.registry import load_heads
 from infer.cli import main as cli
 from infer.generate import SpeculativeModel
@@ -65,17 +68,57 @@ def test_a_published_drafter_is_restricted_for_the_target_given(eagle_dir, tiny_
     assert heads.config.draft_vocab_size == 16 and heads.config.base_model == str(tiny_model_dir)
 
 
+def test_a_half_precision_drafter_stays_in_its_dtype_and_can_be_restricted_again(eagle_dir, chats, tmp_path):
+    half = tmp_path / "bf16"
+    drafter = load_heads(eagle_dir)
+    drafter.config.dtype = "bfloat16"
+    drafter.to(torch.bfloat16).save_pretrained(half)
+    first, second = tmp_path / "first", tmp_path / "second"
+    cli(["draft-vocab", "--heads", str(half), "--dataset", str(chats), "--size", "12", "--out", str(first)])
+    cli(["draft-vocab", "--heads", str(first), "--dataset", str(chats), "--size", "20", "--out", str(second)])
+    for out, size in ((first, 12), (second, 20)):
+        weights = safetensors.torch.load_file(out / "model.safetensors")
+        assert {v.dtype for k, v in weights.items() if k != "d2t"} == {torch.bfloat16}
+        heads = load_heads(out)
+        assert heads.config.draft_vocab_size == size and heads.draft_ids.numel() == size
+    assert set(load_heads(first).draft_ids.tolist()) < set(load_heads(second).draft_ids.tolist())
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--size", "0"], "--size: must be an integer >= 1, got 0"),
-    (["--size", "100000"], "--size 100000 must be between 1 and the target's vocabulary size"),
+    (["--size", "100000"], "--size 100000 must be below the target's vocabulary size (96)"),
+    ([], "the target's vocabulary has only 96 tokens, at most the default size 2048: give a --size below 96"),
+    (["--size", "2"], "--size 2 is fewer tokens than the drafter's tree takes per node (3, its top_k"),
 ])
 def test_bad_sizes_are_one_line_errors(eagle_dir, chats, tmp_path, extra, message, capsys):
     argv = ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--out", str(tmp_path / "o"), *extra]
     assert message in user_error(capsys, argv)
 
 
-def test_medusa_heads_and_an_existing_checkpoint_are_refused(medusa_dir, eagle_dir, chats, capsys):
+def test_what_cannot_be_restricted_is_refused_in_one_line(medusa_dir, eagle_dir, tiny_model_dir, chats, tmp_path,
+                                                            capsys):
+    out = ["--size", "16", "--out", str(tmp_path / "o")]
     assert "are medusa heads; draft-vocab restricts EAGLE-1/2 drafters" in user_error(
-        capsys, ["draft-vocab", "--heads", str(medusa_dir), "--dataset", str(chats), "--out", str(chats.parent / "o")])
+        capsys, ["draft-vocab", "--heads", str(medusa_dir), "--dataset", str(chats), *out])
+    eagle3 = tmp_path / "eagle3"
+    Eagle3Draft(eagle3_config(AutoModelForCausalLM.from_pretrained(tiny_model_dir))).save_pretrained(eagle3)
+    capsys.readouterr()  # the model's loading bar
+    assert "are eagle3 heads; draft-vocab restricts EAGLE-1/2 drafters (EAGLE-3 drafters learn" in user_error(
+        capsys, ["draft-vocab", "--heads", str(eagle3), "--dataset", str(chats), *out])
     assert "already holds a checkpoint" in user_error(
         capsys, ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--out", str(eagle_dir)])
+    # another model's tokenizer would count other ids: a model of another hidden size is refused
+    other = tmp_path / "other-model"
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(other)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"hidden_size": 2 * config["hidden_size"]}))
+    assert "does not fit the drafter (hidden size" in user_error(
+        capsys, ["draft-vocab", "--heads", str(eagle_dir), "--model", str(other), "--dataset", str(chats), *out])
+    # a published drafter names no target
+    published = tmp_path / "safeailab"
+    cli(["export", "--heads", str(eagle_dir), "--format", "eagle1", "--model", str(tiny_model_dir),
+         "--out", str(published)])
+    capsys.readouterr()
+    assert "pass --model" in user_error(capsys, ["draft-vocab", "--heads", str(published), "--dataset", str(chats),
+                                                 *out])
+    assert not (tmp_path / "o").exists()
