@@ -37,7 +37,9 @@ def import_heads(directory: str | Path, format: str | None = None, base_model: s
     if fmt is None:
         files = sorted(p.name for p in directory.iterdir())
         raise ValueError(f"{directory} holds no Medusa or EAGLE checkpoint layout this project knows (files: "
-                         f"{files}); pass --format with one of {', '.join(EXPORT_FORMATS)}")
+                         f"{files}): give a drafter's folder, not a model's; a drafter in a layout not detected "
+                         f"is read by python -m infer import --src {directory} --format <{'|'.join(EXPORT_FORMATS)}> "
+                         "--out DIR")
     if fmt in MEDUSA_FORMATS:
         return import_medusa(directory, fmt, base_model=base_model, vocab_size=vocab_size)
     if vocab_size is not None:

@@ -381,7 +381,10 @@ def cmd_tune(args: argparse.Namespace) -> None:
 
 def refuse_to_overwrite(out: str) -> None:
     """A checkpoint already in `out` (trained heads, an earlier export) is never written over: a mix of two
-    checkpoints' files would load as neither."""
+    checkpoints' files would load as neither. A path that cannot become a folder fails here, before any work."""
+    blocked = next((p for p in (Path(out), *Path(out).parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ValueError(f"--out {out}: {blocked} is a file, not a folder: give a folder path")
     held = sorted(p.name for p in Path(out).glob("*") if p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
     if held:
         raise ValueError(f"--out {out} already holds a checkpoint ({', '.join(held)}): write to a new folder, or "
@@ -472,6 +475,10 @@ def cmd_draft_vocab(args: argparse.Namespace) -> None:
     except DataError as e:
         raise ValueError(f"--dataset {args.dataset}: {str(e).replace('--max_length', '--max-length')}") from None
     counts = token_counts(examples.token_batches(), vocab)
+    seen = int((counts > 0).sum())
+    if seen < size:  # the rest would be arbitrary ids, not frequent ones
+        raise ValueError(f"--dataset {args.dataset} holds only {seen} distinct trained-on tokens, fewer than --size "
+                         f"{size}: give more data like the target's traffic, or a --size of at most {seen}")
     ids = most_frequent(counts, size)
     restricted = EagleDraft(dataclasses.replace(config, draft_vocab_size=size, base_model=config.base_model or name))
     restricted.to(next(heads.parameters()).dtype)  # saved in the drafter's own dtype

@@ -58,9 +58,10 @@ class EagleProposer:
         self.depth = min(self.depth, self.total_tokens)  # a kept tree is never deeper than its node count
         drafted = cfg.draft_vocab_size or cfg.vocab_size
         width = max(r for c in choices for r in c) + 1 if choices else 1
-        if max(self.top_k, width) > drafted:
-            raise ValueError(f"this drafter drafts among {drafted} tokens, fewer than top_k {self.top_k} (or the "
-                             f"static tree's {width} children per node): use a top_k / tree of at most {drafted}")
+        for wanted, what in ((self.top_k, "top_k"), (width, "children per node in the static tree")):
+            if wanted > drafted:
+                raise ValueError(f"this drafter drafts among {drafted} tokens, fewer than its {wanted} {what}: use "
+                                 f"at most {drafted}")
         # per-step constants of the dynamic tree, made once: frontier slots, each child's rank among its
         # parent's k, and the frontier's view of its own new cache columns
         self.slots = torch.arange(self.top_k, device=self.device)

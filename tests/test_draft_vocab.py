@@ -3,6 +3,7 @@ without training (frequency-ranked drafting); decoding with it stays exact."""
 
 import json
 
+import datasets
 import pytest
 import safetensors.torch
 import torch
@@ -16,6 +17,14 @@ from infer.cli import main as cli
 from infer.generate import SpeculativeModel
 
 USER, ANSWER = "QQQQ QQQQ QQQQ QQQQ", "return a + b"
+
+
+@pytest.fixture
+def quiet_datasets():
+    """No tokenising bar: it shares stderr with the one-line error checked."""
+    datasets.disable_progress_bars()
+    yield
+    datasets.enable_progress_bars()
 
 
 @pytest.fixture
@@ -63,9 +72,9 @@ def test_a_published_drafter_is_restricted_for_the_target_given(eagle_dir, tiny_
          "--out", str(published)])
     out = tmp_path / "restricted"
     cli(["draft-vocab", "--heads", str(published), "--model", str(tiny_model_dir), "--dataset", str(chats),
-         "--size", "16", "--out", str(out)])
+         "--size", "8", "--out", str(out)])  # published layouts keep no tree: the default top_k 8
     heads = load_heads(out)
-    assert heads.config.draft_vocab_size == 16 and heads.config.base_model == str(tiny_model_dir)
+    assert heads.config.draft_vocab_size == 8 and heads.config.base_model == str(tiny_model_dir)
 
 
 def test_a_half_precision_drafter_stays_in_its_dtype_and_can_be_restricted_again(eagle_dir, chats, tmp_path):
@@ -74,9 +83,9 @@ def test_a_half_precision_drafter_stays_in_its_dtype_and_can_be_restricted_again
     drafter.config.dtype = "bfloat16"
     drafter.to(torch.bfloat16).save_pretrained(half)
     first, second = tmp_path / "first", tmp_path / "second"
-    cli(["draft-vocab", "--heads", str(half), "--dataset", str(chats), "--size", "12", "--out", str(first)])
-    cli(["draft-vocab", "--heads", str(first), "--dataset", str(chats), "--size", "20", "--out", str(second)])
-    for out, size in ((first, 12), (second, 20)):
+    cli(["draft-vocab", "--heads", str(half), "--dataset", str(chats), "--size", "4", "--out", str(first)])
+    cli(["draft-vocab", "--heads", str(first), "--dataset", str(chats), "--size", "8", "--out", str(second)])
+    for out, size in ((first, 4), (second, 8)):
         weights = safetensors.torch.load_file(out / "model.safetensors")
         assert {v.dtype for k, v in weights.items() if k != "d2t"} == {torch.bfloat16}
         heads = load_heads(out)
@@ -89,8 +98,9 @@ def test_a_half_precision_drafter_stays_in_its_dtype_and_can_be_restricted_again
     (["--size", "100000"], "--size 100000 must be below the target's vocabulary size (96)"),
     ([], "the target's vocabulary has only 96 tokens, at most the default size 2048: give a --size below 96"),
     (["--size", "2"], "--size 2 is fewer tokens than the drafter's tree takes per node (3, its top_k"),
+    (["--size", "60"], "holds only 16 distinct trained-on tokens, fewer than --size 60: give more data"),
 ])
-def test_bad_sizes_are_one_line_errors(eagle_dir, chats, tmp_path, extra, message, capsys):
+def test_bad_sizes_are_one_line_errors(eagle_dir, chats, tmp_path, extra, message, capsys, quiet_datasets):
     argv = ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--out", str(tmp_path / "o"), *extra]
     assert message in user_error(capsys, argv)
 
@@ -107,6 +117,10 @@ def test_what_cannot_be_restricted_is_refused_in_one_line(medusa_dir, eagle_dir,
         capsys, ["draft-vocab", "--heads", str(eagle3), "--dataset", str(chats), *out])
     assert "already holds a checkpoint" in user_error(
         capsys, ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--out", str(eagle_dir)])
+    assert f"{chats} is a file, not a folder: give a folder path" in user_error(
+        capsys, ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--out", str(chats / "sub")])
+    assert "give a drafter's folder, not a model's" in user_error(
+        capsys, ["draft-vocab", "--heads", str(tiny_model_dir), "--dataset", str(chats), *out])
     # another model's tokenizer would count other ids: a model of another hidden size is refused
     other = tmp_path / "other-model"
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(other)

@@ -271,10 +271,10 @@ def test_a_draft_vocabulary_decodes_under_inference_mode():
 
 def test_top_k_wider_than_the_draft_vocabulary_is_a_clear_error():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="drafts among 4 tokens, fewer than top_k 5"):
+    with pytest.raises(ValueError, match="drafts among 4 tokens, fewer than its 5 top_k: use at most 4"):
         proposer(model, vocab_draft(model, size=4), top_k=5)
-    with pytest.raises(ValueError, match="static tree's 6 children per node"):
-        proposer(model, vocab_draft(model, size=4, top_k=2), choices=[[0], [5]])
+    with pytest.raises(ValueError, match="fewer than its 6 children per node in the static tree: use at most 4"):
+        proposer(model, vocab_draft(model, size=4, top_k=4), choices=[[0], [5]])  # top_k 4 fits: the tree does not
 
 
 def test_validation_ranks_only_the_tokens_a_draft_vocabulary_can_draft():
