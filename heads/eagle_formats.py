@@ -69,6 +69,9 @@ from heads.medusa_formats import load_strict
 
 EMBED_KEY = "embed_tokens.weight"
 WEIGHTS = {"safetensors": "model.safetensors", "bin": "pytorch_model.bin"}
+# a draft vocabulary as SGLang takes it for EAGLE-2 (`--speculative-token-map`, FR-Spec's hot token ids; read by
+# sglang/srt/speculative/eagle_worker.py `load_token_map` as torch.load(path, weights_only=True), sglang v0.5.x)
+TOKEN_MAP = "token_map.pt"
 # Tensors a file may hold that the drafter does not use: lm_head (SGLang skips it too; every engine uses the
 # target's) and the RoPE caches some old checkpoints saved.
 IGNORED = re.compile(r"^(lm_head\.|.*rotary_emb\.(inv_freq|cos_cached|sin_cached)$)")
@@ -335,9 +338,11 @@ def export_eagle(
         raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
     cfg, engines = draft.config, LAYOUTS[fmt].engines
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
-    if state.pop("d2t", None) is not None:  # the published layout drafts over the whole vocabulary
-        warnings.warn("the exported drafter drafts over the target's whole vocabulary: these layouts have no "
-                      f"draft vocabulary (selfspec drafts among {cfg.draft_vocab_size} tokens)", stacklevel=2)
+    hot = draft.draft_ids.cpu() if state.pop("d2t", None) is not None else None  # no such key in these layouts
+    if hot is not None:
+        warnings.warn(f"these layouts have no draft vocabulary (selfspec drafts among {cfg.draft_vocab_size} "
+                      f"tokens): vLLM and SafeAILab draft over the target's whole vocabulary; SGLang drafts among "
+                      f"them with --speculative-token-map {Path(out_dir) / TOKEN_MAP}", stacklevel=2)
     expected = {"fc.weight", *(["fc.bias"] if cfg.fc_bias else []), *layer_keys(cfg.num_layers)}
     if set(state) != expected:
         raise ValueError(f"this drafter has tensors no EAGLE-1 loader reads (e.g. attention biases): "
@@ -361,5 +366,7 @@ def export_eagle(
         warnings.warn("this drafter has an fc bias, which vLLM 0.32 drops on load (it still decodes "
                       "losslessly but accepts fewer tokens); train with fc_bias=False for vLLM", stacklevel=2)
     write_weights(state, Path(out_dir), weights)
+    if hot is not None:  # FR-Spec's token map as SGLang loads it: torch.load(path, weights_only=True), the token ids
+        atomic_write(Path(out_dir) / TOKEN_MAP, lambda tmp: torch.save(hot, tmp))
     text = json.dumps(eagle_config_json(draft, fmt), indent=2) + "\n"
     atomic_write(Path(out_dir) / "config.json", lambda tmp: Path(tmp).write_text(text))

@@ -296,9 +296,14 @@ def test_a_draft_vocabulary_round_trips_and_is_left_out_of_published_layouts(tmp
     draft.save_pretrained(tmp_path / "ours")
     loaded = load_heads(tmp_path / "ours")
     assert loaded.config.draft_vocab_size == VOCAB // 4 and torch.equal(loaded.draft_ids, draft.draft_ids)
-    with pytest.warns(UserWarning, match="drafts over the target's whole vocabulary"):
-        export_eagle(draft, "eagle1", tmp_path / "published", model.get_input_embeddings().weight)
-    assert "d2t" not in read_eagle_weights(tmp_path / "published")
+    for fmt in ("eagle1", "sglang-eagle"):
+        with pytest.warns(UserWarning, match="SGLang drafts among them with --speculative-token-map"):
+            export_eagle(draft, fmt, tmp_path / fmt, model.get_input_embeddings().weight)
+        assert "d2t" not in read_eagle_weights(tmp_path / fmt)
+        # SGLang's token map: the draft vocabulary's target ids, loaded as SGLang loads it
+        hot = torch.load(tmp_path / fmt / "token_map.pt", weights_only=True)
+        assert torch.equal(torch.tensor(hot, dtype=torch.int64), draft.draft_ids)
+        assert load_heads(tmp_path / fmt, base_model=None).config.draft_vocab_size == 0  # still loads as published
     with pytest.raises(ValueError, match="draft_vocab_size is for EAGLE drafters"):
         HeadsConfig(kind="medusa", hidden_size=8, vocab_size=VOCAB, draft_vocab_size=4)
     with pytest.raises(ValueError, match="draft_vocab_size must be in"):
