@@ -277,6 +277,19 @@ class EagleDraft(DraftVocabulary, PretrainedHeads):
         """Draft token ids as target ids (the same ids without a draft vocabulary)."""
         return super().to_target(draft_ids) if self.config.draft_vocab_size else draft_ids
 
+    def with_draft_vocab(self, target_ids: torch.Tensor) -> EagleDraft:
+        """A copy of this drafter, same weights in the same dtype, that drafts among `target_ids` only
+        (frequency-ranked drafting without training; it replaces any draft vocabulary this one has)."""
+        ids = target_ids.unique()
+        copy = EagleDraft(HeadsConfig.from_dict(self.config.to_dict() | {"draft_vocab_size": ids.numel()}))
+        copy.to(next(self.parameters()).dtype)
+        weights = {k: v for k, v in self.state_dict().items() if k not in ("d2t", "t2d")}
+        loaded = copy.load_state_dict(weights, strict=False)  # all but d2t, set next
+        if loaded.missing_keys != ["d2t"] or loaded.unexpected_keys:
+            raise RuntimeError(f"the drafter's weights do not fit a restricted drafter: {loaded}")
+        copy.set_draft_vocab(ids)
+        return copy
+
     def forward(
         self,
         features: torch.Tensor,

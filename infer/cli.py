@@ -430,33 +430,70 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_draft_vocab(args: argparse.Namespace) -> None:
-    """Restrict an EAGLE-1/2 drafter to the dataset's most frequent tokens (frequency-ranked drafting, as FR-Spec does
-    for published EAGLE-2 drafters): each draft call then reads only those rows of the lm_head. No training; the
+    """Restrict an EAGLE-1/2 drafter to a dataset's most frequent tokens, or to a published FR-Spec token map
+    (frequency-ranked drafting): each draft call then reads only those rows of the lm_head. No training; the
     drafter's weights are unchanged and verification keeps the output exact."""
-    import dataclasses
+    refuse_to_overwrite(args.out)
+    [heads] = _drafters([args.heads], "cpu", args.model)
+    config = heads.config
+    if config.kind != "eagle":
+        why = ("EAGLE-3 drafters learn their vocabulary's projection in training: set it with train/eagle.py "
+               "--draft_vocab_size" if config.kind == "eagle3" else "Medusa heads draft over the whole vocabulary")
+        raise ValueError(f"--heads {args.heads} are {config.kind} heads; draft-vocab restricts EAGLE-1/2 "
+                         f"drafters ({why})")
+    widest = max(config.top_k, max(rank for path in config.tree for rank in path) + 1 if config.tree else 1)
+    if args.token_map:
+        ids, summary = _token_map_ids(args.token_map, config.vocab_size, args.size)
+    else:
+        ids, summary = _frequent_ids(args, config, widest)
+    if ids.numel() < widest:
+        raise ValueError(f"--token-map {args.token_map} holds {ids.numel()} tokens, fewer than the drafter's tree "
+                         f"takes per node ({widest}, its top_k or static tree)")
+    restricted = heads.with_draft_vocab(ids)
+    restricted.config.base_model = config.base_model or args.model or ""
+    restricted.save_pretrained(args.out)
+    print(f"wrote {args.out}: drafting among {ids.numel()} of {config.vocab_size} tokens, {summary}")
 
+
+def _token_map_ids(path: str, vocab: int, size: int | None) -> tuple[torch.Tensor, str]:
+    """The target ids of an FR-Spec / SGLang token map (a torch-saved list or tensor of token ids, most frequent
+    first), its first `size` when given."""
+    try:
+        ids = torch.as_tensor(torch.load(path, weights_only=True))
+    except Exception as e:  # not a file, not a torch file, or not plain data
+        raise ValueError(f"--token-map {path}: cannot read it as a list of token ids ({type(e).__name__}: "
+                         f"{describe(e)})") from None
+    if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool or ids.numel() == 0:
+        raise ValueError(f"--token-map {path} holds a {ids.dtype} tensor of shape {tuple(ids.shape)}: it must be a "
+                         "1-D list of token ids")
+    ids = ids.long()[:size]
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"--token-map {path} holds token ids outside the target's vocabulary (0..{vocab - 1}): it "
+                         "was made for another model")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"--token-map {path} repeats token ids: it must list each token once")
+    return ids, f"from {path}"
+
+
+def _frequent_ids(args: argparse.Namespace, config: HeadsConfig, widest: int) -> tuple[torch.Tensor, str]:
+    """The `--size` most frequent trained-on tokens of `--dataset`, read with the target's tokenizer (checked to
+    fit the drafter before any counting), and what share of the dataset's tokens they cover."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from heads.eagle import EagleDraft
     from shipped.models import resolve_model
     from train.data import DataError, load_examples
     from train.eagle import default_draft_vocab_size
     from train.eagle3 import most_frequent, token_counts
 
-    refuse_to_overwrite(args.out)
-    [heads] = _drafters([args.heads], "cpu", args.model)
-    if heads.config.kind != "eagle":
-        why = ("EAGLE-3 drafters learn their vocabulary's projection in training: set it with train/eagle.py "
-               "--draft_vocab_size" if heads.config.kind == "eagle3" else "Medusa heads draft over the whole vocabulary")
-        raise ValueError(f"--heads {args.heads} are {heads.config.kind} heads; draft-vocab restricts EAGLE-1/2 "
-                         f"drafters ({why})")
-    vocab, config = heads.config.vocab_size, heads.config
+    if not args.dataset:
+        raise ValueError("give --dataset (data like the target's traffic, whose most frequent tokens are kept) or "
+                         "--token-map (a published FR-Spec token map)")
+    vocab = config.vocab_size
     size = args.size or default_draft_vocab_size(vocab)
     if size >= vocab:
         raise ValueError(f"--size {size} must be below the target's vocabulary size ({vocab})" if args.size else
                          f"the target's vocabulary has only {vocab} tokens, at most the default size {size}: "
                          f"give a --size below {vocab}")
-    widest = max(config.top_k, max(rank for path in config.tree for rank in path) + 1 if config.tree else 1)
     if size < widest:
         raise ValueError(f"--size {size} is fewer tokens than the drafter's tree takes per node ({widest}, its top_k "
                          "or static tree): give a --size of at least that")
@@ -480,17 +517,8 @@ def cmd_draft_vocab(args: argparse.Namespace) -> None:
         raise ValueError(f"--dataset {args.dataset} holds only {seen} distinct trained-on tokens, fewer than --size "
                          f"{size}: give more data like the target's traffic, or a --size of at most {seen}")
     ids = most_frequent(counts, size)
-    restricted = EagleDraft(dataclasses.replace(config, draft_vocab_size=size, base_model=config.base_model or name))
-    restricted.to(next(heads.parameters()).dtype)  # saved in the drafter's own dtype
-    weights = {k: v for k, v in heads.state_dict().items() if k not in ("d2t", "t2d")}
-    loaded = restricted.load_state_dict(weights, strict=False)  # all but d2t, set next
-    if loaded.missing_keys != ["d2t"] or loaded.unexpected_keys:
-        raise RuntimeError(f"the drafter's weights do not fit a restricted drafter: {loaded}")
-    restricted.set_draft_vocab(ids)
-    restricted.save_pretrained(args.out)
-    covered = counts[ids].sum().item() / max(counts.sum().item(), 1)
-    print(f"wrote {args.out}: drafting among {size} of {vocab} tokens, which are {100 * covered:.2f}% of the "
-          f"{counts.sum().item()} trained-on tokens in {args.dataset}")
+    covered = counts[ids].sum().item() / counts.sum().item()
+    return ids, f"which are {100 * covered:.2f}% of the {counts.sum().item()} trained-on tokens in {args.dataset}"
 
 
 def cmd_push(args: argparse.Namespace) -> None:

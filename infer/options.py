@@ -226,11 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                "most frequent tokens of a dataset: cheaper draft calls, no training")
     vocab.add_argument("--heads", required=True, help="an EAGLE-1/2 drafter: a selfspec heads directory, a published "
                                                       "checkpoint (SafeAILab, SGLang) or a Hub id of either")
-    vocab.add_argument("--dataset", required=True,
-                       help="text or chat data like the target's traffic, as train/eagle.py --dataset takes it "
-                            "(.jsonl, .txt, a saved dataset, a Hub dataset); its trained-on tokens are counted")
+    source = vocab.add_mutually_exclusive_group()
+    source.add_argument("--dataset",
+                        help="text or chat data like the target's traffic, as train/eagle.py --dataset takes it "
+                             "(.jsonl, .txt, a saved dataset, a Hub dataset); its trained-on tokens are counted")
+    source.add_argument("--token-map", help="instead of counting: a published FR-Spec / SGLang token map (.pt, the "
+                                            "token ids most frequent first) for this target")
     vocab.add_argument("--size", type=at_least(1),
-                       help="tokens to draft among (default: a quarter of the vocabulary, within 2048..32768)")
+                       help="tokens to draft among (default: a quarter of the vocabulary, within 2048..32768; with "
+                            "--token-map: all of its tokens, or its first --size)")
     vocab.add_argument("--model", help="the target whose tokenizer reads --dataset (default: the heads' base_model; "
                                        "needed for published EAGLE checkpoints, which name none)")
     vocab.add_argument("--max-length", type=at_least(8), default=512,

@@ -136,3 +136,49 @@ def test_what_cannot_be_restricted_is_refused_in_one_line(medusa_dir, eagle_dir,
     assert "pass --model" in user_error(capsys, ["draft-vocab", "--heads", str(published), "--dataset", str(chats),
                                                  *out])
     assert not (tmp_path / "o").exists()
+
+
+def test_a_published_token_map_restricts_a_published_drafter(eagle_dir, tiny_model_dir, tmp_path):
+    """The FR-Spec / SGLang token map (token ids, most frequent first) instead of a dataset: export writes one
+    for SGLang, and draft-vocab reads it back onto the published layout; --size keeps its first tokens."""
+    from heads.eagle_formats import export_eagle
+
+    ours = load_heads(eagle_dir).with_draft_vocab(torch.tensor([5, 9, 17, 33, 40, 41, 60, 88]))
+    published = tmp_path / "sglang"
+    with pytest.warns(UserWarning, match="--speculative-token-map"):
+        export_eagle(ours, "sglang-eagle", published, torch.randn(ours.config.vocab_size, ours.config.hidden_size))
+    out = tmp_path / "restricted"
+    cli(["draft-vocab", "--heads", str(published), "--model", str(tiny_model_dir),
+         "--token-map", str(published / "token_map.pt"), "--out", str(out)])
+    assert torch.equal(load_heads(out).draft_ids, ours.draft_ids)
+    ranked = tmp_path / "freq.pt"
+    torch.save([70, 3, 12, 50, 7, 2], ranked)  # a list, most frequent first, as FR-Spec publishes them
+    cli(["draft-vocab", "--heads", str(eagle_dir), "--token-map", str(ranked), "--size", "4",
+         "--out", str(tmp_path / "first4")])
+    assert load_heads(tmp_path / "first4").draft_ids.tolist() == [3, 12, 50, 70]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not a torch file", "cannot read it as a list of token ids"),
+    (torch.ones(2, 3, dtype=torch.long), "holds a torch.int64 tensor of shape (2, 3): it must be a 1-D list"),
+    ([1.5, 2.5, 3.5], "holds a torch.float32 tensor"),
+    ([1, 2, 3, 400], "token ids outside the target's vocabulary (0..95): it was made for another model"),
+    ([1, 2, 3, 3], "repeats token ids"),
+    ([1, 2], "holds 2 tokens, fewer than the drafter's tree takes per node (3"),
+])
+def test_a_bad_token_map_is_one_line(eagle_dir, tmp_path, content, message, capsys):
+    path = tmp_path / "map.pt"
+    if isinstance(content, str):
+        path.write_text(content)
+    else:
+        torch.save(content, path)
+    argv = ["draft-vocab", "--heads", str(eagle_dir), "--token-map", str(path), "--out", str(tmp_path / "o")]
+    assert message in user_error(capsys, argv)
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_source_is_a_dataset_or_a_token_map(eagle_dir, chats, tmp_path, capsys):
+    out = ["--out", str(tmp_path / "o")]
+    assert "give --dataset" in user_error(capsys, ["draft-vocab", "--heads", str(eagle_dir), *out])
+    assert "not allowed with argument" in user_error(
+        capsys, ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--token-map", "x.pt", *out])
