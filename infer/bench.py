@@ -45,6 +45,15 @@ def default_prompts(n: int = 16, context_lines: int = 12) -> list[str]:
     return prompts[::step][:n]
 
 
+def encode_prompt(tokenizer, text: str) -> torch.Tensor:
+    """A prompt's ids (1, T) with the tokenizer's special tokens, except where the text already starts with the
+    BOS token (a prompt rendered by a chat template carries its own; adding another would double it)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and text.startswith(bos):
+        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
 def load_prompts(path: str | Path) -> list[str]:
     """A .jsonl file with one {"prompt": "..."} per line; a bad line is an error naming it."""
     layout = 'write one {"prompt": "..."} per line'
@@ -181,7 +190,7 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], 
     if batch_size > 1 and pad_token_id is None:
         raise ValueError("batches of several prompts are left-padded: pass pad_token_id (the tokenizer's pad token, "
                          "else its EOS)")
-    encoded = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]  # each (1, T_i), unpadded
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]  # each (1, T_i), unpadded
     batches = []
     for first in range(0, len(encoded), batch_size):
         ids, mask = left_pad([row[0] for row in encoded[first : first + batch_size]],

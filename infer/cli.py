@@ -192,6 +192,7 @@ def check_lookup_first(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from infer.bench import encode_prompt
     from infer.generate import fit_budget, max_positions
 
     check_lookup_first(args)
@@ -202,7 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     def fit(tokenizer: Any, config: Any) -> None:
         """Clip --max-new-tokens to the model's positions (a note), or refuse a prompt that fills them."""
-        length = tokenizer(args.prompt, return_tensors="pt").input_ids.shape[1]
+        length = encode_prompt(tokenizer, args.prompt).shape[1]
         limit = max_positions(config)
         try:
             budget = fit_budget(length, args.max_new_tokens, limit)
@@ -214,7 +215,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
             args.max_new_tokens = budget
 
     model, tokenizer, (spec,) = _load(args, [args.heads] if args.heads else [], fit)
-    ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(args.device)
+    ids = encode_prompt(tokenizer, args.prompt).to(args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, generator=generator)
@@ -237,6 +238,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from infer.bench import (
         check_plot_file,
         default_prompts,
+        encode_prompt,
         format_tables,
         hf_runner,
         load_prompts,
@@ -268,7 +270,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     def fit(tokenizer: Any, config: Any) -> None:
         """Every prompt + --max-new-tokens must fit the model's positions: a benchmark compares equal work."""
         limit = max_positions(config)
-        lengths = [len(tokenizer(p).input_ids) for p in prompts]
+        lengths = [encode_prompt(tokenizer, p).shape[1] for p in prompts]
         over = [length for length in lengths if length + n > limit] if limit else []
         if over:
             fix = f"lower --max-new-tokens to {limit - max(lengths)} or use" if max(lengths) < limit else "use"
@@ -336,7 +338,9 @@ def calibration_texts(path: str | None, count: int) -> list[str]:
 
 def calibration_prompts(tokenizer, texts: list[str], length: int = 32) -> list[torch.Tensor]:
     """The first `length` tokens of each calibration text."""
-    return [tokenizer(t, return_tensors="pt").input_ids[0, :length] for t in texts]
+    from infer.bench import encode_prompt
+
+    return [encode_prompt(tokenizer, t)[0, :length] for t in texts]
 
 
 def cmd_tune(args: argparse.Namespace) -> None:

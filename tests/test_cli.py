@@ -408,3 +408,19 @@ def test_a_prompts_file_is_read_as_jsonl_is_written(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(json.dumps({"prompt": p}, ensure_ascii=False)
                                                   for p in prompts).encode() + b"\r\n")
     assert load_prompts(path) == prompts
+
+
+def test_a_prompt_rendered_with_its_bos_gets_no_second_one():
+    """A chat-templated prompt already starts with the BOS text; tokenizing it with the special tokens added
+    (as a plain prompt is) would start it with two BOS tokens."""
+    from tokenizers.processors import TemplateProcessing
+
+    from conftest import tiny_tokenizer
+    from infer.bench import encode_prompt
+
+    tok = tiny_tokenizer()
+    tok._tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+    plain = encode_prompt(tok, "def add(a, b):")[0].tolist()
+    rendered = encode_prompt(tok, "<bos>def add(a, b):")[0].tolist()
+    assert plain[0] == tok.bos_token_id and plain[1] != tok.bos_token_id
+    assert rendered == plain
