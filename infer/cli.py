@@ -445,23 +445,22 @@ def cmd_draft_vocab(args: argparse.Namespace) -> None:
                "--draft_vocab_size" if config.kind == "eagle3" else "Medusa heads draft over the whole vocabulary")
         raise ValueError(f"--heads {args.heads} are {config.kind} heads; draft-vocab restricts EAGLE-1/2 "
                          f"drafters ({why})")
-    widest = max(config.top_k, max(rank for path in config.tree for rank in path) + 1 if config.tree else 1)
+    from infer.tree import choices_width
+
+    widest = max(config.top_k, choices_width(config.tree))
     if args.token_map:
-        ids, summary = _token_map_ids(args.token_map, config.vocab_size, args.size)
+        ids, summary = _token_map_ids(args.token_map, config.vocab_size, args.size, widest)
     else:
         ids, summary = _frequent_ids(args, config, widest)
-    if ids.numel() < widest:
-        raise ValueError(f"--token-map {args.token_map} holds {ids.numel()} tokens, fewer than the drafter's tree "
-                         f"takes per node ({widest}, its top_k or static tree)")
     restricted = heads.with_draft_vocab(ids)
     restricted.config.base_model = config.base_model or args.model or ""
     restricted.save_pretrained(args.out)
     print(f"wrote {args.out}: drafting among {ids.numel()} of {config.vocab_size} tokens, {summary}")
 
 
-def _token_map_ids(path: str, vocab: int, size: int | None) -> tuple[torch.Tensor, str]:
+def _token_map_ids(path: str, vocab: int, size: int | None, widest: int) -> tuple[torch.Tensor, str]:
     """The target ids of an FR-Spec / SGLang token map (a torch-saved list or tensor of token ids, most frequent
-    first), its first `size` when given."""
+    first), its first `size` when given; at least `widest`, the tokens the drafter's tree takes per node."""
     try:
         ids = torch.as_tensor(torch.load(path, weights_only=True))
     except Exception as e:  # not a file, not a torch file, or not plain data
@@ -476,6 +475,9 @@ def _token_map_ids(path: str, vocab: int, size: int | None) -> tuple[torch.Tenso
                          "was made for another model")
     if ids.unique().numel() != ids.numel():
         raise ValueError(f"--token-map {path} repeats token ids: it must list each token once")
+    if ids.numel() < widest:
+        raise ValueError(f"--token-map {path} holds {ids.numel()} tokens, fewer than the drafter's tree takes per "
+                         f"node ({widest}, its top_k or static tree)")
     return ids, f"from {path}"
 
 

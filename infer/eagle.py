@@ -20,7 +20,7 @@ from torch import nn
 from heads.eagle import DraftCache, EagleDraft
 from infer.mask import PrefixMask, RowMask
 from infer.proposers import Draft
-from infer.tree import Tree, descend, select_tree, tree_from_choices
+from infer.tree import Tree, choices_width, descend, select_tree, tree_from_choices
 from infer.verify import SamplingParams
 
 
@@ -57,7 +57,7 @@ class EagleProposer:
                 raise ValueError(f"EAGLE {name} must be >= 1, got {getattr(self, name)}")
         self.depth = min(self.depth, self.total_tokens)  # a kept tree is never deeper than its node count
         drafted = cfg.draft_vocab_size or cfg.vocab_size
-        width = max(r for c in choices for r in c) + 1 if choices else 1
+        width = choices_width(choices)
         for wanted, what in ((self.top_k, "top_k"), (width, "children per node in the static tree")):
             if wanted > drafted:
                 raise ValueError(f"this drafter drafts among {drafted} tokens, fewer than its {wanted} {what}: use "

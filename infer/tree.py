@@ -171,6 +171,11 @@ def tree_from_choices(choices: list[list[int]]) -> Tree:
     return tree_from_parents(parents, ranks)
 
 
+def choices_width(choices: list[list[int]] | None) -> int:
+    """The top-k a static tree takes per node: its highest rank + 1 (1 for no choices, the root alone)."""
+    return max((rank for path in choices for rank in path), default=-1) + 1 if choices else 1
+
+
 def chain_choices(depth: int) -> list[list[int]]:
     """A single top-1 chain of `depth` drafted tokens: [[0], [0, 0], ...]."""
     return [[0] * d for d in range(1, depth + 1)]
