@@ -215,9 +215,48 @@ def test_heads_only_stage_leaves_the_lora_alone_then_the_joint_loss_adds_l0():
         p.grad = None
     method.step = 5  # joint: lambda = 0.5 * (5 - 3) / (7 - 3)
     loss, logs = method.loss(batch)
-    assert loss.item() == pytest.approx(logs["backbone_ce"].item() + 0.25 * logs["heads_loss"].item(), rel=1e-5)
+    assert logs["loss"].item() == pytest.approx(logs["backbone_ce"].item() + 0.25 * logs["heads_loss"].item(),
+                                                rel=1e-5)
     loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora_tensors(backbone).values())
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_lambda_scales_what_reaches_the_adapters_not_the_heads_own_gradient(shared):
+    """The adapters get grad(L0) + lambda * grad(heads' loss); the heads get the whole grad(heads' loss), so a
+    ramp from 0 does not stall them (AdamW would carry the earlier, larger gradients' scale)."""
+    def method_at(schedule, coefficient):
+        torch.manual_seed(0)
+        backbone = add_lora(tiny_model("llama"), r=4, alpha=8, dropout=0.0)  # untied: the lm_head has a LoRA
+        for name, p in lora_tensors(backbone).items():
+            if "lora_B" in name:
+                p.data.normal_(0, 0.5)
+        heads = MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=2, share_lm_head=shared))
+        cfg = load_config(MedusaConfig, ["--medusa2", "true", "--num_heads", "2", "--heads_schedule", schedule,
+                                         "--heads_coefficient", str(coefficient)])
+        method = Medusa2Method(cfg, backbone, heads, kl=False)
+        method.step, method.total_steps = 3, 7
+        return method, list(lora_tensors(backbone).values()), list(heads.parameters())
+
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids).bool()}
+    plain, lora, heads = method_at("constant", 1.0)  # lambda = 1: nothing scaled, the unweighted gradients
+    hidden, per_head = plain._per_head(batch)
+    l0, heads_loss = plain._l0(batch, hidden), plain._heads_loss(per_head)[0]
+    l0_lora = torch.autograd.grad(l0, lora, retain_graph=True, allow_unused=True)
+    heads_lora = [g if g is not None else torch.zeros_like(p)
+                  for g, p in zip(torch.autograd.grad(heads_loss, lora + heads, allow_unused=True), lora + heads)]
+    lam = 0.5 * math.sin(3 / 7 * math.pi / 2)
+    method, lora, heads = method_at("sine", 0.5)
+    method.loss(batch)[0].backward()
+    lm_head_grads = 0
+    for (name, p), a, b in zip(lora_tensors(method.backbone).items(), l0_lora, heads_lora):
+        expected = (a if a is not None else 0) + lam * b
+        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6)
+        lm_head_grads += "lm_head" in name and b.abs().sum().item() > 0
+    assert lm_head_grads == (2 if shared else 0)  # shared heads ask the lm_head's adapter for help too
+    for p, expected in zip(heads, heads_lora[len(lora):]):
+        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6)
 
 
 def test_resumed_medusa2_run_ends_like_an_uninterrupted_one(tiny_model_dir, text_data, tmp_path, monkeypatch):
@@ -234,3 +273,4 @@ def test_resumed_medusa2_run_ends_like_an_uninterrupted_one(tiny_model_dir, text
     assert full.keys() == resumed.keys()
     for name, value in full.items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6)
+

@@ -5,8 +5,11 @@
 L0 keeps the adapted target close to the original: on data the target wrote itself (self-distilled or
 regenerated) it is KL(frozen || adapted), the frozen distribution read from the same model with its adapters
 switched off (no second copy in memory); on other data it is the plain next-token cross-entropy. lambda(t)
-ramps to `heads_coefficient` by a constant, linear or sine schedule. With `heads_only_steps` the run first
-trains the heads alone (Medusa-1) and then jointly. The decoded target is the adapted one: output stays
+ramps to `heads_coefficient` by a constant, linear or sine schedule. lambda(t) weighs what the heads ask of the
+target (the gradient reaching the adapters); the heads themselves always learn from the whole sum_k term, so a
+ramp starting at 0 does not freeze them (AdamW's second moment, remembering earlier larger gradients, would
+otherwise shrink their steps for hundreds of steps). With `heads_only_steps` the run first trains the heads
+alone (Medusa-1) and then jointly. The decoded target is the adapted one: output stays
 exactly what *it* would generate, which is slightly different from the original target.
 """
 
@@ -34,6 +37,24 @@ def heads_weight(schedule: str, coefficient: float, progress: float) -> float:
     progress = min(max(progress, 0.0), 1.0)
     ramp = {"constant": 1.0, "linear": progress, "sine": math.sin(progress * math.pi / 2)}[schedule]
     return coefficient * ramp
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, whose backward pass multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x unchanged, with only `scale` times its gradient passed back to what computed it."""
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
 
 
 def lora_targets(model: nn.Module) -> list[str]:
@@ -72,13 +93,14 @@ class JointMedusa(nn.Module):
         self.register_load_state_dict_post_hook(_frozen_not_missing)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, some: torch.Tensor,
-                joint: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+                joint: bool = True, push: float = 1.0) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The adapted target's last hidden states (B, T, H) and the heads' features at `some` (M, H) each; with
-        joint=False the target runs without gradients (the heads-only stage)."""
+        joint=False the target runs without gradients (the heads-only stage), else the heads' gradient reaches
+        it scaled by `push` (lambda(t))."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and joint):
             hidden = self.backbone.get_base_model().base_model(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return hidden, self.heads(hidden[some], project=False)
+        return hidden, self.heads(scale_grad(hidden[some], push), project=False)
 
     def frozen(self, key: str) -> bool:
         """Whether a state-dict key (any wrapper's `module.` prefixes removed) names a frozen target tensor."""
@@ -108,6 +130,14 @@ class Medusa2Method(MedusaMethod):
         self.step, self.total_steps = 0, 1  # set by the loop before each loss
         self._l0_sums = None
 
+    def _heads_weight(self) -> float:
+        """lambda(t) at the current step (0 in the heads-only stage)."""
+        if not self._joint_stage():
+            return 0.0
+        joint_steps = max(self.total_steps - self.cfg.heads_only_steps, 1)
+        return heads_weight(self.cfg.heads_schedule, self.cfg.heads_coefficient,
+                            (self.step - self.cfg.heads_only_steps) / joint_steps)
+
     def param_groups(self, lr: float) -> list[dict]:
         """The adapters at the run's learning rate, the heads at head_lr_multiplier times it."""
         joint = getattr(self.trainable, "module", self.trainable)
@@ -120,7 +150,7 @@ class Medusa2Method(MedusaMethod):
 
     def _features(self, batch, some):
         return self.trainable(batch["input_ids"], batch["attention_mask"], some,
-                              joint=self._joint_stage() and torch.is_grad_enabled())
+                              joint=self._joint_stage() and torch.is_grad_enabled(), push=self._heads_weight())
 
     def _logits(self, k: int, outputs: torch.Tensor) -> torch.Tensor:
         if not self.shared:  # the heads' own projection, inside the joint module (DDP and DeepSpeed wrap it)
@@ -129,7 +159,21 @@ class Medusa2Method(MedusaMethod):
         if not self._joint_stage():  # heads alone: the lm_head's frozen weights (its LoRA is still 0)
             frozen = getattr(self.lm_head, "base_layer", self.lm_head)
             return frozen(outputs.to(frozen.weight.dtype)).float()
-        return super()._logits(k, outputs)
+        if not hasattr(self.lm_head, "lora_B"):  # tied, so without an adapter: the frozen lm_head
+            return super()._logits(k, outputs)
+        return self._adapted_lm_head(outputs.to(self.lm_head.weight.dtype)).float()
+
+    def _adapted_lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LoRA-adapted lm_head on the heads' features, its adapter passed lambda(t) times the heads'
+        gradient (as every other adapter is) while the features get all of it. (Its weights are whole here:
+        Medusa-2 runs under DDP or ZeRO-2 only.)"""
+        head, push = self.lm_head, self._heads_weight()
+        out = head.base_layer(x)
+        for name in head.active_adapters:
+            if name in head.lora_A:
+                a, b = (scale_grad(m[name].weight, push) for m in (head.lora_A, head.lora_B))
+                out = out + F.linear(F.linear(head.lora_dropout[name](x), a), b) * head.scaling[name]
+        return out
 
     def _l0_rows(self, batch, hidden):
         """The adapted and frozen hidden states at the positions whose next token is trained on, and that token."""
@@ -169,14 +213,11 @@ class Medusa2Method(MedusaMethod):
                             if p.requires_grad)
             logs["loss"] = heads_loss.detach()
             return heads_loss + 0.0 * untouched, logs
-        joint_steps = max(self.total_steps - self.cfg.heads_only_steps, 1)
-        weight = heads_weight(self.cfg.heads_schedule, self.cfg.heads_coefficient,
-                              (self.step - self.cfg.heads_only_steps) / joint_steps)
         l0 = self._l0(batch, hidden)
-        total = l0 + weight * heads_loss
+        # the objective is l0 + lambda * heads_loss: lambda is applied on the way back into the target
         logs |= {"backbone_" + ("kl" if self.kl else "ce"): l0.detach(), "heads_loss": heads_loss.detach(),
-                 "loss": total.detach()}
-        return total, logs
+                 "loss": (l0 + self._heads_weight() * heads_loss).detach()}
+        return l0 + heads_loss, logs
 
     def _eval_extra(self, batch, hidden) -> None:
         total, count = self._l0_total(batch, hidden)
