@@ -244,18 +244,18 @@ def test_lambda_scales_what_reaches_the_adapters_not_the_heads_own_gradient(shar
     hidden, per_head = plain._per_head(batch)
     l0, heads_loss = plain._l0(batch, hidden), plain._heads_loss(per_head)[0]
     l0_lora = torch.autograd.grad(l0, lora, retain_graph=True, allow_unused=True)
-    heads_lora = [g if g is not None else torch.zeros_like(p)
+    heads_grads = [g if g is not None else torch.zeros_like(p)
                   for g, p in zip(torch.autograd.grad(heads_loss, lora + heads, allow_unused=True), lora + heads)]
     lam = 0.5 * math.sin(3 / 7 * math.pi / 2)
     method, lora, heads = method_at("sine", 0.5)
     method.loss(batch)[0].backward()
     lm_head_grads = 0
-    for (name, p), a, b in zip(lora_tensors(method.backbone).items(), l0_lora, heads_lora):
+    for (name, p), a, b in zip(lora_tensors(method.backbone).items(), l0_lora, heads_grads):
         expected = (a if a is not None else 0) + lam * b
         torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6)
         lm_head_grads += "lm_head" in name and b.abs().sum().item() > 0
     assert lm_head_grads == (2 if shared else 0)  # shared heads ask the lm_head's adapter for help too
-    for p, expected in zip(heads, heads_lora[len(lora):]):
+    for p, expected in zip(heads, heads_grads[len(lora):]):
         torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6)
 
 
@@ -274,3 +274,21 @@ def test_resumed_medusa2_run_ends_like_an_uninterrupted_one(tiny_model_dir, text
     for name, value in full.items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6)
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_heads_lm_head_path_computes_what_the_adapted_lm_head_does(dtype):
+    """The shared heads' own route through an adapted lm_head (which scales the adapter's gradient) gives peft's
+    output, also for a bf16 target whose adapter peft keeps in float32 (validation runs without autocast)."""
+    backbone = add_lora(tiny_model("llama").to(dtype), r=4, alpha=8, dropout=0.0)
+    for name, p in lora_tensors(backbone).items():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.5)
+    cfg = load_config(MedusaConfig, ["--medusa2", "true", "--num_heads", "2"])
+    method = Medusa2Method(cfg, backbone, MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=2,
+                                                                  share_lm_head=True)), kl=True)
+    method.step, method.total_steps = 1, 7
+    x = torch.randn(5, 48, dtype=dtype)
+    for train in (True, False):
+        backbone.train(train)
+        with torch.no_grad():
+            torch.testing.assert_close(method._logits(0, x), method.lm_head(x).float())

@@ -144,7 +144,8 @@ class Method(Protocol):
     agree: Any  # set by the loop: train.distributed.max_over_ranks (None unless ZeRO-3/FSDP)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss to minimise and detached scalars to log (read only at logging steps: no sync per step)."""
+        """The loss to backpropagate (its gradient is the objective's; Medusa-2 weighs parts of it on the way
+        back) and detached scalars to log (read only at logging steps: no sync per step)."""
         ...
 
     def evaluate(self, batches: list[dict[str, torch.Tensor]], total=None) -> dict[str, float]:

@@ -66,7 +66,7 @@ class MedusaConfig(TrainConfig):
     lora_alpha: int = 16  # Medusa-2: LoRA alpha (the update is scaled by alpha / r)
     lora_dropout: float = 0.05  # Medusa-2: dropout on the LoRA input
     head_lr_multiplier: float = 4.0  # Medusa-2: the heads' learning rate is this times learning_rate (the LoRA's)
-    heads_coefficient: float = 0.2  # Medusa-2: lambda, the heads' weight against the target's own loss, reached by
+    heads_coefficient: float = 0.2  # Medusa-2: lambda, the weight of the heads' pull on the adapters against L0, reached by
     heads_schedule: str = "sine"  # Medusa-2: how lambda ramps up over the joint steps: constant | linear | sine
     heads_only_steps: int = 0  # Medusa-2: train the heads alone (Medusa-1) for this many steps first, then jointly
     backbone_loss: str = "auto"  # Medusa-2: the target's loss: kl (to its frozen self) | ce | auto (kl on self-generated data)

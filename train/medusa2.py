@@ -170,9 +170,13 @@ class Medusa2Method(MedusaMethod):
         head, push = self.lm_head, self._heads_weight()
         out = head.base_layer(x)
         for name in head.active_adapters:
-            if name in head.lora_A:
-                a, b = (scale_grad(m[name].weight, push) for m in (head.lora_A, head.lora_B))
-                out = out + F.linear(F.linear(head.lora_dropout[name](x), a), b) * head.scaling[name]
+            if name not in head.lora_A:
+                continue
+            if head.merged or head.use_dora.get(name) or head.lora_B[name].bias is not None:
+                raise RuntimeError("Medusa-2's shared lm_head expects a plain unmerged LoRA (add_lora's)")
+            a, b = (scale_grad(m[name].weight, push) for m in (head.lora_A, head.lora_B))
+            lora = F.linear(F.linear(head.lora_dropout[name](x).to(a.dtype), a), b) * head.scaling[name]
+            out = (out + lora).to(out.dtype)  # as peft adds it: the adapter stays float32 under a bf16 target
         return out
 
     def _l0_rows(self, batch, hidden):
