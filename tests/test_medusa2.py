@@ -66,6 +66,34 @@ def test_adapters_off_is_the_base_model_and_kl_starts_at_zero():
     assert method._l0(batch, hidden).item() > 1e-3  # the KL sees an adapted target
 
 
+@pytest.mark.parametrize("weight", [0.0, 0.5])
+def test_backbone_ce_weight_adds_the_cross_entropy_of_the_targets_own_tokens(weight):
+    cfg = load_config(MedusaConfig, ["--medusa2", "true", "--self_distill", "true", "--num_heads", "2",
+                                     "--backbone_ce_weight", str(weight)])
+    backbone = add_lora(tiny_model("llama"), r=4, alpha=8, dropout=0.0)
+    for name, p in lora_tensors(backbone).items():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    reference = tiny_model("llama")
+    heads = MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=2, share_lm_head=True))
+    method = Medusa2Method(cfg, backbone, heads, kl=True)
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss_mask = torch.ones_like(ids).bool()
+    loss_mask[:, :5] = False  # a prompt: neither term is taken there
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+    method.step, method.total_steps = 10, 10
+    with torch.no_grad():
+        adapted = backbone(input_ids=ids).logits[:, 4:-1].flatten(0, 1).log_softmax(-1)
+        frozen = reference(input_ids=ids).logits[:, 4:-1].flatten(0, 1).log_softmax(-1)
+        kl = (frozen.exp() * (frozen - adapted)).sum(-1).mean()
+        ce = -adapted.gather(-1, ids[:, 5:].reshape(-1, 1)).mean()
+        _, logs = method.loss(batch)
+    assert logs["backbone_kl"].item() == pytest.approx(kl.item(), rel=1e-4)
+    assert logs["backbone_ce"].item() == pytest.approx(ce.item(), rel=1e-4)
+    assert logs["loss"].item() == pytest.approx((kl + weight * ce + heads_weight(
+        "sine", 0.2, 1.0) * logs["heads_loss"]).item(), rel=1e-4)
+
+
 def test_the_targets_fingerprint_ignores_its_adapters_only():
     from train.loop import weights_fingerprint
 
@@ -180,6 +208,15 @@ def test_missing_adapter_and_bad_options_are_one_line_errors(medusa_dir, tmp_pat
         load_config(MedusaConfig, ["--medusa2", "true", "--heads_schedule", "cosine"])
     with pytest.raises(ConfigError, match="--backbone_loss"):
         load_config(MedusaConfig, ["--medusa2", "true", "--backbone_loss", "mse"])
+    with pytest.raises(ConfigError, match="--backbone_ce_weight applies to Medusa-2"):
+        load_config(MedusaConfig, ["--backbone_ce_weight", "0.5"])
+    with pytest.raises(ConfigError, match="--backbone_ce_weight adds cross-entropy to the KL"):
+        load_config(MedusaConfig, ["--medusa2", "true", "--backbone_loss", "ce", "--backbone_ce_weight", "0.5"])
+    with pytest.raises(ConfigError, match="--backbone_ce_weight adds cross-entropy to the KL"):
+        load_config(MedusaConfig, ["--medusa2", "true", "--self_distill", "false", "--dataset", str(tmp_path),
+                                   "--backbone_ce_weight", "0.5"])
+    with pytest.raises(ConfigError, match="--backbone_ce_weight >= 0"):
+        load_config(MedusaConfig, ["--medusa2", "true", "--backbone_ce_weight", "-1"])
 
 
 def test_bits_per_byte_of_a_uniform_model_is_log2_vocab_per_token():

@@ -70,6 +70,8 @@ class MedusaConfig(TrainConfig):
     heads_schedule: str = "sine"  # Medusa-2: how lambda ramps up over the joint steps: constant | linear | sine
     heads_only_steps: int = 0  # Medusa-2: train the heads alone (Medusa-1) for this many steps first, then jointly
     backbone_loss: str = "auto"  # Medusa-2: the target's loss: kl (to its frozen self) | ce | auto (kl on self-generated data)
+    # Medusa-2 with the KL: also learn the target's own tokens, so its greedy choices (which the heads learned) hold
+    backbone_ce_weight: float = 0.0  # Medusa-2: L0 = KL + this x cross-entropy of the self-generated text
     merge: bool = False  # Medusa-2: save the target with the LoRA merged in (a full model) instead of the adapter
     gradient_checkpointing: bool = False  # Medusa-2: recompute the target's layers in the backward pass (less memory)
 
@@ -77,7 +79,7 @@ class MedusaConfig(TrainConfig):
         super().__post_init__()
         check_at_least(self, ("num_heads", "num_layers", "lora_r", "lora_alpha"), 1)
         check_at_least(self, ("heads_only_steps",), 0)
-        from train.medusa2 import BACKBONE_LOSSES, SCHEDULES
+        from train.medusa2 import BACKBONE_LOSSES, SCHEDULES, uses_kl
 
         if self.heads_schedule not in SCHEDULES:
             raise ConfigError(f"--heads_schedule must be one of {', '.join(SCHEDULES)}, got {self.heads_schedule!r}")
@@ -85,9 +87,13 @@ class MedusaConfig(TrainConfig):
             raise ConfigError(f"--backbone_loss must be one of {', '.join(BACKBONE_LOSSES)}, got {self.backbone_loss!r}")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        if self.head_lr_multiplier <= 0 or self.heads_coefficient < 0:
-            raise ConfigError("--head_lr_multiplier must be > 0 and --heads_coefficient >= 0")
-        for name in ("merge", "gradient_checkpointing"):
+        if self.head_lr_multiplier <= 0 or self.heads_coefficient < 0 or self.backbone_ce_weight < 0:
+            raise ConfigError("--head_lr_multiplier must be > 0, --heads_coefficient and --backbone_ce_weight >= 0")
+        if self.backbone_ce_weight and self.medusa2 and not uses_kl(self):
+            raise ConfigError("--backbone_ce_weight adds cross-entropy to the KL on the target's own text, but L0 "
+                              "is the cross-entropy already (--backbone_loss ce, or data the target did not write): "
+                              "drop it, or add --self_distill true")
+        for name in ("merge", "gradient_checkpointing", "backbone_ce_weight"):
             if getattr(self, name) and not self.medusa2:
                 raise ConfigError(f"--{name} applies to Medusa-2 (a LoRA-adapted target): add --medusa2 true or drop it")
         if not 0 < self.head_decay <= 1:

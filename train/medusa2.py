@@ -4,7 +4,8 @@
 
 L0 keeps the adapted target close to the original: on data the target wrote itself (self-distilled or
 regenerated) it is KL(frozen || adapted), the frozen distribution read from the same model with its adapters
-switched off (no second copy in memory); on other data it is the plain next-token cross-entropy. lambda(t)
+switched off (no second copy in memory), plus `backbone_ce_weight` times the cross-entropy of those same tokens;
+on other data it is the plain next-token cross-entropy. lambda(t)
 ramps to `heads_coefficient` by a constant, linear or sine schedule. lambda(t) weighs what the heads ask of the
 target (the gradient reaching the adapters); the heads themselves always learn from the whole sum_k term, so a
 ramp starting at 0 does not freeze them (AdamW's second moment, remembering earlier larger gradients, would
@@ -190,23 +191,37 @@ class Medusa2Method(MedusaMethod):
         return adapted, (frozen[:, :-1][mask] if frozen is not None else adapted.detach()), labels
 
     def _l0_sum(self, adapted: torch.Tensor, frozen: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed L0 over a chunk of rows: KL(frozen || adapted), or the cross-entropy of the labels."""
+        """Sums over a chunk of rows: [KL(frozen || adapted) (0 without the KL), cross-entropy of the labels]."""
         logits = self.lm_head(adapted.to(self.lm_head.weight.dtype)).float()
+        ce = F.cross_entropy(logits, labels, reduction="sum")
         if not self.kl:
-            return F.cross_entropy(logits, labels, reduction="sum")
+            return torch.stack([torch.zeros_like(ce), ce])
         with torch.no_grad(), self.backbone.disable_adapter():
             reference = self.lm_head(frozen.to(self.lm_head.weight.dtype)).float().log_softmax(-1)
-        return F.kl_div(logits.log_softmax(-1), reference, log_target=True, reduction="sum")
+        return torch.stack([F.kl_div(logits.log_softmax(-1), reference, log_target=True, reduction="sum"), ce])
 
     def _l0_total(self, batch, hidden) -> tuple[torch.Tensor, int]:
-        """L0 summed over the batch's trained positions, and how many there are."""
+        """[KL, cross-entropy] summed over the batch's trained positions, and how many there are."""
         rows = self._l0_rows(batch, hidden)
         calls = agreed_calls([rows[2].numel()], self.chunk, self.agree)[0]
         return chunked_sum(self._l0_sum, rows, self.chunk, calls), rows[2].numel()
 
-    def _l0(self, batch, hidden) -> torch.Tensor:
+    def _l0_parts(self, batch, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's mean KL (0 without it) and mean cross-entropy at its trained positions."""
         total, count = self._l0_total(batch, hidden)
-        return total / max(count, 1)
+        kl, ce = total / max(count, 1)
+        return kl, ce
+
+    def _combine(self, kl: torch.Tensor, ce: torch.Tensor) -> torch.Tensor:
+        """L0 from its parts: KL + backbone_ce_weight * CE on the target's own text, else the CE alone."""
+        return kl + self.cfg.backbone_ce_weight * ce if self.kl else ce
+
+    def _l0_logs(self, kl: torch.Tensor, ce: torch.Tensor) -> dict:
+        """L0's parts by name (the KL only where it is computed)."""
+        return ({"backbone_kl": kl} if self.kl else {}) | {"backbone_ce": ce}
+
+    def _l0(self, batch, hidden) -> torch.Tensor:
+        return self._combine(*self._l0_parts(batch, hidden))
 
     def loss(self, batch):
         hidden, heads = self._per_head(batch)
@@ -217,23 +232,24 @@ class Medusa2Method(MedusaMethod):
                             if p.requires_grad)
             logs["loss"] = heads_loss.detach()
             return heads_loss + 0.0 * untouched, logs
-        l0 = self._l0(batch, hidden)
+        kl, ce = self._l0_parts(batch, hidden)
+        l0 = self._combine(kl, ce)
         # the objective is l0 + lambda * heads_loss: lambda is applied on the way back into the target
-        logs |= {"backbone_" + ("kl" if self.kl else "ce"): l0.detach(), "heads_loss": heads_loss.detach(),
+        logs |= self._l0_logs(kl.detach(), ce.detach()) | {"heads_loss": heads_loss.detach(),
                  "loss": (l0 + self._heads_weight() * heads_loss).detach()}
         return l0 + heads_loss, logs
 
     def _eval_extra(self, batch, hidden) -> None:
         total, count = self._l0_total(batch, hidden)
-        part = torch.stack([total.double(), torch.tensor(count, dtype=torch.float64, device=hidden.device)])
+        part = torch.cat([total.double(), torch.tensor([count], dtype=torch.float64, device=hidden.device)])
         self._l0_sums = part if self._l0_sums is None else self._l0_sums + part
 
     def evaluate(self, batches, total=None):
         self._l0_sums = None
         metrics = super().evaluate(batches, total)
-        sums = self._l0_sums if self._l0_sums is not None else torch.zeros(2, dtype=torch.float64)
+        sums = self._l0_sums if self._l0_sums is not None else torch.zeros(3, dtype=torch.float64)
         sums = (total(sums) if total else sums).cpu()
-        metrics["backbone_" + ("kl" if self.kl else "ce")] = float(sums[0] / sums[1].clamp(min=1))
+        metrics |= {k: float(v) for k, v in self._l0_logs(*(sums[:2] / sums[2].clamp(min=1))).items()}
         return metrics
 
     def save(self, joint: JointMedusa, output_dir: Path, metrics: dict[str, float]) -> None:
@@ -262,11 +278,16 @@ def self_generated(cfg) -> bool:
     return bool(cfg.self_distill) or (Path(cfg.dataset) / "regeneration.json").is_file()
 
 
+def uses_kl(cfg) -> bool:
+    """Whether L0 is the KL to the frozen target (asked for, or by default on self-generated data)."""
+    return cfg.backbone_loss == "kl" or (cfg.backbone_loss == "auto" and self_generated(cfg))
+
+
 def medusa2_method(cfg, target, heads: MedusaHeads, tokenizer) -> Medusa2Method:
     """The Medusa-2 method for a frozen target: LoRA added, L0 chosen (KL on self-generated data, else CE)."""
     if cfg.gradient_checkpointing:
         target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     backbone = add_lora(target, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
-    kl = cfg.backbone_loss == "kl" or (cfg.backbone_loss == "auto" and self_generated(cfg))
+    kl = uses_kl(cfg)
     return Medusa2Method(cfg, backbone, heads, kl, tokenizer)
 
