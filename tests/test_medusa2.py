@@ -133,7 +133,8 @@ def test_only_lora_and_heads_train_and_decoding_matches_the_adapted_target(
                            gradient_checkpointing=merge)
     assert set(result["heads"].state_dict()) == set(load_heads(out).state_dict())  # the heads' own lm_heads or not
     assert any(n.endswith(f"{1}.weight") for n in result["heads"].state_dict()) != shared
-    assert "backbone_ce" in result["history"][-1][1]  # not self-generated data: plain cross-entropy
+    logged = result["history"][-1][1]
+    assert "backbone_ce" in logged and "backbone_kl" not in logged  # not self-generated data: plain cross-entropy
     config = HeadsConfig.load(out)
     original = load_file(str(tiny_model_dir / "model.safetensors"))
     merged = result["target"].state_dict()
