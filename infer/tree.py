@@ -181,13 +181,29 @@ def chain_choices(depth: int) -> list[list[int]]:
     return [[0] * d for d in range(1, depth + 1)]
 
 
-def best_choices(accuracy: torch.Tensor, num_nodes: int) -> list[list[int]]:
+def label_ranks(logits: torch.Tensor, labels: torch.Tensor, width: int) -> torch.Tensor:
+    """(N,) the rank of each label among its row's `width` highest logits (N, V); `width` where it is not among them."""
+    hit = logits.topk(width, dim=-1).indices == labels[:, None]
+    return torch.where(hit.any(1), hit.int().argmax(1), width)
+
+
+PathFrequencies = Mapping[tuple[int, ...], float]  # rank path -> how often every node along it is accepted
+Acceptance = torch.Tensor | PathFrequencies  # per-depth accuracy (D, R), or measured path frequencies
+
+
+def best_choices(accuracy: Acceptance, num_nodes: int) -> list[list[int]]:
     """The `num_nodes` choices with the highest estimated acceptance probability.
 
     `accuracy[d, r]` estimates how often rank r of depth d's candidates is the target's token. A
     path's value is the product along it, so a child never beats its parent and the greedy pick is
     ancestor-closed; this maximises the expected number of accepted tokens for that node budget.
+    From measured `path_frequencies` the paths seen are taken most frequent first (fewer than
+    `num_nodes` when fewer were seen); a child is never more frequent than its parent, so the pick is
+    ancestor-closed too.
     """
+    if isinstance(accuracy, Mapping):
+        ranked = sorted(accuracy, key=lambda path: (-accuracy[path], len(path), path))
+        return [list(path) for path in ranked[:num_nodes]]
     depth, width = accuracy.shape
     acc = accuracy.tolist()
     frontier = [(-acc[0][r], (r,)) for r in range(width)]
@@ -202,8 +218,18 @@ def best_choices(accuracy: torch.Tensor, num_nodes: int) -> list[list[int]]:
     return chosen
 
 
-def expected_accepted(accuracy: torch.Tensor, choices: list[list[int]]) -> float:
+def fill_choices(choices: list[list[int]], accuracy: torch.Tensor, num_nodes: int) -> list[list[int]]:
+    """`choices` (ancestor-closed) topped up to `num_nodes` with the best further paths by the per-depth accuracy
+    estimate: where measured paths ran out before a node budget asked for."""
+    chosen = {tuple(path) for path in choices}
+    extra = [path for path in best_choices(accuracy, num_nodes + len(choices)) if tuple(path) not in chosen]
+    return choices + extra[: max(num_nodes - len(choices), 0)]
+
+
+def expected_accepted(accuracy: Acceptance, choices: list[list[int]]) -> float:
     """Expected drafted tokens accepted per step: the sum over nodes of their path's acceptance estimate."""
+    if isinstance(accuracy, Mapping):
+        return sum(accuracy.get(tuple(path), 0.0) for path in choices)
     total = 0.0
     for path in choices:
         value = 1.0
@@ -211,6 +237,28 @@ def expected_accepted(accuracy: torch.Tensor, choices: list[list[int]]) -> float
             value *= float(accuracy[depth, rank])
         total += value
     return total
+
+
+def path_frequencies(ranks: torch.Tensor, width: int, counts: torch.Tensor | None = None) -> dict[tuple[int, ...], float]:
+    """How often each rank path would be accepted, measured: `ranks` (N, D) holds, at N positions, the rank of the
+    target's token among depth d's candidates (`width` or more: not among the first `width`), `counts` (N,)
+    how many positions each row stands for (default 1). A path is accepted where every depth along it ranks
+    the target's token exactly so.
+
+    Unlike the product of per-depth accuracies this keeps how the depths' hits go together: on repetitive text
+    all heads are right at once, and the product undervalues deep chains many times over."""
+    counts = torch.ones(ranks.shape[0], dtype=torch.float64) if counts is None else counts.double()
+    total = float(counts.sum())
+    if total <= 0:
+        return {}
+    freq: dict[tuple[int, ...], float] = {}
+    for depth in range(1, ranks.shape[1] + 1):
+        head = ranks[:, :depth]
+        seen = (head < width).all(1)
+        paths, index = torch.unique(head[seen], dim=0, return_inverse=True)
+        sums = torch.zeros(paths.shape[0], dtype=torch.float64).index_add_(0, index, counts[seen])
+        freq.update({tuple(path): float(c) / total for path, c in zip(paths.tolist(), sums.tolist())})
+    return freq
 
 
 LOW_QUANTILE = 0.2  # the timing kept from repeats: stalls only add time; steadier than the minimum
@@ -267,11 +315,11 @@ class LatencyCurve(Mapping[int, float]):
         return len(self.fitted)
 
 
-def fit_tree(accuracy: torch.Tensor, latency: Mapping[int, float]) -> tuple[list[list[int]], list[dict]]:
+def fit_tree(accuracy: Acceptance, latency: Mapping[int, float]) -> tuple[list[list[int]], list[dict]]:
     """Choose the tree size that maximises expected tokens per second.
 
-    `latency[n]` is the target's forward time with n tree nodes (root included); a step with n nodes
-    yields 1 + expected_accepted tokens. Returns the best choices and a row per size (for printing);
+    `accuracy` is a per-depth accuracy table or measured `path_frequencies`. `latency[n]` is the target's
+    forward time with n tree nodes (root included); a step with n nodes yields 1 + expected_accepted tokens. Returns the best choices and a row per size (for printing);
     from a LatencyCurve a row also holds the size's measured time before the monotone fit and its
     spread (see `low_and_spread`), a plain mapping counts as measured exactly.
     """
@@ -279,6 +327,8 @@ def fit_tree(accuracy: torch.Tensor, latency: Mapping[int, float]) -> tuple[list
     rows = []
     for n in sorted(latency):
         choices = best_choices(accuracy, n - 1) if n > 1 else []
+        if len(choices) < n - 1:  # measured paths run out: bigger trees would only repeat this one
+            break
         tokens = 1.0 + expected_accepted(accuracy, choices)
         rows.append({"nodes": n, "ms": 1e3 * latency[n], "tokens_per_step": tokens, "tokens_per_s": tokens / latency[n],
                      "choices": choices, "measured_ms": 1e3 * (curve.measured[n] if curve else latency[n]),

@@ -2,9 +2,9 @@
 
 A bigger tree accepts more tokens per step but costs a wider target forward (and, for EAGLE, more
 draft calls); where the balance lies depends on the hardware, so it is measured, not assumed.
-  - Medusa: the target's forward latency against tree size here, times the heads' top-k accuracy
-    on the target's own greedy continuations of calibration prompts -> the static tree with the
-    most expected tokens per second (tree.fit_tree).
+  - Medusa: the target's forward latency against tree size here, times how often each rank path of
+    the heads is accepted on the target's own greedy continuations of calibration prompts -> the
+    static tree with the most expected tokens per second (tree.fit_tree).
   - EAGLE: each (depth, top_k, total_tokens) setting decodes the calibration prompts (greedy);
     its score is tau over its decode-step time.
 Timings are repeated with the sizes or settings taking turns, each keeps a low quantile (a busy
@@ -22,47 +22,56 @@ from heads.eagle import EagleDraft
 from heads.medusa import MedusaHeads
 from infer.eagle import EagleProposer
 from infer.generate import GenerationStats, SpeculativeModel
-from infer.tree import LOW_QUANTILE, NOISE_LIMIT, fit_tree, low_and_spread
+from infer.tree import LOW_QUANTILE, NOISE_LIMIT, fit_tree, label_ranks, low_and_spread, path_frequencies
 
 RANKS = 10  # top-k depth of the Medusa accuracy table
 LATENCY_SIZES = [1, 4, 8, 12, 16, 24, 32, 48, 64]
 
 
 @torch.no_grad()
-def medusa_accuracy(model: torch.nn.Module, heads: MedusaHeads, prompts: Sequence[torch.Tensor],
-                    new_tokens: int = 96) -> torch.Tensor:
-    """(K, RANKS): how often head k's rank-r token is what the target itself generates k + 2 ahead."""
+def medusa_ranks(model: torch.nn.Module, heads: MedusaHeads, prompts: Sequence[torch.Tensor],
+                 new_tokens: int = 96) -> torch.Tensor:
+    """(N, K) at the N positions of the target's own greedy continuations where every head has a label: the rank
+    of what the target generates k + 2 ahead among head k's candidates (RANKS: not in its top RANKS)."""
     K = heads.config.num_heads
-    hits, count = torch.zeros(K, RANKS), torch.zeros(K)
-    lm_head = model.get_output_embeddings()
+    lm_head, rows = model.get_output_embeddings(), []
     for prompt in prompts:
         seq = model.generate(prompt[None], max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
         hidden = model.base_model(input_ids=seq, use_cache=False).last_hidden_state[0]  # (T, H)
         start = prompt.numel() - 1  # from the state that chose the first generated token
+        length = seq.shape[1] - start - K - 1  # positions where the last head still has a label
+        if length <= 0:
+            continue
+        ranks = []
         for k, logits in enumerate(heads(hidden[start:].to(next(heads.parameters()).dtype), lm_head)):
-            labels = seq[0, start + k + 2 :]
-            top = logits[: labels.numel()].topk(RANKS, dim=-1).indices
-            hits[k] += (top == labels[:, None]).sum(0).cpu().float()
-            count[k] += labels.numel()
-    return hits / count.clamp(min=1)[:, None]
+            labels = seq[0, start + k + 2 : start + k + 2 + length]
+            ranks.append(label_ranks(logits[:length], labels, RANKS).cpu())
+        rows.append(torch.stack(ranks, 1))
+    return torch.cat(rows) if rows else torch.zeros(0, K, dtype=torch.long)
+
+
+def medusa_accuracy(ranks: torch.Tensor) -> torch.Tensor:
+    """(K, RANKS) from `medusa_ranks`: how often head k's rank-r token is what the target generated."""
+    return torch.stack([(ranks == r).double().mean(0) for r in range(RANKS)], 1).nan_to_num()
 
 
 def tune_medusa(model: torch.nn.Module, heads: MedusaHeads, prompts: Sequence[torch.Tensor],
                 latency: dict[int, float] | None = None,
                 batch_size: int = 1) -> tuple[list[list[int]], list[dict], torch.Tensor]:
-    """The static tree with the most expected tokens per second; `latency` (nodes -> seconds per target
-    forward) is measured here, for batches of `batch_size` rows, when not given. Returns the choices, a row
-    per size and the accuracy table."""
+    """The static tree with the most expected tokens per second, its acceptance measured path by path on the
+    target's own continuations (tree.path_frequencies); `latency` (nodes -> seconds per target forward) is
+    measured here, for batches of `batch_size` rows, when not given. Returns the choices, a row per size and
+    the per-head accuracy table."""
     from infer.bench import forward_latency
 
-    accuracy = medusa_accuracy(model, heads, prompts).clamp(min=1e-6)
+    ranks = medusa_ranks(model, heads, prompts)
     if latency is None:
         latency = forward_latency(model, LATENCY_SIZES, batch_size=batch_size)
-    choices, rows = fit_tree(accuracy, latency)
+    choices, rows = fit_tree(path_frequencies(ranks, RANKS), latency)
     for row in rows:  # every row's tokens per second, as EAGLE's rows count them (the choice is the same)
         row["tokens_per_s"] *= batch_size
-    return choices, rows, accuracy
+    return choices, rows, medusa_accuracy(ranks)
 
 
 def eagle_grid(depths: Sequence[int] = (3, 4, 5, 6, 8), top_ks: Sequence[int] = (2, 4, 8),

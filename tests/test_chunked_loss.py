@@ -172,6 +172,39 @@ def test_evaluation_without_autocast_reads_a_bf16_target(kind):
     assert metrics["loss"] > 0 and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 
 
+@pytest.mark.parametrize("kind", ["medusa", "medusa-own-heads"])
+def test_medusa_validation_counts_each_rank_path_as_a_walk_over_every_position_does(kind, tmp_path):
+    """The path frequencies validation keeps (chunked, rank vectors binned) equal ranks read off every head's
+    whole logits position by position, and the saved tree is the most frequent of those paths."""
+    from infer.tree import best_choices, path_frequencies
+    from train.medusa import PATHS_KEPT, RANKS, measured_paths
+
+    vocab = 16  # a small vocabulary: labels often among the first RANKS, so paths of every depth occur
+    method = make_method(kind, vocab=vocab)
+    method.trainable.eval()
+    method.chunk = 7  # several chunks per head
+    batches = [make_batch(vocab, 2, 20 + s, seed=s) for s in range(3)]
+    rows = []
+    with torch.no_grad():
+        metrics = method.evaluate(batches)
+        for batch in batches:
+            logits = method.trainable(method._hidden(batch), method.lm_head)  # K x (B, T, V)
+            labels = [medusa_labels(batch["input_ids"], batch["loss_mask"], k) for k in range(3)]
+            every = torch.stack([mask for _, mask in labels]).all(0)
+            for b, t in every.nonzero().tolist():
+                order = [logits[k][b, t].argsort(descending=True)[:RANKS].tolist() for k in range(3)]
+                token = [int(labels[k][0][b, t]) for k in range(3)]
+                rows.append([order[k].index(token[k]) if token[k] in order[k] else RANKS for k in range(3)])
+    expected = path_frequencies(torch.tensor(rows), RANKS)
+    kept = {tuple(path): expected[tuple(path)] for path in best_choices(expected, PATHS_KEPT)}
+    measured = measured_paths(metrics)
+    assert len(kept) > 20 and max(map(len, kept)) == 3 and measured.keys() == kept.keys()
+    assert all(measured[path] == pytest.approx(f, abs=1e-12) for path, f in kept.items())
+    method.cfg.tree_nodes = 6
+    method.save(method.trainable, tmp_path, metrics)
+    assert method.trainable.config.tree == best_choices(expected, 6)
+
+
 # ------------------------------------------------------------------ memory
 
 

@@ -8,9 +8,13 @@ from infer.tree import (
     LatencyCurve,
     best_choices,
     chain_choices,
+    expected_accepted,
+    fill_choices,
     fit_tree,
+    label_ranks,
     low_and_spread,
     monotone_below,
+    path_frequencies,
     tree_from_choices,
 )
 
@@ -40,6 +44,83 @@ def test_best_choices_is_ancestor_closed_and_prefers_likely_paths():
     assert choices[:3] == [[0], [0, 0], [0, 0, 0]]
     tree_from_choices(choices)  # raises if not ancestor-closed
     assert len(best_choices(acc, 100)) == 3 + 9 + 27
+
+
+def accepted_per_position(ranks: torch.Tensor, choices: list[list[int]]) -> torch.Tensor:
+    """Drafted tokens a static tree gets accepted at each position, walked the way verification does: from the
+    root, follow the child whose rank is that depth's rank of the target's token, until there is none."""
+    children = {}
+    for path in choices:
+        children.setdefault(tuple(path[:-1]), set()).add(path[-1])
+    out = []
+    for row in ranks.tolist():
+        node = ()
+        while len(node) < len(row) and row[len(node)] in children.get(node, ()):
+            node = (*node, row[len(node)])
+        out.append(len(node))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def correlated_ranks(n: int = 4000, depth: int = 4, seed: int = 0) -> torch.Tensor:
+    """Ranks (n, depth) where a third of the positions are easy (every depth right at rank 0, as on repeated
+    text) and the rest are hard (each depth rank 0 a quarter of the time, else rank 1-3 or a miss)."""
+    gen = torch.Generator().manual_seed(seed)
+    easy = torch.rand(n, generator=gen) < 1 / 3
+    hard = torch.randint(1, 6, (n, depth), generator=gen).clamp(max=4)  # 4: not among the first 4
+    hard[torch.rand(n, depth, generator=gen) < 0.25] = 0
+    return torch.where(easy[:, None], torch.zeros_like(hard), hard)
+
+
+def test_path_frequencies_count_a_path_where_every_depth_along_it_ranks_the_token_so():
+    ranks = torch.tensor([[0, 0, 1], [0, 1, 9], [0, 0, 0], [1, 0, 0], [9, 0, 0]])
+    freq = path_frequencies(ranks, width=4)
+    assert freq == pytest.approx({(0,): 3 / 5, (1,): 1 / 5, (0, 0): 2 / 5, (0, 1): 1 / 5, (1, 0): 1 / 5,
+                                  (0, 0, 1): 1 / 5, (0, 0, 0): 1 / 5, (1, 0, 0): 1 / 5})
+    weighted = path_frequencies(ranks[:2], width=4, counts=torch.tensor([3, 1]))
+    assert weighted == pytest.approx({(0,): 1.0, (0, 0): 0.75, (0, 1): 0.25, (0, 0, 1): 0.75})
+    assert path_frequencies(ranks[:0], width=4) == {}
+
+
+def test_label_ranks_is_the_labels_place_among_the_top_logits_or_the_width():
+    logits = torch.tensor([[0.1, 3.0, 2.0, -1.0], [5.0, 0.0, 1.0, 2.0]])
+    assert label_ranks(logits, torch.tensor([2, 3]), 3).tolist() == [1, 1]
+    assert label_ranks(logits, torch.tensor([3, 1]), 3).tolist() == [3, 3]  # not among the first 3
+
+
+def test_a_tree_from_measured_paths_gets_what_it_expects_and_beats_the_product_of_accuracies():
+    """On correlated hits the per-depth product undervalues deep chains; the tree picked from measured path
+    frequencies expects exactly what walking it over the positions accepts, and that is more."""
+    ranks = correlated_ranks()
+    freq = path_frequencies(ranks, width=4)
+    accuracy = torch.stack([torch.stack([(ranks[:, d] == r).double().mean() for r in range(4)])
+                            for d in range(ranks.shape[1])])
+    gains = []
+    for nodes in (4, 8, 15):
+        measured, product = best_choices(freq, nodes), best_choices(accuracy, nodes)
+        tree_from_choices(measured)  # raises if not ancestor-closed
+        walked = float(accepted_per_position(ranks, measured).mean())
+        assert expected_accepted(freq, measured) == pytest.approx(walked)
+        gains.append(walked - float(accepted_per_position(ranks, product).mean()))
+    assert min(gains) >= -1e-12 and max(gains) > 0.1, gains  # the most frequent paths are the best tree here
+    assert [0, 0, 0, 0] in best_choices(freq, 4) and [0, 0, 0, 0] not in best_choices(accuracy, 4)
+
+
+def test_fill_choices_tops_up_measured_paths_to_the_asked_size_ancestor_closed():
+    freq = path_frequencies(torch.tensor([[0, 0], [0, 1], [0, 0]]), width=3)
+    choices = best_choices(freq, 6)
+    assert choices == [[0], [0, 0], [0, 1]]  # all that was seen
+    accuracy = torch.tensor([[0.6, 0.3, 0.1], [0.5, 0.3, 0.2]])
+    filled = fill_choices(choices, accuracy, 6)
+    assert filled[:3] == choices and len(filled) == 6 and len({tuple(c) for c in filled}) == 6
+    tree_from_choices(filled)
+    assert fill_choices(choices, accuracy, 2) == choices
+
+
+def test_fit_tree_on_measured_paths_stops_where_the_paths_run_out():
+    freq = path_frequencies(torch.tensor([[0, 0], [0, 1], [1, 0]]), width=3)  # 5 paths seen
+    choices, rows = fit_tree(freq, {n: 0.01 for n in (1, 4, 6, 8, 16)})
+    assert [r["nodes"] for r in rows] == [1, 4, 6]  # 8 nodes would need 7 paths
+    assert len(choices) == 5 and rows[-1]["tokens_per_step"] == pytest.approx(1 + 2)
 
 
 def test_chain():

@@ -386,7 +386,7 @@ def train(
             if step % cfg.eval_steps == 0 or stop:
                 metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator)
                 history.append((step, metrics))
-                accelerator.log({"eval/" + k: v for k, v in metrics.items()}, step=step)
+                accelerator.log({"eval/" + k: v for k, v in metrics.items() if not k.startswith("path/")}, step=step)
                 bar.write(f"step {step}: " + format_metrics(metrics))
             if step % cfg.save_steps == 0 or stop:
                 state = {"step": step, "epoch": epoch, "batches_done": batches_done, "metrics": metrics,
@@ -498,4 +498,4 @@ def report_saved(cfg: TrainConfig, history: list[tuple[int, dict[str, float]]], 
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
-    return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items() if not k.startswith("rank_acc"))
+    return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items() if not k.startswith(("rank_acc", "path/")))

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from heads.errors import run_main
 from heads.medusa import MedusaHeads
 from infer.bench import forward_latency
-from infer.tree import best_choices, fit_tree
+from infer.tree import Acceptance, best_choices, fill_choices, fit_tree, label_ranks, path_frequencies
 from infer.tune import format_tree_rows
 from train.config import ConfigError, check_at_least, load_config
 from train.distributed import gathers_weights, unpartitioned
@@ -36,6 +36,9 @@ from train.loop import (
 )
 
 RANKS = 10  # top-k depth of the accuracy table the default tree is fitted to
+PATH_PREFIX = "path/"  # validation metrics `path/0.0.1`: how often that rank path of the heads was right
+PATHS_KEPT = 256  # the most frequent paths kept in the metrics (trees are fitted up to 64 nodes)
+JOINT_BINS = 2**20  # at most this many rank vectors counted in validation (the tree's path frequencies)
 CHUNK_ELEMENTS = 2**26  # float32 logits per loss chunk (256 MiB): positions per chunk = this // vocabulary size
 
 
@@ -127,6 +130,21 @@ def chunk_rows(vocab_size: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab_size)
 
 
+def measured_paths(metrics: dict[str, float]) -> dict[tuple[int, ...], float]:
+    """The rank paths validation counted (`MedusaMethod.evaluate`), from its metrics: path -> how often it was right."""
+    return {tuple(int(r) for r in key[len(PATH_PREFIX):].split(".")): value
+            for key, value in metrics.items() if key.startswith(PATH_PREFIX)}
+
+
+def joint_width(num_heads: int) -> int:
+    """The ranks told apart per head when validation counts the heads' rank vectors: RANKS, fewer for many heads
+    so that (width + 1) ** num_heads bins stay within JOINT_BINS; 0 past 20 heads (not counted)."""
+    width = 0
+    while width < RANKS and (width + 2) ** num_heads <= JOINT_BINS:
+        width += 1
+    return width
+
+
 def chunk_count(rows: int, chunk: int) -> int:
     """How many calls chunked_sum makes on `rows` rows."""
     return -(-rows // chunk)
@@ -208,14 +226,15 @@ class MedusaMethod:
     def _ce_sum(self, k: int, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self._logits(k, outputs), labels, reduction="sum")
 
-    def _eval_sums(self, k: int, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """(2 + RANKS,) float64: the summed cross-entropy, the number of labels, how often the label is the
-        r-th choice (r < RANKS)."""
-        logits = self._logits(k, outputs)  # (C, V)
-        top = logits.topk(RANKS, dim=-1).indices  # (C, R)
-        ce = F.cross_entropy(logits, labels, reduction="sum")
-        return torch.cat([torch.stack([ce.double(), ce.new_tensor(labels.numel(), dtype=torch.float64)]),
-                          (top == labels[:, None]).sum(0).double()])
+    def _eval_head(self, k: int, outputs: torch.Tensor, labels: torch.Tensor, calls: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head k's summed cross-entropy (float64) and the rank of each label among its RANKS best (RANKS: not
+        among them), the logits projected chunk by chunk."""
+        ce, ranks = torch.zeros((), dtype=torch.float64, device=labels.device), []
+        for out, lab in chunks((outputs, labels), self.chunk, calls):
+            logits = self._logits(k, out)  # (C, V)
+            ce += F.cross_entropy(logits, lab, reduction="sum").double()
+            ranks.append(label_ranks(logits, lab, RANKS))
+        return ce, torch.cat(ranks)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         _, heads = self._per_head(batch)
@@ -235,16 +254,33 @@ class MedusaMethod:
 
     def evaluate(self, batches: list[dict[str, torch.Tensor]],
                  total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
-        """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share)."""
-        K = self.num_heads
+        """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share). They
+        include how often each of the most frequent rank paths of the heads was right (`measured_paths`), which
+        the saved tree is fitted to."""
+        K, device = self.num_heads, self.lm_head.weight.device
+        width = joint_width(K)
         # per head, summed over batches, then over processes: cross-entropy, labels, hits at rank 0..RANKS-1
-        sums = torch.zeros(K, 2 + RANKS, dtype=torch.float64, device=self.lm_head.weight.device)
+        sums = torch.zeros(K, 2 + RANKS, dtype=torch.float64, device=device)
+        joint = torch.zeros((width + 1) ** K if width else 1, dtype=torch.float64, device=device)  # positions per rank vector
         for batch in batches:
             hidden, heads = self._per_head(batch)
             self._eval_extra(batch, hidden)
-            for k, outputs, labels, calls in heads:
-                sums[k] += chunked_sum(partial(self._eval_sums, k), (outputs, labels), self.chunk, calls)
-        sums = (total(sums) if total else sums).cpu()
+            masks = [medusa_labels(batch["input_ids"], batch["loss_mask"], k)[1] for k in range(K)]
+            every = torch.stack(masks).all(0)  # (B, T): positions where every head has a label
+            code = torch.zeros(int(every.sum()), dtype=torch.long, device=device)
+            for (k, outputs, labels, calls), mask in zip(heads, masks):
+                ce, ranks = self._eval_head(k, outputs, labels, calls)
+                sums[k, 0] += ce
+                sums[k, 1] += labels.numel()
+                sums[k, 2:] += torch.bincount(ranks, minlength=RANKS + 1)[:RANKS].double()
+                code += ranks[every[mask]].clamp(max=width) * (width + 1) ** k
+            joint += torch.bincount(code, minlength=joint.numel()).double()
+        both = torch.cat([sums.flatten(), joint])  # one reduction across processes
+        both = (total(both) if total else both).cpu()
+        sums, joint = both[: sums.numel()].view_as(sums), both[sums.numel():]
+        seen = joint.nonzero().squeeze(1)
+        vectors = torch.stack([seen // (width + 1) ** k % (width + 1) for k in range(K)], 1)
+        paths = path_frequencies(vectors, width, joint[seen]) if width else {}
         loss_sum, count, hits = sums[:, 0], sums[:, 1].clamp(min=1), sums[:, 2:]
         metrics = {"loss": float((loss_sum / count * self.cfg.head_decay ** torch.arange(K)).sum())}
         for k in range(K):
@@ -252,16 +288,18 @@ class MedusaMethod:
             metrics[f"head{k}_top1"] = float(hits[k, 0] / count[k])
             for r in range(RANKS):
                 metrics[f"rank_acc/{k}/{r}"] = float(hits[k, r] / count[k])
+        for path in best_choices(paths, PATHS_KEPT):  # the most frequent, enough for any fitted tree
+            metrics[PATH_PREFIX + ".".join(map(str, path))] = paths[tuple(path)]
         return metrics
 
     def _eval_extra(self, batch: dict[str, torch.Tensor], hidden: torch.Tensor) -> None:
         """What a subclass accumulates per validation batch besides the heads' sums (Medusa-2: the target's loss)."""
 
-    def fit_tree(self, accuracy: torch.Tensor) -> list[list[int]]:
+    def fit_tree(self, accuracy: Acceptance) -> list[list[int]]:
         """Measure the target's forward time against tree size here and keep the fastest expected tree."""
         latency = forward_latency(self.target, [1, 4, 8, 12, 16, 24, 32, 48, 64])
         choices, rows = fit_tree(accuracy, latency)
-        print("tree fitted to this machine (expected tokens per step from validation top-k accuracy):")
+        print("tree fitted to this machine (expected tokens per step from how often each path was right in validation):")
         print(format_tree_rows(rows, choices))
         return choices
 
@@ -271,10 +309,13 @@ class MedusaMethod:
         if not metrics:  # the loop always evaluates before saving; never write a card of zeros or a null tree
             raise ValueError("no validation metrics to fit the tree to: evaluate before saving")
         acc = torch.tensor([[metrics[f"rank_acc/{k}/{r}"] for r in range(RANKS)] for k in range(K)]).clamp(min=1e-6)
+        # fitted to how often each rank path was right in the last evaluation (the heads' hits go together), else
+        # to the product of per-head accuracies
+        paths = measured_paths(metrics) or acc
         if self.cfg.tree_nodes > 0:
-            heads.config.tree = best_choices(acc, self.cfg.tree_nodes)
+            heads.config.tree = fill_choices(best_choices(paths, self.cfg.tree_nodes), acc, self.cfg.tree_nodes)
         else:
-            heads.config.tree = self.fit_tree(acc)
+            heads.config.tree = self.fit_tree(paths)
         table = "\n".join(f"| {k} | {metrics[f'head{k}_top1']:.3f} | {metrics[f'head{k}_loss']:.3f} |" for k in range(K))
         card = f"\n## Validation (last evaluation)\n\n| head | top-1 | loss |\n|---|---|---|\n{table}\n"
         heads.save_pretrained(output_dir, card_extra=card)
