@@ -223,7 +223,7 @@ def fill_choices(choices: list[list[int]], accuracy: torch.Tensor, num_nodes: in
     estimate: where measured paths ran out before a node budget asked for."""
     chosen = {tuple(path) for path in choices}
     extra = [path for path in best_choices(accuracy, num_nodes + len(choices)) if tuple(path) not in chosen]
-    return choices + extra[: max(num_nodes - len(choices), 0)]
+    return (choices + extra)[: max(num_nodes, 0)]
 
 
 def expected_accepted(accuracy: Acceptance, choices: list[list[int]]) -> float:
@@ -327,7 +327,7 @@ def fit_tree(accuracy: Acceptance, latency: Mapping[int, float]) -> tuple[list[l
     rows = []
     for n in sorted(latency):
         choices = best_choices(accuracy, n - 1) if n > 1 else []
-        if len(choices) < n - 1:  # measured paths run out: bigger trees would only repeat this one
+        if rows and len(choices) < n - 1:  # measured paths run out: bigger trees would only repeat this one
             break
         tokens = 1.0 + expected_accepted(accuracy, choices)
         rows.append({"nodes": n, "ms": 1e3 * latency[n], "tokens_per_step": tokens, "tokens_per_s": tokens / latency[n],

@@ -68,10 +68,12 @@ def tune_medusa(model: torch.nn.Module, heads: MedusaHeads, prompts: Sequence[to
     ranks = medusa_ranks(model, heads, prompts)
     if latency is None:
         latency = forward_latency(model, LATENCY_SIZES, batch_size=batch_size)
-    choices, rows = fit_tree(path_frequencies(ranks, RANKS), latency)
+    accuracy = medusa_accuracy(ranks)
+    # no path seen (too few continuations): the product of per-head accuracies
+    choices, rows = fit_tree(path_frequencies(ranks, RANKS) or accuracy.clamp(min=1e-6), latency)
     for row in rows:  # every row's tokens per second, as EAGLE's rows count them (the choice is the same)
         row["tokens_per_s"] *= batch_size
-    return choices, rows, medusa_accuracy(ranks)
+    return choices, rows, accuracy
 
 
 def eagle_grid(depths: Sequence[int] = (3, 4, 5, 6, 8), top_ks: Sequence[int] = (2, 4, 8),

@@ -5,7 +5,7 @@
 
 Head k (0-based) learns the token k + 2 positions ahead from the target's last hidden state; the
 loss is cross-entropy weighted by head_decay**k, on loss-mask positions only. At the end the heads
-are saved with a default tree fitted to their measured top-k accuracies.
+are saved with a default tree fitted to how often each path of their top-k candidates was right in validation.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from train.loop import (
     train,
 )
 
-RANKS = 10  # top-k depth of the accuracy table the default tree is fitted to
+RANKS = 10  # top-k candidates per head that validation ranks the true token among (the tree's ranks)
 PATH_PREFIX = "path/"  # validation metrics `path/0.0.1`: how often that rank path of the heads was right
 PATHS_KEPT = 256  # the most frequent paths kept in the metrics (trees are fitted up to 64 nodes)
 JOINT_BINS = 2**20  # at most this many rank vectors counted in validation (the tree's path frequencies)
@@ -304,7 +304,7 @@ class MedusaMethod:
         return choices
 
     def save(self, heads: MedusaHeads, output_dir: Path, metrics: dict[str, float]) -> None:
-        """Heads, the default tree fitted to their validation accuracy, and a card with the numbers."""
+        """Heads, the default tree fitted to the rank paths validation measured, and a card with the numbers."""
         K = self.cfg.num_heads
         if not metrics:  # the loop always evaluates before saving; never write a card of zeros or a null tree
             raise ValueError("no validation metrics to fit the tree to: evaluate before saving")
