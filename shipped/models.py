@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -20,4 +21,25 @@ def resolve_model(name_or_path: str) -> str:
                 "or retrain it with `python train/target.py`."
             )
         return str(path)
+    check_model_folder(name_or_path)
     return name_or_path
+
+
+def check_model_folder(name_or_path: str) -> None:
+    """A local path (or an existing folder) must hold a Hugging Face model; anything else is a hub name."""
+    path = Path(name_or_path).expanduser()
+    local = name_or_path.startswith(("/", "./", "../", "~")) or path.is_dir()
+    if not local:
+        return
+    if not path.is_dir():
+        raise FileNotFoundError(f"the model folder {name_or_path} does not exist: give a model's folder or hub name")
+    config = path / "config.json"
+    if not config.is_file():
+        return  # e.g. a tokenizer's folder; transformers names what it lacks
+    try:
+        kind = json.loads(config.read_text()).get("kind")
+    except (json.JSONDecodeError, AttributeError):
+        return  # transformers reports a damaged config itself
+    if kind is not None:
+        raise ValueError(f"{name_or_path} holds a drafter ({kind}), not a target model: give it as --heads and "
+                         "the target it was trained on as --model")

@@ -25,6 +25,8 @@ def test_a_bad_json_file_is_named_with_its_line(tmp_path):
 
 @pytest.mark.parametrize("record, problem", [
     ({"messages": [{"role": "user"}]}, r"line 2: a turn needs `role`/`content`"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "yo"}]},
+     r"line 2: unknown message role 'gpt'; use one of system, developer, user, assistant, tool, function"),
     ({"conversations": [{"from": "alien", "value": "hi"}]}, r"line 2: unknown ShareGPT speaker 'alien'"),
     ({"prompt": "x"}, r"line 2: records need a `text`, `messages` or `conversations` field; got \['prompt'\]"),
     (["not", "an", "object"], r"line 2: a record must be a JSON object, got list"),
@@ -58,3 +60,16 @@ def test_damaged_heads_files_are_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{truncated")
     with pytest.raises(ValueError, match=rf"cannot read the weights in {tmp_path / 'model.safetensors'}"):
         load_heads(tmp_path)
+
+
+def test_a_model_path_that_holds_no_model_is_named(tmp_path):
+    from shipped.models import resolve_model
+
+    with pytest.raises(FileNotFoundError, match=r"the model folder .*missing does not exist: give a model's folder"):
+        resolve_model(str(tmp_path / "missing"))  # not sent to the hub as a repo id
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "config.json").write_text(HeadsConfig(hidden_size=64, vocab_size=96).to_json())
+    with pytest.raises(ValueError, match=r"holds a drafter \(medusa\), not a target model: give it as --heads"):
+        resolve_model(str(heads))
+    assert resolve_model("org/model") == "org/model"  # a hub name passes through

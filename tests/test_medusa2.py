@@ -124,7 +124,7 @@ def train_medusa2(tiny_model_dir, text_data, out, **extra):
 @pytest.mark.parametrize("merge, shared", [(False, True), (True, False)], ids=["adapter+shared-lm-head",
                                                                              "merged+own-lm-heads"])
 def test_only_lora_and_heads_train_and_decoding_matches_the_adapted_target(
-    merge, shared, tiny_model_dir, text_data, tmp_path, monkeypatch
+    merge, shared, tiny_model_dir, text_data, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "medusa2"
@@ -166,6 +166,11 @@ def test_only_lora_and_heads_train_and_decoding_matches_the_adapted_target(
     if merge:
         with pytest.raises(ValueError, match="decode with their merged target in .*target, not"):
             load_target(load_heads(out), str(tiny_model_dir))
+    # resumed to save the other form: the first one's folder goes, so one adapted target is left to load or push
+    capsys.readouterr()
+    train_medusa2(tiny_model_dir, text_data, out, merge=not merge, share_lm_head=shared, resume="latest")
+    assert (out / "target").is_dir() != merge and (out / "adapter").is_dir() == merge
+    assert f"saved Medusa-2 heads and {'LoRA adapter' if merge else 'merged target'} to" in capsys.readouterr().out
 
 
 def test_cli_generates_with_the_adapter_and_push_uploads_it(tiny_model_dir, text_data, tmp_path, monkeypatch,
@@ -211,6 +216,12 @@ def test_missing_adapter_and_bad_options_are_one_line_errors(medusa_dir, tmp_pat
         load_config(MedusaConfig, ["--medusa2", "true", "--backbone_loss", "mse"])
     with pytest.raises(ConfigError, match="--backbone_ce_weight applies to Medusa-2"):
         load_config(MedusaConfig, ["--backbone_ce_weight", "0.5"])
+    for option, value in (("lora_r", "8"), ("heads_schedule", "linear"), ("head_lr_multiplier", "2")):
+        with pytest.raises(ConfigError, match=f"--{option} applies to Medusa-2 .*add --medusa2 true or drop it"):
+            load_config(MedusaConfig, [f"--{option}", value])  # else a Medusa-1 run would ignore it
+    load_config(MedusaConfig, ["--lora_r", "32"])  # the default, as a recipe may spell it out
+    with pytest.raises(ConfigError, match=r"--heads_only_steps \(400\) leaves no joint step of --max_steps \(400\)"):
+        load_config(MedusaConfig, ["--medusa2", "true", "--heads_only_steps", "400"])
     with pytest.raises(ConfigError, match="--backbone_ce_weight adds cross-entropy to the KL"):
         load_config(MedusaConfig, ["--medusa2", "true", "--backbone_loss", "ce", "--backbone_ce_weight", "0.5"])
     with pytest.raises(ConfigError, match="--backbone_ce_weight adds cross-entropy to the KL"):

@@ -169,10 +169,12 @@ def find_resume(resume: str | None, output_dir: Path) -> Path | None:
 def check_same_run(checkpoint: Path, saved: dict[str, Any], now: dict[str, Any], allow: bool) -> None:
     """Refuse to resume when a setting that decides what the run computes changed (batch size, data, model):
     the result would no longer be the uninterrupted run. `allow` (--resume_allow_changes) only warns."""
-    changed = [f"{key} was {saved.get(key)!r}, now {value!r}" for key, value in now.items()
-               if key in saved and saved[key] != value]
+    changed = {key: f"{key} was {saved.get(key)!r}, now {value!r}" for key, value in now.items()
+               if key in saved and saved[key] != value}
     if not changed:
         return
+    named = [text for key, text in changed.items() if not key.endswith("_sha1")]
+    changed = named or list(changed.values())  # a digest is named only when no setting explains it
     what = "; ".join(changed)
     if allow:
         print(f"warning: resuming {checkpoint} although {what} (--resume_allow_changes)", file=sys.stderr)

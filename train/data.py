@@ -33,6 +33,8 @@ from shipped.stdlib_corpus import stdlib_texts
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+# the roles a `messages` turn may have (OpenAI's layout); other names are refused, not trained as context
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # a record: plain text, or a conversation as the JSON of its [{"role", "content"}] turns (any content type)
 RECORD_FEATURES = datasets.Features({"text": datasets.Value("string"), "messages": datasets.Value("string")})
 # an example: its token ids and, per token, 1 where the loss is taken; no padding is stored
@@ -148,7 +150,12 @@ def _normalise(record: Any, where: str) -> dict[str, Any]:
         raise DataError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
     try:
         if "messages" in record:
-            return {"messages": [{"role": m["role"], "content": m["content"]} for m in record["messages"]]}
+            msgs = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+            for m in msgs:
+                if m["role"] not in MESSAGE_ROLES:
+                    raise DataError(f"{where}: unknown message role {m['role']!r}; use one of "
+                                    f"{', '.join(MESSAGE_ROLES)} (ShareGPT turns go in `conversations` as from/value)")
+            return {"messages": msgs}
         if "conversations" in record:
             msgs = []
             for turn in record["conversations"]:
@@ -168,6 +175,13 @@ def _normalise(record: Any, where: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- tokenising
 
 
+def require_chat_template(tokenizer) -> None:
+    """Conversations are rendered with the tokenizer's chat template: refuse a tokenizer without one."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("conversation data needs a tokenizer with a chat template (tokenizer.chat_template is empty):"
+                        " use the model's chat (instruct) variant, or plain text data")
+
+
 def chat_example(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
     """Render a conversation with the chat template; the loss mask covers assistant turns only.
 
@@ -176,8 +190,7 @@ def chat_example(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], 
     """
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("conversation data needs a fast tokenizer (character offsets); load it with use_fast=True")
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError("conversation data needs a tokenizer with a chat template (tokenizer.chat_template is empty)")
+    require_chat_template(tokenizer)
     spans, previous = [], ""
     for i, msg in enumerate(messages):
         rendered = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)

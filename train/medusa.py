@@ -42,6 +42,11 @@ JOINT_BINS = 2**20  # at most this many rank vectors counted in validation (the 
 CHUNK_ELEMENTS = 2**26  # float32 logits per loss chunk (256 MiB): positions per chunk = this // vocabulary size
 
 
+# the options only Medusa-2 reads: set on a Medusa-1 run they would be ignored, so they are refused
+MEDUSA2_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "head_lr_multiplier", "heads_coefficient", "heads_schedule",
+                   "heads_only_steps", "backbone_loss", "backbone_ce_weight", "merge", "gradient_checkpointing")
+
+
 @dataclasses.dataclass
 class MedusaConfig(TrainConfig):
     """Train Medusa heads on a frozen causal LM (defaults: the demo target on CPU, under 10 minutes)."""
@@ -96,9 +101,14 @@ class MedusaConfig(TrainConfig):
             raise ConfigError("--backbone_ce_weight adds cross-entropy to the KL on the target's own text, but L0 "
                               "is the cross-entropy already (--backbone_loss ce, or data the target did not write): "
                               "drop it, or add --self_distill true")
-        for name in ("merge", "gradient_checkpointing", "backbone_ce_weight"):
-            if getattr(self, name) and not self.medusa2:
-                raise ConfigError(f"--{name} applies to Medusa-2 (a LoRA-adapted target): add --medusa2 true or drop it")
+        if not self.medusa2:
+            for field in dataclasses.fields(self):
+                if field.name in MEDUSA2_OPTIONS and getattr(self, field.name) != field.default:
+                    raise ConfigError(f"--{field.name} applies to Medusa-2 (a LoRA-adapted target): add --medusa2 "
+                                      "true or drop it")
+        elif 0 < self.max_steps <= self.heads_only_steps:
+            raise ConfigError(f"--heads_only_steps ({self.heads_only_steps}) leaves no joint step of --max_steps "
+                              f"({self.max_steps}): the LoRA would not train; lower it or raise max_steps")
         if not 0 < self.head_decay <= 1:
             raise ConfigError(f"--head_decay must be in (0, 1], got {self.head_decay}")
         if self.tree_nodes < 0:

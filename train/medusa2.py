@@ -17,6 +17,7 @@ exactly what *it* would generate, which is slightly different from the original 
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from heads.medusa import MedusaHeads
 from heads.target import ADAPTED
 from infer.target import decoder_layers
 from train.medusa import MedusaMethod, agreed_calls, chunked_sum
+from train.regenerate import written_by
 
 SCHEDULES = ("constant", "linear", "sine")
 BACKBONE_LOSSES = ("auto", "kl", "ce")
@@ -127,6 +129,7 @@ class Medusa2Method(MedusaMethod):
     def __init__(self, cfg, backbone: nn.Module, heads: MedusaHeads, kl: bool, tokenizer=None) -> None:
         super().__init__(cfg, backbone.get_base_model(), heads)
         self.backbone, self.kl, self.tokenizer = backbone, kl, tokenizer
+        self.label = "Medusa-2 heads and merged target" if cfg.merge else "Medusa-2 heads and LoRA adapter"
         self.trainable = JointMedusa(backbone, heads)
         self.step, self.total_steps = 0, 1  # set by the loop before each loss
         self._l0_sums = None
@@ -256,6 +259,9 @@ class Medusa2Method(MedusaMethod):
         """The adapter (peft's format), then the heads with a tree fitted on the merged target; with `merge` the
         merged target (and tokenizer) next to them instead of the adapter."""
         backbone, heads = joint.backbone, joint.heads
+        stale = output_dir / (ADAPTER_DIR if self.cfg.merge else MERGED_DIR)  # a resumed run saved the other form
+        if stale.is_dir():
+            shutil.rmtree(stale)
         if self.cfg.merge:
             heads.config.merged_target, heads.config.adapter = MERGED_DIR, None
         else:
@@ -275,7 +281,7 @@ class Medusa2Method(MedusaMethod):
 
 def self_generated(cfg) -> bool:
     """Whether the training text is the target's own: self-distilled here, or a regenerated dataset folder."""
-    return bool(cfg.self_distill) or (Path(cfg.dataset) / "regeneration.json").is_file()
+    return bool(cfg.self_distill) or bool(written_by(cfg.dataset, cfg.model))
 
 
 def uses_kl(cfg) -> bool:

@@ -14,7 +14,8 @@ the corpus's raises acceptance (Medusa-2, EAGLE). The work items of a dataset (a
   user turn, or right after another assistant turn, are dropped; trailing user turns get an answer. A conversation
   stops before a prompt reaches `max_length` tokens (its later turns are dropped);
 - a window of `max_length` tokens of the packed plain text (the examples train/data.py makes): its first
-  `prompt_tokens` are kept and the target writes exactly the rest (the end-of-text tokens are held back).
+  `prompt_tokens` are kept and the target writes exactly the rest, or `max_new_tokens` of it (the end-of-text
+  tokens are held back).
 
 The rows carry the exact token stream the target read and wrote, so training uses the target's own tokens:
 
@@ -62,9 +63,11 @@ from train.data import (
     DataError,
     cache_dir,
     iter_records,
+    require_chat_template,
     save_examples,
     source_fingerprint,
     tokenizer_fingerprint,
+    unfinished_regeneration,
     write_arrow,
 )
 from train.regen_backends import Generator, TransformersGenerator, VllmGenerator, derived_seed, vllm_missing
@@ -102,9 +105,9 @@ class RegenerateConfig:
     backend: str = "transformers"  # transformers | vllm (vLLM's offline engine, one process)
     temperature: float = 0.3  # sampling temperature of the target's answers (Medusa's recipe); 0 is greedy
     top_p: float = 1.0  # nucleus sampling: draw from the smallest set of tokens holding this much probability
-    max_new_tokens: int = 512  # most tokens of one answer
+    max_new_tokens: int = 512  # most tokens of one answer (text: of one window's continuation)
     max_length: int = 512  # text: windows of this many tokens; a conversation stops before a prompt reaches it
-    prompt_tokens: int = 32  # text: the tokens of each window kept as the prompt (the target writes the rest)
+    prompt_tokens: int = 32  # text: the tokens of each window kept as the prompt (the target writes the rest, up to max_new_tokens)
     max_examples: int = 0  # > 0: a seeded random subset of this many items (conversations and text windows)
     batch_size: int = 64  # prompts per generate call (vLLM also schedules within a call on its own)
     shard_size: int = 256  # items per shard: the unit written to disk, resumed, and shared among processes
@@ -166,6 +169,8 @@ class ItemPacker:
         windows = [self.stream[i : i + self.max_length] for i in range(0, full, self.max_length)]
         del self.stream[:full]
         chats = [m for m in batch["messages"] if m is not None]
+        if chats:
+            require_chat_template(self.tokenizer)
         return {"messages": [None] * len(windows) + chats, "input_ids": windows + [None] * len(chats)}
 
 
@@ -214,7 +219,7 @@ def regenerate_shard(generator: Generator, tokenizer, rows: dict[str, list], cfg
     for start in range(0, len(windows), cfg.batch_size):  # prompts alike in length: one budget, no padding
         batch = windows[start : start + cfg.batch_size]
         prompts = [rows["input_ids"][i][: cfg.prompt_tokens] for i in batch]
-        new = len(rows["input_ids"][batch[0]]) - cfg.prompt_tokens
+        new = min(cfg.max_new_tokens, len(rows["input_ids"][batch[0]]) - cfg.prompt_tokens)
         for i, prompt, (tokens, _) in zip(batch, prompts, generator(prompts, [new] * len(prompts), exact=True)):
             ids = prompt + tokens
             out[i] |= {"text": tokenizer.decode(ids), "input_ids": ids,
@@ -448,6 +453,22 @@ def model_files(path: str) -> str:
     from transformers import AutoConfig
 
     return str(getattr(AutoConfig.from_pretrained(path), "_commit_hash", None) or path)
+
+
+def written_by(source: str, model: str) -> bool | None:
+    """For a finished train/regenerate.py folder: whether `model` (the same files) wrote it; None for other data."""
+    from shipped.models import resolve_model
+
+    folder = Path(source)
+    if not (folder / REGENERATION_FILE).is_file() or unfinished_regeneration(folder):
+        return None
+    target = json.loads((folder / REGENERATION_FILE).read_text()).get("target") or {}
+    if "files" not in target:  # self-distillation's own cache names the target by its weights, not its files
+        return target.get("model") == model
+    try:
+        return target["files"] == model_files(resolve_model(model))
+    except OSError:  # a model that cannot be found is reported where it is loaded
+        return False
 
 
 def run(cfg: RegenerateConfig) -> Path:
