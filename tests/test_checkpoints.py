@@ -3,6 +3,7 @@ damaged files, changed settings, unwritable folders, readable file modes, one-li
 
 import json
 import os
+import shutil
 import stat
 
 import pytest
@@ -61,6 +62,23 @@ def test_a_new_run_refuses_a_folder_with_another_runs_checkpoints(train_to, tmp_
     for name, value in full["heads"].state_dict().items():
         torch.testing.assert_close(resumed["heads"].state_dict()[name], value, rtol=0, atol=1e-6)
     assert [p.name for p in checkpoints(out)] == ["step-2", "step-4"]
+
+
+def test_a_new_run_never_overwrites_a_model_or_drafter(train_to, tiny_model_dir, tmp_path):
+    before = {p.name: p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()}
+    with pytest.raises(ValueError, match="is the target model's own folder: saving there would overwrite the target"):
+        train_to(tiny_model_dir, overwrite_output_dir=True)
+    assert {p.name: p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()} == before
+    out = tmp_path / "heads"
+    train_to(out, max_steps=2)
+    shutil.rmtree(out / "checkpoints")  # a finished drafter, its checkpoints cleaned up
+    weights = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"already holds a model or drafter \(config.json, model.safetensors\): "
+                                         r"choose another --output_dir, or replace it with --overwrite_output_dir"):
+        train_to(out, max_steps=2, seed=1)
+    assert (out / "model.safetensors").read_bytes() == weights
+    train_to(out, max_steps=2, seed=1, overwrite_output_dir=True)
+    assert (out / "model.safetensors").read_bytes() != weights
 
 
 def test_resume_from_the_final_checkpoint_keeps_the_tree_and_the_metrics(train_to, tmp_path):

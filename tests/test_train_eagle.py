@@ -134,6 +134,26 @@ def test_an_eagle1_drafter_drafts_among_the_most_frequent_tokens_when_asked():
         EagleConfig(draft_vocab_size=-1)
     with pytest.raises(ConfigError, match="--draft_vocab_size 4 is below top_k 8"):
         EagleConfig(draft_vocab_size=4)  # the tree fit tries top_k 2, 4 and 8
+    with pytest.raises(ConfigError, match=f"--draft_vocab_size {V + 1} is above the target's vocabulary of {V}"):
+        eagle_recipe.draft_vocab_size(EagleConfig(draft_vocab_size=V + 1), V)  # not silently the whole vocabulary
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"version": 3, "num_layers": 2}, "an EAGLE-3 drafter has one decoder layer and no fc bias"),
+    ({"version": 3, "fc_bias": True}, "an EAGLE-3 drafter has one decoder layer and no fc bias"),
+    ({"ttt_steps": 3}, "--ttt_steps and --feature_layers apply to EAGLE-3"),
+    ({"feature_layers": [1, 2, 3]}, "--ttt_steps and --feature_layers apply to EAGLE-3"),
+    ({"version": 3, "feature_layers": [5, 2, 4]}, r"--feature_layers must be distinct .* got \[5, 2, 4\]"),
+    ({"version": 3, "feature_layers": [2, 2, 5]}, r"--feature_layers must be distinct .* got \[2, 2, 5\]"),
+])
+def test_options_a_version_would_ignore_are_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        EagleConfig(**options)
+
+
+def test_fc_bias_defaults_to_each_versions_layout():
+    assert EagleConfig().fc_bias is True and EagleConfig(version=3).fc_bias is False
+    assert EagleConfig(fc_bias=False).fc_bias is False
 
 
 def test_resuming_with_another_draft_vocabulary_is_refused_by_the_fingerprint():

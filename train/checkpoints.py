@@ -53,11 +53,23 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return read_json_object(checkpoint / STATE_NAME)
 
 
-def prepare_output_dir(accelerator: Accelerator, output_dir: Path, resume: str | None, overwrite: bool) -> None:
-    """Check the folder is writable, and that no other run's checkpoints are in it (they would be mixed up
-    with this run's on resume): refuse, unless `--resume` continues them or `--overwrite_output_dir` deletes them."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # a model's or drafter's weights
+
+
+def prepare_output_dir(accelerator: Accelerator, output_dir: Path, resume: str | None, overwrite: bool,
+                       model: str | None = None) -> None:
+    """Check the folder is writable, is not the target's own, holds no model or drafter a new run would overwrite,
+    and no other run's checkpoints (they would be mixed up with this run's on resume): refuse, unless `--resume`
+    continues them or `--overwrite_output_dir` deletes them."""
     if accelerator.is_main_process:
         check_writable(output_dir)
+        if model is not None and Path(model).is_dir() and Path(model).resolve() == output_dir.resolve():
+            raise ValueError(f"--output_dir {output_dir} is the target model's own folder: saving there would "
+                             "overwrite the target; choose another --output_dir")
+        saved = [p.name for p in sorted(output_dir.glob("*")) if p.name == "config.json" or p.suffix in WEIGHT_SUFFIXES]
+        if saved and not resume and not checkpoints(output_dir) and not overwrite:
+            raise ValueError(f"{output_dir} already holds a model or drafter ({', '.join(saved[:3])}): choose another "
+                             "--output_dir, or replace it with --overwrite_output_dir true")
         found = checkpoints(output_dir)
         if found and not resume:
             if not overwrite:

@@ -64,7 +64,7 @@ class EagleConfig(TrainConfig):
     eval_steps: int = 250
     save_steps: int = 500
     num_layers: int = 1  # draft decoder layers
-    fc_bias: bool = True  # bias on the 2H -> H input projection (vLLM drops it: false for vLLM)
+    fc_bias: bool | None = None  # bias on the 2H -> H input projection (None: EAGLE-1 yes, EAGLE-3 has none; vLLM's EAGLE-1 drops it: false)
     w_cls: float = 0.1  # weight of the soft-label token loss next to the feature regression
     noise: float = 0.1  # uniform U(-noise, noise) added to the input features while training
     cache_features: bool = False  # compute the target's features once and keep them on disk for every epoch
@@ -110,6 +110,17 @@ class EagleConfig(TrainConfig):
         for name in ("norm_before_residual", "norm_before_fc"):
             if self.version == 1 and getattr(self, name):
                 raise ConfigError(f"--{name} is an EAGLE-3 variant: add --version 3, or leave it false")
+        if self.version == 1 and (self.ttt_steps != 7 or self.feature_layers is not None):
+            raise ConfigError("--ttt_steps and --feature_layers apply to EAGLE-3: add --version 3, or drop them")
+        if self.version == 3 and (self.num_layers != 1 or self.fc_bias):
+            raise ConfigError("an EAGLE-3 drafter has one decoder layer and no fc bias (the layout vLLM and SGLang "
+                              "load): drop --num_layers and --fc_bias, or use --version 1")
+        if self.fc_bias is None:
+            self.fc_bias = self.version == 1
+        layers = self.feature_layers
+        if layers is not None and (not layers or any(b <= a for a, b in zip(layers, layers[1:]))):
+            raise ConfigError(f"--feature_layers must be distinct hidden_states indices from low to high (e.g. "
+                              f"2,4,5), got {layers}")
         if self.version == 3 and self.output_dir == "outputs/eagle-demo":
             self.output_dir = "outputs/eagle3-demo"  # the default folder names the method
         given = [self.depth > 0, self.top_k > 0, self.total_tokens > 0]
@@ -354,6 +365,9 @@ def default_draft_vocab_size(vocab: int) -> int:
 def draft_vocab_size(cfg: EagleConfig, vocab: int) -> int:
     """The drafter's vocabulary size for a target of `vocab` tokens, 0 when it is the whole vocabulary."""
     size = cfg.draft_vocab_size
+    if size is not None and size > vocab:
+        raise ConfigError(f"--draft_vocab_size {size} is above the target's vocabulary of {vocab} tokens: use at most "
+                          f"{vocab}, or 0 for the whole vocabulary")
     if size is None:
         size = default_draft_vocab_size(vocab) if cfg.version == 3 else 0
     return size if 0 < size < vocab else 0

@@ -265,7 +265,8 @@ def start_run(cfg: TrainConfig) -> Accelerator:
     heavy work, and the seed set."""
     check_engine()
     accelerator = make_accelerator(cfg)
-    prepare_output_dir(accelerator, Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir)
+    prepare_output_dir(accelerator, Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir,
+                       resolve_model(cfg.model))
     set_seed(cfg.seed)
     return accelerator
 
