@@ -19,7 +19,15 @@ import torch
 from safetensors import SafetensorError
 
 from heads.errors import describe, run_main
-from infer.options import DTYPES, PROG, build_parser, output_file
+from infer.options import (
+    BENCH_PROMPTS,
+    DTYPES,
+    NUM_DRAFT_TOKENS,
+    PROG,
+    PROMPT_LOOKUP_TOKENS,
+    build_parser,
+    output_file,
+)
 
 if TYPE_CHECKING:
     from heads.config import HeadsConfig
@@ -185,15 +193,25 @@ def method_names(specs: list[SpeculativeModel]) -> list[str]:
 
 
 def check_lookup_first(args: argparse.Namespace) -> None:
-    """--lookup-first runs prompt lookup in front of heads: without heads it would be silently ignored."""
+    """Refuse a drafter's option without that drafter (it would be silently ignored), then fill the defaults:
+    --lookup-first runs prompt lookup in front of heads, --num-draft-tokens is the draft model's."""
     if args.lookup_first and not args.heads:
         raise ValueError("--lookup-first puts prompt lookup in front of heads: give --heads DIR as well, or use "
                          "--prompt-lookup alone")
+    if args.num_draft_tokens is not None and not args.draft_model:
+        raise ValueError("--num-draft-tokens is the draft model's proposal length: give --draft-model as well, or "
+                         "drop it")
+    if args.prompt_lookup_tokens is not None and not (args.prompt_lookup or args.lookup_first):
+        raise ValueError("--prompt-lookup-tokens applies to prompt lookup: add --prompt-lookup (or --lookup-first "
+                         "with --heads), or drop it")
+    args.num_draft_tokens = args.num_draft_tokens or NUM_DRAFT_TOKENS
+    args.prompt_lookup_tokens = args.prompt_lookup_tokens or PROMPT_LOOKUP_TOKENS
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from infer.bench import encode_prompt
     from infer.generate import fit_budget, max_positions
+    from infer.generation_config import sampling_params
 
     check_lookup_first(args)
     given = sum(map(bool, (args.heads, args.draft_model, args.prompt_lookup)))
@@ -215,6 +233,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
             args.max_new_tokens = budget
 
     model, tokenizer, (spec,) = _load(args, [args.heads] if args.heads else [], fit)
+    truncating = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
+    if truncating and sampling_params(model.generation_config, None, args.temperature).temperature == 0:
+        raise ValueError(f"{' and '.join(truncating)} shape sampling, but this run is greedy (no --temperature, and "
+                         "the model's generation_config does not sample): add --temperature T, or drop them")
     ids = encode_prompt(tokenizer, args.prompt).to(args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -255,7 +277,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         check_plot_file(args.plot)
     output_file("--json", args.json)
     output_file("--plot", args.plot)
-    prompts = load_prompts(args.prompts) if args.prompts else default_prompts(args.num_prompts)
+    prompts = load_prompts(args.prompts)[: args.num_prompts] if args.prompts else default_prompts(
+        args.num_prompts or BENCH_PROMPTS)
     n = args.max_new_tokens
     sizes = args.batch_size
     if len(set(sizes)) < len(sizes):

@@ -22,6 +22,9 @@ DESCRIPTION = """Speculative decoding from the command line: generate, bench, tu
 
 Drafters: trained heads directories (--heads: Medusa, EAGLE, EAGLE-3), a separate small draft model
 (--draft-model, the seed paper's algorithm) or prompt lookup (--prompt-lookup)."""
+NUM_DRAFT_TOKENS = 4  # a draft model's proposal length when --num-draft-tokens is not given
+PROMPT_LOOKUP_TOKENS = 10  # prompt lookup's longest proposal when --prompt-lookup-tokens is not given
+BENCH_PROMPTS = 16  # built-in prompts bench decodes when neither --num-prompts nor --prompts is given
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -75,6 +78,11 @@ def tree_choices(text: str) -> list[list[int]]:
         isinstance(path, list) and path and all(type(r) is int and r >= 0 for r in path) for path in choices)
     if not ok:
         raise argparse.ArgumentTypeError(f"expected a list of paths of ranks >= 0, got {text!r}; {example}")
+    if not choices:
+        raise argparse.ArgumentTypeError(f"the tree has no node, so nothing would be drafted; {example}")
+    repeated = sorted({str(p) for i, p in enumerate(choices) if p in choices[:i]})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"the tree lists {', '.join(repeated)} more than once; give each path once")
     return choices
 
 
@@ -124,11 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--heads", help="a trained heads directory (Medusa or EAGLE)")
         p.add_argument("--draft-model", help="a small causal LM with the target's tokenizer drafts chains (the seed "
                                              "paper's algorithm); `demo-draft` is the shipped one")
-        p.add_argument("--num-draft-tokens", type=at_least(1), default=4,
-                       help="gamma: tokens the draft model proposes per step")
+        p.add_argument("--num-draft-tokens", type=at_least(1), default=None,
+                       help=f"with --draft-model: gamma, tokens the draft model proposes per step ({NUM_DRAFT_TOKENS})")
         p.add_argument("--prompt-lookup", action="store_true",
                        help="draft the continuation of the latest earlier match of the context's last n-gram")
-        p.add_argument("--prompt-lookup-tokens", type=at_least(1), default=10, help="longest prompt-lookup proposal")
+        p.add_argument("--prompt-lookup-tokens", type=at_least(1), default=None,
+                       help=f"with --prompt-lookup or --lookup-first: longest proposal ({PROMPT_LOOKUP_TOKENS})")
         p.add_argument("--lookup-first", action="store_true",
                        help="with --heads: use prompt lookup on steps where it finds 3 or more tokens, the heads "
                             "elsewhere (bench runs each heads drafter both ways)")
@@ -172,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     # bench does not sample, so --top-k is free to mean the draft's (as --draft-top-k does on both commands)
     eagle_tree(bench, ["--draft-top-k", "--top-k"], "applied to the EAGLE heads only, an error when none is EAGLE")
     bench.add_argument("--prompts", help='a .jsonl file of {"prompt": ...} (default: demo test-split functions)')
-    bench.add_argument("--num-prompts", type=at_least(1), default=16)
+    bench.add_argument("--num-prompts", type=at_least(1), default=None,
+                       help=f"the first N prompts (default: {BENCH_PROMPTS} built-in ones, or all of a --prompts file)")
     bench.add_argument("--threads", type=at_least(0), default=0, help="torch threads (0: torch's choice)")
     bench.add_argument("--batch-size", type=at_least(1), nargs="+", default=[1], metavar="B",
                        help="prompts decoded together, left-padded; several values run one after another, e.g. "

@@ -115,8 +115,10 @@ def test_resume_refuses_changed_settings_unless_allowed(train_to, tmp_path, caps
     train_to(out, max_steps=4)
     with pytest.raises(ValueError, match="per_device_train_batch_size was 4, now 2.*--resume_allow_changes true"):
         train_to(out, max_steps=6, resume="latest", per_device_train_batch_size=2)
-    with pytest.raises(ValueError, match=r"--resume .*step-4: num_heads was 2, now 3\. Resume with"):
-        train_to(out, max_steps=6, resume="latest", num_heads=3)  # named, not as the shapes' digest
+    for allow in (False, True):  # other tensor shapes cannot be loaded: refused even when changes are allowed
+        with pytest.raises(ValueError, match=r"--resume .*step-4: num_heads was 2, now 3, which changes the drafter's "
+                                             r"tensors"):  # named, not as the shapes' digest
+            train_to(out, max_steps=6, resume="latest", num_heads=3, resume_allow_changes=allow)
     with pytest.raises(ValueError, match="learning_rate was 0.01, now 0.001"):
         train_to(out, max_steps=6, resume="latest", learning_rate=1e-3)
     train_to(out, max_steps=6, resume="latest", per_device_train_batch_size=2, resume_allow_changes=True)

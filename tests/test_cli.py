@@ -95,11 +95,12 @@ def test_missing_heads_dir_is_a_clear_error(tmp_path, capsys):
 
 def test_bench_compares_several_drafters_on_one_target(medusa_dir, eagle_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "class Point:"}\n')
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "class Point:"}\n{"prompt": "import os"}\n')
     out = tmp_path / "bench.json"
     cli(["bench", "--heads", str(medusa_dir), "--heads", str(eagle_dir), "--heads", str(medusa_dir),
-         "--prompts", str(prompts), "--max-new-tokens", "8", "--json", str(out)])
+         "--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "8", "--json", str(out)])
     result = json.loads(out.read_text())
+    assert result["num_prompts"] == 2  # the file's first two
     assert list(result["methods"]) == ["hf_generate", "plain", "medusa", "eagle", "medusa#2"]
     for m in result["methods"].values():
         assert m["identical_to_baseline"] is True
@@ -153,6 +154,7 @@ def test_bench_races_transformers_speculative_decoding(tiny_model_dir, draft_mod
          "--num-draft-tokens", "3", "--prompt-lookup", "--lookup-first", "--prompts", str(prompts), "--max-new-tokens", "16",
          "--json", str(out), "--plot", str(plot)])
     result = json.loads(out.read_text())
+    assert result["num_prompts"] == 2  # all of the file
     assert list(result["methods"]) == ["hf_generate", "plain", "hf_assisted", "hf_prompt_lookup", "eagle",
                                        "eagle+lookup", "draft_model", "prompt_lookup"]
     for name, m in result["methods"].items():
@@ -233,6 +235,8 @@ TEMPERATURE_RULE = "temperature must be 0 (greedy) or a finite number >= 1e-06"
     (GEN + ["--draft-top-k", "0"], "--draft-top-k", "got 0", "an integer >= 1"),
     (GEN + ["--total-tokens", "-3"], "--total-tokens", "got -3", "an integer >= 1"),
     (GEN + ["--tree", "[[0],"], "--tree", "not JSON", "e.g. --tree"),
+    (GEN + ["--tree", "[]"], "--tree", "has no node", "nothing would be drafted"),
+    (GEN + ["--tree", "[[0], [1], [0]]"], "--tree", "[0] more than once", "give each path once"),
     (BENCH + ["--max-new-tokens", "-5"], "--max-new-tokens", "got -5", "an integer >= 1"),
     (BENCH + ["--num-prompts", "0"], "--num-prompts", "got 0", "an integer >= 1"),
     (BENCH + ["--threads", "-1"], "--threads", "got -1", "an integer >= 0"),
@@ -347,7 +351,7 @@ def test_damaged_target_weights_are_one_line_errors_naming_the_file(tiny_model_d
     assert f"--model {tiny_model_dir}: the weights in {weights}: cannot load it: SafetensorError" in line
     missing = tiny_model_dir.parent / "nope"
     line = user_error(capsys, ["generate", "--model", str(missing), "--prompt-lookup", "--prompt", "x"])
-    assert f"--model {missing}: no such folder" in line
+    assert f"the model folder {missing} does not exist" in line
 
 
 def test_debug_shows_the_traceback(tmp_path, monkeypatch):
@@ -379,6 +383,20 @@ def test_a_medusa_tree_rank_beyond_the_vocabulary_is_a_clear_error(medusa_dir, c
 def test_lookup_first_without_heads_is_a_clear_error(command, capsys, no_weights):
     err = user_error(capsys, [*command, "--prompt-lookup", "--lookup-first"])
     assert "--lookup-first puts prompt lookup in front of heads: give --heads DIR" in err
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "def"], ["bench"]])
+@pytest.mark.parametrize("extra, message", [
+    (["--num-draft-tokens", "9"], "--num-draft-tokens is the draft model's proposal length: give --draft-model"),
+    (["--prompt-lookup-tokens", "9"], "--prompt-lookup-tokens applies to prompt lookup: add --prompt-lookup"),
+])
+def test_a_drafters_option_without_that_drafter_is_refused(command, extra, message, medusa_dir, capsys, no_weights):
+    assert message in user_error(capsys, [*command, "--heads", str(medusa_dir), *extra])  # else silently unused
+
+
+def test_top_k_or_top_p_on_a_greedy_run_is_refused(medusa_dir, capsys):
+    err = user_error(capsys, ["generate", "--heads", str(medusa_dir), "--prompt", "def", "--top-p", "0.5"])
+    assert "--top-p shape sampling, but this run is greedy" in err and "add --temperature T" in err
 
 
 @pytest.mark.parametrize("lines, message", [

@@ -186,8 +186,10 @@ def check_same_run(checkpoint: Path, saved: dict[str, Any], now: dict[str, Any],
     if not changed:
         return
     named = [text for key, text in changed.items() if not key.endswith("_sha1")]
-    changed = named or list(changed.values())  # a digest is named only when no setting explains it
-    what = "; ".join(changed)
+    what = "; ".join(named or list(changed.values()))  # a digest is named only when no setting explains it
+    if any(key.startswith("drafter_") for key in changed):  # the saved tensors cannot be loaded into other shapes
+        raise ValueError(f"--resume {checkpoint}: {what}, which changes the drafter's tensors, so its checkpoint "
+                         "cannot be loaded: resume with the run's own settings, or start a new run")
     if allow:
         print(f"warning: resuming {checkpoint} although {what} (--resume_allow_changes)", file=sys.stderr)
         return
