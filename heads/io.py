@@ -20,6 +20,15 @@ from heads.config import HeadsConfig, read_json_object
 from heads.errors import disk_full_instead
 from heads.hub import WEIGHTS_NAME, model_card, push_to_hub, resolve_heads
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # a model's or drafter's weight files
+
+
+def saved_model_files(directory: Path) -> list[str]:
+    """The files in `directory` that a saved model or drafter consists of (config.json, weights, its card):
+    writing another one there would overwrite them, or leave a mix that loads as neither."""
+    return sorted(p.name for p in directory.glob("*")
+                  if p.name in ("config.json", "README.md") or p.suffix in WEIGHT_SUFFIXES)
+
 
 def read_config_json(directory: Path) -> dict[str, Any]:
     """A checkpoint directory's config.json as a dict, or a ValueError saying what is wrong with it."""

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 
 from heads.errors import describe, run_main
+from heads.io import saved_model_files
 from infer.options import (
     BENCH_PROMPTS,
     DTYPES,
@@ -412,7 +413,7 @@ def refuse_to_overwrite(out: str) -> None:
     blocked = next((p for p in (Path(out), *Path(out).parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:
         raise ValueError(f"--out {out}: {blocked} is a file, not a folder: give a folder path")
-    held = sorted(p.name for p in Path(out).glob("*") if p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+    held = saved_model_files(Path(out))
     if held:
         raise ValueError(f"--out {out} already holds a checkpoint ({', '.join(held)}): write to a new folder, or "
                          "delete it first")

@@ -73,7 +73,7 @@ def test_a_new_run_never_overwrites_a_model_or_drafter(train_to, tiny_model_dir,
     train_to(out, max_steps=2)
     shutil.rmtree(out / "checkpoints")  # a finished drafter, its checkpoints cleaned up
     weights = (out / "model.safetensors").read_bytes()
-    with pytest.raises(ValueError, match=r"already holds a model or drafter \(config.json, model.safetensors\): "
+    with pytest.raises(ValueError, match=r"already holds a model or drafter \(README.md, config.json, model.safetensors\): "
                                          r"choose another --output_dir, or replace it with --overwrite_output_dir"):
         train_to(out, max_steps=2, seed=1)
     assert (out / "model.safetensors").read_bytes() == weights

@@ -370,8 +370,13 @@ def test_export_and_import_never_write_over_a_checkpoint(medusa_dir, tmp_path, c
     argv = (["export", "--heads", str(medusa_dir), "--format", "vllm-medusa"] if command == "export"
             else ["import", "--src", str(medusa_dir)])
     err = user_error(capsys, [*argv, "--out", str(medusa_dir)])
-    assert f"--out {medusa_dir} already holds a checkpoint (config.json, model.safetensors)" in err
+    assert f"--out {medusa_dir} already holds a checkpoint (README.md, config.json, model.safetensors)" in err
     assert {p.name: p.read_bytes() for p in medusa_dir.iterdir() if p.is_file()} == before
+    notes = tmp_path / "notes"  # a folder holding only the user's README.md: the model card would replace it
+    notes.mkdir()
+    (notes / "README.md").write_text("mine")
+    assert "already holds a checkpoint (README.md)" in user_error(capsys, [*argv, "--out", str(notes)])
+    assert (notes / "README.md").read_text() == "mine"
 
 
 def test_a_medusa_tree_rank_beyond_the_vocabulary_is_a_clear_error(medusa_dir, capsys):

@@ -22,7 +22,7 @@ from typing import Any
 from accelerate import Accelerator
 
 from heads.errors import disk_full_instead
-from heads.io import file_mode, read_json_object
+from heads.io import file_mode, read_json_object, saved_model_files
 
 STATE_NAME = "trainer_state.json"
 MANIFEST_NAME = "manifest.json"
@@ -53,9 +53,6 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return read_json_object(checkpoint / STATE_NAME)
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # a model's or drafter's weights
-
-
 def prepare_output_dir(accelerator: Accelerator, output_dir: Path, resume: str | None, overwrite: bool,
                        model: str | None = None) -> None:
     """Check the folder is writable, is not the target's own, holds no model or drafter a new run would overwrite,
@@ -66,7 +63,7 @@ def prepare_output_dir(accelerator: Accelerator, output_dir: Path, resume: str |
         if model is not None and Path(model).is_dir() and Path(model).resolve() == output_dir.resolve():
             raise ValueError(f"--output_dir {output_dir} is the target model's own folder: saving there would "
                              "overwrite the target; choose another --output_dir")
-        saved = [p.name for p in sorted(output_dir.glob("*")) if p.name == "config.json" or p.suffix in WEIGHT_SUFFIXES]
+        saved = saved_model_files(output_dir)
         if saved and not resume and not checkpoints(output_dir) and not overwrite:
             raise ValueError(f"{output_dir} already holds a model or drafter ({', '.join(saved[:3])}): choose another "
                              "--output_dir, or replace it with --overwrite_output_dir true")
