@@ -287,10 +287,32 @@ def import_eagle(
     draft = EagleDraft(config).to(fc.dtype)
     files = weight_files(directory)
     load_strict(draft, state, files[0] if len(files) == 1 else directory)
+    if (directory / TOKEN_MAP).is_file():  # the draft vocabulary export_eagle writes for SGLang
+        draft = draft.with_draft_vocab(read_token_map(directory / TOKEN_MAP, vocab))
     draft.eval()
     if target is not None:
         check_target(config, target, embed, directory)
     return draft
+
+
+def read_token_map(path: str | Path, vocab: int) -> torch.Tensor:
+    """The target ids of an FR-Spec / SGLang token map (a torch-saved 1-D list or tensor of distinct token ids,
+    most frequent first), checked against a vocabulary of `vocab` tokens."""
+    try:
+        ids = torch.as_tensor(torch.load(path, weights_only=True))
+    except Exception as e:  # not a file, not a torch file, or not plain data
+        reason = "no such file" if isinstance(e, FileNotFoundError) else f"not a torch-saved list: {type(e).__name__}"
+        raise ValueError(f"{path}: cannot read it as a list of token ids ({reason})") from None
+    if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool or ids.numel() == 0:
+        raise ValueError(f"{path} holds a {ids.dtype} tensor of shape {tuple(ids.shape)}: it must be a 1-D list of "
+                         "token ids")
+    ids = ids.long()
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"{path} holds token ids outside the target's vocabulary (0..{vocab - 1}): it was made for "
+                         "another model")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"{path} repeats token ids: it must list each token once")
+    return ids
 
 
 # ---------------------------------------------------------------- export

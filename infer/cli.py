@@ -485,20 +485,9 @@ def cmd_draft_vocab(args: argparse.Namespace) -> None:
 def _token_map_ids(path: str, vocab: int, size: int | None, widest: int) -> tuple[torch.Tensor, str]:
     """The target ids of an FR-Spec / SGLang token map (a torch-saved list or tensor of token ids, most frequent
     first), its first `size` when given; at least `widest`, the tokens the drafter's tree takes per node."""
-    try:
-        ids = torch.as_tensor(torch.load(path, weights_only=True))
-    except Exception as e:  # not a file, not a torch file, or not plain data
-        raise ValueError(f"--token-map {path}: cannot read it as a list of token ids ({type(e).__name__}: "
-                         f"{describe(e)})") from None
-    if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool or ids.numel() == 0:
-        raise ValueError(f"--token-map {path} holds a {ids.dtype} tensor of shape {tuple(ids.shape)}: it must be a "
-                         "1-D list of token ids")
-    ids = ids.long()[:size]
-    if ids.min() < 0 or ids.max() >= vocab:
-        raise ValueError(f"--token-map {path} holds token ids outside the target's vocabulary (0..{vocab - 1}): it "
-                         "was made for another model")
-    if ids.unique().numel() != ids.numel():
-        raise ValueError(f"--token-map {path} repeats token ids: it must list each token once")
+    from heads.eagle_formats import read_token_map
+
+    ids = read_token_map(path, vocab)[:size]
     if ids.numel() < widest:
         raise ValueError(f"--token-map {path} holds {ids.numel()} tokens, fewer than the drafter's tree takes per "
                          f"node ({widest}, its top_k or static tree)")

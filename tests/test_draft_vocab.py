@@ -141,12 +141,13 @@ def test_what_cannot_be_restricted_is_refused_in_one_line(medusa_dir, eagle_dir,
 def test_a_published_token_map_restricts_a_published_drafter(eagle_dir, tiny_model_dir, tmp_path):
     """The FR-Spec / SGLang token map (token ids, most frequent first) instead of a dataset: export writes one
     for SGLang, and draft-vocab reads it back onto the published layout; --size keeps its first tokens."""
-    from heads.eagle_formats import export_eagle
+    from heads.eagle_formats import export_eagle, import_eagle
 
     ours = load_heads(eagle_dir).with_draft_vocab(torch.tensor([5, 9, 17, 33, 40, 41, 60, 88]))
     published = tmp_path / "sglang"
     with pytest.warns(UserWarning, match="--speculative-token-map"):
         export_eagle(ours, "sglang-eagle", published, torch.randn(ours.config.vocab_size, ours.config.hidden_size))
+    assert torch.equal(import_eagle(published).draft_ids, ours.draft_ids)  # imported with its token map
     out = tmp_path / "restricted"
     cli(["draft-vocab", "--heads", str(published), "--model", str(tiny_model_dir),
          "--token-map", str(published / "token_map.pt"), "--out", str(out)])

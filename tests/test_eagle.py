@@ -303,7 +303,10 @@ def test_a_draft_vocabulary_round_trips_and_is_left_out_of_published_layouts(tmp
         # SGLang's token map: the draft vocabulary's target ids, loaded as SGLang loads it
         hot = torch.load(tmp_path / fmt / "token_map.pt", weights_only=True)
         assert torch.equal(torch.tensor(hot, dtype=torch.int64), draft.draft_ids)
-        assert load_heads(tmp_path / fmt, base_model=None).config.draft_vocab_size == 0  # still loads as published
+        back = load_heads(tmp_path / fmt, base_model=None)  # read back with its token map: the same vocabulary
+        assert back.config.draft_vocab_size == VOCAB // 4 and torch.equal(back.draft_ids, draft.draft_ids)
+        (tmp_path / fmt / "token_map.pt").unlink()
+        assert load_heads(tmp_path / fmt, base_model=None).config.draft_vocab_size == 0  # as published: all tokens
     with pytest.raises(ValueError, match="draft_vocab_size is for EAGLE drafters"):
         HeadsConfig(kind="medusa", hidden_size=8, vocab_size=VOCAB, draft_vocab_size=4)
     with pytest.raises(ValueError, match="draft_vocab_size must be in"):
