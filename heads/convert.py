@@ -16,7 +16,7 @@ from heads.eagle import EagleDraft
 from heads.eagle3 import Eagle3Draft
 from heads.eagle3_formats import EAGLE3_FORMATS, detect_eagle3_format, export_eagle3, import_eagle3
 from heads.eagle_formats import EAGLE_FORMATS, detect_eagle_format, export_eagle, import_eagle
-from heads.io import PretrainedHeads
+from heads.io import PretrainedHeads, read_config_json
 from heads.medusa import MedusaHeads
 from heads.medusa_formats import MEDUSA_FORMATS, detect_medusa_format, export_medusa, import_medusa
 
@@ -35,6 +35,9 @@ def import_heads(directory: str | Path, format: str | None = None, base_model: s
     fmt = format or detect_medusa_format(directory) or detect_eagle_format(directory) \
         or detect_eagle3_format(directory)
     if fmt is None:
+        if (directory / "config.json").is_file() and "kind" in read_config_json(directory):
+            raise ValueError(f"{directory} is already a selfspec drafter: use it as --heads directly (import reads "
+                             "published layouts)")
         files = sorted(p.name for p in directory.iterdir())
         raise ValueError(f"{directory} holds no Medusa or EAGLE checkpoint layout this project knows (files: "
                          f"{files}): give a drafter's folder, not a model's; a drafter in a layout not detected "

@@ -372,6 +372,9 @@ def test_export_and_import_never_write_over_a_checkpoint(medusa_dir, tmp_path, c
     err = user_error(capsys, [*argv, "--out", str(medusa_dir)])
     assert f"--out {medusa_dir} already holds a checkpoint (README.md, config.json, model.safetensors)" in err
     assert {p.name: p.read_bytes() for p in medusa_dir.iterdir() if p.is_file()} == before
+    if command == "import":  # our own layout needs no import
+        assert "is already a selfspec drafter: use it as --heads directly" in user_error(
+            capsys, [*argv, "--out", str(tmp_path / "new")])
     notes = tmp_path / "notes"  # a folder holding only the user's README.md: the model card would replace it
     notes.mkdir()
     (notes / "README.md").write_text("mine")
