@@ -236,8 +236,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     model, tokenizer, (spec,) = _load(args, [args.heads] if args.heads else [], fit)
     truncating = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
     if truncating and sampling_params(model.generation_config, None, args.temperature).temperature == 0:
-        raise ValueError(f"{' and '.join(truncating)} shape sampling, but this run is greedy (no --temperature, and "
-                         "the model's generation_config does not sample): add --temperature T, or drop them")
+        why = "--temperature 0" if args.temperature == 0 else "no --temperature, and the model's generation_config " \
+              "does not sample"
+        raise ValueError(f"{' and '.join(truncating)} only apply when sampling, but this run is greedy ({why}): add "
+                         "--temperature T above 0, or drop them")
     ids = encode_prompt(tokenizer, args.prompt).to(args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -22,7 +22,7 @@ def resolve_model(name_or_path: str) -> str:
             )
         return str(path)
     check_model_folder(name_or_path)
-    return name_or_path
+    return str(Path(name_or_path).expanduser()) if name_or_path.startswith("~") else name_or_path
 
 
 def check_model_folder(name_or_path: str) -> None:
@@ -37,9 +37,10 @@ def check_model_folder(name_or_path: str) -> None:
     if not config.is_file():
         return  # e.g. a tokenizer's folder; transformers names what it lacks
     try:
-        kind = json.loads(config.read_text()).get("kind")
+        data = json.loads(config.read_text())
+        kind, base = data.get("kind"), data.get("base_model")
     except (json.JSONDecodeError, AttributeError):
         return  # transformers reports a damaged config itself
     if kind is not None:
-        raise ValueError(f"{name_or_path} holds a drafter ({kind}), not a target model: give it as --heads and "
-                         "the target it was trained on as --model")
+        raise ValueError(f"{name_or_path} holds a drafter ({kind}), not a target model: give the target it was "
+                         f"trained on ({base or 'see its base_model'}) as the model, and the drafter as --heads")

@@ -66,15 +66,18 @@ def test_a_new_run_refuses_a_folder_with_another_runs_checkpoints(train_to, tmp_
 
 def test_a_new_run_never_overwrites_a_model_or_drafter(train_to, tiny_model_dir, tmp_path):
     before = {p.name: p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()}
-    with pytest.raises(ValueError, match="is the target model's own folder: saving there would overwrite the target"):
+    with pytest.raises(ValueError, match="holds the target model .*: saving there could overwrite it"):
         train_to(tiny_model_dir, overwrite_output_dir=True)
+    with pytest.raises(ValueError, match="holds the target model"):  # Medusa-2 replaces target/ or adapter/ in it
+        train_to(tiny_model_dir.parent, overwrite_output_dir=True)
     assert {p.name: p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()} == before
     out = tmp_path / "heads"
     train_to(out, max_steps=2)
     shutil.rmtree(out / "checkpoints")  # a finished drafter, its checkpoints cleaned up
     weights = (out / "model.safetensors").read_bytes()
-    with pytest.raises(ValueError, match=r"already holds a model or drafter \(README.md, config.json, model.safetensors\): "
-                                         r"choose another --output_dir, or replace it with --overwrite_output_dir"):
+    with pytest.raises(ValueError, match=r"already holds a saved model's or drafter's files \(README.md, config.json, "
+                                         r"model.safetensors\): choose another --output_dir, or replace them with "
+                                         r"--overwrite_output_dir"):
         train_to(out, max_steps=2, seed=1)
     assert (out / "model.safetensors").read_bytes() == weights
     train_to(out, max_steps=2, seed=1, overwrite_output_dir=True)

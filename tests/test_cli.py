@@ -404,7 +404,10 @@ def test_a_drafters_option_without_that_drafter_is_refused(command, extra, messa
 
 def test_top_k_or_top_p_on_a_greedy_run_is_refused(medusa_dir, capsys):
     err = user_error(capsys, ["generate", "--heads", str(medusa_dir), "--prompt", "def", "--top-p", "0.5"])
-    assert "--top-p shape sampling, but this run is greedy" in err and "add --temperature T" in err
+    assert "--top-p only apply when sampling, but this run is greedy (no --temperature" in err
+    err = user_error(capsys, ["generate", "--heads", str(medusa_dir), "--prompt", "def", "--temperature", "0",
+                              "--top-k", "5"])
+    assert "--top-k only apply when sampling, but this run is greedy (--temperature 0): add --temperature T" in err
 
 
 @pytest.mark.parametrize("lines, message", [

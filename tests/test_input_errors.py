@@ -70,6 +70,7 @@ def test_a_model_path_that_holds_no_model_is_named(tmp_path):
     heads = tmp_path / "heads"
     heads.mkdir()
     (heads / "config.json").write_text(HeadsConfig(hidden_size=64, vocab_size=96).to_json())
-    with pytest.raises(ValueError, match=r"holds a drafter \(medusa\), not a target model: give it as --heads"):
+    with pytest.raises(ValueError, match=r"holds a drafter \(medusa\), not a target model: give the target it "
+                                         r"was trained on \(see its base_model\) as the model"):
         resolve_model(str(heads))
     assert resolve_model("org/model") == "org/model"  # a hub name passes through

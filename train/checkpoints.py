@@ -60,13 +60,14 @@ def prepare_output_dir(accelerator: Accelerator, output_dir: Path, resume: str |
     continues them or `--overwrite_output_dir` deletes them."""
     if accelerator.is_main_process:
         check_writable(output_dir)
-        if model is not None and Path(model).is_dir() and Path(model).resolve() == output_dir.resolve():
-            raise ValueError(f"--output_dir {output_dir} is the target model's own folder: saving there would "
-                             "overwrite the target; choose another --output_dir")
+        target = Path(model).resolve() if model is not None and Path(model).is_dir() else None
+        if target is not None and (target == output_dir.resolve() or output_dir.resolve() in target.parents):
+            raise ValueError(f"--output_dir {output_dir} holds the target model ({model}): saving there could "
+                             "overwrite it; choose another --output_dir")
         saved = saved_model_files(output_dir)
         if saved and not resume and not checkpoints(output_dir) and not overwrite:
-            raise ValueError(f"{output_dir} already holds a model or drafter ({', '.join(saved[:3])}): choose another "
-                             "--output_dir, or replace it with --overwrite_output_dir true")
+            raise ValueError(f"{output_dir} already holds a saved model's or drafter's files ({', '.join(saved[:3])}): "
+                             "choose another --output_dir, or replace them with --overwrite_output_dir true")
         found = checkpoints(output_dir)
         if found and not resume:
             if not overwrite:

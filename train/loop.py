@@ -182,7 +182,10 @@ def datasets_for(cfg: TrainConfig, tokenizer, target=None, accelerator: Accelera
         if not wrote:
             return distilled_datasets(cfg, tokenizer, target, accelerator)
     with accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext():
-        return plain_datasets(cfg, tokenizer)
+        train, evals = plain_datasets(cfg, tokenizer)
+    if cfg.self_distill and cfg.eval_dataset:  # the training folder is the target's own already; the eval data not
+        evals = distilled_eval(cfg, tokenizer, target, accelerator)
+    return train, evals
 
 
 def plain_datasets(cfg: TrainConfig, tokenizer) -> tuple[Examples, Examples]:
@@ -226,9 +229,19 @@ def distilled_datasets(cfg: TrainConfig, tokenizer, target, accelerator: Acceler
             train, evals = split_examples(train, cfg.eval_fraction, cfg.seed)
     if cfg.max_train_examples > 0:
         train = subset(train, cfg.max_train_examples, cfg.seed)
-    evals = subset(evals, cfg.eval_batches * cfg.per_device_eval_batch_size, cfg.seed)
     return (distilled(cfg, target, tokenizer, train, "train", accelerator),
-            distilled(cfg, target, tokenizer, evals, "eval", accelerator))
+            distilled_eval(cfg, tokenizer, target, accelerator, evals))
+
+
+def distilled_eval(cfg: TrainConfig, tokenizer, target, accelerator: Accelerator | None = None,
+                   items: Items | None = None) -> Examples:
+    """The validation items (default: those of `eval_dataset`), as many as validation reads, regenerated."""
+    if items is None:
+        main_first = accelerator.main_process_first if accelerator is not None else contextlib.nullcontext
+        with main_first():
+            items = load_items(cfg.eval_dataset, "validation", tokenizer, cfg.max_length)
+    items = subset(items, cfg.eval_batches * cfg.per_device_eval_batch_size, cfg.seed)
+    return distilled(cfg, target, tokenizer, items, "eval", accelerator)
 
 
 def distilled(cfg: TrainConfig, target, tokenizer, items: Items, name: str,
@@ -342,6 +355,9 @@ def train(
         check_rng_files(resume_from, accelerator.process_index)
         accelerator.load_state(str(resume_from))
         step, epoch, batches_done = state["step"], state["epoch"], state["batches_done"]
+        if state.get("total_steps", total) != total and accelerator.is_main_process:
+            print(f"note: resuming a run of {state['total_steps']} steps as one of {total}: the learning-rate "
+                  "schedule (and Medusa-2's heads weight) follows the new length from here", file=sys.stderr)
         run_id = state.get("run_id", run_id)
         metrics = state.get("metrics") or {}  # a final checkpoint's metrics decide the tree and the card
         history = [(step, metrics)] if metrics else []
@@ -400,7 +416,7 @@ def train(
                 bar.write(f"step {step}: " + format_metrics(metrics))
             if step % cfg.save_steps == 0 or stop:
                 state = {"step": step, "epoch": epoch, "batches_done": batches_done, "metrics": metrics,
-                         "run_id": run_id, "fingerprint": fingerprint}
+                         "run_id": run_id, "fingerprint": fingerprint, "total_steps": total}
                 save_checkpoint(accelerator, output_dir, state, cfg.save_total_limit)
             if stop:
                 if out_of_time:
@@ -426,14 +442,16 @@ def train(
     return history
 
 
-# options that leave what each training step computes as it is: where and how often to write, log and validate,
-# how long to train (a run may be extended), where the data is (its cache key stands for it), and how the result
-# is stored or its decoding defaults fitted. Every other option is in a run's fingerprint.
+# options a resumed run may change: where and how often to write, log and validate, how long to train (a run may
+# be extended or cut; the schedule then follows the new length, which resuming notes), where the data is (its cache
+# key stands for it), speed and memory only, and how the result is stored or its decoding defaults fitted. Every
+# other option is in a run's fingerprint.
 NOT_FINGERPRINTED = frozenset({
     "output_dir", "overwrite_output_dir", "max_steps", "num_epochs", "max_minutes", "save_steps", "save_total_limit",
     "eval_steps", "eval_batches", "per_device_eval_batch_size", "logging_steps", "resume", "resume_allow_changes",
     "report_to", "run_name", "ddp_timeout_minutes", "dataset", "eval_dataset",
     "tree_nodes", "merge", "gradient_checkpointing",  # Medusa: the stored tree, the output's form, memory only
+    "cache_features", "feature_shard_examples",  # EAGLE: the same features, read from disk
     "depth", "top_k", "total_tokens", "tune_depths", "tune_top_ks", "tune_totals", "tune_prompts", "tune_new_tokens",
 })
 
