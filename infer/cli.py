@@ -193,7 +193,7 @@ def method_names(specs: list[SpeculativeModel]) -> list[str]:
     return names
 
 
-def check_lookup_first(args: argparse.Namespace) -> None:
+def check_drafter_options(args: argparse.Namespace) -> None:
     """Refuse a drafter's option without that drafter (it would be silently ignored), then fill the defaults:
     --lookup-first runs prompt lookup in front of heads, --num-draft-tokens is the draft model's."""
     if args.lookup_first and not args.heads:
@@ -214,7 +214,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from infer.generate import fit_budget, max_positions
     from infer.generation_config import sampling_params
 
-    check_lookup_first(args)
+    check_drafter_options(args)
     given = sum(map(bool, (args.heads, args.draft_model, args.prompt_lookup)))
     if given != 1:
         raise ValueError("generate takes exactly one drafter: --heads DIR, --draft-model PATH or --prompt-lookup")
@@ -275,7 +275,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from infer.proposers import NoDraft
 
     # everything that can fail without the model fails before it loads
-    check_lookup_first(args)
+    check_drafter_options(args)
     if args.plot:
         check_plot_file(args.plot)
     output_file("--json", args.json)

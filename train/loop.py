@@ -465,9 +465,7 @@ def run_fingerprint(cfg: TrainConfig, accelerator: Accelerator, trainable: torch
 
     settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in NOT_FINGERPRINTED}
     return settings | {"drafter_buffers_sha1": shapes_sha1(trainable.named_buffers()),  # e.g. EAGLE's d2t
-            "model": cfg.model, "train_examples": len(train_data), "train_data": train_data.key,
-            "max_length": cfg.max_length, "per_device_train_batch_size": cfg.per_device_train_batch_size,
-            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "train_examples": len(train_data), "train_data": train_data.key,
             "num_processes": accelerator.num_processes, "drafter_shapes_sha1": shapes_sha1(trainable.named_parameters())}
 
 
