@@ -186,6 +186,20 @@ def infer_attention_mask(input_ids: torch.Tensor, pad_token_id: int | None, eos:
     return mask
 
 
+def check_ids(name: str, value: Any) -> torch.Tensor:
+    """`input_ids` / `attention_mask` as the caller gave them: an integer (or bool mask) tensor of 1 or 2
+    dimensions, else a TypeError / ValueError naming what was given."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids (as a tokenizer's return_tensors='pt' gives), "
+                        f"got {type(value).__name__}")
+    allowed = (torch.bool,) if name == "attention_mask" else ()
+    if value.is_floating_point() or value.is_complex() or (value.dtype == torch.bool and not allowed):
+        raise TypeError(f"{name} must hold integers, got a {str(value.dtype).removeprefix('torch.')} tensor")
+    if value.dim() not in (1, 2):
+        raise ValueError(f"{name} must be (tokens,) or (batch, tokens), got shape {tuple(value.shape)}")
+    return value
+
+
 def prompt_starts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
     """Where each row's prompt begins after its left padding (attention_mask 0 on padding, 1 on tokens)."""
     if attention_mask is None:
@@ -326,6 +340,9 @@ class SpeculativeModel:
     ) -> Iterator[list[int]]:
         """Yield the new token ids of each step (the first from prefill) for one prompt (T,) or (1, T), stopping
         at EOS or the budget. See `decode_batch`, which this is for a batch of one."""
+        input_ids = check_ids("input_ids", input_ids)
+        if attention_mask is not None:
+            check_ids("attention_mask", attention_mask)
         if input_ids.dim() == 2 and input_ids.shape[0] != 1:
             raise ValueError(f"decode takes one prompt, got a batch of {input_ids.shape[0]}: use decode_batch "
                              "(or generate) for batches")
@@ -363,10 +380,12 @@ class SpeculativeModel:
         exactly (a repetition penalty, ...) is refused. `generator` may be one per row: then each row's draws
         come from its own stream, and a seeded row's output does not depend on the rest of the batch.
         """
+        input_ids = check_ids("input_ids", input_ids)
+        if attention_mask is not None:
+            attention_mask = check_ids("attention_mask", attention_mask)
+            attention_mask = attention_mask[None] if attention_mask.dim() == 1 else attention_mask
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}")
         if input_ids.shape[1] == 0:
             raise ValueError("the prompt is empty: give at least one token (e.g. the tokenizer's bos token)")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
@@ -599,6 +618,7 @@ class SpeculativeModel:
         """Like `model.generate`: (B, T) left-padded prompts (with their attention_mask) -> (B, T + new) token ids,
         rows that stopped early filled with `pad_token_id` (default: the generation config's, else the first EOS
         id). See `decode_batch` for options."""
+        input_ids = check_ids("input_ids", input_ids)
         prompt = input_ids if input_ids.dim() == 2 else input_ids[None]
         rows: list[list[int]] = [[] for _ in range(prompt.shape[0])]
         for step in self.decode_batch(prompt, max_new_tokens, attention_mask=attention_mask,

@@ -12,10 +12,10 @@ import torch
 from test_batch import left_padded
 from test_generate import CHOICES, random_heads
 
-from conftest import tiny_model
+from conftest import tiny_model, tiny_tokenizer
 from infer.generate import SpeculativeModel
 from infer.prompt_lookup import PromptLookupProposer
-from infer.proposers import MedusaProposer
+from infer.proposers import MedusaProposer, NoDraft
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,7 +109,7 @@ def test_the_stream_guard_clears_after_an_error_and_spares_stateless_drafters(ll
 ABANDONED_STREAM = """
 import sys, torch
 sys.path[:0] = ["tests"]
-from conftest import tiny_model
+from conftest import tiny_model, tiny_tokenizer
 from infer.generate import SpeculativeModel
 from infer.prompt_lookup import PromptLookupProposer
 spec = SpeculativeModel(tiny_model("llama"), PromptLookupProposer(4))
@@ -140,3 +140,30 @@ def test_decoding_runs_without_grad_and_leaves_the_callers_grad_mode(llama):
     for _ in spec.decode(torch.tensor([5, 6, 7, 5, 6]), 12, eos_token_id=[]):
         assert torch.is_grad_enabled()
     assert seen and not any(seen)
+
+
+@pytest.mark.parametrize("ids, error, match", [
+    ([[5, 6, 7]], TypeError, "input_ids must be a torch.Tensor of token ids .* got list"),
+    (torch.ones(1, 7), TypeError, "input_ids must hold integers, got a float32 tensor"),
+    (torch.ones(1, 1, 7, dtype=torch.long), ValueError, r"input_ids must be \(tokens,\) or \(batch, tokens\), got shape \(1, 1, 7\)"),
+])
+@pytest.mark.parametrize("call", ["generate", "decode", "decode_batch", "stream"])
+def test_input_ids_are_checked_at_the_boundary(ids, error, match, call):
+    spec = SpeculativeModel(tiny_model("llama"), NoDraft())
+    args = (ids, tiny_tokenizer()) if call == "stream" else (ids,)
+    with pytest.raises(error, match=match):
+        out = getattr(spec, call)(*args, max_new_tokens=3)
+        list(out) if call != "generate" else out
+
+
+@pytest.mark.parametrize("mask, error, match", [
+    ([[1, 1, 1]], TypeError, "attention_mask must be a torch.Tensor"),
+    (torch.ones(1, 3), TypeError, "attention_mask must hold integers, got a float32 tensor"),
+    (torch.ones(1, 1, 3, dtype=torch.long), ValueError, r"attention_mask must be .* got shape \(1, 1, 3\)"),
+])
+def test_attention_mask_is_checked_at_the_boundary(mask, error, match):
+    spec = SpeculativeModel(tiny_model("llama"), NoDraft())
+    with pytest.raises(error, match=match):
+        spec.generate(torch.tensor([[5, 6, 7]]), attention_mask=mask, max_new_tokens=3)
+    bool_mask = torch.ones(1, 3, dtype=torch.bool)  # a bool mask is a mask, as transformers takes it
+    assert spec.generate(torch.tensor([[5, 6, 7]]), attention_mask=bool_mask, max_new_tokens=2).shape == (1, 5)
