@@ -419,3 +419,30 @@ def test_vllm_backend_equals_transformers(tmp_path, monkeypatch):
     assert {r["messages"] is None for r in hf} == {True, False} and len(hf) > 3
     assert served == hf
     assert json.loads((tmp_path / "vllm" / "regeneration.json").read_text())["versions"]["vllm"]
+
+
+def test_regeneration_stays_within_the_models_positions(tmp_path, monkeypatch, capsys):
+    """A GPT-2-style target with 64 positions, long multi-turn chats and the default lengths (512): every
+    conversation is written, no prompt + answer passes position 64, later turns that would are dropped."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=1,
+                               eos_token_id=2, pad_token_id=0)).save_pretrained(path)
+    tok = tiny_tokenizer()
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    turn = "add a b "
+    chats = [{"messages": [m for _ in range(4) for m in ({"role": "user", "content": turn + str(i)},
+                                                         {"role": "assistant", "content": "ok"})]} for i in range(3)]
+    out = tmp_path / "out"
+    main(args_of({"model": str(path), "dataset": str(write_jsonl(tmp_path / "c.jsonl", chats)),
+                  "output_dir": str(out), "temperature": 0.0, "batch_size": 2}))
+    assert "more than the model's 64 positions" in capsys.readouterr().out
+    rows = rows_of(out)
+    assert len(rows) == 3
+    # every generated token (loss-bearing) sat at a position the model has; the template's closing may follow
+    assert all(max(i for i, m in enumerate(r["loss_mask"]) if m) < 64 for r in rows)
+    assert all(0 < [t["role"] for t in r["messages"]].count("assistant") < 4 for r in rows)  # later turns dropped

@@ -474,7 +474,7 @@ def written_by(source: str, model: str) -> bool | None:
 def run(cfg: RegenerateConfig) -> Path:
     """The script: check the folder and the backend, read the items (rank 0 first), regenerate, merge."""
     from accelerate import PartialState
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from shipped.models import resolve_model
 
@@ -491,6 +491,7 @@ def run(cfg: RegenerateConfig) -> Path:
     state = PartialState(cpu=multi_cpu, **({"backend": "gloo"} if multi_cpu else {}))
     path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    cfg = within_positions(cfg, AutoConfig.from_pretrained(path), state.is_main_process)
     with state.main_process_first():
         items = random_subset(load_items(cfg.dataset, cfg.split, tokenizer, cfg.max_length), cfg.max_examples,
                               cfg.seed)
@@ -511,6 +512,23 @@ def run(cfg: RegenerateConfig) -> Path:
     target = {"model": cfg.model, "files": model_files(path)}
     return regenerate(make_generator, tokenizer, items, cfg, out, target, stops, state.process_index,
                       state.num_processes, state.wait_for_everyone)
+
+
+def within_positions(cfg: RegenerateConfig, config, report: bool = True) -> RegenerateConfig:
+    """`cfg` with `max_length` at most the positions the target embeds (`max_position_embeddings` /
+    `n_positions`): prompt + answer never ask for a position the model does not have (GPT-2-style models raise
+    an IndexError past theirs); a conversation that outgrows them ends there, its later turns dropped."""
+    from infer.generate import max_positions
+
+    limit = max_positions(config)
+    if limit is None or cfg.max_length <= limit:
+        return cfg
+    if cfg.prompt_tokens >= limit:
+        raise ConfigError(f"--prompt_tokens ({cfg.prompt_tokens}) must be below the model's {limit} positions")
+    if report:
+        print(f"note: --max_length {cfg.max_length} is more than the model's {limit} positions: prompts and "
+              f"answers are kept within {limit} tokens (conversations end there, text windows are {limit} tokens)")
+    return dataclasses.replace(cfg, max_length=limit)
 
 
 def main(argv: list[str] | None = None) -> None:
