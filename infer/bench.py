@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,15 +55,20 @@ def encode_prompt(tokenizer, text: str) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt").input_ids
 
 
-def load_prompts(path: str | Path) -> list[str]:
-    """A .jsonl file with one {"prompt": "..."} per line; a bad line is an error naming it."""
-    layout = 'write one {"prompt": "..."} per line'
+Prompt = str | list[dict[str, str]]  # a text to continue, or a chat (OpenAI messages) to answer
+
+
+def load_prompts(path: str | Path) -> list[Prompt]:
+    """A .jsonl file with one {"prompt": "..."} or one {"messages": [{"role": ..., "content": ...}, ...]} per
+    line (a chat, answered through the tokenizer's chat template by `render_prompts`); a bad line is an error
+    naming it."""
+    layout = 'write one {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]} per line'
     try:
         text = Path(path).read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is skipped
     except (OSError, UnicodeDecodeError) as e:
         reason = (e.strerror or str(e)) if isinstance(e, OSError) else "not UTF-8 text"
         raise ValueError(f"--prompts {path}: cannot read it ({reason})") from None
-    prompts = []
+    prompts: list[Prompt] = []
     # lines end at \n only, as JSONL's do: JSON text may hold U+2028 and other characters splitlines() breaks at
     for n, line in enumerate(text.split("\n"), 1):
         if line.strip():
@@ -70,14 +76,38 @@ def load_prompts(path: str | Path) -> list[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"--prompts {path}:{n} is not JSON ({e.msg}): {layout}") from None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ValueError(f'--prompts {path}:{n} has no "prompt" string: {layout}')
-            if not record["prompt"].strip():
-                raise ValueError(f"--prompts {path}:{n} has an empty prompt: give each line some text to continue")
-            prompts.append(record["prompt"])
+            if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+                if not record["prompt"].strip():
+                    raise ValueError(f"--prompts {path}:{n} has an empty prompt: give each line some text to continue")
+                prompts.append(record["prompt"])
+            elif isinstance(record, dict) and "messages" in record:
+                prompts.append(checked_messages(record["messages"], f"--prompts {path}:{n}"))
+            else:
+                raise ValueError(f'--prompts {path}:{n} has no "prompt" string or "messages" list: {layout}')
     if not prompts:
         raise ValueError(f"--prompts {path} holds no prompts: {layout}")
     return prompts
+
+
+def checked_messages(messages: Any, where: str) -> list[dict[str, str]]:
+    """A chat to answer: a non-empty list of {"role", "content"} text turns that does not end on the answer."""
+    fine = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    if not fine:
+        raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": "..."}} turns')
+    if messages[-1]["role"] == "assistant":
+        raise ValueError(f"{where}: the chat ends on an assistant turn; end it on the turn to answer (a user turn)")
+    return messages
+
+
+def render_prompts(prompts: list[Prompt], tokenizer) -> list[str]:
+    """Each chat rendered by the tokenizer's chat template up to the answer (`add_generation_prompt=True`),
+    as `model.generate` users render theirs; texts are kept as they are."""
+    if any(not isinstance(p, str) for p in prompts) and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the prompts are chats (\"messages\"), and the model's tokenizer has no chat template to "
+                         'render them with: give {"prompt": "..."} texts instead')
+    return [p if isinstance(p, str) else
+            tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
 
 
 def left_pad(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,6 +371,40 @@ def plot_bench(result: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+LATENCY_SIZES = [1, 2, 4, 8, 16, 32, 64]
+
+
+def latency_report(model, result: dict, tree_nodes: dict[str, int], batch_size: int = 1) -> dict:
+    """The target's forward time t(n) against n tokens on a cached prefix, as t(n)/t(1), and per drafter its
+    efficiency: the tokens/s it reached over the limit tau * t(1) / t(its tree) for its measured tau (1 means
+    drafting and bookkeeping cost nothing). `result` is run_bench's, `tree_nodes` each drafter's largest tree."""
+    sizes = sorted(set(LATENCY_SIZES) | {n for n in tree_nodes.values() if n})
+    curve = forward_latency(model, sizes, batch_size=batch_size)
+    t1 = curve.measured[1]
+    report = {"ms": {n: 1e3 * t for n, t in curve.measured.items()},
+              "ratio": {n: t / t1 for n, t in curve.measured.items()}, "methods": {}}
+    plain = result["methods"].get("plain")
+    for name, nodes in tree_nodes.items():
+        m = result["methods"].get(name)
+        if not m or not nodes:
+            continue
+        limit = m["tau"] * t1 / curve.measured[nodes]  # tokens per second of t(1) time, at no drafting cost
+        reached = m["tokens_per_s"] * t1 / batch_size
+        report["methods"][name] = {"nodes": nodes, "limit_speedup": limit, "efficiency": reached / limit}
+    if plain:
+        report["plain_ms_per_token"] = 1e3 * batch_size / plain["tokens_per_s"]
+    return report
+
+
+def format_latency(report: dict) -> str:
+    rows = ["target forward t(n)/t(1): " + ", ".join(f"n={n} {r:.2f}" for n, r in report["ratio"].items())
+            + f" (t(1) = {report['ms'][1]:.1f} ms)"]
+    for name, m in report["methods"].items():
+        rows.append(f"{name}: {m['nodes']} nodes, limit tau*t(1)/t(tree) = {m['limit_speedup']:.2f}x, "
+                    f"efficiency {m['efficiency']:.2f}")
+    return "\n".join(rows)
 
 
 @torch.no_grad()

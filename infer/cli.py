@@ -268,6 +268,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         hf_runner,
         load_prompts,
         plot_bench,
+        render_prompts,
         run_bench,
         speculative_runner,
     )
@@ -295,6 +296,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     def fit(tokenizer: Any, config: Any) -> None:
         """Every prompt + --max-new-tokens must fit the model's positions: a benchmark compares equal work."""
+        prompts[:] = render_prompts(prompts, tokenizer)
         limit = max_positions(config)
         lengths = [encode_prompt(tokenizer, p).shape[1] for p in prompts]
         over = [length for length in lengths if length + n > limit] if limit else []
@@ -337,12 +339,19 @@ def cmd_bench(args: argparse.Namespace) -> None:
     for size in sizes:
         chosen = {name: run for name, run in runners.items() if size == 1 or name not in batch_one}
         results[size] = run_bench(model, tokenizer, chosen, prompts, chains=chains, batch_size=size, pad_token_id=pad)
+    print(format_tables(results))
+    if args.latency:
+        from infer.bench import format_latency, latency_report
+
+        for size in sizes:  # after the decoding: its timings are not disturbed by these
+            report = latency_report(model, results[size], tree_nodes, batch_size=size)
+            results[size]["latency"] = report
+            print(f"\nbatch size {size}: " + format_latency(report))
     shared = {"dtype": args.dtype, "max_new_tokens": n, "threads": torch.get_num_threads(), "tree_nodes": tree_nodes}
     if len(sizes) == 1:
         result = results[sizes[0]] | shared
     else:
         result = {"by_batch_size": {str(size): r for size, r in results.items()}} | shared
-    print(format_tables(results))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:
@@ -350,8 +359,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(f"plot written to {args.plot}", file=sys.stderr)
 
 
-def calibration_texts(path: str | None, count: int) -> list[str]:
-    """Prompts to measure acceptance on: a .jsonl of {"prompt": ...}, else openings of files from the
+def calibration_texts(path: str | None, count: int) -> list[Any]:
+    """Prompts to measure acceptance on: a .jsonl of {"prompt": ...} or {"messages": ...}, else files from the
     demo corpus's validation split (never trained on)."""
     from infer.bench import load_prompts
     from shipped.stdlib_corpus import stdlib_texts
@@ -362,11 +371,12 @@ def calibration_texts(path: str | None, count: int) -> list[str]:
     return texts[:: max(1, len(texts) // count)][:count]
 
 
-def calibration_prompts(tokenizer, texts: list[str], length: int = 32) -> list[torch.Tensor]:
-    """The first `length` tokens of each calibration text."""
-    from infer.bench import encode_prompt
+def calibration_prompts(tokenizer, texts: list[Any], length: int | None = 32) -> list[torch.Tensor]:
+    """The first `length` tokens of each calibration text (all of them with None, as for a prompts file: a chat
+    rendered by its template is mostly system prompt in its first 32 tokens)."""
+    from infer.bench import encode_prompt, render_prompts
 
-    return [encode_prompt(tokenizer, t)[0, :length] for t in texts]
+    return [encode_prompt(tokenizer, t)[0, :length] for t in render_prompts(texts, tokenizer)]
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
@@ -384,7 +394,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
                          f"--src {args.heads} --out DIR)")
     texts = calibration_texts(args.prompts, args.num_prompts)  # a bad --prompts file fails before the model loads
     model, tokenizer, (spec,) = _load(args, [args.heads])
-    prompts = [p.to(args.device) for p in calibration_prompts(tokenizer, texts)]
+    prompts = [p.to(args.device) for p in calibration_prompts(tokenizer, texts, None if args.prompts else 32)]
     proposer = spec.proposer
     config = proposer.draft.config if isinstance(proposer, EagleProposer) else proposer.heads.config
     print(f"measuring on {len(prompts)} calibration prompts, batch size {args.batch_size}, {args.dtype}, "

@@ -180,13 +180,17 @@ def build_parser() -> argparse.ArgumentParser:
     common(bench, several=True)
     # bench does not sample, so --top-k is free to mean the draft's (as --draft-top-k does on both commands)
     eagle_tree(bench, ["--draft-top-k", "--top-k"], "applied to the EAGLE heads only, an error when none is EAGLE")
-    bench.add_argument("--prompts", help='a .jsonl file of {"prompt": ...} (default: demo test-split functions)')
+    bench.add_argument("--prompts", help='a .jsonl file of {"prompt": ...} texts or {"messages": [...]} chats, '
+                                         "rendered with the chat template (default: demo test-split functions)")
     bench.add_argument("--num-prompts", type=at_least(1), default=None,
                        help=f"the first N prompts (default: {BENCH_PROMPTS} built-in ones, or all of a --prompts file)")
     bench.add_argument("--threads", type=at_least(0), default=0, help="torch threads (0: torch's choice)")
     bench.add_argument("--batch-size", type=at_least(1), nargs="+", default=[1], metavar="B",
                        help="prompts decoded together, left-padded; several values run one after another, e.g. "
                             "--batch-size 1 4 16 (hf_assisted and hf_prompt_lookup run at batch size 1 only)")
+    bench.add_argument("--latency", action="store_true",
+                       help="also time the target's forward of n tokens, t(n)/t(1), and each drafter's efficiency "
+                            "against the limit tau * t(1) / t(its tree)")
     bench.add_argument("--plot", help="draw tokens/s, tau and tokens per step per method into this PNG (needs "
                                       "matplotlib; its folder is made if missing)")
 

@@ -412,9 +412,9 @@ def test_top_k_or_top_p_on_a_greedy_run_is_refused(medusa_dir, capsys):
 
 @pytest.mark.parametrize("lines, message", [
     ('{"prompt": "def f():"}\n{"prompt": "x"\n', "prompts.jsonl:2 is not JSON"),
-    ('{"prompt": "def f():"}\n\n"def g():"\n', "prompts.jsonl:3 has no \"prompt\" string"),
-    ('{"prompt": 3}\n', "prompts.jsonl:1 has no \"prompt\" string"),
-    ('{"text": "def f():"}\n', "prompts.jsonl:1 has no \"prompt\" string"),
+    ('{"prompt": "def f():"}\n\n"def g():"\n', "prompts.jsonl:3 has no \"prompt\" string or \"messages\" list"),
+    ('{"prompt": 3}\n', "prompts.jsonl:1 has no \"prompt\" string or \"messages\" list"),
+    ('{"text": "def f():"}\n', "prompts.jsonl:1 has no \"prompt\" string or \"messages\" list"),
     ('\n\n', "holds no prompts"),
     (b'\xff\xfe{"prompt"', "cannot read it (not UTF-8 text)"),
     ('{"prompt": " \\n "}\n', "prompts.jsonl:1 has an empty prompt"),
