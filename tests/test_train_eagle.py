@@ -49,14 +49,22 @@ def test_training_lowers_loss_changes_the_drafter_only(variant, tiny_model_dir, 
 
 def test_cached_features_train_like_online_features(tiny_model_dir, text_data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
-    online = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "a", noise=0)))
-    cached = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "b", noise=0,
-                                                cache_features=True)))
+    few = {"noise": 0, "eval_batches": 1, "per_device_eval_batch_size": 2, "tune_prompts": 1,
+           "eval_fraction": 0.1}  # 10 validation examples, of which validation reads 2
+    online = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "a", **few)))
+    cached = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "b", cache_features=True,
+                                                **few)))
     printed = capsys.readouterr().out
     assert "caching target features for train" in printed and "GB on disk" in printed
     assert list((tmp_path / "cache").rglob("features-train-*/000000.safetensors"))
     for name, value in online["draft"].state_dict().items():
         torch.testing.assert_close(cached["draft"].state_dict()[name], value, rtol=1e-4, atol=1e-5)
+    # only the validation examples validation reads are cached, and it reports what it reported online
+    assert "caching target features for eval: 2 examples" in printed
+    for (step_a, online_metrics), (step_b, cached_metrics) in zip(online["history"], cached["history"]):
+        assert step_a == step_b
+        for key in ("top1", "top5", "loss"):
+            assert cached_metrics[key] == pytest.approx(online_metrics[key], rel=1e-4, abs=1e-5), key
 
 
 def test_resume_after_interruption_matches_uninterrupted_run(tiny_model_dir, text_data, tmp_path, monkeypatch):
@@ -274,3 +282,17 @@ def test_a_shard_written_a_tensor_at_a_time_is_a_safetensors_file(dtype, tmp_pat
         assert torch.equal(back[name], tensor)
     with pytest.raises(ValueError, match=r"tensor 4: expected \(1, 4\)"):
         write_safetensors(path, {"3": (5, 4), "4": (1, 4)}, dtype, [tensors["3"], tensors["5"]])
+
+
+def test_calibration_prompts_are_a_chats_turns_up_to_its_first_answer():
+    """The tree is fitted on prompts as decoding gets them: a chat's tokens before its first trained token (a
+    ChatML prompt's first 32 tokens are little more than its system prompt), plain text's first tokens."""
+    import datasets
+
+    from train.data import Examples
+    from train.eagle import calibration_prompts
+
+    rows = datasets.Dataset.from_dict({"input_ids": [list(range(10, 50)), list(range(60, 100)), [7, 8]],
+                                       "loss_mask": [[0] * 25 + [1] * 15, [1] * 40, [1, 1]]})
+    prompts = calibration_prompts(Examples(rows, "k"), 3, 8)
+    assert [p.tolist() for p in prompts] == [list(range(10, 35)), list(range(60, 68)), [7, 8]]

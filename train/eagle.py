@@ -19,6 +19,7 @@ import hashlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -293,9 +294,17 @@ class Eagle3Method(EagleMethod):
 
 
 def calibration_prompts(eval_data: Examples, count: int, length: int) -> list[torch.Tensor]:
-    """The first `length` tokens of up to `count` validation examples."""
-    rows = eval_data.rows[: min(count, len(eval_data))]["input_ids"]
-    return [torch.tensor(ids[:length], dtype=torch.long) for ids in rows if ids]
+    """Up to `count` validation examples' prompts: the tokens before the first loss-bearing one (a chat's
+    system and user turns through the generation prompt; a regenerated window's kept tokens), or the first
+    `length` tokens where the loss starts at once (plain text)."""
+    rows = eval_data.rows[: min(count, len(eval_data))]
+    prompts = []
+    for ids, mask in zip(rows["input_ids"], rows["loss_mask"]):
+        first = next((i for i, m in enumerate(mask) if m), len(mask))
+        cut = first if 1 < first < len(ids) else length
+        if ids[:cut]:
+            prompts.append(torch.tensor(ids[:cut], dtype=torch.long))
+    return prompts
 
 
 @torch.no_grad()
@@ -357,6 +366,15 @@ def cached_features(cfg: EagleConfig, target, examples: Examples, name: str, lay
     return Examples(examples.rows, examples.key, FeatureShards(folder, len(examples), size))
 
 
+def validated(cfg: EagleConfig, eval_data: Examples) -> Examples:
+    """The validation examples validation reads (the loop takes its first `eval_batches` unshuffled batches,
+    and the tree fit its first `tune_prompts`): the only ones whose features are worth caching."""
+    used = max(cfg.eval_batches * cfg.per_device_eval_batch_size, cfg.tune_prompts)
+    if len(eval_data) <= used:
+        return eval_data
+    return eval_data.select(np.arange(used), f"first {used}")
+
+
 def default_draft_vocab_size(vocab: int) -> int:
     """A quarter of the target's vocabulary, clamped to 2048..32768 (2048 on the demo, 32064 for Llama-3)."""
     return min(max(2048, vocab // 4), 32768)
@@ -411,7 +429,7 @@ def run(cfg: EagleConfig) -> dict:
     if cfg.cache_features:  # every rank writes its share of the shards, then all read all of them
         ranks = (accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone)
         train_data = cached_features(cfg, target, train_data, "train", layers, *ranks)
-        eval_data = cached_features(cfg, target, eval_data, "eval", layers, *ranks)
+        eval_data = cached_features(cfg, target, validated(cfg, eval_data), "eval", layers, *ranks)
     initial = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     prompts = calibration_prompts(eval_data, cfg.tune_prompts, cfg.distill_prompt_tokens)
     method = (Eagle3Method if cfg.version == 3 else EagleMethod)(cfg, target, draft, prompts)
