@@ -187,3 +187,46 @@ def test_fsdp_version_1_is_refused_in_one_line_before_training(tiny_model_dir, t
                  succeed=False)
     assert "train/medusa.py: error: FSDP version 1 is not supported: set `fsdp_version: 2`" in log
     assert "step 0:" not in log
+
+
+def test_deepspeed_dropped_by_cpu_is_refused_in_one_line(tiny_model_dir, text_data, tmp_path):
+    """`accelerate launch --cpu` with a DeepSpeed config starts one plain process without DeepSpeed; the run
+    must not go on as if it had ZeRO-3 on two processes."""
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [str(ACCELERATE), "launch", "--config_file", "configs/accelerate/deepspeed-zero3.yaml", "--num_processes", "2",
+           "--cpu", "train/medusa.py"]
+    cmd += [x for k, v in run_args("medusa", tiny_model_dir, text_data, tmp_path / "o", 2).items() for x in (f"--{k}", str(v))]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert ("train/medusa.py: error: accelerate launch --config_file configs/accelerate/deepspeed-zero3.yaml asks for "
+            "DeepSpeed, but it is not in effect (--cpu drops that config): drop --cpu and set DS_ACCELERATOR=cpu") in log
+    assert "step 0:" not in log
+
+
+@pytest.mark.parametrize("cmdline, env, message", [
+    (["python", "/x/bin/accelerate", "launch", "--config_file", "configs/accelerate/fsdp.yaml", "--cpu", "t.py"],
+     {}, "asks for FSDP, but it is not in effect"),
+    (["python", "/x/bin/accelerate", "launch", "--config_file", "configs/accelerate/cpu-2proc.yaml", "t.py"],
+     {"WORLD_SIZE": "1"}, "asks for 2 processes, but 1 is running"),
+    (["python", "/x/bin/accelerate", "launch", "--num_processes=3", "t.py"], {"WORLD_SIZE": "2"},
+     "asks for 3 processes, but 2 is running"),
+])
+def test_a_launch_not_in_effect_is_named(cmdline, env, message):
+    from train.config import ConfigError
+    from train.distributed import check_launch_in_effect, launch_request
+
+    with pytest.raises(ConfigError, match=message):
+        check_launch_in_effect(launch_request(cmdline, str(ROOT)), env)
+
+
+@pytest.mark.parametrize("cmdline, env", [
+    (["python", "/x/bin/accelerate", "launch", "--config_file", "configs/accelerate/deepspeed-zero3.yaml",
+      "--num_processes", "2", "t.py"], {"ACCELERATE_USE_DEEPSPEED": "true", "WORLD_SIZE": "2"}),
+    (["python", "/x/bin/accelerate", "launch", "--config_file", "configs/accelerate/cpu.yaml", "t.py"], {}),
+    (["python", "-m", "pytest", "-n", "2"], {}),  # not launched by accelerate: nothing to check
+])
+def test_a_launch_in_effect_passes(cmdline, env):
+    from train.distributed import check_launch_in_effect, launch_request
+
+    check_launch_in_effect(launch_request(cmdline, str(ROOT)), env)

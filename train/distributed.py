@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -83,6 +85,75 @@ def check_engine() -> None:
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("FSDP_VERSION", "1") != "2":
         raise ConfigError("FSDP version 1 is not supported: set `fsdp_version: 2` under fsdp_config "
                           "(as configs/accelerate/fsdp.yaml does)")
+
+
+def launch_request(cmdline: list[str], cwd: str) -> dict[str, Any] | None:
+    """What an `accelerate launch` command line asked for: the engine ("deepspeed" | "fsdp" | None) and the number
+    of processes, from its --config_file and --num_processes; None when it is not an accelerate launch."""
+    import yaml
+
+    if "launch" not in cmdline or not any(Path(a).name == "accelerate" or a.endswith("accelerate.commands.launch")
+                                          for a in cmdline[: cmdline.index("launch") + 1]):
+        return None
+    args = cmdline[cmdline.index("launch") + 1:]
+
+    def option(name: str) -> str | None:
+        for i, arg in enumerate(args):
+            if arg == name and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+        return None
+
+    config: dict[str, Any] = {}
+    path = option("--config_file")
+    if path:
+        try:
+            config = yaml.safe_load((Path(cwd) / path).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            config = {}
+    kind = str(config.get("distributed_type", "")).upper()
+    engine = ("deepspeed" if kind == "DEEPSPEED" or "deepspeed_config" in config else
+              "fsdp" if kind == "FSDP" else None)
+    processes = option("--num_processes") or config.get("num_processes") or 1
+    try:
+        processes = int(processes)
+    except (TypeError, ValueError):
+        processes = 1
+    return {"config_file": path, "engine": engine, "num_processes": processes}
+
+
+def check_launch_in_effect(request: dict[str, Any] | None, env: dict[str, str]) -> None:
+    """Refuse a run whose launch asked for DeepSpeed, FSDP or several processes that are not in effect: accelerate
+    launch --cpu silently drops a DeepSpeed or FSDP config and starts one plain process."""
+    if request is None:
+        return
+    where = f"accelerate launch --config_file {request['config_file']}" if request["config_file"] else "accelerate launch"
+    flag = {"deepspeed": "ACCELERATE_USE_DEEPSPEED", "fsdp": "ACCELERATE_USE_FSDP"}.get(request["engine"] or "")
+    if flag and env.get(flag, "false").lower() != "true":
+        fix = ("drop --cpu and set DS_ACCELERATOR=cpu instead, as the README's CPU commands do"
+               if request["engine"] == "deepspeed" else "drop --cpu (FSDP2 runs on CPU without it)")
+        raise ConfigError(f"{where} asks for {'DeepSpeed' if flag.endswith('DEEPSPEED') else 'FSDP'}, but it is not "
+                          f"in effect (--cpu drops that config): {fix}")
+    running = int(env.get("WORLD_SIZE", "1"))
+    if request["num_processes"] > running:
+        raise ConfigError(f"{where} asks for {request['num_processes']} processes, but {running} is running "
+                          "(--cpu with a GPU config starts one): launch with configs/accelerate/cpu-2proc.yaml, or "
+                          "without --cpu")
+
+
+def check_launch() -> None:
+    """check_launch_in_effect for this process, from its parent's command line (Linux /proc; elsewhere nothing
+    to read, nothing checked)."""
+    import os
+
+    try:
+        parent = Path(f"/proc/{os.getppid()}")
+        cmdline = (parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        cwd = os.readlink(parent / "cwd")
+    except OSError:
+        return
+    check_launch_in_effect(launch_request(cmdline, cwd), dict(os.environ))
 
 
 def engine_name(accelerator: Accelerator) -> str:

@@ -45,6 +45,7 @@ from train.config import ConfigError, check_at_least, check_finite
 from train.data import Examples, cache_dir, load_examples, pad_batch, split_examples
 from train.distributed import (
     check_engine,
+    check_launch,
     configure_deepspeed,
     engine_name,
     expose_methods,
@@ -277,6 +278,7 @@ def start_run(cfg: TrainConfig) -> Accelerator:
     """The accelerator, the output folder checked (writable, no other run's checkpoints) before any
     heavy work, and the seed set."""
     check_engine()
+    check_launch()
     accelerator = make_accelerator(cfg)
     prepare_output_dir(accelerator, Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir,
                        resolve_model(cfg.model))
