@@ -7,6 +7,7 @@ import pytest
 from heads.config import HeadsConfig
 from heads.registry import load_heads
 from train.data import DataError, iter_records
+from train.loop import TrainConfig
 
 
 def test_a_bad_jsonl_line_is_named(tmp_path):
@@ -74,3 +75,21 @@ def test_a_model_path_that_holds_no_model_is_named(tmp_path):
                                          r"was trained on \(see its base_model\) as the model"):
         resolve_model(str(heads))
     assert resolve_model("org/model") == "org/model"  # a hub name passes through
+
+
+@pytest.mark.parametrize("name, content, problem", [
+    ("blob.bin", bytes(range(256)) * 64, "is a binary file, not text"),
+    ("notes.txt", b"\xff\xfe\xfa" * 400 + b"some text", "does not read as UTF-8 text"),
+    ("chat.jsonl", b'["a", "list"]\n', "line 1: a record must be a JSON object, got list"),
+    ("chat.jsonl", b'{"question": "q", "answer": "a"}\n', "records need a `text`, `messages` or `conversations`"),
+])
+def test_data_that_is_not_text_is_refused_before_any_model_loads(tmp_path, monkeypatch, name, content, problem):
+    import train.loop
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    loaded = []
+    monkeypatch.setattr(train.loop, "make_accelerator", lambda cfg: loaded.append(cfg))
+    with pytest.raises(DataError, match=problem) as error:
+        train.loop.start_run(TrainConfig(dataset=str(path), output_dir=str(tmp_path / "out")))
+    assert str(path) in str(error.value) and not loaded

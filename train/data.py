@@ -100,7 +100,7 @@ def iter_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
         if path.suffix in (".json", ".jsonl"):
             yield from (_normalise(r, where) for where, r in _records_from_json(path))
         else:
-            yield {"text": path.read_text(errors="replace")}
+            yield {"text": read_text(path)}
         return
     if path.suffix in TEXT_SUFFIXES | {".json", ".jsonl"} or source.startswith((".", "/", "~")):
         raise DataError(f"dataset {source!r} does not exist (no such file or folder)")
@@ -110,6 +110,40 @@ def iter_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
         raise DataError(f"could not load dataset {source!r} ({type(err).__name__}: {err}); give a local file, folder, "
                         "or a `datasets` name that is cached (HF_HUB_OFFLINE=1 blocks downloads)") from err
     yield from (_normalise(dict(r), f"{source} record {i}") for i, r in enumerate(ds))
+
+
+def read_text(path: Path, limit: int | None = None) -> str:
+    """A text file's contents (its first `limit` bytes), refused when it is not text: NUL bytes (a binary file)
+    or more than 1% of its characters undecodable as UTF-8."""
+    with open(path, "rb") as f:
+        raw = f.read() if limit is None else f.read(limit)
+    if b"\0" in raw:
+        raise DataError(f"{path} is a binary file, not text: give .txt/.md/.py text, .json/.jsonl records, or a "
+                        "saved dataset folder")
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd")
+    if bad > 0.01 * max(len(text), 1):
+        raise DataError(f"{path} does not read as UTF-8 text ({bad} of {len(text)} characters undecodable): "
+                        "convert it to UTF-8 or give another file")
+    return text
+
+
+def check_source(source: str | None) -> None:
+    """Before any model loads: a local dataset must be text or records of a known layout. Text files are
+    sniffed (their first MiB), JSON files read for their first records; the rest is checked when read."""
+    if not source or source in ("stdlib", "demo"):
+        return
+    path = Path(source)
+    if not path.exists() or is_saved_dataset(path):
+        return  # a `datasets` name, a missing path (named when loaded), or a saved dataset
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES
+                                                 | {".json", ".jsonl"} and p.name != REGENERATION_FILE)
+    for f in files:
+        if f.suffix in (".json", ".jsonl"):
+            for _ in zip(range(8), iter_records(str(f))):
+                pass
+        else:
+            read_text(f, limit=2**20)
 
 
 def is_saved_dataset(path: Path) -> bool:

@@ -42,7 +42,7 @@ from train.checkpoints import (
     save_checkpoint,
 )
 from train.config import ConfigError, check_at_least, check_finite
-from train.data import Examples, cache_dir, load_examples, pad_batch, split_examples
+from train.data import Examples, cache_dir, check_source, load_examples, pad_batch, split_examples
 from train.distributed import (
     check_engine,
     check_launch,
@@ -279,6 +279,8 @@ def start_run(cfg: TrainConfig) -> Accelerator:
     heavy work, and the seed set."""
     check_engine()
     check_launch()
+    check_source(cfg.dataset)  # a file that is not text fails now, not after the target has loaded
+    check_source(cfg.eval_dataset)
     accelerator = make_accelerator(cfg)
     prepare_output_dir(accelerator, Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir,
                        resolve_model(cfg.model))
