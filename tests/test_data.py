@@ -162,3 +162,20 @@ def test_a_folder_saved_with_save_to_disk_is_read_as_a_dataset(tmp_path):
     assert list(iter_records(str(tmp_path / "two"), split="validation")) == [{"text": texts[1]}]
     with pytest.raises(DataError, match="holds the splits train, validation, not 'test'"):
         list(iter_records(str(tmp_path / "two"), split="test"))
+
+
+def test_examples_without_a_label_are_dropped_and_none_at_all_is_refused(capsys):
+    import datasets
+
+    from train.config import ConfigError
+    from train.data import Examples
+    from train.loop import TrainConfig, labelled
+
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [1, 2], [1, 2, 3], [5, 6, 7, 8]],
+                                       "loss_mask": [[0, 0, 0, 1], [1, 1], [1, 1, 0], [1, 1, 1, 1]]})
+    kept = labelled(Examples(rows, "k"), TrainConfig(max_length=4), "training")
+    assert kept.rows["input_ids"] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert "2 of 4 training examples carry no label within --max_length 4" in capsys.readouterr().err
+    short = datasets.Dataset.from_dict({"input_ids": [[1], [2]], "loss_mask": [[1], [1]]})
+    with pytest.raises(ConfigError, match="no training example carries a label .* raise --max_length"):
+        labelled(Examples(short, "s"), TrainConfig(max_length=1), "training")

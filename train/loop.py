@@ -23,6 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 from accelerate.utils import set_seed
@@ -166,6 +167,42 @@ def load_frozen_target(name: str, device: torch.device, dtype: torch.dtype = tor
 
 
 def datasets_for(cfg: TrainConfig, tokenizer, target=None, accelerator: Accelerator | None = None
+                 ) -> tuple[Examples, Examples]:
+    """Train and validation examples that carry a label (`labelled`); with `self_distill` both hold the
+    target's own answers (`distilled`)."""
+    train, evals = all_examples(cfg, tokenizer, target, accelerator)
+    report = accelerator is None or accelerator.is_main_process
+    return labelled(train, cfg, "training", report), labelled(evals, cfg, "validation", report)
+
+
+FIRST_LABEL = 2  # the earliest position a drafter learns a token at: Medusa's head 0 and EAGLE both predict from t - 2
+
+
+def labelled(examples: Examples, cfg: TrainConfig, what: str, report: bool = True) -> Examples:
+    """The examples with a trained token at position FIRST_LABEL or later; none is an error naming the fix, a
+    shortfall a note with the count dropped."""
+    import pyarrow.compute as pc
+
+    keep = []
+    for start, batch in enumerate(examples.rows.with_format("arrow").iter(4096)):
+        masks = pc.list_slice(batch["loss_mask"], FIRST_LABEL)
+        trained = pc.list_parent_indices(masks).filter(pc.equal(pc.list_flatten(masks), 1))
+        keep.append(np.unique(trained.to_numpy()) + start * 4096)
+    keep = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
+    if len(keep) == len(examples):
+        return examples
+    if len(keep) == 0:
+        raise ConfigError(f"no {what} example carries a label for the drafter: each needs a trained token (an "
+                          f"assistant turn's, for chats) at position {FIRST_LABEL} or later within --max_length "
+                          f"{cfg.max_length}; raise --max_length, or give data with trained tokens")
+    if report:
+        print(f"note: {len(examples) - len(keep)} of {len(examples)} {what} examples carry no label within "
+              f"--max_length {cfg.max_length} (too short, or their trained tokens cut away) and are dropped",
+              file=sys.stderr)
+    return examples.select(keep, f"labelled from {FIRST_LABEL}")
+
+
+def all_examples(cfg: TrainConfig, tokenizer, target=None, accelerator: Accelerator | None = None
                  ) -> tuple[Examples, Examples]:
     """Train and validation examples; with `self_distill` both hold the target's own answers (`distilled`).
 
