@@ -27,7 +27,7 @@ demo: $(VENV)/.installed
 # models/smollm2-135m-instruct (git-ignored, 538 MB float32; its weights' sha256 is checked). Short name: smollm2.
 REAL_MODEL := models/smollm2-135m-instruct
 real-model: $(VENV)/.installed
-	$(PY) -c "import gguf" 2>/dev/null || $(PY) -m pip install -q "gguf>=0.10"
+	$(PY) -c "import gguf" 2>/dev/null || $(PY) -m pip install -q -e ".[real-model]"
 	$(PY) -m shipped.smollm2
 
 # The chat requests (already in shipped/chat/; this rebuilds them with the target, ~25 minutes on 2 cores)

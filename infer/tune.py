@@ -102,9 +102,11 @@ def tune_eagle(
 
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     proposers = [EagleProposer(draft, embed, lm_head, *setting) for setting in grid]
-    device = prompts[0].device  # a batch of one keeps no mask: the single-prompt path, as generate gets it
+    device = prompts[0].device
     filled = cycled(prompts, batch_size)
-    batches = [(filled[i][None], None) if batch_size == 1 else
+    # a batch of one gets an all-ones mask: the single-prompt path, and no pad id inferred from prompt tokens
+    # (a chat prompt holds <|im_end|>, which is SmolLM2's pad id, and the decode passes no EOS to stop at)
+    batches = [(filled[i][None], torch.ones_like(filled[i][None])) if batch_size == 1 else
                tuple(t.to(device) for t in left_pad(filled[i : i + batch_size], 0))
                for i in range(0, len(filled), batch_size)]
 

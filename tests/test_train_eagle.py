@@ -112,6 +112,16 @@ def test_tune_measures_every_setting_and_keeps_the_fastest():
     assert all(r["tau"] >= 1 and r["ms_per_step"] > 0 for r in rows)
 
 
+def test_tune_takes_chat_prompts_that_hold_the_pad_id():
+    model = tiny_model("llama")  # SmolLM2: pad id = <|im_end|>, which every chat prompt holds after its system turn
+    from test_eagle import random_draft
+
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = 7
+    prompts = [torch.tensor([3, 9, 7, 11, 12, 7, 13])]
+    best, rows = tune_eagle(model, random_draft(model), prompts, [(2, 2, 3)], max_new_tokens=6)
+    assert rows[0]["tau"] >= 1
+
+
 def test_eagle3_drafter_starts_with_the_targets_head_rows_of_its_vocabulary():
     model = tiny_model("llama")
     V = model.config.vocab_size
