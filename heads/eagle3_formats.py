@@ -62,7 +62,9 @@ module, versions named):
     `input_norm` (RMSNorm(n * H, rms_norm_eps)) before fc with norm_before_fc; `train/config/schema.py`: a new
     eagle3 run defaults to norm_before_residual, norm_before_fc AND norm_output true;
     `model.py`: `d2t`/`t2d` exist only when `draft_vocab_size` differs from the verifier's;
-    `embed_tokens.weight` (the verifier's) is saved. `models/utils.py` `resolve_target_layer_ids`: default
+    `embed_tokens.weight` (the verifier's) is saved, and export writes it: speculators 0.9.0's
+    `Eagle3DraftModel` lists it in `_keys_to_ignore_on_load_missing`, so a file without it loads with the
+    embedding uninitialised and no warning (vLLM shares the target's embedding either way). `models/utils.py` `resolve_target_layer_ids`: default
     [2, L // 2, L - 3], given to vLLM to extract the training features, so the ids are vLLM's (hidden_states
     indices).
   - vLLM 0.32.0: `transformers_utils/config.py`: a config.json with `speculators_config` and no `model_type`
@@ -178,10 +180,11 @@ ABSENT = {"speculators-eagle3": {"norm_before_residual": True}}
 def layout_keys(fmt: str, draft_vocab: bool, norm_before_fc: bool = False) -> set[str]:
     """Every tensor `export_eagle3` writes in `fmt`; `d2t`/`t2d` only for a draft vocabulary smaller than the
     target's (vLLM has nowhere to load them otherwise, and SafeAILab deletes them); `input_norm.weight` only
-    with norm_before_fc."""
+    with norm_before_fc; the target's `embed_tokens.weight` in speculators-eagle3, as speculators saves it."""
     layer = LAYOUTS[fmt].layer
     return {"fc.weight", "norm.weight", "lm_head.weight", *(layer + p for p in LAYER_PARAMS),
-            *(VOCAB_MAPS if draft_vocab else ()), *((INPUT_NORM,) if norm_before_fc else ())}
+            *(VOCAB_MAPS if draft_vocab else ()), *((INPUT_NORM,) if norm_before_fc else ()),
+            *((EMBED_KEY,) if fmt == "speculators-eagle3" else ())}
 
 
 def _ours(name: str) -> str:
@@ -523,7 +526,9 @@ def export_eagle3(
 
     `weights` picks `model.safetensors` or `pytorch_model.bin` (what SafeAILab's loader tries first).
     `base_model` (speculators-eagle3) is the verifier config.json names, default the drafter's own; `target`,
-    when given, supplies the verifier's architectures and checks the fused layers against its depth.
+    when given, supplies the verifier's architectures and checks the fused layers against its depth, and
+    its input embedding, which speculators-eagle3 carries as `embed_tokens.weight` (required there:
+    speculators' loader leaves a missing one uninitialised without a word and drafts garbage).
     """
     if fmt not in LAYOUTS:
         raise ValueError(f"unknown EAGLE-3 format {fmt!r}; choose one of {', '.join(EAGLE3_FORMATS)}")
@@ -541,6 +546,10 @@ def export_eagle3(
     if fmt == "speculators-eagle3" and len(layers) != 3:
         raise ValueError(f"this drafter fuses {len(layers)} hidden states; vLLM 0.32 builds the fc of a speculators "
                          "EAGLE-3 drafter for 3 (llama_eagle3.py, no eagle_config): export it as eagle3")
+    if fmt == "speculators-eagle3" and target is None:
+        raise ValueError("a speculators-eagle3 checkpoint carries the target's input embedding (embed_tokens.weight), "
+                         "which speculators' loader otherwise leaves uninitialised without a warning: give the "
+                         "target (--model, or target=)")
     if target is not None:
         num_layers = target.config.get_text_config().num_hidden_layers
         if layers[-1] >= num_layers:
@@ -565,7 +574,18 @@ def export_eagle3(
         state |= {"d2t": d2t, "t2d": t2d}
     state = {_theirs(fmt)(k): v for k, v in state.items()}
     archs = list(getattr(target.config, "architectures", None) or []) if target is not None else []
-    base = base_model_field(base_model or cfg.base_model, required=False) if fmt == "speculators-eagle3" else ""
+    base = ""
+    if fmt == "speculators-eagle3":
+        embed = target.get_input_embeddings().weight.detach()
+        if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(f"the target's input embedding is {tuple(embed.shape)}, this drafter's vocabulary and "
+                             f"width make it {(cfg.vocab_size, cfg.hidden_size)}: give the target it was trained on")
+        state[EMBED_KEY] = embed.to(device="cpu", dtype=state["fc.weight"].dtype).contiguous()
+        base = base_model_field(base_model or cfg.base_model, required=False)
+        if Path(base).is_absolute():
+            warnings.warn(f"config.json names the verifier as {base}, a path on this machine, which speculators "
+                          "reads when it loads the drafter: pass --base-model <Hub id> (base_model=) for a "
+                          "checkpoint that loads elsewhere", stacklevel=2)
     text = json.dumps(eagle3_config_json(draft, fmt, base, archs), indent=2) + "\n"
     out = Path(out_dir)
     write_weights(state, out, weights)

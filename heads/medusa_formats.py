@@ -63,7 +63,7 @@ from torch import nn
 from heads.config import DTYPES, HeadsConfig
 from heads.io import atomic_write, read_config_json, read_state_dict
 from heads.medusa import MedusaHeads
-from shipped.models import resolve_model
+from shipped.models import hub_id, resolve_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,7 +315,7 @@ def import_medusa(directory: str | Path, format: str | None = None, base_model: 
 
 def base_model_field(name: str, required: bool = True) -> str:
     """What config.json names as the target: a local model directory as its absolute path (`demo` as the
-    shipped model's), a Hub id (owner/name) as given. FasterDecoding and TGI load the target from it, so
+    shipped model's; `smollm2`, built here from a Hub model, as that Hub id), a Hub id (owner/name) as given. FasterDecoding and TGI load the target from it, so
     with `required` anything else is refused."""
     ask = "pass --base-model (base_model=): a local model directory or a Hub id (owner/name)"
     try:
@@ -325,7 +325,7 @@ def base_model_field(name: str, required: bool = True) -> str:
             raise ValueError(f"{e} Or {ask}") from None
         path = None
     if path is not None and (path / "config.json").is_file():
-        return str(path.resolve())
+        return hub_id(path) or str(path.resolve())
     if not required or HUB_ID.fullmatch(name):
         return name
     why = f"{name!r} is neither a model directory here nor a Hub id" if name else "the heads name no base model"

@@ -10,6 +10,14 @@ MODELS_DIR = REPO_ROOT / "models"
 SHORT_NAMES = {"demo": "demo-target", "demo-target": "demo-target", "demo-draft": "demo-draft",
                "smollm2": "smollm2-135m-instruct"}
 BUILT = {"smollm2-135m-instruct": "make real-model"}  # folders built on this machine, not shipped
+HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # the same model on the Hub
+
+
+def hub_id(path: str | Path) -> str | None:
+    """The Hub id of a model folder built here from a published model (`smollm2`), else None: what a
+    checkpoint written here should name as its target so that it loads on another machine."""
+    path = Path(path).resolve()
+    return HUB_IDS.get(path.name) if path.parent == MODELS_DIR.resolve() else None
 
 
 def resolve_model(name_or_path: str) -> str:

@@ -515,7 +515,7 @@ def test_export_import_round_trip_is_exact(tmp_path, target, fmt, size, weights)
     draft.config.dtype = "bfloat16"  # the weights stay float32: each kept as it is
     if fmt == "speculators-eagle3":
         draft.config.depth = 5  # carried as speculative_tokens; the eagle3 layout has no decoding settings
-    export_eagle3(draft, fmt, tmp_path, weights=weights)
+    export_eagle3(draft, fmt, tmp_path, weights=weights, target=target if fmt == "speculators-eagle3" else None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", WEIGHT_FILES[weights]]
     assert detect_eagle3_format(tmp_path) == fmt and detect_eagle_format(tmp_path) is None
     back = import_eagle3(tmp_path, base_model="org/target" if fmt == "eagle3" else None)
@@ -525,6 +525,10 @@ def test_export_import_round_trip_is_exact(tmp_path, target, fmt, size, weights)
     assert set(written) == layout_keys(fmt, draft_vocab=bool(size))
     # a full-vocabulary drafter has no d2t: vLLM's loader has no parameter for one (llama_eagle3.py)
     assert ("d2t" in written) == bool(size)
+    # speculators saves the verifier's embedding, and its loader leaves a missing one uninitialised
+    assert ("embed_tokens.weight" in written) == (fmt == "speculators-eagle3")
+    if fmt == "speculators-eagle3":
+        assert torch.equal(written["embed_tokens.weight"], target.get_input_embeddings().weight)
 
 
 def at(raw, path):
@@ -546,7 +550,7 @@ ROUND_TRIPS = [("speculators-eagle3", v, {f: v.get(f, False) for f in FLAGS}) fo
 def test_export_import_round_trip_keeps_the_variant_flags(tmp_path, target, fmt, variant, written):
     draft = random_draft(target, 40, feature_layers=[1, 3, 6], **variant)
     assert (draft.input_norm is not None) == variant.get("norm_before_fc", False)
-    export_eagle3(draft, fmt, tmp_path)
+    export_eagle3(draft, fmt, tmp_path, target=target if fmt == "speculators-eagle3" else None)
     raw = json.loads((tmp_path / "config.json").read_text())
     assert {path: at(raw, path) for path in written} == written
     names = set(load_file(tmp_path / "model.safetensors"))
@@ -573,7 +577,8 @@ def test_eagle3_config_is_what_sglang_safeailab_and_vllm_read(tmp_path, target):
 
 def test_speculators_config_is_what_vllm_reads(tmp_path, target, target_dir):
     draft = random_draft(target, 40, feature_layers=[1, 3, 6])
-    export_eagle3(draft, "speculators-eagle3", tmp_path, base_model=str(target_dir), target=target)
+    with pytest.warns(UserWarning, match="names the verifier as .*, a path on this machine.*--base-model <Hub id>"):
+        export_eagle3(draft, "speculators-eagle3", tmp_path, base_model=str(target_dir), target=target)
     raw = json.loads((tmp_path / "config.json").read_text())
     assert "model_type" not in raw  # vLLM: speculators_config and no model_type make a speculators config
     assert raw["architectures"] == ["Eagle3Speculator"] and raw["speculators_model_type"] == "eagle3"
@@ -588,7 +593,7 @@ def test_speculators_config_is_what_vllm_reads(tmp_path, target, target_dir):
     assert spec["proposal_methods"][0]["speculative_tokens"] == draft.config.depth
     assert spec["verifier"] == {"name_or_path": str(target_dir.resolve()), "architectures": ["LlamaForCausalLM"]}
     hand = speculators_checkpoint(tmp_path / "hand", target_dir, ids=[1, 3, 6])
-    published_names = {k.replace("midlayer.", "layers.0.") for k in hand}
+    published_names = {k.replace("midlayer.", "layers.0.") for k in hand} | {"embed_tokens.weight"}
     assert set(load_file(tmp_path / "model.safetensors")) == published_names
 
 
@@ -611,6 +616,12 @@ def test_export_refuses_what_the_layouts_cannot_hold(tmp_path, target):
         export_eagle3(random_draft(target, feature_layers=[5, 2, 4]), "eagle3", tmp_path / "x")
     with pytest.raises(ValueError, match="fuses 2 hidden states; vLLM 0.32 builds .* for 3"):
         export_eagle3(random_draft(target, feature_layers=[2, 5]), "speculators-eagle3", tmp_path / "x")
+    wider = deep_target(1)
+    wider.resize_token_embeddings(V + 1)
+    with pytest.raises(ValueError, match="carries the target's input embedding .* give the target"):
+        export_eagle3(draft, "speculators-eagle3", tmp_path / "x")
+    with pytest.raises(ValueError, match=r"input embedding is \(97, 48\).* give the target it was trained on"):
+        export_eagle3(draft, "speculators-eagle3", tmp_path / "x", target=wider)
     with pytest.raises(ValueError, match=r"include hidden_states\[8\], which transformers norms"):
         export_eagle3(random_draft(target, feature_layers=[2, 4, 8]), "eagle3", tmp_path / "x", target=target)
     shuffled = random_draft(target)

