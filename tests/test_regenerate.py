@@ -440,8 +440,13 @@ def test_regeneration_stays_within_the_models_positions(tmp_path, monkeypatch, c
     out = tmp_path / "out"
     main(args_of({"model": str(path), "dataset": str(write_jsonl(tmp_path / "c.jsonl", chats)),
                   "output_dir": str(out), "temperature": 0.0, "batch_size": 2}))
-    assert "more than the model's 64 positions" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "more than the model's 64 positions" in printed
     rows = rows_of(out)
+    answered = sum([t["role"] for t in r["messages"]].count("assistant") for r in rows)
+    cut = json.loads((out / "regeneration.json").read_text())["dropped_turns"]
+    assert cut == {"conversations": 3, "turns": 3 * 4 - answered}  # every answer is either written or counted
+    assert f"note: 3 conversations outgrew --max_length or the model's positions and end early: {cut['turns']} " in printed
     assert len(rows) == 3
     # every generated token (loss-bearing) sat at a position the model has; the template's closing may follow
     assert all(max(i for i, m in enumerate(r["loss_mask"]) if m) < 64 for r in rows)

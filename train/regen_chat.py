@@ -74,6 +74,7 @@ class Chat:
     ids: list[int] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
     stopped: bool = False  # whether the last answer ended with a stop token (its end-of-turn is then trained on)
+    dropped: int = 0  # answers left out because the conversation outgrew max_length / the model's positions
 
     def render(self, tokenizer, answered: int, generation_prompt: bool) -> str:
         """The template's text of the slots up to the `answered`-th answer (excluded with a generation prompt,
@@ -115,7 +116,7 @@ class Chat:
         answers = iter(self.answers)
         turns = [s if s is not None else {"role": "assistant", "content": next(answers)}
                  for s in self.slots[: ends[len(self.answers) - 1] + 1]]
-        return {"messages": turns, "input_ids": ids, "loss_mask": mask}
+        return {"messages": turns, "input_ids": ids, "loss_mask": mask, "dropped_turns": self.dropped}
 
 
 def conversation(messages_json: str) -> tuple[list[dict[str, Any] | None] | None, str | None]:

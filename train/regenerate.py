@@ -90,6 +90,7 @@ ROW_FEATURES = datasets.Features({
     "input_ids": datasets.List(datasets.Value("int32")),
     "loss_mask": datasets.List(datasets.Value("int8")),
     "skipped": datasets.Value("string"),  # in shards only: why an item gave no row
+    "dropped_turns": datasets.Value("int32"),  # in shards only: later answers cut because the chat outgrew the window
 })
 
 
@@ -214,7 +215,7 @@ def regenerate_shard(generator: Generator, tokenizer, rows: dict[str, list], cfg
     """The regenerated rows of one shard's items (one row per item; a skipped item's says why in `skipped`)."""
     n = len(rows["item"])
     out: list[dict[str, Any]] = [{"item": rows["item"][i], "messages": None, "text": None, "input_ids": None,
-                                  "loss_mask": None, "skipped": None} for i in range(n)]
+                                  "loss_mask": None, "skipped": None, "dropped_turns": 0} for i in range(n)]
     windows = [i for i in range(n) if rows["input_ids"][i] is not None]
     for start in range(0, len(windows), cfg.batch_size):  # prompts alike in length: one budget, no padding
         batch = windows[start : start + cfg.batch_size]
@@ -257,7 +258,8 @@ def regenerate_chats(generator: Generator, tokenizer, chats: list[Chat], cfg: Re
             except jinja2.TemplateError as e:
                 yield chat, f"the chat template refused it: {e}"
                 continue
-            if len(prompt) >= cfg.max_length:
+            if len(prompt) >= cfg.max_length:  # the conversation outgrew the window: it ends with its last answer
+                chat.dropped = chat.slots.count(None) - len(chat.answers)
                 yield chat, (None if chat.answers else f"the first prompt has {len(prompt)} >= max_length tokens")
                 continue
             asks.append((chat, prompt, mask))
@@ -389,7 +391,8 @@ def merge(out: Path, shards: int, output_format: str, record: dict[str, Any], re
     """Join the shards into the saved dataset (or JSONL), mark the record complete, delete the shards."""
     parts = datasets.concatenate_datasets([datasets.Dataset.from_file(str(shard_path(out, s))) for s in range(shards)])
     skipped = Counter(r for r in parts["skipped"] if r is not None)
-    kept = parts.filter(lambda why: why is None, input_columns="skipped").remove_columns("skipped")
+    dropped = parts.filter(lambda why, n: why is None and n > 0, input_columns=["skipped", "dropped_turns"])
+    kept = parts.filter(lambda why: why is None, input_columns="skipped").remove_columns(["skipped", "dropped_turns"])
     if len(kept) == 0:
         raise DataError(f"no item could be regenerated ({', '.join(f'{n} x {why}' for why, n in skipped.items())})")
     if output_format == "jsonl":
@@ -401,11 +404,16 @@ def merge(out: Path, shards: int, output_format: str, record: dict[str, Any], re
         atomic_write(out / JSONL_FILE, lines)
     else:
         save_dataset(kept, out)
-    write_json(out / REGENERATION_FILE, record | {"complete": True, "rows": len(kept), "skipped": dict(skipped)})
+    cut = {"conversations": len(dropped), "turns": sum(dropped["dropped_turns"])}
+    write_json(out / REGENERATION_FILE, record | {"complete": True, "rows": len(kept), "skipped": dict(skipped),
+                                                  "dropped_turns": cut})
     shutil.rmtree(out / "shards")
     if report:
-            print(f"regenerated {len(kept)} items into {out}" + (f" ({sum(skipped.values())} skipped: "
+        print(f"regenerated {len(kept)} items into {out}" + (f" ({sum(skipped.values())} skipped: "
               + ", ".join(f"{n} x {why}" for why, n in skipped.items()) + ")" if skipped else ""))
+        if cut["turns"]:
+            print(f"note: {cut['conversations']} conversations outgrew --max_length or the model's positions and end "
+                  f"early: {cut['turns']} later answers were not regenerated")
 
 
 def save_dataset(rows: datasets.Dataset, out: Path) -> None:
