@@ -113,6 +113,8 @@ class MedusaProposer:
     def propose_batch(self, roots: torch.Tensor, hiddens: torch.Tensor) -> torch.Tensor:
         """Every row's tree tokens at once (Medusa reads nothing but the newest hidden state): roots (B,) and
         the hidden states that produced them (B, H) -> tokens (B, N) of `self.tree`, root first."""
+        if self.max_nodes == 1:  # a fitted tree of the root alone (no draft paid off): the heads need not run
+            return roots[:, None]
         logits = torch.stack(self.heads(hiddens.to(self.dtype), self.lm_head), dim=1)  # (B, K, V)
         top = logits.topk(self.top_k, dim=-1).indices  # (B, K, k)
         return torch.cat([roots[:, None], top[:, self.node_head, self.node_rank]], dim=1)

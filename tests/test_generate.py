@@ -47,6 +47,16 @@ def test_greedy_identical_to_generate(model, seed):
             assert out[0, length:].tolist() == ref, (length, n)
 
 
+def test_a_root_only_tree_skips_the_heads_and_decodes_as_plain(model, monkeypatch):
+    heads = random_heads(model)  # a tree fit that found no draft worth verifying keeps the root alone
+    monkeypatch.setattr(heads, "forward", lambda *a, **k: pytest.fail("the heads ran for a root-only tree"))
+    spec = SpeculativeModel(model, MedusaProposer(heads, model.get_output_embeddings(), []))
+    prompt = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    assert spec.generate(prompt[:1], max_new_tokens=12)[0, 6:].tolist() == plain_greedy(model, prompt[:1], 12)
+    out = spec.generate(prompt, max_new_tokens=12)  # the batched path
+    assert [row[6:].tolist() for row in out] == [plain_greedy(model, p[None], 12) for p in prompt]
+
+
 def test_greedy_stops_at_eos_like_generate(model):
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, VOCAB, (1, 9), generator=gen)
