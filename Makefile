@@ -6,7 +6,6 @@ VENV ?= .venv
 VENV_ARGS ?=
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
-export HF_HUB_OFFLINE ?= 1
 
 .PHONY: demo test lint bench bench-gpu clean-demo real-model real-demo chat-prompts
 
@@ -36,20 +35,20 @@ chat-prompts: real-model
 
 # model -> regenerate the chats -> train EAGLE-3 and Medusa -> bench on the held-out chat prompts (CPU, float32)
 ACCEL := $(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu.yaml
-REAL_BENCH_PROMPTS ?= 24
+REAL_BENCH_PROMPTS ?= 12
 real-demo: real-model
 	$(ACCEL) train/regenerate.py --config configs/regenerate/smollm2-chat.yaml
 	$(ACCEL) train/eagle.py --config configs/eagle/smollm2-eagle3.yaml
 	$(ACCEL) train/medusa.py --config configs/medusa/smollm2.yaml
 	$(PY) -m infer bench --model smollm2 --heads outputs/eagle3-smollm2 --heads outputs/medusa-smollm2 \
 		--prompt-lookup --prompts shipped/chat/smollm2-heldout.jsonl --num-prompts $(REAL_BENCH_PROMPTS) \
-		--max-new-tokens 256 --dtype float32 --batch-size 1 4 --json outputs/bench-smollm2.json
+		--max-new-tokens 256 --dtype float32 --batch-size 1 4 --latency --json outputs/bench-smollm2.json
 
 # pytest runs TEST_WORKERS processes side by side (pytest-xdist), each with cores / workers torch threads
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -n $(TEST_WORKERS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(TEST_WORKERS)  # the tests use only the models the project builds
 
 # On a GPU machine (build the venv with a CUDA torch: make bench-gpu TORCH_SPEC=torch): the CUDA tests, then the
 # bench in bf16 at batch 1 and 8, eager and compiled. HEADS: the trained drafters (make demo writes these two).

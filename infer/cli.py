@@ -563,11 +563,15 @@ COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune, "imp
             "export": cmd_export, "push": cmd_push, "draft-vocab": cmd_draft_vocab}
 
 
-def run(argv: list[str]) -> None:
-    args = build_parser().parse_args(argv)
-    COMMANDS[args.command](args)
-
-
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = PROG) -> None:
     """The command line: a user error ends in one `error: ...` line and exit status 2 (`--debug`: the traceback)."""
-    run_main(run, argv, prog=PROG)
+    def run(args: list[str]) -> None:
+        parsed = build_parser(prog).parse_args(args)
+        COMMANDS[parsed.command](parsed)
+
+    run_main(run, argv, prog=prog)
+
+
+def console() -> None:
+    """The `selfspec` console script: the same commands, naming itself `selfspec` in usage and errors."""
+    main(prog="selfspec")

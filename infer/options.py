@@ -117,8 +117,8 @@ def output_file(option: str, path: str | None) -> None:
         raise ValueError(f"{option} {path}: the folder {out.parent} is not writable")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog=PROG, description=DESCRIPTION)
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    parser = Parser(prog=prog, description=DESCRIPTION)
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error instead of one line (also: SELFSPEC_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)

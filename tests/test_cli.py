@@ -453,3 +453,17 @@ def test_a_prompt_rendered_with_its_bos_gets_no_second_one():
     rendered = encode_prompt(tok, "<bos>def add(a, b):")[0].tolist()
     assert plain[0] == tok.bos_token_id and plain[1] != tok.bos_token_id
     assert rendered == plain
+
+
+def test_the_console_script_names_itself_selfspec(monkeypatch, capsys):
+    from infer.cli import console
+
+    monkeypatch.setattr(sys, "argv", ["selfspec", "generate", "--heads", "/no/such/heads", "--prompt", "x"])
+    with pytest.raises(SystemExit) as exit_info:
+        console()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("selfspec: error: ")
+    monkeypatch.setattr(sys, "argv", ["selfspec", "no-such-command"])
+    with pytest.raises(SystemExit):
+        console()
+    assert capsys.readouterr().err.startswith("usage: selfspec ")
