@@ -466,4 +466,4 @@ def test_the_console_script_names_itself_selfspec(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["selfspec", "no-such-command"])
     with pytest.raises(SystemExit):
         console()
-    assert capsys.readouterr().err.startswith("usage: selfspec ")
+    assert capsys.readouterr().err.startswith("selfspec: error: argument command: invalid choice: 'no-such-command'")

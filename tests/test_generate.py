@@ -52,9 +52,10 @@ def test_a_root_only_tree_skips_the_heads_and_decodes_as_plain(model, monkeypatc
     monkeypatch.setattr(heads, "forward", lambda *a, **k: pytest.fail("the heads ran for a root-only tree"))
     spec = SpeculativeModel(model, MedusaProposer(heads, model.get_output_embeddings(), []))
     prompt = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
-    assert spec.generate(prompt[:1], max_new_tokens=12)[0, 6:].tolist() == plain_greedy(model, prompt[:1], 12)
-    out = spec.generate(prompt, max_new_tokens=12)  # the batched path
-    assert [row[6:].tolist() for row in out] == [plain_greedy(model, p[None], 12) for p in prompt]
+    assert spec.generate(prompt[:1], max_new_tokens=12, eos_token_id=[])[0, 6:].tolist() == \
+        plain_greedy(model, prompt[:1], 12, eos=[])
+    out = spec.generate(prompt, max_new_tokens=12, eos_token_id=[])  # the batched path
+    assert [row[6:].tolist() for row in out] == [plain_greedy(model, p[None], 12, eos=[]) for p in prompt]
 
 
 def test_greedy_stops_at_eos_like_generate(model):

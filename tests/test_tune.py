@@ -132,7 +132,8 @@ class FakeSpec:
     def generate(self, ids, max_new_tokens, eos_token_id, do_sample, attention_mask=None):
         assert do_sample is False  # tuning times greedy decoding, whatever the target's generation_config says
         rows = ids.shape[0]
-        assert (attention_mask is None) == (rows == 1)
+        # a batch of one gets an all-ones mask (no pad id inferred from chat tokens); a padded batch its own
+        assert attention_mask is not None and (rows > 1 or bool(attention_mask.all()))
         FakeSpec.rows.append(rows)
         prompt = int(ids[-1, -3])  # the last row is never padded
         FakeSpec.log.append((self.setting, prompt))
