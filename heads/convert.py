@@ -12,13 +12,13 @@ from pathlib import Path
 
 from torch import nn
 
-from heads.eagle import EagleDraft
-from heads.eagle3 import Eagle3Draft
-from heads.eagle3_formats import EAGLE3_FORMATS, detect_eagle3_format, export_eagle3, import_eagle3
-from heads.eagle_formats import EAGLE_FORMATS, detect_eagle_format, export_eagle, import_eagle
-from heads.io import PretrainedHeads, read_config_json
-from heads.medusa import MedusaHeads
-from heads.medusa_formats import MEDUSA_FORMATS, detect_medusa_format, export_medusa, import_medusa
+from selfspec.heads.eagle import EagleDraft
+from selfspec.heads.eagle3 import Eagle3Draft
+from selfspec.heads.eagle3_formats import EAGLE3_FORMATS, detect_eagle3_format, export_eagle3, import_eagle3
+from selfspec.heads.eagle_formats import EAGLE_FORMATS, detect_eagle_format, export_eagle, import_eagle
+from selfspec.heads.io import PretrainedHeads, read_config_json
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.heads.medusa_formats import MEDUSA_FORMATS, detect_medusa_format, export_medusa, import_medusa
 
 EXPORT_FORMATS = MEDUSA_FORMATS + EAGLE_FORMATS + EAGLE3_FORMATS
 
@@ -41,7 +41,7 @@ def import_heads(directory: str | Path, format: str | None = None, base_model: s
         files = sorted(p.name for p in directory.iterdir())
         raise ValueError(f"{directory} holds no Medusa or EAGLE checkpoint layout this project knows (files: "
                          f"{files}): give a drafter's folder, not a model's; a drafter in a layout not detected "
-                         f"is read by python -m infer import --src {directory} --format <{'|'.join(EXPORT_FORMATS)}> "
+                         f"is read by selfspec import --src {directory} --format <{'|'.join(EXPORT_FORMATS)}> "
                          "--out DIR")
     if fmt in MEDUSA_FORMATS:
         return import_medusa(directory, fmt, base_model=base_model, vocab_size=vocab_size)

@@ -25,9 +25,9 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from heads.config import HeadsConfig
-from heads.io import PretrainedHeads
-from heads.projection import apply_head, is_plain_linear, vocab_logits
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.io import PretrainedHeads
+from selfspec.heads.projection import apply_head, is_plain_linear, vocab_logits
 
 
 def _rope(config: Any) -> dict[str, Any]:

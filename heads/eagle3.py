@@ -29,8 +29,8 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from heads.config import HeadsConfig
-from heads.eagle import (
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.eagle import (
     DraftCache,
     DraftVocabulary,
     Float32RotaryEmbedding,
@@ -39,8 +39,8 @@ from heads.eagle import (
     llama_config,
     project,
 )
-from heads.io import PretrainedHeads
-from heads.projection import apply_head
+from selfspec.heads.io import PretrainedHeads
+from selfspec.heads.projection import apply_head
 
 
 def default_feature_layers(num_layers: int) -> list[int]:

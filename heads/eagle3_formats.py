@@ -110,10 +110,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from heads.config import DTYPES, HeadsConfig
-from heads.eagle import llama_config
-from heads.eagle3 import Eagle3Draft
-from heads.eagle_formats import (
+from selfspec.heads.config import DTYPES, HeadsConfig
+from selfspec.heads.eagle import llama_config
+from selfspec.heads.eagle3 import Eagle3Draft
+from selfspec.heads.eagle_formats import (
     CONFIG_FIELDS,
     WEIGHTS,
     check_target,
@@ -124,9 +124,9 @@ from heads.eagle_formats import (
     weight_names,
     write_weights,
 )
-from heads.io import atomic_write, read_config_json
-from heads.medusa_formats import base_model_field
-from shipped.models import resolve_model
+from selfspec.heads.io import atomic_write, read_config_json
+from selfspec.heads.medusa_formats import base_model_field
+from selfspec.shipped.models import resolve_model
 
 EMBED_KEY = "embed_tokens.weight"
 INPUT_NORM = "input_norm.weight"  # norm_before_fc's RMSNorm over the fc input, named alike by every engine

@@ -62,10 +62,10 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig
 
-from heads.config import DTYPES, HeadsConfig, check_compatible
-from heads.eagle import EagleDraft, layer_fields, llama_config
-from heads.io import atomic_write, read_config_json, read_state_dict
-from heads.medusa_formats import load_strict
+from selfspec.heads.config import DTYPES, HeadsConfig, check_compatible
+from selfspec.heads.eagle import EagleDraft, layer_fields, llama_config
+from selfspec.heads.io import atomic_write, read_config_json, read_state_dict
+from selfspec.heads.medusa_formats import load_strict
 
 EMBED_KEY = "embed_tokens.weight"
 WEIGHTS = {"safetensors": "model.safetensors", "bin": "pytorch_model.bin"}

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from heads.config import HeadsConfig
+from selfspec.heads.config import HeadsConfig
 
 WEIGHTS_NAME = "model.safetensors"
 HEAD_FILES = ["config.json", WEIGHTS_NAME, "README.md"]
@@ -22,7 +22,7 @@ PUBLISHED_FILES = ["medusa_lm_head.*", "model*.safetensors", "model.safetensors.
 # A Medusa-2 checkpoint's adapted target: the LoRA adapter (peft's files), or the merged model (HeadsConfig fields)
 TARGET_FOLDERS = ["adapter/*", "target/*"]
 RECIPE_NAME = "training_args.json"  # written next to the heads by the training loop
-BENCH_NAME = "bench.json"  # `python -m infer bench --json DIR/bench.json`
+BENCH_NAME = "bench.json"  # `selfspec bench --json DIR/bench.json`
 
 
 def _shape(config: HeadsConfig) -> str:
@@ -49,15 +49,15 @@ tags: [speculative-decoding, {config.kind}, selfspec]
 target's own, sampled output has the target's distribution.
 
 ```python
-from infer.generate import SpeculativeModel
+from selfspec.infer.generate import SpeculativeModel
 model = SpeculativeModel.from_pretrained("path/to/this/folder")
 ```
 {extra}"""
 
 
-def resolve_heads(name_or_path: str | Path) -> Path:
-    """A local heads directory as is; otherwise a Hub repo id, downloaded (or found in the HF cache) with the
-    files either selfspec's layout or a published checkpoint's needs."""
+def resolve_heads(name_or_path: str | Path, revision: str | None = None, token: str | bool | None = None) -> Path:
+    """A local heads directory as is; otherwise a Hub repo id, downloaded (or found in the HF cache) at `revision`
+    with the files either selfspec's layout or a published checkpoint's needs."""
     path = Path(name_or_path)
     if path.is_dir() or path.exists() or str(name_or_path).startswith((".", "/")) or str(name_or_path).count("/") != 1:
         return path
@@ -65,7 +65,7 @@ def resolve_heads(name_or_path: str | Path) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(str(name_or_path), allow_patterns=HEAD_FILES + PUBLISHED_FILES + TARGET_FOLDERS))
+        return Path(snapshot_download(str(name_or_path), revision=revision, token=token, allow_patterns=HEAD_FILES + PUBLISHED_FILES + TARGET_FOLDERS))
     except LocalEntryNotFoundError:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         why = "HF_HUB_OFFLINE=1 forbids downloading" if offline else "the Hub could not be reached"
@@ -84,7 +84,7 @@ def _bench_table(bench: dict) -> str:
                     f"{'yes' if m['identical_to_baseline'] else 'no'} |")
     setup = (f"{bench.get('num_prompts', '?')} prompts x {bench.get('max_new_tokens', '?')} new tokens, greedy, "
              f"{bench.get('dtype', '?')}, {bench.get('threads', '?')} threads, baseline `model.generate`")
-    return f"\n## Measured (python -m infer bench)\n\n{setup}.\n\n" + "\n".join(rows) + "\n"
+    return f"\n## Measured (selfspec bench)\n\n{setup}.\n\n" + "\n".join(rows) + "\n"
 
 
 def card_for(directory: str | Path) -> str:

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from heads.config import HeadsConfig, read_json_object
-from heads.errors import disk_full_instead
-from heads.hub import WEIGHTS_NAME, model_card, push_to_hub, resolve_heads
+from selfspec.heads.config import HeadsConfig, read_json_object
+from selfspec.heads.errors import disk_full_instead
+from selfspec.heads.hub import WEIGHTS_NAME, model_card, push_to_hub, resolve_heads
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # a model's or drafter's weight files
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from heads.config import HeadsConfig
-from heads.io import PretrainedHeads
-from heads.projection import apply_head
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.io import PretrainedHeads
+from selfspec.heads.projection import apply_head
 
 
 class ResBlock(nn.Module):

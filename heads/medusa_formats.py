@@ -60,10 +60,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from heads.config import DTYPES, HeadsConfig
-from heads.io import atomic_write, read_config_json, read_state_dict
-from heads.medusa import MedusaHeads
-from shipped.models import hub_id, resolve_model
+from selfspec.heads.config import DTYPES, HeadsConfig
+from selfspec.heads.io import atomic_write, read_config_json, read_state_dict
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.shipped.models import hub_id, resolve_model
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from heads.config import HeadsConfig, read_json_object
-from heads.convert import import_heads
-from heads.eagle import EagleDraft
-from heads.eagle3 import Eagle3Draft
-from heads.hub import resolve_heads
-from heads.io import PretrainedHeads
-from heads.medusa import MedusaHeads
+from selfspec.heads.config import HeadsConfig, read_json_object
+from selfspec.heads.convert import import_heads
+from selfspec.heads.eagle import EagleDraft
+from selfspec.heads.eagle3 import Eagle3Draft
+from selfspec.heads.hub import resolve_heads
+from selfspec.heads.io import PretrainedHeads
+from selfspec.heads.medusa import MedusaHeads
 
 DRAFTERS: dict[str, type[PretrainedHeads]] = {"medusa": MedusaHeads, "eagle": EagleDraft, "eagle3": Eagle3Draft}
 
@@ -25,16 +25,17 @@ def is_published(directory: str | Path) -> bool:
     return path.is_file() and "kind" not in read_json_object(path)
 
 
-def load_heads(name_or_path: str | Path, device: str | torch.device = "cpu",
-               base_model: str | None = None) -> PretrainedHeads:
+def load_heads(name_or_path: str | Path, device: str | torch.device = "cpu", base_model: str | None = None,
+               revision: str | None = None, token: str | bool | None = None) -> PretrainedHeads:
     """Load a drafter from a local directory or a Hub repo id: selfspec's own layout by the `kind` in its
     config.json, or a published Medusa / EAGLE checkpoint as it is, converted in memory (the layout detected
-    from its files as `python -m infer import` does; nothing is written).
+    from its files as `selfspec import` does; nothing is written).
 
     `base_model` is the target (a name or path) a published checkpoint is loaded for: its config then names
     that one (published EAGLE checkpoints name none), and EAGLE-3 checkpoints that name no fused layers take
-    the target's default ones. selfspec's own directories keep the target they name."""
-    directory = resolve_heads(name_or_path)
+    the target's default ones. selfspec's own directories keep the target they name. `revision` and `token` are
+    the Hub's, for a repo id."""
+    directory = resolve_heads(name_or_path, revision=revision, token=token)
     if is_published(directory):
         return import_heads(directory, base_model=base_model or None).to(device)
     return DRAFTERS[HeadsConfig.load(directory).kind].from_pretrained(directory, device)

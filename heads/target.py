@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from heads.config import HeadsConfig
+from selfspec.heads.config import HeadsConfig
 
 ADAPTED = "_selfspec_adapter"  # attribute marking a model load_target adapted: the adapter folder it merged
 
@@ -52,7 +52,7 @@ def load_target(heads: Any, name: str | None = None, load: Any = None, **kwargs:
     model (default AutoModelForCausalLM.from_pretrained)."""
     from transformers import AutoModelForCausalLM
 
-    from shipped.models import resolve_model
+    from selfspec.shipped.models import resolve_model
 
     load = load or AutoModelForCausalLM.from_pretrained
     config: HeadsConfig = heads.config

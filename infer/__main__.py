@@ -1,3 +1,5 @@
-from infer.cli import main
+"""`python -m infer ...` in a checkout, kept for scripts written before `selfspec`: the same as `python -m selfspec`."""
+
+from selfspec.infer.cli import main
 
 main()

@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-from infer.generate import SpeculativeModel, eos_set
-from infer.tree import LatencyCurve, tree_from_parents
-from shipped.stdlib_corpus import stdlib_files
+from selfspec.infer.arguments import eos_set
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.tree import LatencyCurve, tree_from_parents
+from selfspec.shipped.stdlib_corpus import stdlib_files
 
 # a method under test: (ids (B, T) left-padded, attention_mask (B, T)) -> each row's new tokens (up to and
 # including its first EOS), and the call's stats (None: it keeps none)
@@ -418,9 +419,9 @@ def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int
     Each size keeps the 20th percentile of its rounds and the curve is made non-decreasing in n
     (tree.LatencyCurve); its `spread` says how disturbed the timings were.
     """
-    from infer.cache import new_cache
-    from infer.mask import PrefixMask
-    from infer.target import Target
+    from selfspec.infer.cache import new_cache
+    from selfspec.infer.mask import PrefixMask
+    from selfspec.infer.target import Target
 
     target = Target(model)
     vocab, largest = target.vocab_size, max(sizes)

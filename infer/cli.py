@@ -1,4 +1,4 @@
-"""`python -m infer generate | bench | tune | import | export | push | draft-vocab`: speculative decoding and
+"""`selfspec generate | bench | tune | import | export | push | draft-vocab`: speculative decoding and
 the checkpoint tools from the command line.
 
 Drafters: trained heads directories (`--heads`, Medusa or EAGLE), a separate small draft model
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import SafetensorError
 
-from heads.errors import describe, run_main
-from heads.io import saved_model_files
-from infer.options import (
+from selfspec.heads.errors import describe, run_main
+from selfspec.heads.io import saved_model_files
+from selfspec.infer.options import (
     BENCH_PROMPTS,
     DTYPES,
     NUM_DRAFT_TOKENS,
@@ -31,11 +31,11 @@ from infer.options import (
 )
 
 if TYPE_CHECKING:
-    from heads.config import HeadsConfig
-    from heads.io import PretrainedHeads
-    from infer.generate import SpeculativeModel
+    from selfspec.heads.config import HeadsConfig
+    from selfspec.heads.io import PretrainedHeads
+    from selfspec.infer.generate import SpeculativeModel
 
-EAGLE_OPTIONS = {"depth": "depth", "top_k": "draft_top_k", "total_tokens": "total_tokens"}  # kwarg: args dest
+EAGLE_OPTIONS = {"draft_depth": "depth", "draft_top_k": "draft_top_k", "draft_total_tokens": "total_tokens"}  # kwarg: args dest
 
 
 def load_pretrained(option: str, name: str, loader: Callable[..., Any], path: str, **kwargs: Any) -> Any:
@@ -55,8 +55,8 @@ def load_pretrained(option: str, name: str, loader: Callable[..., Any], path: st
 def _drafters(heads_dirs: list[str], device: str, model: str | None) -> list[PretrainedHeads]:
     """Each heads directory or Hub id loaded once (selfspec's layout, or a published checkpoint converted in
     memory for `model` when given), or a clear error."""
-    from heads.hub import resolve_heads
-    from heads.registry import load_heads
+    from selfspec.heads.hub import resolve_heads
+    from selfspec.heads.registry import load_heads
 
     drafters = []
     for heads in heads_dirs:
@@ -96,9 +96,9 @@ def _load(
     checks what it can before the target's weights load."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from heads.target import adapted_target_dir, load_target
-    from infer.generate import SpeculativeModel
-    from shipped.models import resolve_model
+    from selfspec.heads.target import adapted_target_dir, load_target
+    from selfspec.infer.generate import SpeculativeModel
+    from selfspec.shipped.models import resolve_model
 
     drafters = _drafters(heads_dirs, args.device, args.model)
     configs = [drafter.config for drafter in drafters]
@@ -142,7 +142,7 @@ def _load(
         except ValueError as e:
             raise ValueError(f"--heads {heads}: {e}") from None
         if getattr(args, "lookup_first", False):
-            from infer.prompt_lookup import LookupFirst, PromptLookupProposer
+            from selfspec.infer.prompt_lookup import LookupFirst, PromptLookupProposer
 
             lookup = PromptLookupProposer(args.prompt_lookup_tokens, device=args.device)
             if args.command == "generate":
@@ -154,7 +154,7 @@ def _load(
     if args.draft_model:
         specs.append(SpeculativeModel(model, _draft_proposer(args, model)))
     if args.prompt_lookup:
-        from infer.prompt_lookup import PromptLookupProposer
+        from selfspec.infer.prompt_lookup import PromptLookupProposer
 
         specs.append(SpeculativeModel(model, PromptLookupProposer(args.prompt_lookup_tokens, device=args.device)))
     if getattr(args, "compile", False):
@@ -167,8 +167,8 @@ def _draft_proposer(args: argparse.Namespace, model: Any):
     """The draft-model drafter: `--draft-model` loaded in the target's dtype on its device."""
     from transformers import AutoModelForCausalLM
 
-    from infer.draft_model import DraftModelProposer
-    from shipped.models import resolve_model
+    from selfspec.infer.draft_model import DraftModelProposer
+    from selfspec.shipped.models import resolve_model
 
     path = resolve_model(args.draft_model)
     draft = load_pretrained("--draft-model", args.draft_model, AutoModelForCausalLM.from_pretrained, path,
@@ -210,9 +210,9 @@ def check_drafter_options(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from infer.bench import encode_prompt
-    from infer.generate import fit_budget, max_positions
-    from infer.generation_config import sampling_params
+    from selfspec.infer.arguments import fit_budget, max_positions
+    from selfspec.infer.bench import encode_prompt
+    from selfspec.infer.generation_config import resolve
 
     check_drafter_options(args)
     given = sum(map(bool, (args.heads, args.draft_model, args.prompt_lookup)))
@@ -235,15 +235,18 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     model, tokenizer, (spec,) = _load(args, [args.heads] if args.heads else [], fit)
     truncating = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
-    if truncating and sampling_params(model.generation_config, None, args.temperature).temperature == 0:
+    # the command line's rule: --temperature above 0 samples, 0 is greedy, none leaves it to the generation config
+    do_sample = None if args.temperature is None else args.temperature > 0
+    sampling = {k: v for k, v in (("do_sample", do_sample), ("temperature", args.temperature or None),
+                                  ("top_k", args.top_k), ("top_p", args.top_p)) if v is not None}
+    if truncating and resolve(model.generation_config, **sampling).params.temperature == 0:
         why = "--temperature 0" if args.temperature == 0 else "no --temperature, and the model's generation_config " \
               "does not sample"
         raise ValueError(f"{' and '.join(truncating)} only apply when sampling, but this run is greedy ({why}): add "
                          "--temperature T above 0, or drop them")
     ids = encode_prompt(tokenizer, args.prompt).to(args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, generator=generator)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, generator=generator, **sampling)
     pieces = []
     for piece in spec.stream(ids, tokenizer, **kwargs):
         pieces.append(piece)
@@ -260,7 +263,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from infer.bench import (
+    from selfspec.infer.arguments import max_positions
+    from selfspec.infer.bench import (
         check_plot_file,
         default_prompts,
         encode_prompt,
@@ -272,8 +276,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         run_bench,
         speculative_runner,
     )
-    from infer.generate import SpeculativeModel, max_positions
-    from infer.proposers import NoDraft
+    from selfspec.infer.generate import SpeculativeModel
+    from selfspec.infer.proposers import NoDraft
 
     # everything that can fail without the model fails before it loads
     check_drafter_options(args)
@@ -341,7 +345,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         results[size] = run_bench(model, tokenizer, chosen, prompts, chains=chains, batch_size=size, pad_token_id=pad)
     print(format_tables(results))
     if args.latency:
-        from infer.bench import format_latency, latency_report
+        from selfspec.infer.bench import format_latency, latency_report
 
         for size in sizes:  # after the decoding: its timings are not disturbed by these
             report = latency_report(model, results[size], tree_nodes, batch_size=size)
@@ -362,8 +366,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def calibration_texts(path: str | None, count: int) -> list[Any]:
     """Prompts to measure acceptance on: a .jsonl of {"prompt": ...} or {"messages": ...}, else files from the
     demo corpus's validation split (never trained on)."""
-    from infer.bench import load_prompts
-    from shipped.stdlib_corpus import stdlib_texts
+    from selfspec.infer.bench import load_prompts
+    from selfspec.shipped.stdlib_corpus import stdlib_texts
 
     if path:
         return load_prompts(path)[:count]
@@ -374,23 +378,23 @@ def calibration_texts(path: str | None, count: int) -> list[Any]:
 def calibration_prompts(tokenizer, texts: list[Any], length: int | None = 32) -> list[torch.Tensor]:
     """The first `length` tokens of each calibration text (all of them with None, as for a prompts file: a chat
     rendered by its template is mostly system prompt in its first 32 tokens)."""
-    from infer.bench import encode_prompt, render_prompts
+    from selfspec.infer.bench import encode_prompt, render_prompts
 
     return [encode_prompt(tokenizer, t)[0, :length] for t in render_prompts(texts, tokenizer)]
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
-    from heads.io import atomic_write
-    from heads.registry import is_published
-    from infer.eagle import EagleProposer
-    from infer.tune import eagle_grid, format_rows, format_tree_rows, tune_eagle, tune_medusa
+    from selfspec.heads.io import atomic_write
+    from selfspec.heads.registry import is_published
+    from selfspec.infer.eagle import EagleProposer
+    from selfspec.infer.tune import eagle_grid, format_rows, format_tree_rows, tune_eagle, tune_medusa
 
     if not Path(args.heads, "config.json").is_file():
         raise ValueError(f"--heads {args.heads}: tune stores its result in a local heads directory; "
                          "download Hub heads first (huggingface-cli download ID --local-dir DIR)")
     if is_published(args.heads):
         raise ValueError(f"--heads {args.heads}: tune stores its result in the heads' config.json, and this one is "
-                         f"a published checkpoint's: write it in selfspec's layout first (python -m infer import "
+                         f"a published checkpoint's: write it in selfspec's layout first (selfspec import "
                          f"--src {args.heads} --out DIR)")
     texts = calibration_texts(args.prompts, args.num_prompts)  # a bad --prompts file fails before the model loads
     model, tokenizer, (spec,) = _load(args, [args.heads])
@@ -432,7 +436,7 @@ def refuse_to_overwrite(out: str) -> None:
 
 
 def cmd_import(args: argparse.Namespace) -> None:
-    from heads.convert import import_heads
+    from selfspec.heads.convert import import_heads
 
     refuse_to_overwrite(args.out)
     heads = import_heads(args.src, args.format, base_model=args.base_model, vocab_size=args.vocab_size)
@@ -442,10 +446,10 @@ def cmd_import(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
 
-    from heads.config import check_compatible
-    from heads.convert import export_heads
-    from heads.registry import load_heads
-    from heads.target import load_target
+    from selfspec.heads.config import check_compatible
+    from selfspec.heads.convert import export_heads
+    from selfspec.heads.registry import load_heads
+    from selfspec.heads.target import load_target
 
     refuse_to_overwrite(args.out)
     heads = load_heads(args.heads, base_model=args.model or args.base_model)
@@ -481,7 +485,7 @@ def cmd_draft_vocab(args: argparse.Namespace) -> None:
                "--draft_vocab_size" if config.kind == "eagle3" else "Medusa heads draft over the whole vocabulary")
         raise ValueError(f"--heads {args.heads} are {config.kind} heads; draft-vocab restricts EAGLE-1/2 "
                          f"drafters ({why})")
-    from infer.tree import choices_width
+    from selfspec.infer.tree import choices_width
 
     widest = max(config.top_k, choices_width(config.tree))
     if args.token_map:
@@ -497,7 +501,7 @@ def cmd_draft_vocab(args: argparse.Namespace) -> None:
 def _token_map_ids(path: str, vocab: int, size: int | None, widest: int) -> tuple[torch.Tensor, str]:
     """The target ids of an FR-Spec / SGLang token map (a torch-saved list or tensor of token ids, most frequent
     first), its first `size` when given; at least `widest`, the tokens the drafter's tree takes per node."""
-    from heads.eagle_formats import read_token_map
+    from selfspec.heads.eagle_formats import read_token_map
 
     ids = read_token_map(path, vocab)[:size]
     if ids.numel() < widest:
@@ -511,10 +515,10 @@ def _frequent_ids(args: argparse.Namespace, config: HeadsConfig, widest: int) ->
     fit the drafter before any counting), and what share of the dataset's tokens they cover."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from shipped.models import resolve_model
-    from train.data import DataError, load_examples
-    from train.eagle import default_draft_vocab_size
-    from train.eagle3 import most_frequent, token_counts
+    from selfspec.shipped.models import resolve_model
+    from selfspec.train.data import DataError, load_examples
+    from selfspec.train.eagle import default_draft_vocab_size
+    from selfspec.train.eagle3 import most_frequent, token_counts
 
     if not args.dataset:
         raise ValueError("give --dataset (data like the target's traffic, whose most frequent tokens are kept) or "
@@ -553,14 +557,32 @@ def _frequent_ids(args: argparse.Namespace, config: HeadsConfig, widest: int) ->
 
 
 def cmd_push(args: argparse.Namespace) -> None:
-    from heads.hub import push_to_hub
+    from selfspec.heads.hub import push_to_hub
 
     url = push_to_hub(args.heads, args.repo_id, private=args.private or None, token=args.token)
     print(f"pushed {args.heads} to {url}")
 
 
+def cmd_recipes(args: argparse.Namespace) -> None:
+    """The shipped configs' folder (`accelerate launch --config_file "$(selfspec recipes)/accelerate/ddp.yaml"`),
+    or a copy of them to edit."""
+    import shutil
+
+    from selfspec.train.config import RECIPES
+
+    if args.copy is None:
+        print(RECIPES)
+        return
+    out = Path(args.copy)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--copy {out}: the folder is not empty; give a new folder")
+    shutil.copytree(RECIPES, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    print(f"copied the recipes into {out}")
+
+
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune, "import": cmd_import,
-            "export": cmd_export, "push": cmd_push, "draft-vocab": cmd_draft_vocab}
+            "export": cmd_export, "push": cmd_push, "draft-vocab": cmd_draft_vocab,
+            "recipes": cmd_recipes}
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> None:
@@ -571,7 +593,3 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> None:
 
     run_main(run, argv, prog=prog)
 
-
-def console() -> None:
-    """The `selfspec` console script: the same commands, naming itself `selfspec` in usage and errors."""
-    main(prog="selfspec")

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infer.cache import new_cache, truncate
-from infer.proposers import Draft
-from infer.target import Target
-from infer.tree import chain_choices, tree_from_choices
-from infer.verify import SamplingParams, draw, target_probs
+from selfspec.infer.cache import new_cache, truncate
+from selfspec.infer.proposers import Draft
+from selfspec.infer.target import Target
+from selfspec.infer.tree import chain_choices, tree_from_choices
+from selfspec.infer.verify import SamplingParams, draw, target_probs
 
 
 class DraftModelProposer:

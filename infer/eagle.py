@@ -17,11 +17,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from heads.eagle import DraftCache, EagleDraft
-from infer.mask import PrefixMask, RowMask
-from infer.proposers import Draft
-from infer.tree import Tree, choices_width, descend, select_tree, tree_from_choices
-from infer.verify import SamplingParams
+from selfspec.heads.eagle import DraftCache, EagleDraft
+from selfspec.infer.mask import PrefixMask, RowMask
+from selfspec.infer.proposers import Draft
+from selfspec.infer.tree import Tree, choices_width, descend, select_tree, tree_from_choices
+from selfspec.infer.verify import SamplingParams
 
 
 class EagleProposer:

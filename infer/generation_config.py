@@ -1,19 +1,24 @@
-"""What the target's `generation_config` asks of decoding, as `model.generate` would read it.
+"""How a generate call's settings are resolved, by model.generate's rules (transformers 5).
 
-`model.generate` takes sampling settings and EOS ids from the checkpoint's generation config when the
-call does not give them. The speculative loop does the same for every setting it can apply exactly
-(do_sample, temperature, top-k, top-p, EOS ids), and refuses, in one line, a config that asks for a
-logits processor it does not apply (a repetition penalty, suppressed tokens, ...): decoding without it
-would silently differ from `model.generate`.
+The call's `generation_config` (default: an empty one) is copied, its unset fields are filled from the target's
+`generation_config`, then from transformers' global defaults, and the call's keyword arguments override the result.
+`do_sample` alone decides greedy or sampling (a temperature without `do_sample=True` stays greedy, as in
+transformers); `max_new_tokens`, else `max_length`, bounds the length. What this loop cannot apply exactly (a
+repetition penalty, beams, scores in the output, ...) is refused in one line naming the setting: decoding without
+it would silently differ from `model.generate`.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import warnings
 from typing import Any
 
 from transformers import GenerationConfig
 
-from infer.verify import SamplingParams
+from selfspec.infer.arguments import token_ids
+from selfspec.infer.verify import SamplingParams
 
 # Settings that change the next-token distribution in ways this loop does not reproduce, with their neutral values.
 NOT_APPLIED: dict[str, Any] = {
@@ -23,40 +28,122 @@ NOT_APPLIED: dict[str, Any] = {
     "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None, "exponential_decay_length_penalty": None,
     "min_length": 0, "min_new_tokens": None, "num_beams": 1,
 }
+# What the output cannot hold or the loop does not do, with the values that ask for nothing.
+NOT_RETURNED: dict[str, Any] = {
+    "num_return_sequences": 1, "output_scores": False, "output_logits": False, "output_attentions": False,
+    "output_hidden_states": False, "num_beam_groups": 1, "penalty_alpha": None, "guidance_scale": None,
+    "stop_strings": None, "max_time": None, "prompt_lookup_num_tokens": None, "assistant_early_exit": None,
+    "watermarking_config": None, "use_cache": True,
+}
+# Keyword arguments generate takes besides GenerationConfig fields.
+CALL_ARGUMENTS = ("input_ids", "inputs", "attention_mask", "generator", "streamer", "generation_config")
 
 
-def setting(config: GenerationConfig | None, name: str) -> Any:
-    """A generation setting as model.generate resolves it: the config's value, else transformers' default."""
-    value = getattr(config, name, None) if config is not None else None
-    return value if value is not None else GenerationConfig._get_default_generation_params().get(name)
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """A generate call's resolved settings: how to draw, when to stop, what to pad with and what to return."""
+
+    params: SamplingParams
+    eos_ids: list[int]  # in the config's order
+    pad_token_id: int | None
+    max_new_tokens: int | None  # None: bounded by max_length instead
+    max_length: int
+    return_dict: bool
+
+    @property
+    def eos(self) -> set[int]:
+        return set(self.eos_ids)
+
+    @property
+    def output_pad_id(self) -> int:
+        """What fills the rows that stopped early: the pad id, else the first EOS id, as model.generate."""
+        return self.pad_token_id if self.pad_token_id is not None else (self.eos_ids or [0])[0]
+
+    def budget(self, prompt_width: int) -> int:
+        """New tokens per row: max_new_tokens, else max_length minus the (padded) prompt, as model.generate."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        if prompt_width >= self.max_length:
+            raise ValueError(f"the prompt is {prompt_width} tokens but max_length is {self.max_length}, so no new "
+                             "token fits: set max_new_tokens (or a larger max_length)")
+        return self.max_length - prompt_width
 
 
-def check_applicable(config: GenerationConfig | None) -> None:
+def merged_config(model_config: GenerationConfig | None, generation_config: GenerationConfig | None,
+                  kwargs: dict[str, Any]) -> tuple[GenerationConfig, dict[str, Any]]:
+    """The call's config (a copy: the caller's object is never changed) completed from the model's config and
+    transformers' defaults, the call's keyword arguments applied; and the keyword arguments that are no field."""
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise ValueError(f"generation_config must be a transformers.GenerationConfig, got "
+                         f"{type(generation_config).__name__}")
+    config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    if model_config is not None:
+        config.update(**model_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    config.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
+    with warnings.catch_warnings():  # transformers' warnings about greedy-with-temperature: the rule is the same
+        warnings.simplefilter("ignore")
+        try:
+            unused = config.update(**kwargs)
+        except ValueError as e:  # transformers' own validation of the values
+            raise ValueError(f"generation settings: {' '.join(str(e).split())}") from None
+    return config, unused
+
+
+def check_applicable(config: GenerationConfig) -> None:
     """Refuse a generation config that asks for something speculative decoding here does not apply exactly."""
     for name, neutral in NOT_APPLIED.items():
-        value = setting(config, name)
+        value = getattr(config, name, None)
         if value is not None and value != neutral and not (name == "min_length" and value == 0):
-            raise ValueError(f"the target's generation_config sets {name}={value!r}, which speculative decoding here "
-                             f"does not apply: set model.generation_config.{name} = {neutral!r} to decode without it "
-                             "(model.generate then matches)")
+            raise ValueError(f"the generation config sets {name}={value!r}, which speculative decoding here does not "
+                             f"apply: leave it out (or set generation_config.{name} = {neutral!r}) to decode without "
+                             "it (model.generate then matches)")
+    for name, neutral in NOT_RETURNED.items():
+        value = getattr(config, name, None)
+        if value is not None and value != neutral:
+            raise ValueError(f"the generation config sets {name}={value!r}, which speculative decoding here does not "
+                             f"support: leave it out (generate returns the sequences, and with "
+                             "return_dict_in_generate=True also the decoding statistics)")
 
 
-def sampling_params(config: GenerationConfig | None, do_sample: bool | None = None, temperature: float | None = None,
-                    top_k: int | None = None, top_p: float | None = None) -> SamplingParams:
-    """Greedy or sampling settings: the call's where given, else the generation config's, else transformers'
-    defaults (model.generate's rule). A temperature of 0 given without do_sample means greedy, and one above 0
-    means sampling."""
-    check_applicable(config)
-    given = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)) if v is not None}
-    SamplingParams(**given)  # the call's own values are checked whether or not they end up used
-    if do_sample is None:
-        do_sample = temperature > 0 if temperature is not None else bool(setting(config, "do_sample"))
-    if not do_sample:
+def sampling_params(config: GenerationConfig) -> SamplingParams:
+    """Greedy unless the resolved config says do_sample, as model.generate; then its temperature, top-k, top-p."""
+    SamplingParams(float(config.temperature or 0), int(config.top_k or 0), float(config.top_p or 1.0))  # checked
+    if not config.do_sample:
         return SamplingParams()
-    if temperature is None:
-        temperature = setting(config, "temperature")
-    if temperature == 0:
+    if not config.temperature:
         raise ValueError("do_sample=True needs a temperature above 0 (0 is greedy: pass do_sample=False)")
-    top_k = setting(config, "top_k") if top_k is None else top_k
-    top_p = setting(config, "top_p") if top_p is None else top_p
-    return SamplingParams(float(temperature), int(top_k or 0), float(top_p))
+    return SamplingParams(float(config.temperature), int(config.top_k or 0), float(config.top_p or 1.0))
+
+
+def check_call(kwargs: dict[str, Any]) -> None:
+    """The call's own lengths and sampling values, checked before transformers sees them (one line each)."""
+    for name in ("max_new_tokens", "max_length"):
+        value = kwargs.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+        if value < 1:  # as model.generate
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    SamplingParams(**{k: kwargs[k] for k in ("temperature", "top_k", "top_p") if kwargs.get(k) is not None})
+
+
+def resolve(model_config: GenerationConfig | None, generation_config: GenerationConfig | None = None,
+            **kwargs: Any) -> Settings:
+    """A call's settings by model.generate's rules; an argument that is neither a generation setting nor one of
+    generate's own (`CALL_ARGUMENTS`) is refused in one line naming it."""
+    check_call(kwargs)
+    config, unused = merged_config(model_config, generation_config, kwargs)
+    if unused:
+        name = next(iter(unused))
+        raise ValueError(f"generate got an argument it does not support: {name}={unused[name]!r} (it takes "
+                         "transformers' generation settings and input_ids, attention_mask, generation_config, "
+                         "streamer, generator)")
+    check_applicable(config)
+    params = sampling_params(config)
+    pad = config.pad_token_id
+    eos = [] if config.eos_token_id is None else token_ids(config.eos_token_id, "eos_token_id")
+    return Settings(params=params, eos_ids=eos,
+                    pad_token_id=None if pad is None else token_ids(pad, "pad_token_id")[0],
+                    max_new_tokens=config.max_new_tokens, max_length=int(config.max_length),
+                    return_dict=bool(config.return_dict_in_generate))

@@ -14,10 +14,10 @@ from typing import Any, NoReturn
 
 import torch
 
-from heads.errors import describe
-from infer.verify import SamplingParams
+from selfspec.heads.errors import describe
+from selfspec.infer.verify import SamplingParams
 
-PROG = "python -m infer"
+PROG = "selfspec"
 DESCRIPTION = """Speculative decoding from the command line: generate, bench, tune, import, export, push.
 
 Drafters: trained heads directories (--heads: Medusa, EAGLE, EAGLE-3), a separate small draft model
@@ -206,7 +206,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     tune.add_argument("--batch-size", type=at_least(1), default=1,
                       help="fit the tree for batches of this many prompts (a batch makes wide trees dearer); the "
                            "fitted tree becomes the default for every batch size")
-    from heads.convert import EXPORT_FORMATS
+    from selfspec.heads.convert import EXPORT_FORMATS
 
     imp = sub.add_parser("import", help="convert a published Medusa/EAGLE checkpoint into a selfspec heads directory")
     imp.add_argument("--src", required=True, help="the checkpoint's directory (layout detected from its files)")
@@ -261,6 +261,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     push.add_argument("--repo-id", required=True, help="e.g. your-name/llama3-8b-medusa")
     push.add_argument("--private", action="store_true")
     push.add_argument("--token", help="a Hub token (default: HF_TOKEN or the saved login); never printed")
+
+    recipes = sub.add_parser("recipes", help="print the folder of the run configs that ship with selfspec "
+                                              "(configs/: recipes, accelerate and DeepSpeed configs)")
+    recipes.add_argument("--copy", metavar="DIR", help="copy them into DIR (e.g. ./configs) to edit them")
 
     tune.set_defaults(tree=None, draft_model=None, prompt_lookup=False, depth=None, draft_top_k=None,
                       total_tokens=None)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from infer.proposers import Draft
-from infer.tree import chain_choices, tree_from_choices
-from infer.verify import SamplingParams
+from selfspec.infer.proposers import Draft
+from selfspec.infer.tree import chain_choices, tree_from_choices
+from selfspec.infer.verify import SamplingParams
 
 
 class PromptLookupProposer:

@@ -10,9 +10,9 @@ from typing import Protocol
 
 import torch
 
-from heads.medusa import MedusaHeads
-from infer.tree import Tree, best_choices, tree_from_choices
-from infer.verify import SamplingParams
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.infer.tree import Tree, best_choices, tree_from_choices
+from selfspec.infer.verify import SamplingParams
 
 
 @dataclasses.dataclass

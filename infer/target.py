@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from heads.projection import is_plain_linear, vocab_logits
-from infer.cache import PreallocatedCache
-from infer.mask import PrefixMask, padded_causal_mask
-from infer.tree import Tree
+from selfspec.heads.projection import is_plain_linear, vocab_logits
+from selfspec.infer.cache import PreallocatedCache
+from selfspec.infer.mask import PrefixMask, padded_causal_mask
+from selfspec.infer.tree import Tree
 
 LAYOUT_ROWS = 64  # the most rows vocab_layout projects through vocab_logits (the range it was measured on)
 
@@ -22,7 +22,7 @@ class Target:
     """A frozen HF causal LM and how to call it: the cache keyword, logits_to_keep, hidden states."""
 
     def __init__(self, model: nn.Module, feature_layers: list[int] | None = None) -> None:
-        self.model = model.eval()
+        self.model = model  # its train/eval mode is the caller's: decoding runs in eval mode and restores it
         # what the drafter reads: the last hidden states (what the lm_head reads), or EAGLE-3's fused layers
         self.feature_layers = feature_layers
         attn = getattr(model.config, "_attn_implementation", None) or "eager"

@@ -1,4 +1,4 @@
-"""Fit a drafter's tree to this machine: `python -m infer tune --heads DIR`.
+"""Fit a drafter's tree to this machine: `selfspec tune --heads DIR`.
 
 A bigger tree accepts more tokens per step but costs a wider target forward (and, for EAGLE, more
 draft calls); where the balance lies depends on the hardware, so it is measured, not assumed.
@@ -18,11 +18,18 @@ from collections.abc import Sequence
 
 import torch
 
-from heads.eagle import EagleDraft
-from heads.medusa import MedusaHeads
-from infer.eagle import EagleProposer
-from infer.generate import GenerationStats, SpeculativeModel
-from infer.tree import LOW_QUANTILE, NOISE_LIMIT, fit_tree, label_ranks, low_and_spread, path_frequencies
+from selfspec.heads.eagle import EagleDraft
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.infer.eagle import EagleProposer
+from selfspec.infer.generate import GenerationStats, SpeculativeModel
+from selfspec.infer.tree import (
+    LOW_QUANTILE,
+    NOISE_LIMIT,
+    fit_tree,
+    label_ranks,
+    low_and_spread,
+    path_frequencies,
+)
 
 RANKS = 10  # top-k depth of the Medusa accuracy table
 LATENCY_SIZES = [1, 4, 8, 12, 16, 24, 32, 48, 64]
@@ -63,7 +70,7 @@ def tune_medusa(model: torch.nn.Module, heads: MedusaHeads, prompts: Sequence[to
     target's own continuations (tree.path_frequencies); `latency` (nodes -> seconds per target forward) is
     measured here, for batches of `batch_size` rows, when not given. Returns the choices, a row per size and
     the per-head accuracy table."""
-    from infer.bench import forward_latency
+    from selfspec.infer.bench import forward_latency
 
     ranks = medusa_ranks(model, heads, prompts)
     if latency is None:
@@ -98,7 +105,7 @@ def tune_eagle(
     little instead of one a lot. tau is exact (greedy decoding is deterministic); the step time is the
     20th percentile of the setting's decode steps and `spread` how far their median lies above it.
     """
-    from infer.bench import left_pad
+    from selfspec.infer.bench import left_pad
 
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     proposers = [EagleProposer(draft, embed, lm_head, *setting) for setting in grid]
@@ -150,7 +157,7 @@ def noise_warning(rows: list[dict], name: str) -> str | None:
         return None
     return (f"warning: this machine was too busy to trust the fit: at {name.format(**worst)} the median time was "
             f"{worst['spread']:.0%} above the {LOW_QUANTILE:.0%} quantile (trusted up to {NOISE_LIMIT:.0%}); "
-            "re-fit when it is quiet: python -m infer tune --heads DIR")
+            "re-fit when it is quiet: selfspec tune --heads DIR")
 
 
 def format_rows(rows: list[dict], best: dict) -> str:

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from infer.tree import Tree
+from selfspec.infer.tree import Tree
 
 MIN_TEMPERATURE = 1e-6  # far above where float32 logits / temperature overflow; below it, use 0 (greedy)
 

@@ -14,7 +14,7 @@ Four sources, each written as OpenAI `messages` rows (`{"messages": [...], "kind
   assistant turn in between that regeneration fills (in the held-out set: the target's greedy answer).
 
 Requests are de-duplicated on their lower-cased words; the held-out set never shares a request with the
-training set. `python -m shipped.chat_prompts --model smollm2` writes both files.
+training set. `python -m selfspec.shipped.chat_prompts --model smollm2` writes both files.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from shipped.stdlib_corpus import stdlib_files
+from selfspec.shipped.stdlib_corpus import stdlib_files
 
 OUT_DIR = Path(__file__).resolve().parent / "chat"
 LEADS = [None, None, None, None, "Explain", "Write", "How do I", "What is", "Can you help me", "Give me",
@@ -219,7 +219,7 @@ def build(model_name: str, out_dir: Path, train_magpie: int, train_code: int, tr
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shipped.models import resolve_model
+    from selfspec.shipped.models import resolve_model
 
     path = resolve_model(model_name)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -250,7 +250,7 @@ def build(model_name: str, out_dir: Path, train_magpie: int, train_code: int, tr
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shipped.chat_prompts", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m selfspec.shipped.chat_prompts", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="the target that writes the Magpie requests")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
     parser.add_argument("--magpie", type=int, default=1100, help="training requests the target writes")

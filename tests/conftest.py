@@ -87,7 +87,7 @@ def model(arch) -> torch.nn.Module:
 
 @pytest.fixture(scope="session")
 def demo_target():
-    from shipped.models import MODELS_DIR
+    from selfspec.shipped.models import MODELS_DIR
 
     path = MODELS_DIR / "demo-target"
     if not (path / "config.json").is_file():
@@ -154,8 +154,8 @@ def medusa_dir(tiny_model_dir, tmp_path):
     """Untrained Medusa heads for the tiny target, saved (no training: decoding stays exact anyway)."""
     from transformers import AutoConfig
 
-    from heads.config import HeadsConfig
-    from heads.medusa import MedusaHeads
+    from selfspec.heads.config import HeadsConfig
+    from selfspec.heads.medusa import MedusaHeads
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
@@ -170,8 +170,8 @@ def eagle_dir(tiny_model_dir, tmp_path):
     """An untrained EAGLE drafter for the tiny target with a small dynamic tree (at most 8 drafted nodes)."""
     from transformers import AutoConfig
 
-    from heads.config import HeadsConfig
-    from heads.eagle import EagleDraft, layer_fields
+    from selfspec.heads.config import HeadsConfig
+    from selfspec.heads.eagle import EagleDraft, layer_fields
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)

@@ -28,9 +28,9 @@ import textwrap
 import pytest
 import torch
 
-import infer.verify as verify
-from infer.tree import Tree, best_choices, chain_choices, tree_from_choices, tree_from_parents
-from infer.verify import SamplingParams
+import selfspec.infer.verify as verify
+from selfspec.infer.tree import Tree, best_choices, chain_choices, tree_from_choices, tree_from_parents
+from selfspec.infer.verify import SamplingParams
 
 V = 6
 Z = 4.753  # standard normal quantile at 1 - 1e-6: a correct rule fails a check once in a million seeds

@@ -8,15 +8,15 @@ from test_eagle3 import reduced_draft
 from test_generate import CHOICES, random_heads
 from test_sampling import RUNS, V, chi_square, critical, exact_joint, make_spec
 
-import infer.generate as generate_module
+import selfspec.infer.generate as generate_module
 from conftest import VOCAB, tiny_model
-from infer.cache import PreallocatedCache
-from infer.draft_model import DraftModelProposer
-from infer.eagle import EagleProposer
-from infer.generate import SpeculativeModel
-from infer.prompt_lookup import LookupFirst, PromptLookupProposer
-from infer.proposers import MedusaProposer
-from infer.target import Target
+from selfspec.infer.cache import PreallocatedCache
+from selfspec.infer.draft_model import DraftModelProposer
+from selfspec.infer.eagle import EagleProposer
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.prompt_lookup import LookupFirst, PromptLookupProposer
+from selfspec.infer.proposers import MedusaProposer
+from selfspec.infer.target import Target
 
 KINDS = ["medusa", "eagle", "eagle3", "draft_model", "prompt_lookup", "medusa+lookup"]
 
@@ -166,10 +166,10 @@ def test_a_seeded_row_samples_the_same_in_any_batch(kind):
     ids, mask = left_padded(prompts)
     for seed in range(3):
         gens = [torch.Generator().manual_seed(100 * seed + b) for b in range(3)]
-        out = spec.generate(ids, attention_mask=mask, max_new_tokens=12, temperature=0.9, eos_token_id=[],
+        out = spec.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.9, eos_token_id=[],
                             generator=gens)
         for b, p in enumerate(prompts):
-            single = spec.generate(p[None], max_new_tokens=12, temperature=0.9, eos_token_id=[],
+            single = spec.generate(p[None], max_new_tokens=12, do_sample=True, temperature=0.9, eos_token_id=[],
                                    generator=torch.Generator().manual_seed(100 * seed + b))
             assert out[b, ids.shape[1]:].tolist() == single[0, p.numel():].tolist(), (seed, b)
 
@@ -184,7 +184,7 @@ def test_batched_sampling_matches_the_target_distribution_in_every_row():
     gens = [torch.Generator().manual_seed(7 + b) for b in range(4)]
     counts = [{}, {}]
     for _ in range(RUNS // 2):
-        out = spec.generate(ids, attention_mask=mask, max_new_tokens=2, temperature=params[0], top_p=params[2],
+        out = spec.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=True, temperature=params[0], top_p=params[2],
                             eos_token_id=[], generator=gens)
         for b in range(4):
             key = tuple(out[b, ids.shape[1]:].tolist())

@@ -1,4 +1,4 @@
-"""`python -m infer bench --batch-size 1 4 16`: prompts decoded in left-padded batches, every row counted up to its
+"""`selfspec bench --batch-size 1 4 16`: prompts decoded in left-padded batches, every row counted up to its
 own EOS (the padding after it is no token), one result and one table block per batch size."""
 
 import json
@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from conftest import VOCAB, tiny_model, tiny_tokenizer
-from infer.bench import (
+from selfspec.infer.bench import (
     format_table,
     format_tables,
     hf_runner,
@@ -18,9 +18,9 @@ from infer.bench import (
     speculative_runner,
     top2_margin,
 )
-from infer.cli import main as cli
-from infer.generate import SpeculativeModel
-from infer.proposers import NoDraft
+from selfspec.infer.cli import main as cli
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.proposers import NoDraft
 
 PAD = 0  # the tiny configs' pad token
 PROMPTS = ["def add(a, b):", "x", "class Point:\n    x = 0"]

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_model
-from infer.bench import run_bench, speculative_runner, step_drift
-from infer.generate import SpeculativeModel
-from infer.proposers import NoDraft
+from selfspec.infer.bench import run_bench, speculative_runner, step_drift
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.proposers import NoDraft
 
 
 def test_step_drift_compares_the_first_and_last_100_steps_of_long_generations():

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from infer.bench import load_prompts, render_prompts
-from shipped import chat_prompts as cp
-from train.regen_chat import answer_slots
+from selfspec.infer.bench import load_prompts, render_prompts
+from selfspec.shipped import chat_prompts as cp
+from selfspec.train.regen_chat import answer_slots
 
 
 def test_math_problems_are_filled_and_varied():

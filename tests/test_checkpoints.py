@@ -9,12 +9,12 @@ import stat
 import pytest
 import torch
 
-import train.medusa as medusa_recipe
+import selfspec.train.medusa as medusa_recipe
 from conftest import medusa_args
-from heads.registry import load_heads
-from train.checkpoints import check_rng_files, checkpoints
-from train.config import load_config
-from train.medusa import MedusaConfig, run
+from selfspec.heads.registry import load_heads
+from selfspec.train.checkpoints import check_rng_files, checkpoints
+from selfspec.train.config import load_config
+from selfspec.train.medusa import MedusaConfig, run
 
 _args = medusa_args
 

@@ -9,12 +9,12 @@ from test_eagle3 import random_draft as random_eagle3_draft
 from torch.profiler import ProfilerActivity, profile
 
 from conftest import VOCAB, tiny_model
-from heads.config import HeadsConfig
-from heads.eagle import EagleDraft, layer_fields
-from heads.medusa import MedusaHeads
-from train.eagle import Eagle3Method, EagleConfig, EagleMethod
-from train.eagle3 import STEP_DECAY, draft_vocabulary
-from train.medusa import MedusaConfig, MedusaMethod, medusa_labels
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.eagle import EagleDraft, layer_fields
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.train.eagle import Eagle3Method, EagleConfig, EagleMethod
+from selfspec.train.eagle3 import STEP_DECAY, draft_vocabulary
+from selfspec.train.medusa import MedusaConfig, MedusaMethod, medusa_labels
 
 KINDS = ("medusa", "medusa-own-heads", "eagle", "eagle3")
 
@@ -176,8 +176,8 @@ def test_evaluation_without_autocast_reads_a_bf16_target(kind):
 def test_medusa_validation_counts_each_rank_path_as_a_walk_over_every_position_does(kind, tmp_path):
     """The path frequencies validation keeps (chunked, rank vectors binned) equal ranks read off every head's
     whole logits position by position, and the saved tree is the most frequent of those paths."""
-    from infer.tree import best_choices, path_frequencies
-    from train.medusa import PATHS_KEPT, RANKS, measured_paths
+    from selfspec.infer.tree import best_choices, path_frequencies
+    from selfspec.train.medusa import PATHS_KEPT, RANKS, measured_paths
 
     vocab = 16  # a small vocabulary: labels often among the first RANKS, so paths of every depth occur
     method = make_method(kind, vocab=vocab)

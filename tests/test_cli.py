@@ -6,11 +6,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from heads.config import HeadsConfig
-from heads.medusa import MedusaHeads
-from infer.cli import main as cli
-from train.config import load_config
-from train.medusa import MedusaConfig, run
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.infer.cli import main as cli
+from selfspec.train.config import load_config
+from selfspec.train.medusa import MedusaConfig, run
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def user_error(capsys, argv: list[str]) -> str:
     err = capsys.readouterr().err
     assert exit_.value.code == 2, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert err.startswith("python -m infer") and ": error: " in err
+    assert err.startswith("selfspec") and ": error: " in err
     return err.strip()
 
 
@@ -120,7 +120,7 @@ def test_eagle_options_with_medusa_heads_are_a_clear_error(medusa_dir, extra, me
 
 
 def test_generate_with_eagle_heads_and_tree_options(eagle_dir, tiny_model_dir, tmp_path, monkeypatch):
-    from infer.generate import SpeculativeModel
+    from selfspec.infer.generate import SpeculativeModel
 
     loaded = []
     load = SpeculativeModel.from_pretrained.__func__
@@ -200,7 +200,7 @@ def test_tune_stores_a_medusa_tree_and_an_eagle_setting(medusa_dir, eagle_dir, c
 
 def test_tune_prefers_a_smaller_medusa_tree_when_latency_grows_faster():
     from conftest import tiny_model
-    from infer.tune import tune_medusa
+    from selfspec.infer.tune import tune_medusa
 
     model = tiny_model("llama")
     heads = MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=3))
@@ -430,7 +430,7 @@ def test_a_bad_prompts_file_is_one_line_naming_the_line(medusa_dir, tmp_path, li
 def test_a_prompts_file_is_read_as_jsonl_is_written(tmp_path):
     """Lines end at \\n only (JSON text may hold U+2028, which splitlines() breaks at), a byte-order mark and CRLF
     line ends are taken as editors write them."""
-    from infer.bench import load_prompts
+    from selfspec.infer.bench import load_prompts
 
     prompts = ["def f():\u2028    return 1", "class A:\u0085pass", "x = 1"]
     path = tmp_path / "prompts.jsonl"
@@ -445,7 +445,7 @@ def test_a_prompt_rendered_with_its_bos_gets_no_second_one():
     from tokenizers.processors import TemplateProcessing
 
     from conftest import tiny_tokenizer
-    from infer.bench import encode_prompt
+    from selfspec.infer.bench import encode_prompt
 
     tok = tiny_tokenizer()
     tok._tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
@@ -456,7 +456,7 @@ def test_a_prompt_rendered_with_its_bos_gets_no_second_one():
 
 
 def test_the_console_script_names_itself_selfspec(monkeypatch, capsys):
-    from infer.cli import console
+    from selfspec.infer.cli import main as console
 
     monkeypatch.setattr(sys, "argv", ["selfspec", "generate", "--heads", "/no/such/heads", "--prompt", "x"])
     with pytest.raises(SystemExit) as exit_info:

@@ -6,11 +6,11 @@ from test_batch import drafter, left_padded
 from torch._dynamo.utils import counters
 
 from conftest import VOCAB, tiny_model
-from heads.config import HeadsConfig
-from heads.eagle import layer_fields
-from heads.eagle3 import Eagle3Draft
-from infer.eagle import EagleProposer
-from infer.generate import SpeculativeModel
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.eagle import layer_fields
+from selfspec.heads.eagle3 import Eagle3Draft
+from selfspec.infer.eagle import EagleProposer
+from selfspec.infer.generate import SpeculativeModel
 
 
 def plain(model, prompt, n):

@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from train.config import load_config
-from train.eagle import EagleConfig
-from train.medusa import MedusaConfig
-from train.regenerate import RegenerateConfig
-from train.target import TargetConfig
+from selfspec.train.config import load_config
+from selfspec.train.eagle import EagleConfig
+from selfspec.train.medusa import MedusaConfig
+from selfspec.train.regenerate import RegenerateConfig
+from selfspec.train.target import TargetConfig
 
 CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").rglob("*.yaml"))
 ACCELERATE = [p for p in CONFIGS if p.parent.name == "accelerate"]  # `accelerate launch --config_file` files

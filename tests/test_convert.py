@@ -1,4 +1,4 @@
-"""`python -m infer export | import`: every layout round-trips through the CLI, every tensor and output kept."""
+"""`selfspec export | import`: every layout round-trips through the CLI, every tensor and output kept."""
 
 import json
 import re
@@ -9,13 +9,13 @@ from safetensors.torch import load_file
 from test_cli import user_error
 from transformers import AutoModelForCausalLM
 
-from heads.config import HeadsConfig
-from heads.convert import EXPORT_FORMATS
-from heads.eagle3_formats import EAGLE3_FORMATS
-from heads.medusa import MedusaHeads
-from heads.registry import load_heads
-from infer.cli import main as cli
-from infer.generate import SpeculativeModel
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.convert import EXPORT_FORMATS
+from selfspec.heads.eagle3_formats import EAGLE3_FORMATS
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.heads.registry import load_heads
+from selfspec.infer.cli import main as cli
+from selfspec.infer.generate import SpeculativeModel
 
 
 def randomised(source, out):

@@ -8,8 +8,8 @@ from test_eagle import random_draft
 from test_generate import CHOICES, random_heads
 
 from conftest import tiny_model
-from infer.generate import SpeculativeModel
-from infer.prompt_lookup import PromptLookupProposer
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.prompt_lookup import PromptLookupProposer
 
 
 def spec_on(model, kind: str, device: str, compile: bool = False) -> SpeculativeModel:

@@ -4,9 +4,9 @@ import datasets
 import pytest
 import torch
 
-import train.data as data_module
+import selfspec.train.data as data_module
 from conftest import TOKENIZER_TEXT, tiny_tokenizer
-from train.data import (
+from selfspec.train.data import (
     DataError,
     Examples,
     build_examples,
@@ -17,7 +17,7 @@ from train.data import (
     pad_batch,
     split_examples,
 )
-from train.loop import subset
+from selfspec.train.loop import subset
 
 MSGS = [{"role": "user", "content": "add a b"}, {"role": "assistant", "content": "return a + b"},
         {"role": "user", "content": "again"}, {"role": "assistant", "content": "x = 1"}]
@@ -167,9 +167,9 @@ def test_a_folder_saved_with_save_to_disk_is_read_as_a_dataset(tmp_path):
 def test_examples_without_a_label_are_dropped_and_none_at_all_is_refused(capsys):
     import datasets
 
-    from train.config import ConfigError
-    from train.data import Examples
-    from train.loop import TrainConfig, labelled
+    from selfspec.train.config import ConfigError
+    from selfspec.train.data import Examples
+    from selfspec.train.loop import TrainConfig, labelled
 
     rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [1, 2], [1, 2, 3], [5, 6, 7, 8]],
                                        "loss_mask": [[0, 0, 0, 1], [1, 1], [1, 1, 0], [1, 1, 1, 1]]})

@@ -13,9 +13,9 @@ from test_batch import left_padded
 from test_generate import CHOICES, random_heads
 
 from conftest import tiny_model, tiny_tokenizer
-from infer.generate import SpeculativeModel
-from infer.prompt_lookup import PromptLookupProposer
-from infer.proposers import MedusaProposer, NoDraft
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.prompt_lookup import PromptLookupProposer
+from selfspec.infer.proposers import MedusaProposer, NoDraft
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,8 +110,8 @@ ABANDONED_STREAM = """
 import sys, torch
 sys.path[:0] = ["tests"]
 from conftest import tiny_model, tiny_tokenizer
-from infer.generate import SpeculativeModel
-from infer.prompt_lookup import PromptLookupProposer
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.prompt_lookup import PromptLookupProposer
 spec = SpeculativeModel(tiny_model("llama"), PromptLookupProposer(4))
 stream = spec.decode(torch.tensor([5, 6, 7, 5, 6]), 50, eos_token_id=[])
 for i, step in enumerate(stream):

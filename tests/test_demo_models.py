@@ -7,8 +7,8 @@ import math
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shipped.models import MODELS_DIR, resolve_model
-from shipped.stdlib_corpus import stdlib_texts
+from selfspec.shipped.models import MODELS_DIR, resolve_model
+from selfspec.shipped.stdlib_corpus import stdlib_texts
 
 
 def _load(name):
@@ -47,11 +47,11 @@ def test_demo_target_beats_gzip_on_the_test_split():
 
 def test_speculative_greedy_on_the_demo_target_is_identical(demo_target):
     """The shipped model in fp32 with untrained heads (each projection a copy of the lm_head)."""
-    from heads.config import HeadsConfig
-    from heads.medusa import MedusaHeads
-    from infer.bench import default_prompts
-    from infer.generate import SpeculativeModel
-    from infer.proposers import MedusaProposer
+    from selfspec.heads.config import HeadsConfig
+    from selfspec.heads.medusa import MedusaHeads
+    from selfspec.infer.bench import default_prompts
+    from selfspec.infer.generate import SpeculativeModel
+    from selfspec.infer.proposers import MedusaProposer
 
     model, tok = demo_target
     heads = MedusaHeads(HeadsConfig(hidden_size=model.config.hidden_size, vocab_size=len(tok), num_heads=4))

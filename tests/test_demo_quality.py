@@ -2,13 +2,13 @@
 
 import pytest
 
-from infer.bench import default_prompts
-from infer.generate import SpeculativeModel
-from shipped.models import resolve_model
-from train.eagle import EagleConfig
-from train.eagle import run as run_eagle
-from train.medusa import MedusaConfig
-from train.medusa import run as run_medusa
+from selfspec.infer.bench import default_prompts
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.shipped.models import resolve_model
+from selfspec.train.eagle import EagleConfig
+from selfspec.train.eagle import run as run_eagle
+from selfspec.train.medusa import MedusaConfig
+from selfspec.train.medusa import run as run_medusa
 
 
 def demo_tau(heads_dir) -> float:

@@ -82,7 +82,7 @@ def assert_decodes_like_target(model_dir: Path, heads: Path) -> None:
     """The saved drafter loads in this (single) process and greedy decoding equals the target's own."""
     from transformers import AutoModelForCausalLM
 
-    from infer.generate import SpeculativeModel
+    from selfspec.infer.generate import SpeculativeModel
 
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     spec = SpeculativeModel.from_pretrained(heads, model=target)
@@ -97,7 +97,7 @@ def assert_target_untouched(model_dir: Path, out: Path) -> None:
     itself fails the run if they changed by the end."""
     from transformers import AutoModelForCausalLM
 
-    from train.loop import weights_fingerprint
+    from selfspec.train.loop import weights_fingerprint
 
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert final_state(out)["fingerprint"]["target_weights"] == weights_fingerprint(target)
@@ -213,8 +213,8 @@ def test_deepspeed_dropped_by_cpu_is_refused_in_one_line(tiny_model_dir, text_da
      "asks for 3 processes, but 2 is running"),
 ])
 def test_a_launch_not_in_effect_is_named(cmdline, env, message):
-    from train.config import ConfigError
-    from train.distributed import check_launch_in_effect, launch_request
+    from selfspec.train.config import ConfigError
+    from selfspec.train.distributed import check_launch_in_effect, launch_request
 
     with pytest.raises(ConfigError, match=message):
         check_launch_in_effect(launch_request(cmdline, str(ROOT)), env)
@@ -227,6 +227,6 @@ def test_a_launch_not_in_effect_is_named(cmdline, env, message):
     (["python", "-m", "pytest", "-n", "2"], {}),  # not launched by accelerate: nothing to check
 ])
 def test_a_launch_in_effect_passes(cmdline, env):
-    from train.distributed import check_launch_in_effect, launch_request
+    from selfspec.train.distributed import check_launch_in_effect, launch_request
 
     check_launch_in_effect(launch_request(cmdline, str(ROOT)), env)

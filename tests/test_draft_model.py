@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_model
-from infer.draft_model import DraftModelProposer
-from infer.generate import SpeculativeModel
-from infer.prompt_lookup import PromptLookupProposer
-from infer.target import Target
-from infer.verify import SamplingParams
+from selfspec.infer.draft_model import DraftModelProposer
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.prompt_lookup import PromptLookupProposer
+from selfspec.infer.target import Target
+from selfspec.infer.verify import SamplingParams
 
 
 def plain_greedy(model, prompt, n):
@@ -105,8 +105,8 @@ def test_lookup_first_is_lossless_and_uses_both_drafters(model, kind):
     from test_eagle import random_draft
     from test_generate import CHOICES, random_heads
 
-    from infer.prompt_lookup import LookupFirst
-    from infer.proposers import MedusaProposer
+    from selfspec.infer.prompt_lookup import LookupFirst
+    from selfspec.infer.proposers import MedusaProposer
 
     if kind == "eagle":
         primary = eagle_proposer(model, random_draft(model))

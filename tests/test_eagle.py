@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from conftest import VOCAB, fit_on_own_continuations, tiny_model
-from heads.config import HeadsConfig
-from heads.eagle import DraftCache, EagleDraft, layer_fields
-from heads.registry import load_heads
-from infer.eagle import EagleProposer
-from infer.generate import SpeculativeModel
-from infer.target import Target
-from infer.tree import descend, select_tree, tree_from_parents
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.eagle import DraftCache, EagleDraft, layer_fields
+from selfspec.heads.registry import load_heads
+from selfspec.infer.eagle import EagleProposer
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.target import Target
+from selfspec.infer.tree import descend, select_tree, tree_from_parents
 
 STATIC = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -97,7 +97,7 @@ def test_descend_is_strictly_below_the_parent():
 
 def _prefill(model, prompt):
     target = Target(model)
-    from infer.cache import new_cache
+    from selfspec.infer.cache import new_cache
 
     logits, hiddens = target.prefill(prompt, new_cache(model, 64))
     return logits.argmax().view(1), hiddens
@@ -165,7 +165,7 @@ def test_greedy_identical_to_generate_with_a_random_drafter(model, choices):
 
 def self_distilled_draft(model, prompts, steps=150) -> EagleDraft:
     """A drafter trained with the recipe's own loss on the model's greedy continuations of `prompts`."""
-    from train.eagle import EagleConfig, EagleMethod
+    from selfspec.train.eagle import EagleConfig, EagleMethod
 
     draft = random_draft(model, depth=4, top_k=3, total_tokens=12)
     return fit_on_own_continuations(model, prompts, EagleMethod(EagleConfig(), model, draft, []), steps, 3e-3)
@@ -278,7 +278,7 @@ def test_top_k_wider_than_the_draft_vocabulary_is_a_clear_error():
 
 
 def test_validation_ranks_only_the_tokens_a_draft_vocabulary_can_draft():
-    from train.eagle import RANKS, EagleConfig, EagleMethod
+    from selfspec.train.eagle import RANKS, EagleConfig, EagleMethod
 
     model = tiny_model("llama")
     draft = vocab_draft(model, size=8, top_k=2)
@@ -288,7 +288,7 @@ def test_validation_ranks_only_the_tokens_a_draft_vocabulary_can_draft():
 
 
 def test_a_draft_vocabulary_round_trips_and_is_left_out_of_published_layouts(tmp_path):
-    from heads.eagle_formats import export_eagle, read_eagle_weights
+    from selfspec.heads.eagle_formats import export_eagle, read_eagle_weights
 
     model = tiny_model("llama")
     draft = vocab_draft(model, seed=3)

@@ -7,16 +7,16 @@ import torch
 from test_sampling import RUNS, V, chi_square, critical, exact_joint, run_sampling
 
 from conftest import fit_on_own_continuations, tiny_model
-from heads.config import HeadsConfig
-from heads.eagle import DraftCache, EagleDraft, layer_fields
-from heads.eagle3 import Eagle3Draft, default_feature_layers
-from heads.registry import load_heads
-from infer.cache import new_cache
-from infer.eagle import EagleProposer
-from infer.generate import SpeculativeModel
-from infer.target import Target
-from train.config import ConfigError
-from train.eagle import Eagle3Method, EagleConfig, build_drafter
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.eagle import DraftCache, EagleDraft, layer_fields
+from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
+from selfspec.heads.registry import load_heads
+from selfspec.infer.cache import new_cache
+from selfspec.infer.eagle import EagleProposer
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.target import Target
+from selfspec.train.config import ConfigError
+from selfspec.train.eagle import Eagle3Method, EagleConfig, build_drafter
 
 
 def eagle3_config(model, draft_vocab_size=0, **extra) -> HeadsConfig:
@@ -153,8 +153,8 @@ def test_draft_vocabulary_maps_every_draft_id_to_its_target_id():
 
 
 def test_draft_vocabulary_counted_a_batch_at_a_time_equals_counting_the_whole_corpus():
-    from train.data import examples_from_lists
-    from train.eagle3 import draft_vocabulary
+    from selfspec.train.data import examples_from_lists
+    from selfspec.train.eagle3 import draft_vocabulary
 
     gen = torch.Generator().manual_seed(2)
     rows = [torch.randint(0, 40, (n,), generator=gen) for n in (5, 9, 3, 12, 7)]
@@ -374,7 +374,7 @@ def reference_loss_and_agreement(draft, outputs, target_logits, batch):
 
 
 def test_training_loss_and_agreement_equal_the_position_by_position_formula():
-    from train.eagle3 import Eagle3Loss, draft_vocabulary
+    from selfspec.train.eagle3 import Eagle3Loss, draft_vocabulary
 
     model = tiny_model("llama")
     V = model.config.vocab_size

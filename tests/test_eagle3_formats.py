@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import WEIGHT_FILES, randomized, write_checkpoint
-from heads.config import HeadsConfig
-from heads.convert import export_heads, import_heads
-from heads.eagle import EagleDraft, layer_fields
-from heads.eagle3 import Eagle3Draft, default_feature_layers
-from heads.eagle3_formats import (
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.convert import export_heads, import_heads
+from selfspec.heads.eagle import EagleDraft, layer_fields
+from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
+from selfspec.heads.eagle3_formats import (
     EAGLE3_FORMATS,
     FLAGS,
     VARIANTS,
@@ -32,12 +32,12 @@ from heads.eagle3_formats import (
     import_eagle3,
     layout_keys,
 )
-from heads.eagle_formats import detect_eagle_format, export_eagle
-from heads.medusa import MedusaHeads
-from heads.registry import load_heads
-from infer.cli import main as cli
-from infer.eagle import EagleProposer
-from infer.generate import SpeculativeModel
+from selfspec.heads.eagle_formats import detect_eagle_format, export_eagle
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.heads.registry import load_heads
+from selfspec.infer.cli import main as cli
+from selfspec.infer.eagle import EagleProposer
+from selfspec.infer.generate import SpeculativeModel
 
 H, HEADS, KV, INTER, V, L = 48, 4, 2, 96, 96, 8
 HD = H // HEADS

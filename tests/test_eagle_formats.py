@@ -11,9 +11,9 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, LlamaConfig
 
 from conftest import VOCAB, tiny_model, write_checkpoint
-from heads.config import HeadsConfig, check_compatible
-from heads.eagle import EagleDraft, layer_fields
-from heads.eagle_formats import (
+from selfspec.heads.config import HeadsConfig, check_compatible
+from selfspec.heads.eagle import EagleDraft, layer_fields
+from selfspec.heads.eagle_formats import (
     EAGLE_FORMATS,
     EMBED_KEY,
     LAYOUTS,
@@ -25,8 +25,8 @@ from heads.eagle_formats import (
     load_eagle_embedding,
     read_eagle_weights,
 )
-from infer.eagle import EagleProposer
-from infer.generate import SpeculativeModel
+from selfspec.infer.eagle import EagleProposer
+from selfspec.infer.generate import SpeculativeModel
 
 
 def safeailab_checkpoint(path, cfg, embed, bias=True, weights="bin", num_layers=1, seed=0,

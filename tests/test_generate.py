@@ -3,11 +3,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import VOCAB, fit_on_own_continuations, randomized, tiny_config, tiny_model
-from heads.config import HeadsConfig
-from heads.medusa import MedusaHeads
-from infer.generate import SpeculativeModel
-from infer.proposers import MedusaProposer
-from infer.verify import MIN_TEMPERATURE, SamplingParams, target_probs
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.proposers import MedusaProposer
+from selfspec.infer.verify import MIN_TEMPERATURE, SamplingParams, target_probs
 
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
 
@@ -115,7 +115,7 @@ def test_no_new_tokens_is_an_error_as_in_model_generate():
 def test_smallest_temperature_is_safe_and_the_one_below_is_not():
     model = tiny_model("llama")
     prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
-    out = oracle_heads_model(model).generate(prompt, max_new_tokens=20, temperature=MIN_TEMPERATURE,
+    out = oracle_heads_model(model).generate(prompt, max_new_tokens=20, do_sample=True, temperature=MIN_TEMPERATURE,
                                              generator=torch.Generator().manual_seed(0))
     assert out[0, 5:].tolist() == plain_greedy(model, prompt, 20)  # so cold that it samples the argmax
     # what the check keeps out: logits / temperature overflows, p is NaN, and every draw is token 0
@@ -169,7 +169,7 @@ def test_budget_is_clipped_to_the_models_positions_and_trees_stay_inside(arch):
     assert drafted[0] == len(CHOICES) and drafted[-1] == 0  # full trees first, the root alone at the limit
     seen.clear()
     with pytest.warns(UserWarning):
-        out = spec.generate(prompt, max_new_tokens=100, eos_token_id=[], temperature=1.0,
+        out = spec.generate(prompt, max_new_tokens=100, eos_token_id=[], do_sample=True, temperature=1.0,
                             generator=torch.Generator().manual_seed(0))
     assert out.shape[1] == limit and max(p for p, _ in seen) <= limit - 1
 
@@ -187,7 +187,7 @@ def test_a_prompt_that_fills_the_positions_is_an_error():
 
 def self_distilled_heads(model, prompts, steps=150) -> MedusaHeads:
     """Heads trained (with the recipe's own loss) on the model's greedy continuations of `prompts`."""
-    from train.medusa import MedusaConfig, MedusaMethod
+    from selfspec.train.medusa import MedusaConfig, MedusaMethod
 
     heads = random_heads(model, scale=0.0, num_heads=4)
     return fit_on_own_continuations(model, prompts, MedusaMethod(MedusaConfig(num_heads=4), model, heads), steps, 3e-2)

@@ -6,10 +6,10 @@ import torch
 from test_generate import CHOICES, random_heads
 
 from conftest import VOCAB, tiny_model
-from infer.generate import SpeculativeModel
-from infer.generation_config import sampling_params
-from infer.proposers import MedusaProposer
-from infer.verify import SamplingParams
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.generation_config import resolve
+from selfspec.infer.proposers import MedusaProposer
+from selfspec.infer.verify import SamplingParams
 
 
 def spec_for(model) -> SpeculativeModel:
@@ -20,14 +20,21 @@ def test_a_sampling_config_is_followed_like_model_generate():
     model = tiny_model("llama")
     config = model.generation_config
     config.do_sample, config.temperature, config.top_k, config.top_p = True, 0.7, 5, 0.9
-    assert sampling_params(config) == SamplingParams(0.7, 5, 0.9)
-    assert sampling_params(config, top_k=0) == SamplingParams(0.7, 0, 0.9)  # the call's values win
-    assert sampling_params(config, do_sample=False) == SamplingParams()
-    assert sampling_params(config, temperature=0.0) == SamplingParams()  # temperature 0 alone: greedy
+    assert params(config) == SamplingParams(0.7, 5, 0.9)
+    assert params(config, top_k=0) == SamplingParams(0.7, 0, 0.9)  # the call's values win
+    assert params(config, do_sample=False) == SamplingParams()
     config.top_k = config.top_p = None
-    assert sampling_params(config) == SamplingParams(0.7, 50, 1.0)  # transformers' defaults fill the rest
+    assert params(config) == SamplingParams(0.7, 50, 1.0)  # transformers' defaults fill the rest
     config.do_sample = None
-    assert sampling_params(config) == SamplingParams()  # nothing says sample: greedy, as model.generate
+    assert params(config) == SamplingParams()  # nothing says sample: greedy, as model.generate
+    assert params(config, temperature=0.7) == SamplingParams()  # a temperature alone stays greedy, as in transformers
+    assert params(config, do_sample=True, temperature=0.5) == SamplingParams(0.5, 50, 1.0)
+    with pytest.raises(ValueError, match="do_sample=True needs a temperature above 0"):
+        params(config, do_sample=True, temperature=0.0)
+
+
+def params(config, **kwargs) -> SamplingParams:
+    return resolve(config, **kwargs).params
 
 
 def test_with_a_sampling_config_the_same_seed_gives_the_same_draws_as_the_explicit_settings():
@@ -35,7 +42,7 @@ def test_with_a_sampling_config_the_same_seed_gives_the_same_draws_as_the_explic
     model = tiny_model("llama")
     spec = spec_for(model)
     prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
-    explicit = spec.generate(prompt, max_new_tokens=12, temperature=0.8, top_k=7, top_p=0.95,
+    explicit = spec.generate(prompt, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=7, top_p=0.95,
                              generator=torch.Generator().manual_seed(5))
     config = model.generation_config
     config.do_sample, config.temperature, config.top_k, config.top_p = True, 0.8, 7, 0.95
@@ -62,5 +69,5 @@ def test_what_the_loop_cannot_apply_is_refused_in_one_line(name, value):
     model = tiny_model("llama")
     setattr(model.generation_config, name, value)
     spec = spec_for(model)
-    with pytest.raises(ValueError, match=f"generation_config sets {name}=.*set model.generation_config.{name} = "):
+    with pytest.raises(ValueError, match=f"the generation config sets {name}=.*set generation_config.{name} = "):
         spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4)

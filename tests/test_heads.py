@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_model
-from heads.config import HeadsConfig, check_compatible
-from heads.medusa import MedusaHeads
-from heads.registry import load_heads
+from selfspec.heads.config import HeadsConfig, check_compatible
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.heads.registry import load_heads
 
 
 def make(num_layers=2, share=False):
@@ -83,7 +83,7 @@ def test_heads_claiming_another_base_model_fail_clearly(tmp_path):
     from transformers import LlamaConfig
 
     from conftest import tiny_model
-    from heads.config import check_compatible
+    from selfspec.heads.config import check_compatible
 
     named = tmp_path / "trained-on"
     LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

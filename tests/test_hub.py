@@ -10,11 +10,11 @@ from huggingface_hub import HfApi
 from safetensors.torch import load as safetensors_load
 
 from conftest import tiny_model
-from heads.config import HeadsConfig
-from heads.hub import push_to_hub, resolve_heads
-from heads.medusa import MedusaHeads
-from infer.cli import main as cli
-from infer.generate import SpeculativeModel
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.hub import push_to_hub, resolve_heads
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.infer.cli import main as cli
+from selfspec.infer.generate import SpeculativeModel
 
 TOKEN = "hf_SECRETsecretSECRETsecret123456"
 

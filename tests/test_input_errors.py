@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from heads.config import HeadsConfig
-from heads.registry import load_heads
-from train.data import DataError, iter_records
-from train.loop import TrainConfig
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.registry import load_heads
+from selfspec.train.data import DataError, iter_records
+from selfspec.train.loop import TrainConfig
 
 
 def test_a_bad_jsonl_line_is_named(tmp_path):
@@ -64,7 +64,7 @@ def test_damaged_heads_files_are_named(tmp_path):
 
 
 def test_a_model_path_that_holds_no_model_is_named(tmp_path):
-    from shipped.models import resolve_model
+    from selfspec.shipped.models import resolve_model
 
     with pytest.raises(FileNotFoundError, match=r"the model folder .*missing does not exist: give a model's folder"):
         resolve_model(str(tmp_path / "missing"))  # not sent to the hub as a repo id
@@ -84,12 +84,12 @@ def test_a_model_path_that_holds_no_model_is_named(tmp_path):
     ("chat.jsonl", b'{"question": "q", "answer": "a"}\n', "records need a `text`, `messages` or `conversations`"),
 ])
 def test_data_that_is_not_text_is_refused_before_any_model_loads(tmp_path, monkeypatch, name, content, problem):
-    import train.loop
+    import selfspec.train.loop as train_loop
 
     path = tmp_path / name
     path.write_bytes(content)
     loaded = []
-    monkeypatch.setattr(train.loop, "make_accelerator", lambda cfg: loaded.append(cfg))
+    monkeypatch.setattr(train_loop, "make_accelerator", lambda cfg: loaded.append(cfg))
     with pytest.raises(DataError, match=problem) as error:
-        train.loop.start_run(TrainConfig(dataset=str(path), output_dir=str(tmp_path / "out")))
+        train_loop.start_run(TrainConfig(dataset=str(path), output_dir=str(tmp_path / "out")))
     assert str(path) in str(error.value) and not loaded

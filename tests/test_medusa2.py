@@ -11,15 +11,15 @@ from safetensors.torch import load_file
 from test_hub import hub  # noqa: F401 - the fixture recording what would be uploaded
 
 from conftest import check_resume, medusa_args, tiny_model, tiny_tokenizer
-from heads.config import HeadsConfig
-from heads.medusa import MedusaHeads
-from heads.registry import load_heads
-from heads.target import load_target
-from infer.cli import main as cli
-from infer.generate import SpeculativeModel
-from train.config import ConfigError, load_config
-from train.medusa import MedusaConfig, run
-from train.medusa2 import Medusa2Method, add_lora, heads_weight, lora_targets
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.heads.registry import load_heads
+from selfspec.heads.target import load_target
+from selfspec.infer.cli import main as cli
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.train.config import ConfigError, load_config
+from selfspec.train.medusa import MedusaConfig, run
+from selfspec.train.medusa2 import Medusa2Method, add_lora, heads_weight, lora_targets
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
 
@@ -95,7 +95,7 @@ def test_backbone_ce_weight_adds_the_cross_entropy_of_the_targets_own_tokens(wei
 
 
 def test_the_targets_fingerprint_ignores_its_adapters_only():
-    from train.loop import weights_fingerprint
+    from selfspec.train.loop import weights_fingerprint
 
     plain = weights_fingerprint(tiny_model("llama"))
     backbone = add_lora(tiny_model("llama"), r=4, alpha=8, dropout=0.0)
@@ -232,7 +232,7 @@ def test_missing_adapter_and_bad_options_are_one_line_errors(medusa_dir, tmp_pat
 
 
 def test_bits_per_byte_of_a_uniform_model_is_log2_vocab_per_token():
-    from train.bits_per_byte import bits_per_byte
+    from selfspec.train.bits_per_byte import bits_per_byte
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     with torch.no_grad():

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from conftest import VOCAB, tiny_model
-from heads.config import HeadsConfig, check_compatible
-from heads.medusa import MedusaHeads
-from heads.medusa_formats import (
+from selfspec.heads.config import HeadsConfig, check_compatible
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.heads.medusa_formats import (
     LAYOUTS,
     MEDUSA_FORMATS,
     detect_medusa_format,
@@ -24,9 +24,9 @@ from heads.medusa_formats import (
     export_medusa,
     import_medusa,
 )
-from infer.generate import SpeculativeModel
-from infer.proposers import MedusaProposer
-from shipped.models import resolve_model
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.proposers import MedusaProposer
+from selfspec.shipped.models import resolve_model
 
 HIDDEN = 48
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]

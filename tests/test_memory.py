@@ -21,7 +21,7 @@ WORDS = ("def", "return", "class", "self", "value", "x", "y", "+", "=", "(", ")"
          "print", "hello", "world", "point", "add", "a", "b", "0", "1", "10", "if", "else", "not")
 RUN = """
 import resource, sys
-from train.medusa import main
+from selfspec.train.medusa import main
 main(sys.argv[1:])
 print("peak_rss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """

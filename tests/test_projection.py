@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import heads.projection as projection
-from heads.projection import apply_head, is_plain_linear, vocab_logits
+import selfspec.heads.projection as projection
+from selfspec.heads.projection import apply_head, is_plain_linear, vocab_logits
 
 
 def forbid_linear(monkeypatch):
@@ -83,11 +83,11 @@ def softcapped_model() -> nn.Module:
 def test_verification_projects_through_the_cpu_layout_and_keeps_the_models_logit_processing(monkeypatch):
     """Prefill and tree verification run the target's lm_head matmul through vocab_logits, while the model's own
     code around it (here Gemma-2's softcapping) still runs; the model is left unchanged afterwards."""
-    import infer.target as target_module
-    from infer.cache import new_cache
-    from infer.mask import PrefixMask
-    from infer.target import Target
-    from infer.tree import tree_from_choices
+    import selfspec.infer.target as target_module
+    from selfspec.infer.cache import new_cache
+    from selfspec.infer.mask import PrefixMask
+    from selfspec.infer.target import Target
+    from selfspec.infer.tree import tree_from_choices
 
     model = softcapped_model()
     ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -108,9 +108,9 @@ def test_verification_projects_through_the_cpu_layout_and_keeps_the_models_logit
 
 
 def test_verification_leaves_a_hooked_lm_head_to_its_own_forward(monkeypatch):
-    import infer.target as target_module
-    from infer.cache import new_cache
-    from infer.target import Target
+    import selfspec.infer.target as target_module
+    from selfspec.infer.cache import new_cache
+    from selfspec.infer.target import Target
 
     model = softcapped_model()
     model.lm_head.register_forward_hook(lambda module, args, out: out)  # e.g. accelerate's offload hook

@@ -12,18 +12,18 @@ from huggingface_hub.utils import filter_repo_objects
 from test_cli import greedy_reference, user_error
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from heads.config import HeadsConfig
-from heads.convert import export_heads
-from heads.eagle import EagleDraft, layer_fields
-from heads.medusa import MedusaHeads
-from heads.registry import load_heads
-from infer.cli import main as cli
-from infer.generate import SpeculativeModel
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.convert import export_heads
+from selfspec.heads.eagle import EagleDraft, layer_fields
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.heads.registry import load_heads
+from selfspec.infer.cli import main as cli
+from selfspec.infer.generate import SpeculativeModel
 
 PROMPT = "def add(a, b):"  # the tiny target continues it for 40 tokens before an EOS
 NEW_TOKENS = 40
 FORMATS = ("fastdecoding-medusa", "vllm-medusa", "eagle1", "sglang-eagle")
-SMALL_TREE = {"depth": 4, "top_k": 4, "total_tokens": 16}  # EAGLE's dynamic tree, smaller than the default
+SMALL_TREE = {"draft_depth": 4, "draft_top_k": 4, "draft_total_tokens": 16}  # EAGLE's dynamic tree, smaller than the default
 
 
 @pytest.fixture
@@ -144,13 +144,13 @@ def test_tune_refuses_to_overwrite_a_published_config(tiny_model_dir, tmp_path, 
     config = (published / "config.json").read_text()
     capsys.readouterr()
     line = user_error(capsys, ["tune", "--heads", str(published)])
-    assert "a published checkpoint's: write it in selfspec's layout first (python -m infer import" in line
+    assert "a published checkpoint's: write it in selfspec's layout first (selfspec import" in line
     assert (published / "config.json").read_text() == config
 
 
 def test_a_published_eagle3_checkpoint_takes_its_fused_layers_from_the_target_it_is_loaded_for(tmp_path, capsys):
     from conftest import tiny_config, tiny_tokenizer
-    from heads.eagle3 import Eagle3Draft, default_feature_layers
+    from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
 
     config = tiny_config("llama")
     config.num_hidden_layers = 8  # deep enough for the engines' default [2, L // 2, L - 3]

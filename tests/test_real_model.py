@@ -13,18 +13,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from heads.config import HeadsConfig
-from heads.eagle import layer_fields
-from heads.eagle3 import Eagle3Draft, default_feature_layers
-from heads.medusa import MedusaHeads
-from heads.medusa_formats import base_model_field
-from infer.bench import encode_prompt
-from infer.eagle import EagleProposer
-from infer.generate import SpeculativeModel
-from infer.prompt_lookup import PromptLookupProposer
-from infer.proposers import MedusaProposer
-from shipped import smollm2
-from shipped.models import resolve_model
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.eagle import layer_fields
+from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.heads.medusa_formats import base_model_field
+from selfspec.infer.bench import encode_prompt
+from selfspec.infer.eagle import EagleProposer
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.prompt_lookup import PromptLookupProposer
+from selfspec.infer.proposers import MedusaProposer
+from selfspec.shipped import smollm2
+from selfspec.shipped.models import resolve_model
 
 CHATS = [[{"role": "user", "content": "Write a Python function that reverses a string."}],
          [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
@@ -60,7 +60,7 @@ def test_short_name_and_recorded_weights(real_dir):
 
 
 def test_a_missing_built_model_names_the_make_target(tmp_path, monkeypatch):
-    monkeypatch.setattr("shipped.models.MODELS_DIR", tmp_path)
+    monkeypatch.setattr("selfspec.shipped.models.MODELS_DIR", tmp_path)
     with pytest.raises(FileNotFoundError, match="make real-model"):
         resolve_model("smollm2")
 
@@ -136,9 +136,9 @@ def test_vllm_serves_the_trained_eagle3_drafter_with_our_acceptance(real, tmp_pa
     equals its plain output, and its accepted-token counters equal ours with the same 3-token chain."""
     from test_vllm import DRAFT_TOKENS, assert_same_counters, our_counts, serve, vllm_python
 
-    from heads.convert import export_heads
-    from heads.registry import load_heads
-    from infer.tree import chain_choices
+    from selfspec.heads.convert import export_heads
+    from selfspec.heads.registry import load_heads
+    from selfspec.infer.tree import chain_choices
 
     model, tokenizer = real
     draft = load_heads(TRAINED_EAGLE3).eval()

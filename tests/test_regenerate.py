@@ -24,13 +24,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import train.regenerate as regen_module
+import selfspec.train.regenerate as regen_module
 from conftest import TOKENIZER_TEXT, tiny_model, tiny_tokenizer
-from train.data import DataError, chat_example, iter_records, load_examples
-from train.loop import TrainConfig, datasets_for
-from train.medusa2 import self_generated
-from train.regen_chat import end_of_turn_token
-from train.regenerate import RegenerateConfig, load_items, main, run
+from selfspec.train.data import DataError, chat_example, iter_records, load_examples
+from selfspec.train.loop import TrainConfig, datasets_for
+from selfspec.train.medusa2 import self_generated
+from selfspec.train.regen_chat import end_of_turn_token
+from selfspec.train.regenerate import RegenerateConfig, load_items, main, run
 
 ROOT = Path(__file__).resolve().parents[1]
 # the conftest template with a generation prompt (what chat models ship): "<|assistant|>" opens each answer
@@ -391,8 +391,8 @@ def vllm_with_our_dependencies() -> Path:
 def test_vllm_backend_equals_transformers(tmp_path, monkeypatch):
     """In float32 and greedy, vLLM's regenerated dataset equals the transformers backend's, token for token: text
     windows of stdlib code and conversations through a chat template, on the shipped demo target."""
-    from shipped.models import resolve_model
-    from shipped.stdlib_corpus import stdlib_texts
+    from selfspec.shipped.models import resolve_model
+    from selfspec.shipped.stdlib_corpus import stdlib_texts
 
     python = vllm_with_our_dependencies()
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))

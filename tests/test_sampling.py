@@ -5,16 +5,16 @@ import itertools
 import pytest
 import torch
 
-import infer.verify as verify
+import selfspec.infer.verify as verify
 from conftest import tiny_model
-from heads.config import HeadsConfig
-from heads.eagle import EagleDraft, layer_fields
-from heads.medusa import MedusaHeads
-from infer.draft_model import DraftModelProposer
-from infer.eagle import EagleProposer
-from infer.generate import SpeculativeModel
-from infer.prompt_lookup import PromptLookupProposer
-from infer.proposers import MedusaProposer
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.eagle import EagleDraft, layer_fields
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.infer.draft_model import DraftModelProposer
+from selfspec.infer.eagle import EagleProposer
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.prompt_lookup import PromptLookupProposer
+from selfspec.infer.proposers import MedusaProposer
 
 V = 8
 STEPS = 2  # the joint distribution of the first two tokens: 64 outcomes
@@ -73,7 +73,7 @@ def run_sampling(spec, prompt, params, accepted: list | None = None) -> dict:
     gen = torch.Generator().manual_seed(1234)
     counts = {}
     for _ in range(RUNS):
-        out = spec.generate(prompt, max_new_tokens=STEPS, temperature=params[0], top_k=params[1], top_p=params[2],
+        out = spec.generate(prompt, max_new_tokens=STEPS, do_sample=True, temperature=params[0], top_k=params[1], top_p=params[2],
                             eos_token_id=[], generator=gen)
         key = tuple(out[0, prompt.shape[1]:].tolist())
         counts[key] = counts.get(key, 0) + 1

@@ -16,11 +16,11 @@ from peer_envs import peer_python
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from heads.config import HeadsConfig
-from heads.convert import export_heads
-from heads.eagle import layer_fields
-from heads.eagle3 import Eagle3Draft
-from shipped.models import resolve_model
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.convert import export_heads
+from selfspec.heads.eagle import layer_fields
+from selfspec.heads.eagle3 import Eagle3Draft
+from selfspec.shipped.models import resolve_model
 
 SPECULATORS = "speculators==0.9.0"
 STEPS = 3

@@ -8,13 +8,13 @@ import pytest
 import torch
 from test_generate import CHOICES, random_heads
 
-import infer.generate as generate_module
+import selfspec.infer.generate as generate_module
 from conftest import VOCAB, tiny_model
-from infer.cache import PreallocatedLayer, new_cache
-from infer.generate import SpeculativeModel
-from infer.mask import RowMask
-from infer.prompt_lookup import PromptLookupProposer
-from infer.proposers import MedusaProposer, NoDraft
+from selfspec.infer.cache import PreallocatedLayer, new_cache
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.mask import RowMask
+from selfspec.infer.prompt_lookup import PromptLookupProposer
+from selfspec.infer.proposers import MedusaProposer, NoDraft
 
 
 def spec_model(model) -> SpeculativeModel:
@@ -130,7 +130,7 @@ def test_a_generator_for_another_device_is_a_clear_error():
     spec = spec_model(tiny_model("llama"))
     cuda_generator = SimpleNamespace(device=torch.device("cuda", 0))
     with pytest.raises(ValueError, match="random generator is on cuda:0 but the target runs on cpu"):
-        spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, temperature=1.0, generator=cuda_generator)
+        spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=True, temperature=1.0, generator=cuda_generator)
 
 
 def test_proposers_without_weights_follow_the_context_device():

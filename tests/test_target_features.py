@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_model
-from infer.cache import new_cache
-from infer.mask import PrefixMask
-from infer.target import Target
-from infer.tree import tree_from_choices
+from selfspec.infer.cache import new_cache
+from selfspec.infer.mask import PrefixMask
+from selfspec.infer.target import Target
+from selfspec.infer.tree import tree_from_choices
 
 
 @pytest.mark.parametrize("layers", [None, [0, 1], [1, 1, 0]])

@@ -2,16 +2,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train.eagle as eagle_recipe
+import selfspec.train.eagle as eagle_recipe
 from conftest import check_resume, tiny_model
-from heads.eagle import EagleDraft
-from heads.registry import load_heads
-from infer.tune import tune_eagle
-from train.config import ConfigError, load_config
-from train.data import examples_from_lists, pad_batch
-from train.eagle import EagleConfig, cached_features, run, target_features, write_features
-from train.eagle3 import draft_vocabulary
-from train.features import FeatureShards, shard_path, write_safetensors
+from selfspec.heads.eagle import EagleDraft
+from selfspec.heads.registry import load_heads
+from selfspec.infer.tune import tune_eagle
+from selfspec.train.config import ConfigError, load_config
+from selfspec.train.data import examples_from_lists, pad_batch
+from selfspec.train.eagle import EagleConfig, cached_features, run, target_features, write_features
+from selfspec.train.eagle3 import draft_vocabulary
+from selfspec.train.features import FeatureShards, shard_path, write_safetensors
 
 
 def _args(model_dir, data, out, **extra):
@@ -177,7 +177,7 @@ def test_fc_bias_defaults_to_each_versions_layout():
 def test_resuming_with_another_draft_vocabulary_is_refused_by_the_fingerprint():
     from types import SimpleNamespace
 
-    from train.loop import run_fingerprint
+    from selfspec.train.loop import run_fingerprint
 
     model = tiny_model("llama")
     V = model.config.vocab_size
@@ -299,8 +299,8 @@ def test_calibration_prompts_are_a_chats_turns_up_to_its_first_answer():
     ChatML prompt's first 32 tokens are little more than its system prompt), plain text's first tokens."""
     import datasets
 
-    from train.data import Examples
-    from train.eagle import calibration_prompts
+    from selfspec.train.data import Examples
+    from selfspec.train.eagle import calibration_prompts
 
     rows = datasets.Dataset.from_dict({"input_ids": [list(range(10, 50)), list(range(60, 100)), [7, 8]],
                                        "loss_mask": [[0] * 25 + [1] * 15, [1] * 40, [1, 1]]})

@@ -3,11 +3,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train.medusa as medusa_recipe
+import selfspec.train.medusa as medusa_recipe
 from conftest import check_resume, medusa_args
-from heads.registry import load_heads
-from train.config import ConfigError, load_config
-from train.medusa import MedusaConfig, medusa_labels, run
+from selfspec.heads.registry import load_heads
+from selfspec.train.config import ConfigError, load_config
+from selfspec.train.medusa import MedusaConfig, medusa_labels, run
 
 
 def test_medusa_labels_shift():

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from infer.cache import keep_accepted, new_cache
-from infer.mask import PrefixMask
-from infer.target import Target
-from infer.tree import (
+from selfspec.infer.cache import keep_accepted, new_cache
+from selfspec.infer.mask import PrefixMask
+from selfspec.infer.target import Target
+from selfspec.infer.tree import (
     LatencyCurve,
     best_choices,
     chain_choices,

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-import infer.tune
+import selfspec.infer.tune as tune_module
 from conftest import tiny_model
-from infer.bench import forward_latency
-from infer.generate import GenerationStats
-from infer.tree import fit_tree
-from infer.tune import LATENCY_SIZES, format_rows, format_tree_rows, tune_eagle
+from selfspec.infer.bench import forward_latency
+from selfspec.infer.generate import GenerationStats
+from selfspec.infer.tree import fit_tree
+from selfspec.infer.tune import LATENCY_SIZES, format_rows, format_tree_rows, tune_eagle
 
 # 4 heads x 4 ranks; on CLEAN the best tree has 24 nodes, just ahead of 32 and 16
 ACCURACY = torch.tensor([[0.8, 0.1, 0.04, 0.02], [0.7, 0.12, 0.05, 0.02], [0.6, 0.12, 0.05, 0.02],
@@ -149,8 +149,8 @@ STEP = {WIDE: 0.010, NARROW: 0.008}  # 300 vs 250 tokens/s: WIDE is faster
 
 
 def fake_tune(monkeypatch, step_time, batch_size=1):
-    monkeypatch.setattr(infer.tune, "SpeculativeModel", FakeSpec)
-    monkeypatch.setattr(infer.tune, "EagleProposer", lambda draft, embed, lm_head, *setting: setting)
+    monkeypatch.setattr(tune_module, "SpeculativeModel", FakeSpec)
+    monkeypatch.setattr(tune_module, "EagleProposer", lambda draft, embed, lm_head, *setting: setting)
     monkeypatch.setattr(FakeSpec, "log", [])
     monkeypatch.setattr(FakeSpec, "rows", [])
     monkeypatch.setattr(FakeSpec, "step_time", staticmethod(step_time))

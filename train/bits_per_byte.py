@@ -17,10 +17,10 @@ import math
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from heads.errors import run_main
-from shipped.models import resolve_model
-from shipped.stdlib_corpus import stdlib_texts
-from train.target import stream_nll
+from selfspec.heads.errors import run_main
+from selfspec.shipped.models import resolve_model
+from selfspec.shipped.stdlib_corpus import stdlib_texts
+from selfspec.train.target import stream_nll
 
 
 def bits_per_byte(model: torch.nn.Module, tokenizer, texts: list[str], seq_len: int = 512) -> float:
@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument("--seq-len", type=int, default=512)
         opts = parser.parse_args(args)
         if opts.heads:
-            from heads.registry import load_heads
-            from heads.target import load_target
+            from selfspec.heads.registry import load_heads
+            from selfspec.heads.target import load_target
 
             heads = load_heads(opts.heads)
             model = load_target(heads, opts.model, dtype=torch.float32)

@@ -21,8 +21,8 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from heads.errors import disk_full_instead
-from heads.io import file_mode, read_json_object, saved_model_files
+from selfspec.heads.errors import disk_full_instead
+from selfspec.heads.io import file_mode, read_json_object, saved_model_files
 
 STATE_NAME = "trainer_state.json"
 MANIFEST_NAME = "manifest.json"

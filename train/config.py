@@ -117,6 +117,21 @@ def check_at_least(config: Any, names: tuple[str, ...], low: int) -> None:
             raise ConfigError(f"--{name} must be >= {low}, got {getattr(config, name)}")
 
 
+RECIPES = Path(__file__).resolve().parent.parent / "configs"  # the checkout's configs/, or the installed copy
+
+
+def recipe_path(name: str) -> Path:
+    """A run config's file: the path as given, else the recipe of that name that ships with selfspec
+    (`configs/eagle/llama3.1-8b-eagle3.yaml` or `eagle/llama3.1-8b-eagle3.yaml` works after a pip install)."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    shipped = RECIPES / (path.relative_to("configs") if path.parts[:1] == ("configs",) else path)
+    if not path.is_absolute() and shipped.is_file():
+        return shipped
+    raise ConfigError(f"config file {path} does not exist (the shipped recipes are in {RECIPES})")
+
+
 def load_config(cls: type[T], argv: list[str] | None = None, config_path: str | None = None,
                 prog: str | None = None) -> T:
     """Build `cls` from its defaults, an optional YAML (`--config`), then `--key value` overrides.
@@ -147,9 +162,7 @@ def load_config(cls: type[T], argv: list[str] | None = None, config_path: str | 
 
     values: dict[str, Any] = {}
     if config_path:
-        path = Path(config_path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+        path = recipe_path(config_path)
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:

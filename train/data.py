@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from shipped.stdlib_corpus import stdlib_texts
+from selfspec.shipped.stdlib_corpus import stdlib_texts
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from train.config import ConfigError
+from selfspec.train.config import ConfigError
 
 
 def deepspeed_plugin(accelerator: Accelerator):

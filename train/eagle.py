@@ -23,16 +23,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from heads.eagle import EagleDraft, causal_mask, layer_fields
-from heads.eagle3 import Eagle3Draft, default_feature_layers
-from heads.errors import run_main
-from infer.tune import eagle_grid, format_rows, tune_eagle
-from train.config import ConfigError, check_at_least, load_config
-from train.data import Examples, cache_dir, pad_batch
-from train.distributed import unpartitioned
-from train.eagle3 import Eagle3Loss, draft_vocabulary, init_from_target
-from train.features import FeatureShards, examples_per_shard, missing_shards, shard_count, write_shards
-from train.loop import (
+from selfspec.heads.eagle import EagleDraft, causal_mask, layer_fields
+from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
+from selfspec.heads.errors import run_main
+from selfspec.infer.tune import eagle_grid, format_rows, tune_eagle
+from selfspec.train.config import ConfigError, check_at_least, load_config
+from selfspec.train.data import Examples, cache_dir, pad_batch
+from selfspec.train.distributed import unpartitioned
+from selfspec.train.eagle3 import Eagle3Loss, draft_vocabulary, init_from_target
+from selfspec.train.features import (
+    FeatureShards,
+    examples_per_shard,
+    missing_shards,
+    shard_count,
+    write_shards,
+)
+from selfspec.train.loop import (
     TrainConfig,
     datasets_for,
     heads_config,
@@ -41,7 +47,7 @@ from train.loop import (
     train,
     weights_fingerprint,
 )
-from train.medusa import chunk_rows, chunked_sum, medusa_labels
+from selfspec.train.medusa import chunk_rows, chunked_sum, medusa_labels
 
 RANKS = 10  # validation reports how often the target's token is in the drafter's top-r, r < RANKS
 

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from heads.eagle3 import Eagle3Draft
-from train.medusa import agreed_calls, chunk_rows, chunked_sum, chunks
+from selfspec.heads.eagle3 import Eagle3Draft
+from selfspec.train.medusa import agreed_calls, chunk_rows, chunked_sum, chunks
 
 STEP_DECAY = 0.8  # weight of step i's loss is STEP_DECAY ** i
 

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from heads.io import atomic_write
+from selfspec.heads.io import atomic_write
 
 SHARD_BYTES = 256 * 2**20  # a shard of full-length examples is about this big
 MAX_SHARD_EXAMPLES = 4096

@@ -31,10 +31,10 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
-from heads.config import HeadsConfig
-from heads.io import atomic_write
-from shipped.models import resolve_model
-from train.checkpoints import (
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.io import atomic_write
+from selfspec.shipped.models import resolve_model
+from selfspec.train.checkpoints import (
     check_rng_files,
     check_same_run,
     find_resume,
@@ -42,9 +42,9 @@ from train.checkpoints import (
     read_state,
     save_checkpoint,
 )
-from train.config import ConfigError, check_at_least, check_finite
-from train.data import Examples, cache_dir, check_source, load_examples, pad_batch, split_examples
-from train.distributed import (
+from selfspec.train.config import ConfigError, check_at_least, check_finite
+from selfspec.train.data import Examples, cache_dir, check_source, load_examples, pad_batch, split_examples
+from selfspec.train.distributed import (
     check_engine,
     check_launch,
     configure_deepspeed,
@@ -55,7 +55,7 @@ from train.distributed import (
     max_over_ranks,
     scheduler_steps_per_update,
 )
-from train.regenerate import Items, RegenerateConfig, load_items, regenerate_with_model, written_by
+from selfspec.train.regenerate import Items, RegenerateConfig, load_items, regenerate_with_model, written_by
 
 REPORTERS = ("none", "wandb", "tensorboard")
 PRECISIONS = ("no", "bf16", "fp16")
@@ -573,8 +573,8 @@ def heads_config(cfg: TrainConfig, target, kind: str, **fields: Any) -> HeadsCon
 def report_saved(cfg: TrainConfig, history: list[tuple[int, dict[str, float]]], what: str) -> None:
     print(f"\nvalidation: {format_metrics(history[-1][1])}")
     print(f"saved {what} to {cfg.output_dir}")
-    print(f"generate with:  python -m infer generate --heads {cfg.output_dir} --prompt 'def parse('")
-    print(f"benchmark with: python -m infer bench --heads {cfg.output_dir}")
+    print(f"generate with:  selfspec generate --heads {cfg.output_dir} --prompt 'def parse('")
+    print(f"benchmark with: selfspec bench --heads {cfg.output_dir}")
 
 
 def format_metrics(metrics: dict[str, float]) -> str:

@@ -19,14 +19,21 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from heads.errors import run_main
-from heads.medusa import MedusaHeads
-from infer.bench import forward_latency
-from infer.tree import Acceptance, best_choices, fill_choices, fit_tree, label_ranks, path_frequencies
-from infer.tune import format_tree_rows
-from train.config import ConfigError, check_at_least, load_config
-from train.distributed import gathers_weights, unpartitioned
-from train.loop import (
+from selfspec.heads.errors import run_main
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.infer.bench import forward_latency
+from selfspec.infer.tree import (
+    Acceptance,
+    best_choices,
+    fill_choices,
+    fit_tree,
+    label_ranks,
+    path_frequencies,
+)
+from selfspec.infer.tune import format_tree_rows
+from selfspec.train.config import ConfigError, check_at_least, load_config
+from selfspec.train.distributed import gathers_weights, unpartitioned
+from selfspec.train.loop import (
     TrainConfig,
     datasets_for,
     heads_config,
@@ -87,7 +94,7 @@ class MedusaConfig(TrainConfig):
         super().__post_init__()
         check_at_least(self, ("num_heads", "num_layers", "lora_r", "lora_alpha"), 1)
         check_at_least(self, ("heads_only_steps",), 0)
-        from train.medusa2 import BACKBONE_LOSSES, SCHEDULES, uses_kl
+        from selfspec.train.medusa2 import BACKBONE_LOSSES, SCHEDULES, uses_kl
 
         if self.heads_schedule not in SCHEDULES:
             raise ConfigError(f"--heads_schedule must be one of {', '.join(SCHEDULES)}, got {self.heads_schedule!r}")
@@ -348,7 +355,7 @@ def run(cfg: MedusaConfig) -> dict:
     initial = {k: v.detach().clone() for k, v in heads.state_dict().items()}
     train_data, eval_data = datasets_for(cfg, tokenizer, target, accelerator)
     if cfg.medusa2:
-        from train.medusa2 import medusa2_method
+        from selfspec.train.medusa2 import medusa2_method
 
         method = medusa2_method(cfg, target, heads, tokenizer)
     else:

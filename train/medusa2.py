@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.medusa import MedusaHeads
-from heads.target import ADAPTED
-from infer.target import decoder_layers
-from train.medusa import MedusaMethod, agreed_calls, chunked_sum
-from train.regenerate import written_by
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.heads.target import ADAPTED
+from selfspec.infer.target import decoder_layers
+from selfspec.train.medusa import MedusaMethod, agreed_calls, chunked_sum
+from selfspec.train.regenerate import written_by
 
 SCHEDULES = ("constant", "linear", "sine")
 BACKBONE_LOSSES = ("auto", "kl", "ce")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from train.regenerate import RegenerateConfig
+    from selfspec.train.regenerate import RegenerateConfig
 
 
 class Generator(Protocol):

@@ -7,8 +7,8 @@ import dataclasses
 import json
 from typing import Any
 
-from train.config import ConfigError
-from train.data import DataError
+from selfspec.train.config import ConfigError
+from selfspec.train.data import DataError
 
 ANSWER = "\ue000answer {}\ue001"  # stands for the i-th answer while the template renders (private-use characters)
 

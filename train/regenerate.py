@@ -53,10 +53,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from heads.errors import run_main
-from heads.io import atomic_write
-from train.config import ConfigError, check_at_least, check_finite, load_config
-from train.data import (
+from selfspec.heads.errors import run_main
+from selfspec.heads.io import atomic_write
+from selfspec.train.config import ConfigError, check_at_least, check_finite, load_config
+from selfspec.train.data import (
     RECORD_FEATURES,
     REGENERATION_FILE,
     WRITE_BATCH,
@@ -70,8 +70,14 @@ from train.data import (
     unfinished_regeneration,
     write_arrow,
 )
-from train.regen_backends import Generator, TransformersGenerator, VllmGenerator, derived_seed, vllm_missing
-from train.regen_chat import Chat, conversation, stop_token_ids
+from selfspec.train.regen_backends import (
+    Generator,
+    TransformersGenerator,
+    VllmGenerator,
+    derived_seed,
+    vllm_missing,
+)
+from selfspec.train.regen_chat import Chat, conversation, stop_token_ids
 
 BACKENDS = ("transformers", "vllm")
 FORMATS = ("dataset", "jsonl")
@@ -465,7 +471,7 @@ def model_files(path: str) -> str:
 
 def written_by(source: str, model: str) -> bool | None:
     """For a finished train/regenerate.py folder: whether `model` (the same files) wrote it; None for other data."""
-    from shipped.models import resolve_model
+    from selfspec.shipped.models import resolve_model
 
     folder = Path(source)
     if not (folder / REGENERATION_FILE).is_file() or unfinished_regeneration(folder):
@@ -484,7 +490,7 @@ def run(cfg: RegenerateConfig) -> Path:
     from accelerate import PartialState
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from shipped.models import resolve_model
+    from selfspec.shipped.models import resolve_model
 
     out = Path(cfg.output_dir)
     check_output_dir(out)
@@ -526,7 +532,7 @@ def within_positions(cfg: RegenerateConfig, config, report: bool = True) -> Rege
     """`cfg` with `max_length` at most the positions the target embeds (`max_position_embeddings` /
     `n_positions`): prompt + answer never ask for a position the model does not have (GPT-2-style models raise
     an IndexError past theirs); a conversation that outgrows them ends there, its later turns dropped."""
-    from infer.generate import max_positions
+    from selfspec.infer.arguments import max_positions
 
     limit = max_positions(config)
     if limit is None or cfg.max_length <= limit:

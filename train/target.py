@@ -23,10 +23,10 @@ import torch
 from tokenizers import ByteLevelBPETokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from heads.errors import run_main
-from shipped.models import resolve_model
-from shipped.stdlib_corpus import stdlib_texts
-from train.config import ConfigError, check_at_least, check_finite, load_config
+from selfspec.heads.errors import run_main
+from selfspec.shipped.models import resolve_model
+from selfspec.shipped.stdlib_corpus import stdlib_texts
+from selfspec.train.config import ConfigError, check_at_least, check_finite, load_config
 
 SPECIAL = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
 

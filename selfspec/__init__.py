@@ -1,0 +1,54 @@
+"""selfspec: train Medusa / EAGLE drafters on a frozen Hugging Face causal LM and decode with them losslessly.
+
+    from selfspec import SpeculativeModel
+    spec = SpeculativeModel.from_pretrained("outputs/eagle3-llama3.1-8b", device_map="cuda", dtype="bfloat16")
+    out = spec.generate(input_ids, max_new_tokens=256)
+
+The subpackages are `selfspec.heads` (drafters and their files), `selfspec.infer` (speculative decoding),
+`selfspec.train` (the `accelerate launch` recipes) and `selfspec.shipped` (the demo models, the chat prompts).
+The public names below load on first use, so `import selfspec` and the console script stay fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+# In a checkout the subpackages are the top-level folders heads/, infer/, train/, shipped/ beside this one;
+# an installed wheel holds them inside this package. The checkout's folders are found through __path__.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "heads" / "__init__.py").is_file():
+    __path__.append(str(_CHECKOUT))  # noqa: F821 (a package's __path__)
+
+PUBLIC = {
+    "SpeculativeModel": "selfspec.infer.generate",
+    "GenerationStats": "selfspec.infer.generate",
+    "GenerateOutput": "selfspec.infer.generate",
+    "HeadsConfig": "selfspec.heads.config",
+    "MedusaHeads": "selfspec.heads.medusa",
+    "EagleDraft": "selfspec.heads.eagle",
+    "Eagle3Draft": "selfspec.heads.eagle3",
+    "load_heads": "selfspec.heads.registry",
+    "import_heads": "selfspec.heads.convert",
+    "export_heads": "selfspec.heads.convert",
+    "load_target": "selfspec.heads.target",
+}
+__all__ = [*PUBLIC, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use (`selfspec.SpeculativeModel`, `from selfspec import ...`)."""
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            return version("selfspec")
+        except PackageNotFoundError:
+            return "0+checkout"
+    if name in PUBLIC:
+        return getattr(importlib.import_module(PUBLIC[name]), name)
+    raise AttributeError(f"module 'selfspec' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
