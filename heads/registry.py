@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 
-from selfspec.heads.config import HeadsConfig, read_json_object
-from selfspec.heads.convert import import_heads
+from selfspec.heads.config import HeadsConfig
 from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.eagle3 import Eagle3Draft
+from selfspec.heads.formats import import_heads
+from selfspec.heads.formats.checkpoint import Checkpoint
 from selfspec.heads.hub import resolve_heads
 from selfspec.heads.io import PretrainedHeads
 from selfspec.heads.medusa import MedusaHeads
@@ -18,11 +19,11 @@ from selfspec.heads.medusa import MedusaHeads
 DRAFTERS: dict[str, type[PretrainedHeads]] = {"medusa": MedusaHeads, "eagle": EagleDraft, "eagle3": Eagle3Draft}
 
 
-def is_published(directory: str | Path) -> bool:
+def is_published(directory: str | Path | Checkpoint) -> bool:
     """Whether a directory holds another project's checkpoint: a config.json without selfspec's `kind`.
     A config.json that is not a JSON object is an error naming the file."""
-    path = Path(directory, "config.json")
-    return path.is_file() and "kind" not in read_json_object(path)
+    checkpoint = Checkpoint.read(directory)
+    return checkpoint.config is not None and not checkpoint.is_selfspec
 
 
 def load_heads(name_or_path: str | Path, device: str | torch.device = "cpu", base_model: str | None = None,
@@ -35,7 +36,7 @@ def load_heads(name_or_path: str | Path, device: str | torch.device = "cpu", bas
     that one (published EAGLE checkpoints name none), and EAGLE-3 checkpoints that name no fused layers take
     the target's default ones. selfspec's own directories keep the target they name. `revision` and `token` are
     the Hub's, for a repo id."""
-    directory = resolve_heads(name_or_path, revision=revision, token=token)
-    if is_published(directory):
-        return import_heads(directory, base_model=base_model or None).to(device)
-    return DRAFTERS[HeadsConfig.load(directory).kind].from_pretrained(directory, device)
+    checkpoint = Checkpoint.read(resolve_heads(name_or_path, revision=revision, token=token))
+    if is_published(checkpoint):
+        return import_heads(checkpoint, base_model=base_model or None).to(device)
+    return DRAFTERS[HeadsConfig.load(checkpoint.path).kind].from_pretrained(checkpoint.path, device)

@@ -30,8 +30,8 @@ PUBLIC = {
     "EagleDraft": "selfspec.heads.eagle",
     "Eagle3Draft": "selfspec.heads.eagle3",
     "load_heads": "selfspec.heads.registry",
-    "import_heads": "selfspec.heads.convert",
-    "export_heads": "selfspec.heads.convert",
+    "import_heads": "selfspec.heads.formats",
+    "export_heads": "selfspec.heads.formats",
     "load_target": "selfspec.heads.target",
 }
 __all__ = [*PUBLIC, "__version__"]

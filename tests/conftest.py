@@ -16,6 +16,8 @@ from transformers import (
     Qwen2Config,
 )
 
+pytest_plugins = ["eagle3_checkpoints"]  # the 8-layer target fixtures the EAGLE-3 layout tests share
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # the cores shared among pytest-xdist's workers (`make test` runs two), at most 2 threads each
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))

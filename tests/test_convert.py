@@ -10,8 +10,8 @@ from test_cli import user_error
 from transformers import AutoModelForCausalLM
 
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.convert import EXPORT_FORMATS
-from selfspec.heads.eagle3_formats import EAGLE3_FORMATS
+from selfspec.heads.formats import EXPORT_FORMATS, detect_format, export_heads
+from selfspec.heads.formats.eagle3 import EAGLE3_FORMATS
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.heads.registry import load_heads
 from selfspec.infer.cli import main as cli
@@ -168,3 +168,25 @@ def test_import_errors_name_the_file(tmp_path, capsys):
         r"config\.json is not readable JSON \(.*line 2",
         user_error(capsys, ["import", "--src", str(tmp_path), "--out", str(tmp_path / "out")]),
     )
+
+
+@pytest.mark.parametrize("fmt", ["vllm-medusa", "eagle1", "sglang-eagle"])
+def test_loading_a_published_drafter_reads_its_config_and_tensor_names_once(fmt, medusa_dir, eagle_dir, tiny_model_dir,
+                                                                             tmp_path, monkeypatch):
+    """One detection pass: every layout's detector asks the same Checkpoint, so config.json is parsed once and the
+    safetensors header opened once, whichever family the folder turns out to be (the last one asked here)."""
+    import selfspec.heads.formats.checkpoint as checkpoint
+
+    heads = load_heads(medusa_dir if "medusa" in fmt else eagle_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    export_heads(heads, fmt, tmp_path / "out", target=model, **({"base_model": str(tiny_model_dir)}
+                                                                   if "medusa" in fmt else {}))
+    reads, opens = [], []
+    read_json, safe_open = checkpoint.read_json_object, checkpoint.safe_open
+    monkeypatch.setattr(checkpoint, "read_json_object", lambda path: reads.append(path) or read_json(path))
+    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: opens.append(a) or safe_open(*a, **k))
+    assert detect_format(tmp_path / "out") == fmt
+    loaded = load_heads(tmp_path / "out")
+    assert type(loaded) is type(heads)
+    assert len(reads) == 2, reads  # detect_format once, load_heads once
+    assert len(opens) <= 2, opens  # at most one header read per pass (Medusa layouts need no names)

@@ -288,7 +288,7 @@ def test_validation_ranks_only_the_tokens_a_draft_vocabulary_can_draft():
 
 
 def test_a_draft_vocabulary_round_trips_and_is_left_out_of_published_layouts(tmp_path):
-    from selfspec.heads.eagle_formats import export_eagle, read_eagle_weights
+    from selfspec.heads.formats.eagle import export_eagle, read_eagle_weights
 
     model = tiny_model("llama")
     draft = vocab_draft(model, seed=3)

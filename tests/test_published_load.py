@@ -13,8 +13,8 @@ from test_cli import greedy_reference, user_error
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.convert import export_heads
 from selfspec.heads.eagle import EagleDraft, layer_fields
+from selfspec.heads.formats import export_heads
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.heads.registry import load_heads
 from selfspec.infer.cli import main as cli

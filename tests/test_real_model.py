@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.eagle import layer_fields
 from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
+from selfspec.heads.formats.medusa import base_model_field
 from selfspec.heads.medusa import MedusaHeads
-from selfspec.heads.medusa_formats import base_model_field
 from selfspec.infer.bench import encode_prompt
 from selfspec.infer.eagle import EagleProposer
 from selfspec.infer.generate import SpeculativeModel
@@ -136,7 +136,7 @@ def test_vllm_serves_the_trained_eagle3_drafter_with_our_acceptance(real, tmp_pa
     equals its plain output, and its accepted-token counters equal ours with the same 3-token chain."""
     from test_vllm import DRAFT_TOKENS, assert_same_counters, our_counts, serve, vllm_python
 
-    from selfspec.heads.convert import export_heads
+    from selfspec.heads.formats import export_heads
     from selfspec.heads.registry import load_heads
     from selfspec.infer.tree import chain_choices
 

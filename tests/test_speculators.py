@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.convert import export_heads
 from selfspec.heads.eagle import layer_fields
 from selfspec.heads.eagle3 import Eagle3Draft
+from selfspec.heads.formats import export_heads
 from selfspec.shipped.models import resolve_model
 
 SPECULATORS = "speculators==0.9.0"

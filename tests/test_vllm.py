@@ -21,9 +21,9 @@ from peer_envs import peer_python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.convert import export_heads
 from selfspec.heads.eagle import layer_fields
 from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
+from selfspec.heads.formats import export_heads
 from selfspec.infer.eagle import EagleProposer
 from selfspec.infer.generate import SpeculativeModel
 from selfspec.infer.proposers import MedusaProposer

@@ -1,4 +1,5 @@
-"""EAGLE-3 drafters in the layouts published and served elsewhere: import them, export ours.
+"""EAGLE-3 drafters in the layouts published and served elsewhere: import them here, export ours
+(heads/formats/eagle3_export.py); how their config.json is read is heads/formats/eagle3_config.py.
 
 `Eagle3Draft` already uses SafeAILab's tensor names (`fc.weight`, `midlayer.*`, `norm.weight`,
 `lm_head.weight`, `d2t`, `t2d`) and computes SafeAILab's layer, so no tensor is converted: a layout only
@@ -101,32 +102,24 @@ was trained.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from selfspec.heads.config import DTYPES, HeadsConfig
-from selfspec.heads.eagle import llama_config
 from selfspec.heads.eagle3 import Eagle3Draft
-from selfspec.heads.eagle_formats import (
-    CONFIG_FIELDS,
-    WEIGHTS,
-    check_target,
-    layer_config_from_json,
-    read_eagle_weights,
-    rope_scaling_json,
-    weight_files,
-    weight_names,
-    write_weights,
+from selfspec.heads.formats.checkpoint import Checkpoint
+from selfspec.heads.formats.eagle import check_target, layer_config_from_json
+from selfspec.heads.formats.eagle3_config import (
+    draft_vocab_maps,
+    feature_layers,
+    flags,
+    refuse_variants,
+    settings,
+    target_layers,
 )
-from selfspec.heads.io import atomic_write, read_config_json
-from selfspec.heads.medusa_formats import base_model_field
-from selfspec.shipped.models import resolve_model
 
 EMBED_KEY = "embed_tokens.weight"
 INPUT_NORM = "input_norm.weight"  # norm_before_fc's RMSNorm over the fc input, named alike by every engine
@@ -156,27 +149,6 @@ LAYOUTS = {"eagle3": Layout("LlamaForCausalLMEagle3", "midlayer.", ("safeailab",
 EAGLE3_FORMATS = tuple(LAYOUTS)
 
 
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    neutral: Any  # the value Eagle3Draft computes
-    means: str  # what any other value changes
-
-
-# Variant flags Eagle3Draft computes: HeadsConfig fields of the same names (false: SafeAILab's drafter).
-FLAGS = ("norm_before_residual", "norm_before_fc")
-# Variant flags it does not compute: refused at any other value.
-VARIANTS = {
-    "fc_norm": Variant(False, "an RMSNorm per fused hidden state (fc_norm.{i}) before fc"),
-    "use_aux_norm": Variant(False, "SGLang's older name for fc_norm"),
-    "norm_output": Variant(False, "the normed output, not the pre-norm one, is fed to the next draft step"),
-    "use_aux_hidden_state": Variant(True, "false: no fc, the drafter reads the target's last hidden state"),
-    "bias": Variant(False, "a bias on fc (SGLang) or in attention (vLLM)"),
-    "logit_scale": Variant(1.0, "the draft logits are scaled"),
-}
-# What an engine assumes for a flag a layout leaves out, where that is not the neutral value (vLLM algos.py).
-ABSENT = {"speculators-eagle3": {"norm_before_residual": True}}
-
-
 def layout_keys(fmt: str, draft_vocab: bool, norm_before_fc: bool = False) -> set[str]:
     """Every tensor `export_eagle3` writes in `fmt`; `d2t`/`t2d` only for a draft vocabulary smaller than the
     target's (vLLM has nowhere to load them otherwise, and SafeAILab deletes them); `input_norm.weight` only
@@ -192,7 +164,7 @@ def _ours(name: str) -> str:
     return LAYER + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
 
 
-def _theirs(fmt: str):
+def theirs_name(fmt: str):
     layer = LAYOUTS[fmt].layer
     return lambda k: layer + k.removeprefix(LAYER) if k.startswith(LAYER) else k
 
@@ -200,19 +172,17 @@ def _theirs(fmt: str):
 # ---------------------------------------------------------------- detection
 
 
-def detect_eagle3_format(directory: str | Path) -> str | None:
+def detect_eagle3_format(directory: str | Path | Checkpoint) -> str | None:
     """"eagle3" or "speculators-eagle3" for an EAGLE-3 checkpoint directory; None for anything else (a selfspec
     heads directory, an EAGLE-1 drafter, a full model, no config or weights). A config.json that is not JSON,
     or weights that cannot be read, are errors naming the file."""
-    directory = Path(directory)
-    if not (directory / "config.json").is_file() or not weight_files(directory):
-        return None
-    raw = read_config_json(directory)
-    if "kind" in raw:  # a selfspec HeadsConfig
+    checkpoint = Checkpoint.read(directory)
+    raw = checkpoint.config
+    if raw is None or checkpoint.is_selfspec or not checkpoint.weight_files:
         return None
     if "speculators_config" in raw or "speculators_model_type" in raw:
         return "speculators-eagle3" if raw.get("speculators_model_type") == "eagle3" else None
-    names = weight_names(directory)
+    names = checkpoint.weight_names
     eagle3_arch = any("Eagle3" in str(a) for a in raw.get("architectures") or [])
     layer = (LAYER, "layers.0.") if eagle3_arch else (LAYER,)
     if "fc.weight" in names and any(n.startswith(layer) for n in names):
@@ -221,131 +191,6 @@ def detect_eagle3_format(directory: str | Path) -> str | None:
 
 
 # ---------------------------------------------------------------- import
-
-
-def _settings(raw: dict[str, Any], fmt: str, layer_json: dict[str, Any],
-              where: Path) -> dict[str, tuple[Any, bool]]:
-    """Each variant flag (FLAGS and VARIANTS) as the layout's engines read it: (value, whether the file states
-    it)."""
-    defaults = {f: False for f in FLAGS} | {f: v.neutral for f, v in VARIANTS.items()}
-    if fmt == "speculators-eagle3":  # algos.py update_eagle3 copies the top-level flags over the layer config
-        top = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-        found = {f: (raw[f], True) for f in top if f in raw} | {
-            f: (layer_json[f], True) for f in defaults if f in layer_json and f not in top}
-    else:
-        eagle = raw.get("eagle_config") or {}
-        if not isinstance(eagle, dict):
-            raise ValueError(f"{where}: eagle_config must be a JSON object, got {eagle!r}")
-        found = {f: (raw[f], True) for f in defaults if f in raw and f != "use_aux_hidden_state"}
-        found |= {f: (eagle[f], True) for f in ("norm_before_fc", "use_aux_hidden_state") if f in eagle}
-    absent = ABSENT.get(fmt, {})
-    return {f: found.get(f, (absent.get(f, neutral), False)) for f, neutral in defaults.items()}
-
-
-def _is_neutral(value: Any, neutral: Any) -> bool:
-    if isinstance(neutral, bool):
-        return value is neutral
-    return type(value) in (int, float) and value == neutral
-
-
-def _refuse_variants(settings: dict[str, tuple[Any, bool]], fmt: str, where: Path) -> None:
-    for flag, variant in VARIANTS.items():
-        value, stated = settings[flag]
-        if not _is_neutral(value, variant.neutral):
-            how = "" if stated else f" (it is absent, which vLLM reads as {json.dumps(value)} in a {fmt} config)"
-            raise ValueError(f"{where}: {flag} = {json.dumps(value)}{how} means {variant.means}; Eagle3Draft does "
-                             f"not compute that variant, so this drafter cannot be imported")
-
-
-def _flags(settings: dict[str, tuple[Any, bool]], fmt: str, where: Path) -> dict[str, bool]:
-    """The FLAGS Eagle3Draft computes, as HeadsConfig fields; an absent one that the layout's engine reads as true
-    is warned about (speculators' own config class reads it as false)."""
-    flags = {}
-    for flag in FLAGS:
-        value, stated = settings[flag]
-        if type(value) is not bool:
-            raise ValueError(f"{where}: {flag} must be true or false, got {json.dumps(value)}")
-        if value and not stated:
-            warnings.warn(f"{where}: {flag} is absent, which vLLM reads as true in a {fmt} config, so it is imported "
-                          f"as true (speculators' Eagle3SpeculatorConfig defaults it to false): if the drafter was "
-                          f"trained without it, write \"{flag}\": false into config.json", stacklevel=3)
-        flags[flag] = value
-    return flags
-
-
-def _target_layers(target: nn.Module | None, base_model: str) -> int | None:
-    """The target's layer count L, from the target or from its config when it is on this machine."""
-    if target is not None:
-        return target.config.get_text_config().num_hidden_layers
-    if not base_model:
-        return None
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(resolve_model(base_model), local_files_only=True)
-    except (OSError, ValueError):
-        return None
-    return config.get_text_config().num_hidden_layers
-
-
-def _int_list(value: Any, field: str, where: Path) -> list[int]:
-    if not isinstance(value, list) or not all(type(i) is int for i in value):
-        raise ValueError(f"{where}: {field} must be a list of integers, got {value!r}")
-    return value
-
-
-def _feature_layers(raw: dict[str, Any], fmt: str, num_layers: int | None, where: Path) -> list[int]:
-    """The hidden_states indices the engines fuse, in the order they concatenate them (increasing)."""
-    top = raw.get("eagle_aux_hidden_state_layer_ids") or None
-    top = None if top is None else _int_list(top, "eagle_aux_hidden_state_layer_ids", where)
-    layers = top
-    if fmt == "eagle3":
-        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or None
-        if ids is not None:
-            layers = [i + 1 for i in _int_list(ids, "eagle_config.eagle_aux_hidden_state_layer_ids", where)]
-            if top is not None and sorted(top) != sorted(layers):
-                raise ValueError(
-                    f"{where}: SGLang fuses hidden_states {sorted(layers)} (eagle_config ids {ids} + 1) but vLLM "
-                    f"{sorted(top)} (the top-level eagle_aux_hidden_state_layer_ids); which the drafter was "
-                    "trained on is unknown: remove the wrong field")
-    if layers is None:
-        if num_layers is None:
-            raise ValueError(f"{where} names no eagle_aux_hidden_state_layer_ids, so the engines fuse the target's "
-                             "hidden_states [2, L // 2, L - 3], and L is unknown: pass the target as --base-model "
-                             "(base_model=), a local model directory or a Hub id in the HF cache")
-        layers = [2, num_layers // 2, num_layers - 3]
-    if len(set(layers)) != len(layers):
-        raise ValueError(f"{where}: the hidden_states indices {layers} repeat one; the engines capture each "
-                         "once")
-    layers = sorted(layers)
-    if layers[0] < 0:
-        raise ValueError(f"{where}: hidden_states indices {layers} must not be negative")
-    if num_layers is not None and layers[-1] >= num_layers:
-        raise ValueError(f"{where}: hidden_states indices {layers} must lie in [0, L - 1 = {num_layers - 1}] "
-                         "(index L is normed in transformers but not in the engines)")
-    return layers
-
-
-def _draft_vocab(d2t: torch.Tensor | None, t2d: torch.Tensor | None, size: int, vocab: int,
-                 where: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """d2t as the engines decode with it (zeros when absent: draft id i is target id i), and t2d rebuilt from it."""
-    d2t = torch.zeros(size, dtype=torch.long) if d2t is None else d2t
-    if d2t.shape != (size,) or d2t.is_floating_point() or d2t.is_complex():
-        raise ValueError(f"{where}: d2t should be {size} integers (one per lm_head row), found {d2t.dtype} "
-                         f"{tuple(d2t.shape)}")
-    targets = torch.arange(size) + d2t.long()
-    if targets.min() < 0 or targets.max() >= vocab or targets.unique().numel() != size:
-        raise ValueError(f"{where}: d2t maps draft ids to target ids outside [0, {vocab}) or to one id twice")
-    rebuilt = torch.zeros(vocab, dtype=torch.bool)
-    rebuilt[targets] = True
-    if t2d is not None:
-        if t2d.shape != (vocab,):
-            raise ValueError(f"{where}: t2d has shape {tuple(t2d.shape)}, the target vocabulary makes it "
-                             f"({vocab},)")
-        if not torch.equal(t2d.bool(), rebuilt):
-            warnings.warn(f"{where}: t2d does not mark exactly the target ids d2t maps to; the engines decode with "
-                          "d2t alone, so t2d is rebuilt from it", stacklevel=3)
-    return d2t.long(), rebuilt
 
 
 def _load(draft: Eagle3Draft, state: dict[str, torch.Tensor], where: Path, name) -> None:
@@ -366,7 +211,7 @@ def _load(draft: Eagle3Draft, state: dict[str, torch.Tensor], where: Path, name)
 
 
 def import_eagle3(
-    directory: str | Path,
+    directory: str | Path | Checkpoint,
     format: str | None = None,  # noqa: A002
     base_model: str | None = None,
     target: nn.Module | None = None,
@@ -379,9 +224,10 @@ def import_eagle3(
     the imported config names (default: the speculators verifier, else nothing). With `target`, a drafter for
     another hidden or vocabulary size is refused and an embedding unlike the target's is warned about.
     """
-    directory = Path(directory)
-    raw, cfg_path = read_config_json(directory), directory / "config.json"
-    fmt = format or detect_eagle3_format(directory)
+    checkpoint = Checkpoint.read(directory)
+    directory, raw = checkpoint.path, checkpoint.require_config()
+    cfg_path = directory / "config.json"
+    fmt = format or detect_eagle3_format(checkpoint)
     if fmt is None:
         raise ValueError(f"{directory} is not an EAGLE-3 checkpoint this importer recognises: it expects "
                          "fc.weight and midlayer.* (SafeAILab / SGLang) or a speculators config.json "
@@ -410,16 +256,16 @@ def import_eagle3(
             raise ValueError(f"{cfg_path}: architectures {archs}: Eagle3Draft computes the Llama EAGLE-3 layer "
                              f"({', '.join(LLAMA_ARCHS[:2])})")
         layer_json = raw
-    settings = _settings(raw, fmt, layer_json, cfg_path)
-    _refuse_variants(settings, fmt, cfg_path)
-    flags = _flags(settings, fmt, cfg_path)
+    stated = settings(raw, fmt, layer_json, cfg_path)
+    refuse_variants(stated, fmt, cfg_path)
+    draft_flags = flags(stated, fmt, cfg_path)
     if layer_json.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"{cfg_path}: num_hidden_layers = {layer_json['num_hidden_layers']} draft layers; "
                          "Eagle3Draft has one")
 
-    files = weight_files(directory)
+    files = checkpoint.weight_files
     where = files[0] if len(files) == 1 else directory
-    state = read_eagle_weights(directory)
+    state = checkpoint.read_weights()
     embed = state.pop(EMBED_KEY, None)
     file_names = {_ours(k): k for k in state if not IGNORED.match(k)}
     if len(file_names) != len([k for k in state if not IGNORED.match(k)]):
@@ -447,11 +293,11 @@ def import_eagle3(
     declared = raw.get("draft_vocab_size")
     if declared is not None and declared != size:
         raise ValueError(f"{cfg_path}: draft_vocab_size is {declared} but lm_head.weight has {size} rows")
-    d2t, t2d = _draft_vocab(state.pop("d2t", None), state.pop("t2d", None), size, vocab, where)
+    d2t, t2d = draft_vocab_maps(state.pop("d2t", None), state.pop("t2d", None), size, vocab, where)
 
     base = base_model if base_model is not None else declared_base
-    num_layers = _target_layers(target, base)
-    layers = _feature_layers(raw, fmt, num_layers, cfg_path)
+    num_layers = target_layers(target, base)
+    layers = feature_layers(raw, fmt, num_layers, cfg_path)
     fused = fc.shape[1] // hidden
     counted = layer_json.get("num_aux_hidden_states", raw.get("num_aux_hidden_states"))
     if len(layers) != fused or counted not in (None, fused):
@@ -463,130 +309,12 @@ def import_eagle3(
         kind="eagle3", base_model=base, hidden_size=hidden, vocab_size=vocab, num_layers=1, fc_bias=False,
         dtype=next((d for d in named if d in DTYPES), "float32"),
         layer=layer_config_from_json(layer_json, cfg_path), feature_layers=layers,
-        draft_vocab_size=0 if size == vocab else size, **flags, **({"depth": depth} if depth else {}),
+        draft_vocab_size=0 if size == vocab else size, **draft_flags, **({"depth": depth} if depth else {}),
     )
     draft = Eagle3Draft(config).to(fc.dtype)
     theirs = {**file_names, "d2t": "d2t", "t2d": "t2d"}
-    _load(draft, state | {"d2t": d2t, "t2d": t2d}, where, lambda k: theirs.get(k, _theirs(fmt)(k)))
+    _load(draft, state | {"d2t": d2t, "t2d": t2d}, where, lambda k: theirs.get(k, theirs_name(fmt)(k)))
     draft.eval()
     if target is not None:
         check_target(config, target, embed, directory)
     return draft
-
-
-# ---------------------------------------------------------------- export
-
-
-def _llama_json(draft: Eagle3Draft) -> dict[str, Any]:
-    """The draft layer's Llama config, as both layouts' loaders read it (LlamaConfig fields, SafeAILab's RoPE)."""
-    cfg = draft.config
-    lc, rope = llama_config(cfg), dict((cfg.layer or {}).get("rope_parameters") or {})
-    config: dict[str, Any] = {"model_type": "llama"} | {field: getattr(lc, field) for field in CONFIG_FIELDS}
-    return config | {"rope_theta": float(rope.get("rope_theta", 10000.0)),
-                     "rope_scaling": rope_scaling_json(rope), "attention_bias": False, "mlp_bias": False,
-                     "tie_word_embeddings": False, "torch_dtype": cfg.dtype}
-
-
-def eagle3_config_json(draft: Eagle3Draft, fmt: str, base_model: str = "",
-                       verifier_architectures: list[str] | None = None) -> dict[str, Any]:
-    """The config.json `fmt`'s loaders read (see the module docstring for the sources)."""
-    cfg = draft.config
-    layers, size = list(cfg.feature_layers or []), draft.lm_head.out_features
-    if fmt == "eagle3":
-        return {"architectures": [LAYOUTS[fmt].architecture], **_llama_json(draft), "draft_vocab_size": size,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [j - 1 for j in layers],  # SGLang adds 1
-                                 "use_aux_hidden_state": True,
-                                 "norm_before_fc": cfg.norm_before_fc},  # SGLang and vLLM read it here first
-                "eagle_aux_hidden_state_layer_ids": layers}  # vLLM reads this first, as hidden_states indices
-    proposal = {"proposal_type": "greedy", "speculative_tokens": cfg.depth, "verifier_accept_k": 1,
-                "accept_tolerance": 0.0}
-    return {
-        "architectures": [LAYOUTS[fmt].architecture], "speculators_model_type": "eagle3",
-        "transformer_layer_config": _llama_json(draft), "draft_vocab_size": size, "target_hidden_size": None,
-        # all written out: vLLM reads an absent norm_before_residual as true
-        "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
-        **{flag: VARIANTS[flag].neutral for flag in ("fc_norm", "norm_output")},
-        "eagle_aux_hidden_state_layer_ids": layers,
-        "speculators_config": {"algorithm": "eagle3", "proposal_methods": [proposal],
-                               "default_proposal_method": "greedy",
-                               "verifier": {"name_or_path": base_model or None,
-                                            "architectures": list(verifier_architectures or [])}},
-    }
-
-
-def export_eagle3(
-    draft: Eagle3Draft,
-    fmt: str,
-    out_dir: str | Path,
-    weights: str = "safetensors",
-    base_model: str | None = None,
-    target: nn.Module | None = None,
-) -> None:
-    """Write `draft` as an `eagle3` or `speculators-eagle3` checkpoint: config.json + weights.
-
-    `weights` picks `model.safetensors` or `pytorch_model.bin` (what SafeAILab's loader tries first).
-    `base_model` (speculators-eagle3) is the verifier config.json names, default the drafter's own; `target`,
-    when given, supplies the verifier's architectures and checks the fused layers against its depth, and
-    its input embedding, which speculators-eagle3 carries as `embed_tokens.weight` (required there:
-    speculators' loader leaves a missing one uninitialised without a word and drafts garbage).
-    """
-    if fmt not in LAYOUTS:
-        raise ValueError(f"unknown EAGLE-3 format {fmt!r}; choose one of {', '.join(EAGLE3_FORMATS)}")
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
-    cfg = draft.config
-    layers = list(cfg.feature_layers or [])
-    if layers != sorted(set(layers)):
-        raise ValueError(f"feature_layers {layers} must be strictly increasing: the engines concatenate the "
-                         "target's hidden states in layer order (vLLM sorts the ids)")
-    if fmt == "eagle3" and cfg.norm_before_residual:
-        raise ValueError("this drafter computes norm_before_residual, which SGLang and SafeAILab do not read (they "
-                         "take the residual from the un-normed hidden state): export it as speculators-eagle3, "
-                         "which vLLM serves with that flag")
-    if fmt == "speculators-eagle3" and len(layers) != 3:
-        raise ValueError(f"this drafter fuses {len(layers)} hidden states; vLLM 0.32 builds the fc of a speculators "
-                         "EAGLE-3 drafter for 3 (llama_eagle3.py, no eagle_config): export it as eagle3")
-    if fmt == "speculators-eagle3" and target is None:
-        raise ValueError("a speculators-eagle3 checkpoint carries the target's input embedding (embed_tokens.weight), "
-                         "which speculators' loader otherwise leaves uninitialised without a warning: give the "
-                         "target (--model, or target=)")
-    if target is not None:
-        num_layers = target.config.get_text_config().num_hidden_layers
-        if layers[-1] >= num_layers:
-            raise ValueError(f"feature_layers {layers} include hidden_states[{num_layers}], which transformers norms "
-                             "and the engines do not: this drafter cannot run there")
-    state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
-    size = draft.lm_head.out_features
-    reduced = size != cfg.vocab_size
-    ours = layout_keys("eagle3", draft_vocab=True, norm_before_fc=cfg.norm_before_fc)  # it always holds d2t, t2d
-    if set(state) != ours:
-        raise ValueError(f"this drafter has tensors no EAGLE-3 loader reads (e.g. attention biases): "
-                         f"{sorted(set(state) ^ ours)[:6]}")
-    d2t, t2d = state.pop("d2t"), state.pop("t2d")
-    targets = torch.arange(size) + d2t
-    if not reduced and d2t.any():
-        raise ValueError("this drafter's vocabulary is the whole target vocabulary in another order; the engines "
-                         "read d2t only for a smaller draft vocabulary")
-    if not torch.equal(t2d, torch.zeros_like(t2d).index_fill_(0, targets, True)):
-        raise ValueError("t2d does not mark exactly the target ids d2t maps to: rebuild them with "
-                         "set_draft_vocab")
-    if reduced:
-        state |= {"d2t": d2t, "t2d": t2d}
-    state = {_theirs(fmt)(k): v for k, v in state.items()}
-    archs = list(getattr(target.config, "architectures", None) or []) if target is not None else []
-    base = ""
-    if fmt == "speculators-eagle3":
-        embed = target.get_input_embeddings().weight.detach()
-        if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(f"the target's input embedding is {tuple(embed.shape)}, this drafter's vocabulary and "
-                             f"width make it {(cfg.vocab_size, cfg.hidden_size)}: give the target it was trained on")
-        state[EMBED_KEY] = embed.to(device="cpu", dtype=state["fc.weight"].dtype).contiguous()
-        base = base_model_field(base_model or cfg.base_model, required=False)
-        if Path(base).is_absolute():
-            warnings.warn(f"config.json names the verifier as {base}, a path on this machine, which speculators "
-                          "reads when it loads the drafter: pass --base-model <Hub id> (base_model=) for a "
-                          "checkpoint that loads elsewhere", stacklevel=2)
-    text = json.dumps(eagle3_config_json(draft, fmt, base, archs), indent=2) + "\n"
-    out = Path(out_dir)
-    write_weights(state, out, weights)
-    atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(text))

@@ -61,7 +61,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from selfspec.heads.config import DTYPES, HeadsConfig
-from selfspec.heads.io import atomic_write, read_config_json, read_state_dict
+from selfspec.heads.formats.checkpoint import Checkpoint
+from selfspec.heads.io import atomic_write, read_state_dict
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.shipped.models import hub_id, resolve_model
 
@@ -223,9 +224,10 @@ def _engine_state(directory: Path, fmt: str, raw: dict[str, Any]) -> tuple[Path,
     return files[0], state
 
 
-def _import(directory: Path, fmt: str, base_model: str | None, vocab_size: int | None) -> MedusaHeads:
+def _import(checkpoint: Checkpoint, fmt: str, base_model: str | None, vocab_size: int | None) -> MedusaHeads:
+    directory = checkpoint.path
     layout, cfg_path = LAYOUTS[fmt], directory / "config.json"
-    raw = read_config_json(directory)
+    raw = checkpoint.require_config()
     raw = _vllm_config(raw, cfg_path) if fmt == "vllm-medusa" else raw
     path, state = _engine_state(directory, fmt, raw)
     block = _regex(layout.keys["heads.{h}.{l}.linear.weight"])
@@ -276,30 +278,30 @@ def _import(directory: Path, fmt: str, base_model: str | None, vocab_size: int |
     return heads.eval()
 
 
-def detect_medusa_format(directory: str | Path) -> str | None:
+def detect_medusa_format(directory: str | Path | Checkpoint) -> str | None:
     """Which published Medusa layout a directory holds, from its file names and config; None if neither.
     A config.json that is not JSON is an error naming the file and line."""
-    directory = Path(directory)
-    if _weight_files(directory, "fastdecoding-medusa"):
+    checkpoint = Checkpoint.read(directory)
+    if _weight_files(checkpoint.path, "fastdecoding-medusa"):
         return "fastdecoding-medusa"
-    if (directory / "config.json").is_file() and read_config_json(directory).get("model_type") == "medusa" \
-            and _weight_files(directory, "vllm-medusa"):
+    if (checkpoint.config or {}).get("model_type") == "medusa" and _weight_files(checkpoint.path, "vllm-medusa"):
         return "vllm-medusa"
     return None
 
 
-def import_medusa(directory: str | Path, format: str | None = None, base_model: str | None = None,  # noqa: A002
-                  vocab_size: int | None = None) -> MedusaHeads:
+def import_medusa(directory: str | Path | Checkpoint, format: str | None = None,  # noqa: A002
+                  base_model: str | None = None, vocab_size: int | None = None) -> MedusaHeads:
     """Load published Medusa heads as `MedusaHeads`: config from the files, shapes and dtype from the weights.
 
     `format` is detected when None. `base_model` overrides the target named in the files. `vocab_size`
     is only needed for FasterDecoding "version 2" heads when neither config.json nor the base model gives it.
     """
-    directory = Path(directory)
+    checkpoint = Checkpoint.read(directory)
+    directory = checkpoint.path
     if not directory.is_dir():
         raise ValueError(f"{directory} is not a directory: download the checkpoint first "
                          "(huggingface-cli download ...)")
-    fmt = format or detect_medusa_format(directory)
+    fmt = format or detect_medusa_format(checkpoint)
     if fmt is None:
         found = sorted(p.name for p in directory.iterdir())[:10]
         raise ValueError(f"{directory} is in no known Medusa layout (found {found}): expected config.json with "
@@ -307,7 +309,7 @@ def import_medusa(directory: str | Path, format: str | None = None, base_model: 
                          "with model_type 'medusa' and *.safetensors (vLLM)")
     if fmt not in LAYOUTS:
         raise ValueError(f"unknown Medusa format {fmt!r}; choose one of {', '.join(MEDUSA_FORMATS)}")
-    return _import(directory, fmt, base_model, vocab_size)
+    return _import(checkpoint, fmt, base_model, vocab_size)
 
 
 # --------------------------------------------------------------------------------------------- writing

@@ -3,7 +3,8 @@
 Import detects the layout from the files (FasterDecoding Medusa v1/v2, vLLM Medusa, SafeAILab
 EAGLE-1, SGLang EAGLE, SafeAILab / SGLang EAGLE-3, vllm-project/speculators EAGLE-3); export writes what each
 engine loads (fastdecoding-medusa, vllm-medusa, eagle1, sglang-eagle, eagle3, speculators-eagle3). The layouts
-and their sources are in heads/medusa_formats.py, heads/eagle_formats.py and heads/eagle3_formats.py.
+and their sources are in the modules beside this one, one per family (medusa.py, eagle.py, eagle3.py). A folder
+is read once (`Checkpoint`: its config.json and tensor names) and each layout is asked in turn whether it holds it.
 """
 
 from __future__ import annotations
@@ -14,28 +15,38 @@ from torch import nn
 
 from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.eagle3 import Eagle3Draft
-from selfspec.heads.eagle3_formats import EAGLE3_FORMATS, detect_eagle3_format, export_eagle3, import_eagle3
-from selfspec.heads.eagle_formats import EAGLE_FORMATS, detect_eagle_format, export_eagle, import_eagle
-from selfspec.heads.io import PretrainedHeads, read_config_json
+from selfspec.heads.formats.checkpoint import Checkpoint
+from selfspec.heads.formats.eagle import EAGLE_FORMATS, detect_eagle_format, export_eagle, import_eagle
+from selfspec.heads.formats.eagle3 import EAGLE3_FORMATS, detect_eagle3_format, import_eagle3
+from selfspec.heads.formats.eagle3_export import export_eagle3
+from selfspec.heads.formats.medusa import MEDUSA_FORMATS, detect_medusa_format, export_medusa, import_medusa
+from selfspec.heads.io import PretrainedHeads
 from selfspec.heads.medusa import MedusaHeads
-from selfspec.heads.medusa_formats import MEDUSA_FORMATS, detect_medusa_format, export_medusa, import_medusa
 
 EXPORT_FORMATS = MEDUSA_FORMATS + EAGLE_FORMATS + EAGLE3_FORMATS
+DETECTORS = (detect_medusa_format, detect_eagle_format, detect_eagle3_format)
 
 
-def import_heads(directory: str | Path, format: str | None = None, base_model: str | None = None,
+def detect_format(directory: str | Path | Checkpoint) -> str | None:
+    """The published layout a folder holds (one of EXPORT_FORMATS), or None: the folder is read once and each
+    family's detector looks at the same config and tensor names."""
+    checkpoint = Checkpoint.read(directory)
+    return next((fmt for detect in DETECTORS if (fmt := detect(checkpoint))), None)
+
+
+def import_heads(directory: str | Path | Checkpoint, format: str | None = None, base_model: str | None = None,
                  vocab_size: int | None = None) -> PretrainedHeads:
     """Read a published checkpoint (layout detected from its files unless `format` is given). `vocab_size`
     is only for Medusa "version 2" heads whose vocabulary neither config.json nor the base model gives.
     `base_model` is what the imported config names as the target (EAGLE-3: also where the fused layers come
     from when the checkpoint names none)."""
-    directory = Path(directory)
+    checkpoint = Checkpoint.read(directory)
+    directory = checkpoint.path
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} is not a directory: download the checkpoint first")
-    fmt = format or detect_medusa_format(directory) or detect_eagle_format(directory) \
-        or detect_eagle3_format(directory)
+    fmt = format or detect_format(checkpoint)
     if fmt is None:
-        if (directory / "config.json").is_file() and "kind" in read_config_json(directory):
+        if checkpoint.is_selfspec:
             raise ValueError(f"{directory} is already a selfspec drafter: use it as --heads directly (import reads "
                              "published layouts)")
         files = sorted(p.name for p in directory.iterdir())
@@ -44,13 +55,13 @@ def import_heads(directory: str | Path, format: str | None = None, base_model: s
                          f"is read by selfspec import --src {directory} --format <{'|'.join(EXPORT_FORMATS)}> "
                          "--out DIR")
     if fmt in MEDUSA_FORMATS:
-        return import_medusa(directory, fmt, base_model=base_model, vocab_size=vocab_size)
+        return import_medusa(checkpoint, fmt, base_model=base_model, vocab_size=vocab_size)
     if vocab_size is not None:
         raise ValueError(f"vocab_size is for Medusa 'version 2' heads; an {fmt} checkpoint states its own")
     if fmt in EAGLE_FORMATS:
-        return import_eagle(directory, fmt, base_model=base_model)
+        return import_eagle(checkpoint, fmt, base_model=base_model)
     if fmt in EAGLE3_FORMATS:
-        return import_eagle3(directory, fmt, base_model=base_model)
+        return import_eagle3(checkpoint, fmt, base_model=base_model)
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
 
 

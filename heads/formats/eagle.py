@@ -57,18 +57,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig
 
 from selfspec.heads.config import DTYPES, HeadsConfig, check_compatible
 from selfspec.heads.eagle import EagleDraft, layer_fields, llama_config
-from selfspec.heads.io import atomic_write, read_config_json, read_state_dict
-from selfspec.heads.medusa_formats import load_strict
+from selfspec.heads.formats.checkpoint import WEIGHTS, Checkpoint
+from selfspec.heads.formats.medusa import load_strict
+from selfspec.heads.io import atomic_write
 
 EMBED_KEY = "embed_tokens.weight"
-WEIGHTS = {"safetensors": "model.safetensors", "bin": "pytorch_model.bin"}
 # a draft vocabulary as SGLang takes it for EAGLE-2 (`--speculative-token-map`, FR-Spec's hot token ids; read by
 # sglang/srt/speculative/eagle_worker.py `load_token_map` as torch.load(path, weights_only=True), sglang v0.5.x)
 TOKEN_MAP = "token_map.pt"
@@ -140,50 +139,12 @@ def engine_keys(engine: str, num_layers: int = 1, bias: bool = True) -> list[str
 # ---------------------------------------------------------------- reading files
 
 
-def weight_files(directory: Path) -> list[Path]:
-    """The weight files, safetensors first (what vLLM prefers too); a sharded index lists its shards."""
-    for single in WEIGHTS.values():
-        index = directory / f"{single}.index.json"
-        if (directory / single).is_file():
-            return [directory / single]
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                return [directory / name for name in sorted(set(weight_map.values()))]
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"{index} is not a readable weight index: {type(e).__name__}: {e}") from None
-    return []
-
-
-def read_eagle_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+def read_eagle_weights(directory: str | Path | Checkpoint) -> dict[str, torch.Tensor]:
     """Every tensor of an EAGLE checkpoint directory, by name (`.bin` read with `weights_only=True`)."""
-    directory = Path(directory)
-    files = weight_files(directory)
-    if not files:
-        raise ValueError(f"{directory} has no {' or '.join(WEIGHTS.values())}: no EAGLE weights to import")
-    state: dict[str, torch.Tensor] = {}
-    for path in files:
-        if not path.is_file():
-            raise ValueError(f"{path} is listed in the weight index but missing")
-        state.update(read_state_dict(path))
-    return state
+    return Checkpoint.read(directory).read_weights()
 
 
-def weight_names(directory: Path) -> set[str]:
-    files = weight_files(directory)
-    if not all(f.name.endswith(".safetensors") and f.is_file() for f in files):
-        return set(read_eagle_weights(directory))
-    names: set[str] = set()
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                names.update(f.keys())
-        except Exception as e:
-            raise ValueError(f"cannot read the weights in {path}: {type(e).__name__}: {e}") from None
-    return names
-
-
-def load_eagle_embedding(directory: str | Path) -> torch.Tensor | None:
+def load_eagle_embedding(directory: str | Path | Checkpoint) -> torch.Tensor | None:
     """The `embed_tokens.weight` a checkpoint carries (the target's, in published ones), or None.
 
     The imported drafter does not keep it: decoding uses the target's own embedding.
@@ -191,24 +152,22 @@ def load_eagle_embedding(directory: str | Path) -> torch.Tensor | None:
     return read_eagle_weights(directory).get(EMBED_KEY)
 
 
-def detect_eagle_format(directory: str | Path) -> str | None:
+def detect_eagle_format(directory: str | Path | Checkpoint) -> str | None:
     """"eagle1" or "sglang-eagle" for an EAGLE-1 checkpoint directory; None for anything else (a selfspec
     heads directory, an EAGLE-3 drafter, a full model, no config or weights). A config.json that is not
     JSON, or weights that cannot be read, are errors naming the file."""
-    directory = Path(directory)
-    if not (directory / "config.json").is_file() or not weight_files(directory):
+    checkpoint = Checkpoint.read(directory)
+    raw = checkpoint.config
+    if raw is None or checkpoint.is_selfspec or not checkpoint.weight_files:
         return None
-    raw = read_config_json(directory)
     archs = raw.get("architectures") or []
-    if "kind" in raw:  # a selfspec HeadsConfig
-        return None
     if "LlamaForCausalLMEagle" in archs:
         fmt = "sglang-eagle"
     elif {"LlamaForCausalLM", "EagleLlamaForCausalLM"} & set(archs) or (not archs and raw.get("model_type") == "llama"):
         fmt = "eagle1"
     else:
         return None
-    names = weight_names(directory)
+    names = checkpoint.weight_names
     if "fc.weight" not in names or any(n.startswith(("midlayer.", "model.")) for n in names):
         return None  # EAGLE-3 (`midlayer.*`) or a full causal LM (`model.layers.*`)
     return fmt
@@ -234,7 +193,7 @@ def layer_config_from_json(raw: dict[str, Any], where: Path) -> dict[str, Any]:
 
 
 def import_eagle(
-    directory: str | Path,
+    directory: str | Path | Checkpoint,
     format: str | None = None,
     base_model: str | None = None,
     target: nn.Module | None = None,
@@ -246,17 +205,17 @@ def import_eagle(
     the weights keep the file's dtype. With `target`, a drafter of another hidden or vocabulary size is
     refused, and an embed_tokens that is not the target's embedding is warned about.
     """
-    directory = Path(directory)
+    checkpoint = Checkpoint.read(directory)
+    directory, raw = checkpoint.path, checkpoint.require_config()
     cfg_path = directory / "config.json"
-    raw = read_config_json(directory)
-    fmt = format or detect_eagle_format(directory)
+    fmt = format or detect_eagle_format(checkpoint)
     if fmt is None:
         raise ValueError(
             f"{directory} is not an EAGLE-1 checkpoint this importer recognises: it expects a Llama "
             "config.json (architectures LlamaForCausalLM or LlamaForCausalLMEagle) and fc.weight + layers.*")
     if fmt not in LAYOUTS:
         raise ValueError(f"unknown EAGLE format {fmt!r}; supported: {', '.join(EAGLE_FORMATS)}")
-    state = read_eagle_weights(directory)
+    state = checkpoint.read_weights()
     embed = state.pop(EMBED_KEY, None)
     state = {k: v for k, v in state.items() if not IGNORED.match(k)}
     fc = state.get("fc.weight")
@@ -285,7 +244,7 @@ def import_eagle(
         dtype=dtype, layer=layer_config_from_json(raw, cfg_path),
     )
     draft = EagleDraft(config).to(fc.dtype)
-    files = weight_files(directory)
+    files = checkpoint.weight_files
     load_strict(draft, state, files[0] if len(files) == 1 else directory)
     if (directory / TOKEN_MAP).is_file():  # the draft vocabulary export_eagle writes for SGLang
         draft = draft.with_draft_vocab(read_token_map(directory / TOKEN_MAP, vocab))
