@@ -15,6 +15,7 @@ from selfspec.heads.registry import load_heads
 from selfspec.train.checkpoints import check_rng_files, checkpoints
 from selfspec.train.config import load_config
 from selfspec.train.medusa import MedusaConfig, run
+from selfspec.train.medusa_method import MedusaMethod
 
 _args = medusa_args
 
@@ -30,7 +31,7 @@ def train_to(tiny_model_dir, text_data, tmp_path, monkeypatch):
 
 
 def _crash_at_loss_call(monkeypatch, n):
-    original = medusa_recipe.MedusaMethod.loss
+    original = MedusaMethod.loss
     calls = {"n": 0}
 
     def crashing(self, batch):
@@ -39,8 +40,8 @@ def _crash_at_loss_call(monkeypatch, n):
             raise RuntimeError("simulated crash")
         return original(self, batch)
 
-    monkeypatch.setattr(medusa_recipe.MedusaMethod, "loss", crashing)
-    return lambda: monkeypatch.setattr(medusa_recipe.MedusaMethod, "loss", original)
+    monkeypatch.setattr(MedusaMethod, "loss", crashing)
+    return lambda: monkeypatch.setattr(MedusaMethod, "loss", original)
 
 
 def test_a_new_run_refuses_a_folder_with_another_runs_checkpoints(train_to, tmp_path, monkeypatch):

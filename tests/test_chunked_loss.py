@@ -14,7 +14,8 @@ from selfspec.heads.eagle import EagleDraft, layer_fields
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.train.eagle import Eagle3Method, EagleConfig, EagleMethod
 from selfspec.train.eagle3 import STEP_DECAY, draft_vocabulary
-from selfspec.train.medusa import MedusaConfig, MedusaMethod, medusa_labels
+from selfspec.train.medusa import MedusaConfig
+from selfspec.train.medusa_method import MedusaMethod, medusa_labels
 
 KINDS = ("medusa", "medusa-own-heads", "eagle", "eagle3")
 
@@ -177,7 +178,7 @@ def test_medusa_validation_counts_each_rank_path_as_a_walk_over_every_position_d
     """The path frequencies validation keeps (chunked, rank vectors binned) equal ranks read off every head's
     whole logits position by position, and the saved tree is the most frequent of those paths."""
     from selfspec.infer.tree import best_choices, path_frequencies
-    from selfspec.train.medusa import PATHS_KEPT, RANKS, measured_paths
+    from selfspec.train.medusa_method import PATHS_KEPT, RANKS, measured_paths
 
     vocab = 16  # a small vocabulary: labels often among the first RANKS, so paths of every depth occur
     method = make_method(kind, vocab=vocab)

@@ -8,7 +8,7 @@ import yaml
 from selfspec.train.config import load_config
 from selfspec.train.eagle import EagleConfig
 from selfspec.train.medusa import MedusaConfig
-from selfspec.train.regenerate import RegenerateConfig
+from selfspec.train.regen_config import RegenerateConfig
 from selfspec.train.target import TargetConfig
 
 CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").rglob("*.yaml"))

@@ -7,17 +7,16 @@ import torch
 import selfspec.train.data as data_module
 from conftest import TOKENIZER_TEXT, tiny_tokenizer
 from selfspec.train.data import (
-    DataError,
     Examples,
     build_examples,
     chat_example,
     examples_from_lists,
-    iter_records,
     load_examples,
     pad_batch,
     split_examples,
 )
-from selfspec.train.loop import subset
+from selfspec.train.records import DataError, iter_records
+from selfspec.train.run_data import subset
 
 MSGS = [{"role": "user", "content": "add a b"}, {"role": "assistant", "content": "return a + b"},
         {"role": "user", "content": "again"}, {"role": "assistant", "content": "x = 1"}]
@@ -169,7 +168,8 @@ def test_examples_without_a_label_are_dropped_and_none_at_all_is_refused(capsys)
 
     from selfspec.train.config import ConfigError
     from selfspec.train.data import Examples
-    from selfspec.train.loop import TrainConfig, labelled
+    from selfspec.train.run_data import labelled
+    from selfspec.train.train_config import TrainConfig
 
     rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [1, 2], [1, 2, 3], [5, 6, 7, 8]],
                                        "loss_mask": [[0, 0, 0, 1], [1, 1], [1, 1, 0], [1, 1, 1, 1]]})

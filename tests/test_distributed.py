@@ -97,7 +97,7 @@ def assert_target_untouched(model_dir: Path, out: Path) -> None:
     itself fails the run if they changed by the end."""
     from transformers import AutoModelForCausalLM
 
-    from selfspec.train.loop import weights_fingerprint
+    from selfspec.train.fingerprints import weights_fingerprint
 
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert final_state(out)["fingerprint"]["target_weights"] == weights_fingerprint(target)

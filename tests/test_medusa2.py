@@ -95,7 +95,7 @@ def test_backbone_ce_weight_adds_the_cross_entropy_of_the_targets_own_tokens(wei
 
 
 def test_the_targets_fingerprint_ignores_its_adapters_only():
-    from selfspec.train.loop import weights_fingerprint
+    from selfspec.train.fingerprints import weights_fingerprint
 
     plain = weights_fingerprint(tiny_model("llama"))
     backbone = add_lora(tiny_model("llama"), r=4, alpha=8, dropout=0.0)

@@ -3,14 +3,16 @@ import torch
 from safetensors.torch import load_file
 
 import selfspec.train.eagle as eagle_recipe
+import selfspec.train.eagle_features as eagle_features
 from conftest import check_resume, tiny_model
 from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.registry import load_heads
 from selfspec.infer.tune import tune_eagle
 from selfspec.train.config import ConfigError, load_config
 from selfspec.train.data import examples_from_lists, pad_batch
-from selfspec.train.eagle import EagleConfig, cached_features, run, target_features, write_features
+from selfspec.train.eagle import EagleConfig, run
 from selfspec.train.eagle3 import draft_vocabulary
+from selfspec.train.eagle_features import cached_features, target_features, write_features
 from selfspec.train.features import FeatureShards, shard_path, write_safetensors
 
 
@@ -177,7 +179,7 @@ def test_fc_bias_defaults_to_each_versions_layout():
 def test_resuming_with_another_draft_vocabulary_is_refused_by_the_fingerprint():
     from types import SimpleNamespace
 
-    from selfspec.train.loop import run_fingerprint
+    from selfspec.train.fingerprints import run_fingerprint
 
     model = tiny_model("llama")
     V = model.config.vocab_size
@@ -238,7 +240,7 @@ def test_a_partly_written_feature_cache_computes_only_what_is_missing(tmp_path, 
     stray = folder / f".{shard_path(folder, 1).name}.abc123"
     stray.write_bytes(b"half a shard")
     computed = []
-    monkeypatch.setattr(eagle_recipe, "target_features", lambda t, ids, attn, layers: computed.append(
+    monkeypatch.setattr(eagle_features, "target_features", lambda t, ids, attn, layers: computed.append(
         ids.shape[0]) or target_features(t, ids, attn, layers))
     assert write_features(cfg, target, ex, "train") == (folder, size)
     assert computed == [2] and "1 to write" in capsys.readouterr().out  # examples 2 and 3 only

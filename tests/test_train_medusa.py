@@ -3,11 +3,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import selfspec.train.medusa as medusa_recipe
 from conftest import check_resume, medusa_args
 from selfspec.heads.registry import load_heads
 from selfspec.train.config import ConfigError, load_config
-from selfspec.train.medusa import MedusaConfig, medusa_labels, run
+from selfspec.train.medusa import MedusaConfig, run
+from selfspec.train.medusa_method import MedusaMethod, medusa_labels
 
 
 def test_medusa_labels_shift():
@@ -59,7 +59,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(tiny_model_dir, tex
     def run_to(out, **extra):
         return run(load_config(MedusaConfig, _args(tiny_model_dir, text_data, out, **extra)))
 
-    check_resume(monkeypatch, medusa_recipe.MedusaMethod, run_to, tmp_path, "heads")
+    check_resume(monkeypatch, MedusaMethod, run_to, tmp_path, "heads")
 
 
 def test_unknown_and_mistyped_options_are_errors():

@@ -1,14 +1,13 @@
 """Datasets -> variable-length examples of token ids with a loss mask, memory-mapped from disk.
 
-Sources: `stdlib` (the demo corpus), a local `.txt` file or folder of text files, `.json`/`.jsonl`
-with a `text` field, ShareGPT `conversations` or OpenAI `messages` (rendered with the tokenizer's chat
-template, loss on assistant turns only), a folder written by `datasets.save_to_disk`, or a name for
-`datasets.load_dataset`. A folder written by train/regenerate.py whose tokens come from the same tokenizer
-gives its rows' exact tokens and loss masks, one example per row (cut to max_length). Records stream from the
-files into an Arrow file (a `.jsonl` line at a time), are tokenised with `datasets.map` a batch at a
-time, and the examples are saved as a `datasets.Dataset` under the cache folder, keyed by the source, its
-files' sizes and times, the tokenizer and max_length; later runs memory-map it, so RAM does not grow with
-the data. Rows are stored unpadded; `pad_batch` pads each batch to its own longest row.
+A source's records (train/records.py) are tokenised: text is packed into blocks, conversations are rendered
+with the tokenizer's chat template (loss on assistant turns only). A folder written by train/regenerate.py
+whose tokens come from the same tokenizer gives its rows' exact tokens and loss masks, one example per row
+(cut to max_length). Records stream from the files into an Arrow file (a `.jsonl` line at a time), are
+tokenised with `datasets.map` a batch at a time, and the examples are saved as a `datasets.Dataset` under the
+cache folder, keyed by the source, its files' sizes and times, the tokenizer and max_length; later runs
+memory-map it, so RAM does not grow with the data. Rows are stored unpadded; `pad_batch` pads each batch to
+its own longest row.
 """
 
 from __future__ import annotations
@@ -28,182 +27,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from selfspec.shipped.stdlib_corpus import stdlib_texts
+from selfspec.train.records import (
+    RECORD_FEATURES,
+    REGENERATION_FILE,
+    DataError,
+    is_saved_dataset,
+    iter_records,
+    load_saved,
+)
 
-TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst"}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
-# the roles a `messages` turn may have (OpenAI's layout); other names are refused, not trained as context
-MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-# a record: plain text, or a conversation as the JSON of its [{"role", "content"}] turns (any content type)
-RECORD_FEATURES = datasets.Features({"text": datasets.Value("string"), "messages": datasets.Value("string")})
 # an example: its token ids and, per token, 1 where the loss is taken; no padding is stored
 EXAMPLE_FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
                                       "loss_mask": datasets.List(datasets.Value("int8"))})
 WRITE_BATCH = 1000  # rows per Arrow record batch and per tokenising `map` batch
-REGENERATION_FILE = "regeneration.json"  # what train/regenerate.py writes beside its output (not a record file)
-
-
-class DataError(ValueError):
-    """A dataset that cannot be read as any supported layout."""
-
-
-# ---------------------------------------------------------------- records
-
-
-def _records_from_json(path: Path) -> Iterator[tuple[str, Any]]:
-    """(where, record) pairs of a .json/.jsonl file; `where` names the file and line for error messages.
-    A .jsonl file is read a line at a time; a .json file holds one JSON value, so it is parsed whole."""
-    if path.suffix == ".jsonl":
-        with path.open(errors="replace") as lines:
-            for number, line in enumerate(lines, start=1):
-                if line.strip():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{path} line {number} is not valid JSON ({e.msg} at column {e.colno})") from None
-                    yield f"{path} line {number}", record
-        return
-    try:
-        data = json.loads(path.read_text(errors="replace"))
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} line {e.lineno} is not valid JSON ({e.msg} at column {e.colno})") from None
-    if isinstance(data, dict) and "data" in data:
-        data = data["data"]
-    if not isinstance(data, list):
-        raise DataError(f"{path} must hold a list of records (or {{'data': [...]}})")
-    for i, r in enumerate(data):
-        yield f"{path} record {i}", r
-
-
-def iter_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
-    """A source's records, one at a time, each with either `text` or `messages` (role/content)."""
-    if source in ("stdlib", "demo"):
-        yield from ({"text": t} for t in stdlib_texts("validation" if split == "validation" else "train"))
-        return
-    path = Path(source)
-    if is_saved_dataset(path):
-        yield from _records_from_saved(path, split)
-        return
-    if path.is_dir():
-        if unfinished_regeneration(path):
-            raise DataError(f"{path} holds an unfinished regeneration: run the same train/regenerate.py command "
-                            "again to finish it")
-        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES | {".json", ".jsonl"}
-                       and p.name != REGENERATION_FILE)
-        if not files:
-            raise DataError(f"{path} holds no .txt/.md/.py/.json/.jsonl files")
-        for f in files:
-            yield from iter_records(str(f), split)
-        return
-    if path.is_file():
-        if path.suffix in (".json", ".jsonl"):
-            yield from (_normalise(r, where) for where, r in _records_from_json(path))
-        else:
-            yield {"text": read_text(path)}
-        return
-    if path.suffix in TEXT_SUFFIXES | {".json", ".jsonl"} or source.startswith((".", "/", "~")):
-        raise DataError(f"dataset {source!r} does not exist (no such file or folder)")
-    try:
-        ds = datasets.load_dataset(source, split=split)
-    except Exception as err:  # the hub and local scripts raise many types; all mean the same to the user
-        raise DataError(f"could not load dataset {source!r} ({type(err).__name__}: {err}); give a local file, folder, "
-                        "or a `datasets` name that is cached (HF_HUB_OFFLINE=1 blocks downloads)") from err
-    yield from (_normalise(dict(r), f"{source} record {i}") for i, r in enumerate(ds))
-
-
-def read_text(path: Path, limit: int | None = None) -> str:
-    """A text file's contents (its first `limit` bytes), refused when it is not text: NUL bytes (a binary file)
-    or more than 1% of its characters undecodable as UTF-8."""
-    with open(path, "rb") as f:
-        raw = f.read() if limit is None else f.read(limit)
-    if b"\0" in raw:
-        raise DataError(f"{path} is a binary file, not text: give .txt/.md/.py text, .json/.jsonl records, or a "
-                        "saved dataset folder")
-    text = raw.decode("utf-8", errors="replace")
-    bad = text.count("\ufffd")
-    if bad > 0.01 * max(len(text), 1):
-        raise DataError(f"{path} does not read as UTF-8 text ({bad} of {len(text)} characters undecodable): "
-                        "convert it to UTF-8 or give another file")
-    return text
-
-
-def check_source(source: str | None) -> None:
-    """Before any model loads: a local dataset must be text or records of a known layout. Text files are
-    sniffed (their first MiB), JSON files read for their first records; the rest is checked when read."""
-    if not source or source in ("stdlib", "demo"):
-        return
-    path = Path(source)
-    if not path.exists() or is_saved_dataset(path):
-        return  # a `datasets` name, a missing path (named when loaded), or a saved dataset
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES
-                                                 | {".json", ".jsonl"} and p.name != REGENERATION_FILE)
-    for f in files:
-        if f.suffix in (".json", ".jsonl"):
-            for _ in zip(range(8), iter_records(str(f))):
-                pass
-        else:
-            read_text(f, limit=2**20)
-
-
-def is_saved_dataset(path: Path) -> bool:
-    """Whether `path` is a folder written by `datasets.save_to_disk` (a Dataset or a DatasetDict)."""
-    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
-
-
-def unfinished_regeneration(path: Path) -> bool:
-    """Whether `path` holds a train/regenerate.py run that has not merged its shards yet."""
-    info = path / REGENERATION_FILE
-    if not info.is_file():
-        return False
-    try:
-        return not json.loads(info.read_text()).get("complete")
-    except (json.JSONDecodeError, AttributeError):
-        return True
-
-
-def load_saved(path: Path, split: str) -> datasets.Dataset:
-    """A `save_to_disk` folder, memory-mapped; of a DatasetDict, its `split`."""
-    saved = datasets.load_from_disk(str(path), keep_in_memory=False)
-    if isinstance(saved, datasets.DatasetDict):
-        if split not in saved:
-            raise DataError(f"{path} holds the splits {', '.join(saved)}, not {split!r}; pick one of them")
-        saved = saved[split]
-    return saved
-
-
-def _records_from_saved(path: Path, split: str) -> Iterator[dict[str, Any]]:
-    """The records of a `save_to_disk` folder; a column left empty in a row (None) counts as absent."""
-    for i, row in enumerate(load_saved(path, split)):
-        yield _normalise({k: v for k, v in row.items() if v is not None}, f"{path} row {i}")
-
-
-def _normalise(record: Any, where: str) -> dict[str, Any]:
-    """A record as {"text": ...} or {"messages": [{"role", "content"}, ...]}; errors name `where` it was."""
-    if not isinstance(record, dict):
-        raise DataError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
-    try:
-        if "messages" in record:
-            msgs = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-            for m in msgs:
-                if m["role"] not in MESSAGE_ROLES:
-                    raise DataError(f"{where}: unknown message role {m['role']!r}; use one of "
-                                    f"{', '.join(MESSAGE_ROLES)} (ShareGPT turns go in `conversations` as from/value)")
-            return {"messages": msgs}
-        if "conversations" in record:
-            msgs = []
-            for turn in record["conversations"]:
-                role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
-                if role is None:
-                    raise DataError(f"{where}: unknown ShareGPT speaker {turn.get('from')!r}")
-                msgs.append({"role": role, "content": turn["value"]})
-            return {"messages": msgs}
-    except (KeyError, TypeError, AttributeError) as e:
-        raise DataError(f"{where}: a turn needs `role`/`content` (messages) or `from`/`value` (ShareGPT); "
-                        f"{type(e).__name__}: {e}") from None
-    if "text" in record:
-        return {"text": record["text"]}
-    raise DataError(f"{where}: records need a `text`, `messages` or `conversations` field; got {sorted(record)}")
 
 
 # ---------------------------------------------------------------- tokenising

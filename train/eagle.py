@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -28,26 +26,14 @@ from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
 from selfspec.heads.errors import run_main
 from selfspec.infer.tune import eagle_grid, format_rows, tune_eagle
 from selfspec.train.config import ConfigError, check_at_least, load_config
-from selfspec.train.data import Examples, cache_dir, pad_batch
+from selfspec.train.data import Examples
 from selfspec.train.distributed import unpartitioned
 from selfspec.train.eagle3 import Eagle3Loss, draft_vocabulary, init_from_target
-from selfspec.train.features import (
-    FeatureShards,
-    examples_per_shard,
-    missing_shards,
-    shard_count,
-    write_shards,
-)
-from selfspec.train.loop import (
-    TrainConfig,
-    datasets_for,
-    heads_config,
-    load_frozen_target,
-    start_run,
-    train,
-    weights_fingerprint,
-)
-from selfspec.train.medusa import chunk_rows, chunked_sum, medusa_labels
+from selfspec.train.eagle_features import cached_features, target_features, validated
+from selfspec.train.loop import heads_config, load_frozen_target, start_run, train
+from selfspec.train.medusa_method import chunk_rows, chunked_sum, medusa_labels
+from selfspec.train.run_data import datasets_for
+from selfspec.train.train_config import TrainConfig
 
 RANKS = 10  # validation reports how often the target's token is in the drafter's top-r, r < RANKS
 
@@ -311,74 +297,6 @@ def calibration_prompts(eval_data: Examples, count: int, length: int) -> list[to
         if ids[:cut]:
             prompts.append(torch.tensor(ids[:cut], dtype=torch.long))
     return prompts
-
-
-@torch.no_grad()
-def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    layers: list[int] | None) -> torch.Tensor:
-    """What the drafter learns from, without gradients: the target's last hidden states (B, T, H), or with
-    `layers` (EAGLE-3) those hidden_states indices concatenated, then the last hidden states (B, T, (n+1)H)."""
-    out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                            output_hidden_states=layers is not None)
-    if layers is None:
-        return out.last_hidden_state
-    return torch.cat([out.hidden_states[i] for i in layers] + [out.last_hidden_state], dim=-1)
-
-
-def write_features(cfg: EagleConfig, target, examples: Examples, name: str, layers: list[int] | None = None,
-                   rank: int = 0, world: int = 1, batch_size: int = 16) -> tuple[Path, int]:
-    """Write rank `rank` of `world`'s share of the target's features of `examples` (train/features.py), keyed
-    by the target's weights, the data, the layers and the dtype; rank 0 first prints the size on disk.
-    Returns the cache folder and its examples per shard."""
-    width = target.config.get_text_config().hidden_size * (len(layers) + 1 if layers else 1)
-    dtype = next(target.parameters()).dtype
-    size = cfg.feature_shard_examples or examples_per_shard(cfg.max_length, width, dtype)
-    digest = hashlib.sha1(f"{examples.key}|{cfg.model}|{dtype}|{layers}|{size}|{weights_fingerprint(target)}".encode())
-    folder = cache_dir() / f"features-{name}-{digest.hexdigest()[:16]}"
-    n = len(examples)
-    missing = missing_shards(folder, n, size)
-    if not missing:
-        return folder, size
-    lengths = examples.lengths()
-    if rank == 0:
-        tokens = int(lengths.sum())
-        gb = tokens * width * torch.finfo(dtype).bits / 8 / 1e9
-        print(f"caching target features for {name}: {n} examples, {tokens} tokens x {width} ({dtype}) = {gb:.3f} GB "
-              f"on disk at {folder}, {shard_count(n, size)} shards of {size} examples written by {world} "
-              f"process(es); {len(missing)} to write")
-
-    def compute(start: int, stop: int) -> Iterator[torch.Tensor]:
-        for i in range(start, stop, batch_size):
-            rows = [examples[j] for j in range(i, min(stop, i + batch_size))]
-            batch = pad_batch(rows)
-            out = target_features(target, batch["input_ids"].to(target.device),
-                                  batch["attention_mask"].to(target.device), layers).cpu()
-            yield from (f[: len(r["input_ids"])] for f, r in zip(out, rows))
-
-    write_shards(folder, lengths, width, dtype, size, rank, world, compute, show_progress=rank == 0)
-    return folder, size
-
-
-def cached_features(cfg: EagleConfig, target, examples: Examples, name: str, layers: list[int] | None = None,
-                    rank: int = 0, world: int = 1, wait: Callable[[], None] | None = None) -> Examples:
-    """`examples` with the target's features, computed once into shards on disk by every rank in parallel
-    and read a batch at a time afterwards; `wait` (all ranks) lets every rank finish its share first."""
-    folder, size = write_features(cfg, target, examples, name, layers, rank, world)
-    if wait is not None:
-        wait()
-        # machines that do not share the cache folder: each computes the shards its disk still lacks (none on a
-        # shared folder, where every rank's shards are complete now)
-        folder, size = write_features(cfg, target, examples, name, layers, 0, 1)
-    return Examples(examples.rows, examples.key, FeatureShards(folder, len(examples), size))
-
-
-def validated(cfg: EagleConfig, eval_data: Examples) -> Examples:
-    """The validation examples validation reads (the loop takes its first `eval_batches` unshuffled batches,
-    and the tree fit its first `tune_prompts`): the only ones whose features are worth caching."""
-    used = max(cfg.eval_batches * cfg.per_device_eval_batch_size, cfg.tune_prompts)
-    if len(eval_data) <= used:
-        return eval_data
-    return eval_data.select(np.arange(used), f"first {used}")
 
 
 def default_draft_vocab_size(vocab: int) -> int:

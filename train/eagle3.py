@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.heads.eagle3 import Eagle3Draft
-from selfspec.train.medusa import agreed_calls, chunk_rows, chunked_sum, chunks
+from selfspec.train.medusa_method import agreed_calls, chunk_rows, chunked_sum, chunks
 
 STEP_DECAY = 0.8  # weight of step i's loss is STEP_DECAY ** i
 
@@ -88,7 +88,7 @@ class Eagle3Loss:
 
     `target` arguments are the target's last hidden states (B, T, H), read through its frozen `lm_head`;
     without an lm_head they are the target's logits (B, T, V) already. Positions are projected onto a
-    vocabulary `chunk` at a time (default: a bounded float32 chunk, train.medusa.chunk_rows). `runner` is the
+    vocabulary `chunk` at a time (default: a bounded float32 chunk, train.medusa_method.chunk_rows). `runner` is the
     drafter as the training engine wrapped it (DDP, DeepSpeed): the unroll goes through its forward, while
     `draft` (the module itself) answers attribute reads.
     """

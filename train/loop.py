@@ -8,9 +8,7 @@ checkpoints, exact resume (step, optimizer, scheduler, RNG and data position) an
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import itertools
 import json
 import math
@@ -18,12 +16,10 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 from accelerate.utils import set_seed
@@ -42,8 +38,7 @@ from selfspec.train.checkpoints import (
     read_state,
     save_checkpoint,
 )
-from selfspec.train.config import ConfigError, check_at_least, check_finite
-from selfspec.train.data import Examples, cache_dir, check_source, load_examples, pad_batch, split_examples
+from selfspec.train.data import Examples, pad_batch
 from selfspec.train.distributed import (
     check_engine,
     check_launch,
@@ -55,86 +50,9 @@ from selfspec.train.distributed import (
     max_over_ranks,
     scheduler_steps_per_update,
 )
-from selfspec.train.regenerate import Items, RegenerateConfig, load_items, regenerate_with_model, written_by
-
-REPORTERS = ("none", "wandb", "tensorboard")
-PRECISIONS = ("no", "bf16", "fp16")
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """Options every drafter recipe shares; the defaults train on the demo target on CPU."""
-
-    model: str = "demo"  # any HF causal LM name or path; `demo` is the shipped target
-    dataset: str = "stdlib"  # stdlib | file.txt | folder | file.json(l) | a datasets name
-    eval_dataset: str | None = None  # default: the stdlib validation split, or a held-out slice
-    eval_fraction: float = 0.02  # the held-out slice of `dataset` used for validation when no eval_dataset
-    max_train_examples: int = 0  # > 0: use only this many (seeded random) training examples
-    self_distill: bool = False  # train on the target's own answers and continuations (train/regenerate.py)
-    distill_prompt_tokens: int = 32  # with self_distill: tokens of each text window kept as its prompt
-    distill_temperature: float = 0.0  # with self_distill: the target's sampling temperature (0: greedy)
-    output_dir: str = "outputs/medusa-demo"  # where the drafter, its checkpoints and training_args.json go
-    overwrite_output_dir: bool = False  # delete checkpoints another run left in output_dir (else: refuse to start)
-    max_steps: int = -1  # optimizer steps; -1 means num_epochs
-    num_epochs: float = 1.0  # epochs over the training data when max_steps is -1
-    max_minutes: float = 0.0  # > 0: stop (and save) when this wall-clock budget is spent
-    learning_rate: float = 1e-3  # peak AdamW learning rate (cosine decay after warmup)
-    adam_beta1: float = 0.9  # AdamW beta1
-    adam_beta2: float = 0.999  # AdamW beta2
-    warmup_ratio: float = 0.05  # fraction of the steps spent warming the learning rate up linearly
-    weight_decay: float = 0.0  # AdamW weight decay
-    max_grad_norm: float = 1.0  # clip the gradient norm to this (0: no clipping)
-    per_device_train_batch_size: int = 8  # examples per process per micro-batch
-    per_device_eval_batch_size: int = 8  # examples per process per validation batch
-    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
-    max_length: int = 512  # tokens per example: text is packed into blocks of this, chats cut to it
-    mixed_precision: str = "no"  # no | bf16 | fp16
-    seed: int = 0  # seeds data order, subsets, initialisation and noise
-    save_steps: int = 500  # write a resumable checkpoint every this many steps (and at the end)
-    save_total_limit: int = 2  # checkpoints of this run kept (older ones deleted; 0 keeps all)
-    eval_steps: int = 100  # validate every this many steps (and at the start and the end)
-    eval_batches: int = 16  # cap on validation batches per evaluation
-    logging_steps: int = 10  # log the training loss every this many steps
-    resume: str | None = None  # `latest` (in output_dir) or a checkpoint folder
-    resume_allow_changes: bool = False  # resume although batch size, data or model differ from the checkpoint's
-    report_to: str = "none"  # none | wandb | tensorboard
-    run_name: str | None = None  # the tracker's run name (default: output_dir's name)
-    ddp_timeout_minutes: float = 360.0  # how long ranks wait for each other (data preparation, tree fitting on rank 0)
-
-    @property
-    def target_dtype(self) -> torch.dtype:
-        """The frozen target needs no fp32 master weights: keep it in the mixed-precision dtype."""
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision, torch.float32)
-
-    def __post_init__(self) -> None:
-        check_finite(self)
-        if self.report_to not in REPORTERS:
-            raise ConfigError(f"--report_to must be one of {', '.join(REPORTERS)}, got {self.report_to!r}")
-        if self.mixed_precision not in PRECISIONS:
-            raise ConfigError(f"--mixed_precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}")
-        if self.max_steps == 0 or self.max_steps < -1:
-            raise ConfigError(f"--max_steps must be > 0, or -1 to train num_epochs epochs; got {self.max_steps}")
-        if self.max_steps == -1 and self.num_epochs <= 0:
-            raise ConfigError(f"--num_epochs must be > 0 when max_steps is -1, got {self.num_epochs}")
-        check_at_least(self, ("save_steps", "eval_steps", "logging_steps", "gradient_accumulation_steps",
-                     "per_device_train_batch_size", "per_device_eval_batch_size", "eval_batches", "max_length",
-                     "distill_prompt_tokens"), 1)
-        check_at_least(self, ("max_train_examples", "save_total_limit", "max_minutes", "weight_decay", "max_grad_norm",
-                              "distill_temperature"), 0)
-        if self.ddp_timeout_minutes <= 0:
-            raise ConfigError(f"--ddp_timeout_minutes must be > 0, got {self.ddp_timeout_minutes}")
-        if self.learning_rate <= 0:
-            raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ConfigError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if not 0 < self.eval_fraction < 1:
-            raise ConfigError(f"--eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.self_distill and self.distill_prompt_tokens >= self.max_length:
-            raise ConfigError(f"--distill_prompt_tokens ({self.distill_prompt_tokens}) must be below max_length "
-                              f"({self.max_length}): the rest of each example is what the target writes")
+from selfspec.train.fingerprints import run_fingerprint, weights_fingerprint
+from selfspec.train.records import check_source
+from selfspec.train.train_config import TrainConfig
 
 
 class Method(Protocol):
@@ -164,151 +82,6 @@ def load_frozen_target(name: str, device: torch.device, dtype: torch.dtype = tor
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
-
-
-def datasets_for(cfg: TrainConfig, tokenizer, target=None, accelerator: Accelerator | None = None
-                 ) -> tuple[Examples, Examples]:
-    """Train and validation examples that carry a label (`labelled`); with `self_distill` both hold the
-    target's own answers (`distilled`)."""
-    train, evals = all_examples(cfg, tokenizer, target, accelerator)
-    report = accelerator is None or accelerator.is_main_process
-    return labelled(train, cfg, "training", report), labelled(evals, cfg, "validation", report)
-
-
-FIRST_LABEL = 2  # the earliest position a drafter learns a token at: Medusa's head 0 and EAGLE both predict from t - 2
-
-
-def labelled(examples: Examples, cfg: TrainConfig, what: str, report: bool = True) -> Examples:
-    """The examples with a trained token at position FIRST_LABEL or later; none is an error naming the fix, a
-    shortfall a note with the count dropped."""
-    import pyarrow.compute as pc
-
-    keep = []
-    for start, batch in enumerate(examples.rows.with_format("arrow").iter(4096)):
-        masks = pc.list_slice(batch["loss_mask"], FIRST_LABEL)
-        trained = pc.list_parent_indices(masks).filter(pc.equal(pc.list_flatten(masks), 1))
-        keep.append(np.unique(trained.to_numpy()) + start * 4096)
-    keep = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
-    if len(keep) == len(examples):
-        return examples
-    if len(keep) == 0:
-        raise ConfigError(f"no {what} example carries a label for the drafter: each needs a trained token (an "
-                          f"assistant turn's, for chats) at position {FIRST_LABEL} or later within --max_length "
-                          f"{cfg.max_length}; raise --max_length, or give data with trained tokens")
-    if report:
-        print(f"note: {len(examples) - len(keep)} of {len(examples)} {what} examples carry no label within "
-              f"--max_length {cfg.max_length} (too short, or their trained tokens cut away) and are dropped",
-              file=sys.stderr)
-    return examples.select(keep, f"labelled from {FIRST_LABEL}")
-
-
-def all_examples(cfg: TrainConfig, tokenizer, target=None, accelerator: Accelerator | None = None
-                 ) -> tuple[Examples, Examples]:
-    """Train and validation examples; with `self_distill` both hold the target's own answers (`distilled`).
-
-    Without `accelerator` this process does all the work. With it, every rank calls this together: rank 0
-    tokenises first (the others then read its cache) and the self-distillation is shared among the ranks."""
-    if cfg.self_distill:
-        wrote = written_by(cfg.dataset, cfg.model)
-        if accelerator is None or accelerator.is_main_process:
-            if wrote:
-                print(f"{cfg.dataset} was regenerated by {cfg.model} (train/regenerate.py): training on it as written",
-                      file=sys.stderr)
-            elif wrote is False:
-                print(f"{cfg.dataset} was regenerated by another target: {cfg.model} regenerates it again "
-                      "(--self_distill false trains on it as written)", file=sys.stderr)
-        if not wrote:
-            return distilled_datasets(cfg, tokenizer, target, accelerator)
-    with accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext():
-        train, evals = plain_datasets(cfg, tokenizer)
-    if cfg.self_distill and cfg.eval_dataset:  # the training folder is the target's own already; the eval data not
-        evals = distilled_eval(cfg, tokenizer, target, accelerator)
-    return train, evals
-
-
-def plain_datasets(cfg: TrainConfig, tokenizer) -> tuple[Examples, Examples]:
-    """The dataset's examples as written: training examples and the validation split or a held-out slice."""
-    train = load_examples(cfg.dataset, tokenizer, cfg.max_length)
-    if cfg.eval_dataset:
-        evals = load_examples(cfg.eval_dataset, tokenizer, cfg.max_length, split="validation")
-    elif cfg.dataset in ("stdlib", "demo"):
-        evals = load_examples("stdlib", tokenizer, cfg.max_length, split="validation")
-    else:
-        train, evals = split_examples(train, cfg.eval_fraction, cfg.seed)
-    if cfg.max_train_examples > 0:
-        train = subset(train, cfg.max_train_examples, cfg.seed)
-    return train, evals
-
-
-def subset(examples: Examples, count: int, seed: int) -> Examples:
-    """A seeded random subset of `count` examples, in their order (all of them when there are fewer)."""
-    n = len(examples)
-    if count >= n:
-        return examples
-    idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count].sort().values
-    return examples.select(idx.numpy(), f"subset {count} seed {seed}")
-
-
-def distilled_datasets(cfg: TrainConfig, tokenizer, target, accelerator: Accelerator | None = None
-                       ) -> tuple[Examples, Examples]:
-    """Self-distillation: the work items the plain path would train on (text windows, conversations), selected
-    the same way (held-out slice, `max_train_examples`, `eval_batches` x batch size for validation), each
-    regenerated by the target (train/regenerate.py) and read back with the exact tokens it wrote."""
-    if target is None:
-        raise ValueError("self_distill needs the target model")
-    main_first = accelerator.main_process_first if accelerator is not None else contextlib.nullcontext
-    with main_first():
-        train = load_items(cfg.dataset, "train", tokenizer, cfg.max_length)
-        if cfg.eval_dataset:
-            evals = load_items(cfg.eval_dataset, "validation", tokenizer, cfg.max_length)
-        elif cfg.dataset in ("stdlib", "demo"):
-            evals = load_items("stdlib", "validation", tokenizer, cfg.max_length)
-        else:
-            train, evals = split_examples(train, cfg.eval_fraction, cfg.seed)
-    if cfg.max_train_examples > 0:
-        train = subset(train, cfg.max_train_examples, cfg.seed)
-    return (distilled(cfg, target, tokenizer, train, "train", accelerator),
-            distilled_eval(cfg, tokenizer, target, accelerator, evals))
-
-
-def distilled_eval(cfg: TrainConfig, tokenizer, target, accelerator: Accelerator | None = None,
-                   items: Items | None = None) -> Examples:
-    """The validation items (default: those of `eval_dataset`), as many as validation reads, regenerated."""
-    if items is None:
-        main_first = accelerator.main_process_first if accelerator is not None else contextlib.nullcontext
-        with main_first():
-            items = load_items(cfg.eval_dataset, "validation", tokenizer, cfg.max_length)
-    items = subset(items, cfg.eval_batches * cfg.per_device_eval_batch_size, cfg.seed)
-    return distilled(cfg, target, tokenizer, items, "eval", accelerator)
-
-
-def distilled(cfg: TrainConfig, target, tokenizer, items: Items, name: str,
-              accelerator: Accelerator | None = None) -> Examples:
-    """`items` regenerated by the loaded target (no second load), cached as a regenerated dataset folder under
-    cache_dir() keyed by the target's weights, the items and the settings; an interrupted run resumes its shards."""
-    regen = RegenerateConfig(model=cfg.model, dataset=cfg.dataset, temperature=cfg.distill_temperature,
-                             max_new_tokens=cfg.max_length, max_length=cfg.max_length,
-                             prompt_tokens=cfg.distill_prompt_tokens, seed=cfg.seed)
-    who = {"model": cfg.model, "weights": weights_fingerprint(target)}
-    settings = json.dumps([items.key, who, dataclasses.asdict(regen)], sort_keys=True)
-    digest = hashlib.sha1(settings.encode()).hexdigest()[:16]
-    path = cache_dir() / f"regen-{name}-{digest}"
-    ranks = (accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone) if accelerator else ()
-    regenerate_with_model(target, tokenizer, items, regen, path, who, *ranks)
-    main_first = accelerator.main_process_first if accelerator is not None else contextlib.nullcontext
-    with main_first():
-        rows = load_examples(str(path), tokenizer, cfg.max_length).rows  # each row its own example, cut to max_length
-    return Examples(rows, digest)
-
-
-@torch.no_grad()
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A digest of a model's weights (float64 sums per tensor, read back in one transfer): any update changes it.
-    LoRA adapters (Medusa-2 trains them inside the target) are left out, so the digest of a target with adapters
-    equals that of the target alone."""
-    sums = [torch.stack([p.sum(dtype=torch.float64), p.abs().sum(dtype=torch.float64)])
-            for name, p in model.named_parameters() if "lora_" not in name]
-    return hashlib.sha1(repr(torch.stack(sums).cpu().tolist()).encode()).hexdigest()[:16] if sums else "empty"
 
 
 def start_run(cfg: TrainConfig) -> Accelerator:
@@ -481,33 +254,6 @@ def train(
     accelerator.wait_for_everyone()  # the others wait for the save (ddp_timeout_minutes bounds it)
     accelerator.end_training()
     return history
-
-
-# options a resumed run may change: where and how often to write, log and validate, how long to train (a run may
-# be extended or cut; the schedule then follows the new length, which resuming notes), where the data is (its cache
-# key stands for it), speed and memory only, and how the result is stored or its decoding defaults fitted. Every
-# other option is in a run's fingerprint.
-NOT_FINGERPRINTED = frozenset({
-    "output_dir", "overwrite_output_dir", "max_steps", "num_epochs", "max_minutes", "save_steps", "save_total_limit",
-    "eval_steps", "eval_batches", "per_device_eval_batch_size", "logging_steps", "resume", "resume_allow_changes",
-    "report_to", "run_name", "ddp_timeout_minutes", "dataset", "eval_dataset",
-    "tree_nodes", "merge", "gradient_checkpointing",  # Medusa: the stored tree, the output's form, memory only
-    "cache_features", "feature_shard_examples",  # EAGLE: the same features, read from disk
-    "depth", "top_k", "total_tokens", "tune_depths", "tune_top_ks", "tune_totals", "tune_prompts", "tune_new_tokens",
-})
-
-
-def run_fingerprint(cfg: TrainConfig, accelerator: Accelerator, trainable: torch.nn.Module,
-                    train_data: Examples) -> dict[str, Any]:
-    """What decides a run's result: resuming with any of these changed is refused. The data is named by its
-    cache key (source files' sizes and times, tokenizer, selections), not read again."""
-    def shapes_sha1(named: Iterator[tuple[str, torch.Tensor]]) -> str:
-        return hashlib.sha1(repr([(n, tuple(t.shape)) for n, t in named]).encode()).hexdigest()
-
-    settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in NOT_FINGERPRINTED}
-    return settings | {"drafter_buffers_sha1": shapes_sha1(trainable.named_buffers()),  # e.g. EAGLE's d2t
-            "train_examples": len(train_data), "train_data": train_data.key,
-            "num_processes": accelerator.num_processes, "drafter_shapes_sha1": shapes_sha1(trainable.named_parameters())}
 
 
 def batches_keeping_rng(loader: DataLoader):

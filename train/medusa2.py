@@ -27,7 +27,7 @@ from torch import nn
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.heads.target import ADAPTED
 from selfspec.infer.target import decoder_layers
-from selfspec.train.medusa import MedusaMethod, agreed_calls, chunked_sum
+from selfspec.train.medusa_method import MedusaMethod, agreed_calls, chunked_sum
 from selfspec.train.regenerate import written_by
 
 SCHEDULES = ("constant", "linear", "sine")
@@ -296,4 +296,3 @@ def medusa2_method(cfg, target, heads: MedusaHeads, tokenizer) -> Medusa2Method:
     backbone = add_lora(target, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
     kl = uses_kl(cfg)
     return Medusa2Method(cfg, backbone, heads, kl, tokenizer)
-

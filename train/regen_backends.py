@@ -4,12 +4,11 @@ behind one call (prompts, budgets) -> the tokens written."""
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from selfspec.train.regenerate import RegenerateConfig
+from selfspec.train.regen_config import RegenerateConfig
 
 
 class Generator(Protocol):

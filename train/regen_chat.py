@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from selfspec.train.config import ConfigError
-from selfspec.train.data import DataError
+from selfspec.train.records import DataError
 
 ANSWER = "\ue000answer {}\ue001"  # stands for the i-th answer while the template renders (private-use characters)
 
