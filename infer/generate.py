@@ -7,7 +7,6 @@ the target's distribution (see verify.py). `generate` takes what `model.generate
 
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 from collections.abc import Iterator
@@ -29,12 +28,13 @@ from selfspec.infer.arguments import (
 )
 from selfspec.infer.cache import PreallocatedCache, keep_accepted_rows, new_cache
 from selfspec.infer.generation_config import Settings, resolve
-from selfspec.infer.loading import as_dtype, load_parts, refuse_unknown
+from selfspec.infer.loading import load_parts, refuse_unknown, target_placement
 from selfspec.infer.mask import RowMask
-from selfspec.infer.proposers import Draft, Proposer
+from selfspec.infer.proposers import Draft, Proposer, row_copy
 from selfspec.infer.rows import Rows, first_tokens
 from selfspec.infer.stats import GenerateOutput, GenerationStats
 from selfspec.infer.target import Target
+from selfspec.infer.text_stream import text_pieces
 from selfspec.infer.timing import Clock
 from selfspec.infer.tree import stack_trees, tree_from_choices
 from selfspec.infer.verify import SamplingParams, accept, accept_greedy_rows
@@ -65,15 +65,6 @@ def without_grad(steps: Iterator[Item]) -> Iterator[Item]:
 def ends_root(device: torch.device) -> torch.Tensor:
     """The end node of a row that accepted nothing (its root), as `accept` returns it."""
     return torch.zeros(1, dtype=torch.long, device=device)
-
-
-def row_copy(proposer: Proposer) -> Proposer:
-    """A proposer for one more row: the same weights and settings, its own per-sequence state (set by `reset`);
-    a composite (lookup-first) copies the proposers it names in `parts`."""
-    twin = copy.copy(proposer)
-    for part in getattr(proposer, "parts", ()):
-        setattr(twin, part, row_copy(getattr(proposer, part)))
-    return twin
 
 
 class SpeculativeModel:
@@ -130,14 +121,7 @@ class SpeculativeModel:
         `compile` verifies through torch.compile (see __init__).
         """
         refuse_unknown(kwargs)
-        dtype, other = as_dtype(dtype), as_dtype(torch_dtype)
-        if other is not None and dtype is not None and other != dtype:
-            raise ValueError(f"dtype={dtype} and torch_dtype={other} disagree: pass dtype alone (torch_dtype is "
-                             "its old name)")
-        dtype = dtype if dtype is not None else other
-        if device is not None and device_map is not None and str(device) != str(device_map):
-            raise ValueError(f"device={device} and device_map={device_map} disagree: pass device_map alone")
-        device_map = device_map if device_map is not None else device
+        device_map, dtype = target_placement(device_map, device, dtype, torch_dtype)
         target_options = {"attn_implementation": attn_implementation, "revision": revision, "token": token,
                           "trust_remote_code": trust_remote_code}
         draft_options = {"revision": draft_revision, "token": token}
@@ -243,12 +227,6 @@ class SpeculativeModel:
                 self._decoding = False
             if cache is not None:
                 self._cache = cache
-
-    def _row_proposers(self, rows: int) -> list[Proposer]:
-        """One proposer per row: the drafter's weights are shared, its per-sequence state (EAGLE's cache, a draft
-        model's cache, prompt lookup's index) is each row's own. The copies are made per generation, so they
-        follow any change to `self.proposer`'s settings."""
-        return [self.proposer, *(row_copy(self.proposer) for _ in range(rows - 1))]
 
     def _row_proposers(self, rows: int) -> list[Proposer]:
         """One proposer per row: the drafter's weights are shared, its per-sequence state (EAGLE's cache, a draft
@@ -414,17 +392,4 @@ class SpeculativeModel:
         after a few earlier ids (so tokenizers that drop a leading space at the start still join right);
         a piece ending mid-character waits for the next step. (transformers' streamers work through
         `generate(..., streamer=...)`.)"""
-        ids: list[int] = []
-        prefix, read = 0, 0  # ids[prefix:read] is context already printed; ids[read:] is not printed yet
-        for step in self.decode(input_ids, max_new_tokens, **kwargs):
-            ids.extend(step)
-            before = tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
-            after = tokenizer.decode(ids[prefix:], skip_special_tokens=True)
-            if len(after) > len(before) and not after.endswith("\ufffd"):
-                yield after[len(before) :]
-                prefix, read = read, len(ids)
-        if read < len(ids):  # whatever was held back at the end
-            before = tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
-            after = tokenizer.decode(ids[prefix:], skip_special_tokens=True)
-            if len(after) > len(before):
-                yield after[len(before) :]
+        yield from text_pieces(self.decode(input_ids, max_new_tokens, **kwargs), tokenizer)

@@ -29,6 +29,21 @@ def as_dtype(value: torch.dtype | str | None) -> torch.dtype | str | None:
     return getattr(torch, name)
 
 
+def target_placement(device_map: Any, device: str | torch.device | None, dtype: torch.dtype | str | None,
+                     torch_dtype: torch.dtype | str | None) -> tuple[Any, torch.dtype | str | None]:
+    """from_pretrained's device_map and dtype, each of which it takes under two names (`device`: a single
+    device's device_map; `torch_dtype`: dtype's old name); two that disagree are an error."""
+    dtype, other = as_dtype(dtype), as_dtype(torch_dtype)
+    if other is not None and dtype is not None and other != dtype:
+        raise ValueError(f"dtype={dtype} and torch_dtype={other} disagree: pass dtype alone (torch_dtype is "
+                         "its old name)")
+    dtype = dtype if dtype is not None else other
+    if device is not None and device_map is not None and str(device) != str(device_map):
+        raise ValueError(f"device={device} and device_map={device_map} disagree: pass device_map alone")
+    device_map = device_map if device_map is not None else device
+    return device_map, dtype
+
+
 def refuse_unknown(kwargs: dict[str, Any]) -> None:
     """One line naming the first argument from_pretrained does not take (and the right name for the old ones)."""
     if not kwargs:

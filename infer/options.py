@@ -10,7 +10,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -33,6 +33,13 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class Command(NamedTuple):
+    """One command of the command line: `add(subparsers)` adds its parser and options, `run(args)` runs it."""
+
+    add: Callable[[argparse._SubParsersAction], argparse.ArgumentParser]
+    run: Callable[[argparse.Namespace], None]
 
 
 def at_least(low: int) -> Callable[[str], int]:
@@ -117,53 +124,63 @@ def output_file(option: str, path: str | None) -> None:
         raise ValueError(f"{option} {path}: the folder {out.parent} is not writable")
 
 
-def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+def build_parser(commands: dict[str, Command], prog: str = PROG) -> argparse.ArgumentParser:
+    """The command line of these commands, listed in this order (each `Command.add` adds its own)."""
     parser = Parser(prog=prog, description=DESCRIPTION)
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error instead of one line (also: SELFSPEC_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
+    for command in commands.values():
+        command.add(sub)
+    return parser
 
-    def common(p: argparse.ArgumentParser, several: bool) -> None:
-        if several:
-            p.add_argument("--heads", action="append",
-                           help="a trained heads directory (Medusa or EAGLE); repeat it to compare several drafters "
-                                "of one target in the same run")
-        else:
-            p.add_argument("--heads", help="a trained heads directory (Medusa or EAGLE)")
-        p.add_argument("--draft-model", help="a small causal LM with the target's tokenizer drafts chains (the seed "
-                                             "paper's algorithm); `demo-draft` is the shipped one")
-        p.add_argument("--num-draft-tokens", type=at_least(1), default=None,
-                       help=f"with --draft-model: gamma, tokens the draft model proposes per step ({NUM_DRAFT_TOKENS})")
-        p.add_argument("--prompt-lookup", action="store_true",
-                       help="draft the continuation of the latest earlier match of the context's last n-gram")
-        p.add_argument("--prompt-lookup-tokens", type=at_least(1), default=None,
-                       help=f"with --prompt-lookup or --lookup-first: longest proposal ({PROMPT_LOOKUP_TOKENS})")
-        p.add_argument("--lookup-first", action="store_true",
-                       help="with --heads: use prompt lookup on steps where it finds 3 or more tokens, the heads "
-                            "elsewhere (bench runs each heads drafter both ways)")
-        p.add_argument("--model", help="target model name or path (default: the (first) heads' base_model, or `demo`)")
-        p.add_argument("--dtype", choices=list(DTYPES),
-                       help="default: the dtype the (first) heads were trained with, else the model's own")
-        p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
-        p.add_argument("--tree", type=tree_choices, help='static tree as JSON choices, e.g. "[[0], [1], [0, 0]]" (for EAGLE heads: '
-                                      "EAGLE-1 style instead of the dynamic tree)")
-        p.add_argument("--max-new-tokens", type=at_least(1), default=128,
-                       help="new tokens per prompt (clipped to the model's positions)")
-        p.add_argument("--json", help="write results to this JSON file (its folder is made if missing)")
-        p.add_argument("--compile", action="store_true",
-                       help="verify trees through torch.compile (fixed shapes; the first steps pay the compilation)")
 
-    def eagle_tree(p: argparse.ArgumentParser, top_k_flags: list[str], note: str) -> None:
-        g = p.add_argument_group("EAGLE dynamic tree", "override the EAGLE heads' defaults (from their config.json); "
-                                 f"not with --tree; {note}")
-        g.add_argument("--depth", type=at_least(1), help="draft steps (the tree's maximum depth)")
-        g.add_argument(*top_k_flags, dest="draft_top_k", type=at_least(1),
-                       help="frontier width and children per expanded node")
-        g.add_argument("--total-tokens", type=at_least(1), help="drafted nodes kept for verification (root not counted)")
+def drafter_options(p: argparse.ArgumentParser, several: bool) -> None:
+    """generate's and bench's options: the drafters (`several`: --heads repeats), the target, the run."""
+    if several:
+        p.add_argument("--heads", action="append",
+                       help="a trained heads directory (Medusa or EAGLE); repeat it to compare several drafters "
+                            "of one target in the same run")
+    else:
+        p.add_argument("--heads", help="a trained heads directory (Medusa or EAGLE)")
+    p.add_argument("--draft-model", help="a small causal LM with the target's tokenizer drafts chains (the seed "
+                                         "paper's algorithm); `demo-draft` is the shipped one")
+    p.add_argument("--num-draft-tokens", type=at_least(1), default=None,
+                   help=f"with --draft-model: gamma, tokens the draft model proposes per step ({NUM_DRAFT_TOKENS})")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="draft the continuation of the latest earlier match of the context's last n-gram")
+    p.add_argument("--prompt-lookup-tokens", type=at_least(1), default=None,
+                   help=f"with --prompt-lookup or --lookup-first: longest proposal ({PROMPT_LOOKUP_TOKENS})")
+    p.add_argument("--lookup-first", action="store_true",
+                   help="with --heads: use prompt lookup on steps where it finds 3 or more tokens, the heads "
+                        "elsewhere (bench runs each heads drafter both ways)")
+    p.add_argument("--model", help="target model name or path (default: the (first) heads' base_model, or `demo`)")
+    p.add_argument("--dtype", choices=list(DTYPES),
+                   help="default: the dtype the (first) heads were trained with, else the model's own")
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tree", type=tree_choices, help='static tree as JSON choices, e.g. "[[0], [1], [0, 0]]" (for EAGLE heads: '
+                                  "EAGLE-1 style instead of the dynamic tree)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128,
+                   help="new tokens per prompt (clipped to the model's positions)")
+    p.add_argument("--json", help="write results to this JSON file (its folder is made if missing)")
+    p.add_argument("--compile", action="store_true",
+                   help="verify trees through torch.compile (fixed shapes; the first steps pay the compilation)")
 
+
+def eagle_tree_options(p: argparse.ArgumentParser, top_k_flags: list[str], note: str) -> None:
+    """The EAGLE dynamic tree's options, `top_k_flags` naming its width."""
+    g = p.add_argument_group("EAGLE dynamic tree", "override the EAGLE heads' defaults (from their config.json); "
+                             f"not with --tree; {note}")
+    g.add_argument("--depth", type=at_least(1), help="draft steps (the tree's maximum depth)")
+    g.add_argument(*top_k_flags, dest="draft_top_k", type=at_least(1),
+                   help="frontier width and children per expanded node")
+    g.add_argument("--total-tokens", type=at_least(1), help="drafted nodes kept for verification (root not counted)")
+
+
+def generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a completion")
-    common(gen, several=False)
-    eagle_tree(gen, ["--draft-top-k"], "an error with Medusa heads")
+    drafter_options(gen, several=False)
+    eagle_tree_options(gen, ["--draft-top-k"], "an error with Medusa heads")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--temperature", type=sampling("temperature", float), default=None,
                      help="0: greedy; otherwise sample at this temperature (default: as the model's generation_config "
@@ -175,11 +192,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                           "(default: the generation_config's, else 1)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--quiet", action="store_true", help="do not print the text")
+    return gen
 
+
+def bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="compare drafters with model.generate and plain decoding on the same prompts")
-    common(bench, several=True)
+    drafter_options(bench, several=True)
     # bench does not sample, so --top-k is free to mean the draft's (as --draft-top-k does on both commands)
-    eagle_tree(bench, ["--draft-top-k", "--top-k"], "applied to the EAGLE heads only, an error when none is EAGLE")
+    eagle_tree_options(bench, ["--draft-top-k", "--top-k"], "applied to the EAGLE heads only, an error when none is EAGLE")
     bench.add_argument("--prompts", help='a .jsonl file of {"prompt": ...} texts or {"messages": [...]} chats, '
                                          "rendered with the chat template (default: demo test-split functions)")
     bench.add_argument("--num-prompts", type=at_least(1), default=None,
@@ -193,7 +213,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                             "against the limit tau * t(1) / t(its tree)")
     bench.add_argument("--plot", help="draw tokens/s, tau and tokens per step per method into this PNG (needs "
                                       "matplotlib; its folder is made if missing)")
+    return bench
 
+
+def tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="fit the heads' default tree to this machine and store it in their config.json")
     tune.add_argument("--heads", required=True, help="a trained heads directory (Medusa or EAGLE)")
     tune.add_argument("--model", help="target model name or path (default: the heads' base_model)")
@@ -206,7 +229,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     tune.add_argument("--batch-size", type=at_least(1), default=1,
                       help="fit the tree for batches of this many prompts (a batch makes wide trees dearer); the "
                            "fitted tree becomes the default for every batch size")
-    from selfspec.heads.convert import EXPORT_FORMATS
+    tune.set_defaults(tree=None, draft_model=None, prompt_lookup=False, depth=None, draft_top_k=None,
+                      total_tokens=None)
+    return tune
+
+
+def import_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from selfspec.heads.formats import EXPORT_FORMATS
 
     imp = sub.add_parser("import", help="convert a published Medusa/EAGLE checkpoint into a selfspec heads directory")
     imp.add_argument("--src", required=True, help="the checkpoint's directory (layout detected from its files)")
@@ -217,6 +246,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                      help="Medusa 'version 2' heads (no projections of their own) only: the target's vocabulary "
                           "size, when neither config.json nor the base model gives it")
     imp.add_argument("--out", required=True, help="the selfspec heads directory to write")
+    return imp
+
+
+def export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from selfspec.heads.formats import EXPORT_FORMATS
 
     exp = sub.add_parser("export", help="write heads in the layout a serving engine loads")
     exp.add_argument("--heads", required=True, help="a selfspec heads directory or Hub id")
@@ -235,37 +269,20 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                      help="EAGLE layouts: model.safetensors (default; vLLM, SGLang, SafeAILab's current code) or "
                           "pytorch_model.bin (SafeAILab's original EAGLE-1 code)")
     exp.add_argument("--out", required=True, help="the directory to write (config.json and the weights)")
+    return exp
 
-    vocab = sub.add_parser("draft-vocab", help="restrict an EAGLE-1/2 drafter (yours or a published one) to the "
-                                               "most frequent tokens of a dataset: cheaper draft calls, no training")
-    vocab.add_argument("--heads", required=True, help="an EAGLE-1/2 drafter: a selfspec heads directory, a published "
-                                                      "checkpoint (SafeAILab, SGLang) or a Hub id of either")
-    source = vocab.add_mutually_exclusive_group()
-    source.add_argument("--dataset",
-                        help="text or chat data like the target's traffic, as train/eagle.py --dataset takes it "
-                             "(.jsonl, .txt, a saved dataset, a Hub dataset); its trained-on tokens are counted")
-    source.add_argument("--token-map", help="instead of counting: a published FR-Spec / SGLang token map (.pt, the "
-                                            "token ids most frequent first) for this target")
-    vocab.add_argument("--size", type=at_least(1),
-                       help="tokens to draft among (default: a quarter of the vocabulary, within 2048..32768; with "
-                            "--token-map: all of its tokens, or its first --size)")
-    vocab.add_argument("--model", help="the target whose tokenizer reads --dataset (default: the heads' base_model; "
-                                       "needed for published EAGLE checkpoints, which name none)")
-    vocab.add_argument("--max-length", type=at_least(8), default=512,
-                       help="tokens per example when tokenising (plain text is cut into blocks of this many, the "
-                            "last partial block left out; the tokenised copy is cached under SELFSPEC_CACHE)")
-    vocab.add_argument("--out", required=True, help="the heads directory to write")
 
+def push_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     push = sub.add_parser("push", help="upload a heads directory to the Hugging Face Hub with a model card")
     push.add_argument("--heads", required=True, help="a heads directory (config.json + model.safetensors)")
     push.add_argument("--repo-id", required=True, help="e.g. your-name/llama3-8b-medusa")
     push.add_argument("--private", action="store_true")
     push.add_argument("--token", help="a Hub token (default: HF_TOKEN or the saved login); never printed")
+    return push
 
+
+def recipes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     recipes = sub.add_parser("recipes", help="print the folder of the run configs that ship with selfspec "
                                               "(configs/: recipes, accelerate and DeepSpeed configs)")
     recipes.add_argument("--copy", metavar="DIR", help="copy them into DIR (e.g. ./configs) to edit them")
-
-    tune.set_defaults(tree=None, draft_model=None, prompt_lookup=False, depth=None, draft_top_k=None,
-                      total_tokens=None)
-    return parser
+    return recipes

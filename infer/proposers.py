@@ -5,6 +5,7 @@ A proposer never calls the target; the decode loop verifies what it drafts.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Protocol
 
@@ -139,3 +140,12 @@ class NoDraft:
         if self.tree.depths.device != context.device:  # the target's device, whatever the constructor said
             self.tree = self.host_tree.to(context.device)
         return Draft(context[-1:], self.tree)
+
+
+def row_copy(proposer: Proposer) -> Proposer:
+    """A proposer for one more row: the same weights and settings, its own per-sequence state (set by `reset`);
+    a composite (lookup-first) copies the proposers it names in `parts`."""
+    twin = copy.copy(proposer)
+    for part in getattr(proposer, "parts", ()):
+        setattr(twin, part, row_copy(getattr(proposer, part)))
+    return twin

@@ -1,5 +1,5 @@
 """`python -m selfspec generate | bench | tune | import | export | push | draft-vocab` (the `selfspec` command)."""
 
-from selfspec.infer.cli import main
+from selfspec.cli import main
 
 main()

@@ -9,8 +9,6 @@ import transformers
 
 from conftest import VOCAB, tiny_model, tiny_tokenizer
 from selfspec.infer.bench import (
-    format_table,
-    format_tables,
     hf_runner,
     left_pad,
     new_rows,
@@ -18,6 +16,7 @@ from selfspec.infer.bench import (
     speculative_runner,
     top2_margin,
 )
+from selfspec.infer.bench_report import format_table, format_tables
 from selfspec.infer.cli import main as cli
 from selfspec.infer.generate import SpeculativeModel
 from selfspec.infer.proposers import NoDraft

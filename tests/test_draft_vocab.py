@@ -11,9 +11,9 @@ from test_cli import user_error
 from test_eagle3 import eagle3_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from selfspec.cli import main as cli
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.registry import load_heads
-from selfspec.infer.cli import main as cli
 from selfspec.infer.generate import SpeculativeModel
 
 USER, ANSWER = "QQQQ QQQQ QQQQ QQQQ", "return a + b"
@@ -141,7 +141,7 @@ def test_what_cannot_be_restricted_is_refused_in_one_line(medusa_dir, eagle_dir,
 def test_a_published_token_map_restricts_a_published_drafter(eagle_dir, tiny_model_dir, tmp_path):
     """The FR-Spec / SGLang token map (token ids, most frequent first) instead of a dataset: export writes one
     for SGLang, and draft-vocab reads it back onto the published layout; --size keeps its first tokens."""
-    from selfspec.heads.eagle_formats import export_eagle, import_eagle
+    from selfspec.heads.formats.eagle import export_eagle, import_eagle
 
     ours = load_heads(eagle_dir).with_draft_vocab(torch.tensor([5, 9, 17, 33, 40, 41, 60, 88]))
     published = tmp_path / "sglang"

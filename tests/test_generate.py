@@ -187,7 +187,8 @@ def test_a_prompt_that_fills_the_positions_is_an_error():
 
 def self_distilled_heads(model, prompts, steps=150) -> MedusaHeads:
     """Heads trained (with the recipe's own loss) on the model's greedy continuations of `prompts`."""
-    from selfspec.train.medusa import MedusaConfig, MedusaMethod
+    from selfspec.train.medusa import MedusaConfig
+    from selfspec.train.medusa_method import MedusaMethod
 
     heads = random_heads(model, scale=0.0, num_heads=4)
     return fit_on_own_continuations(model, prompts, MedusaMethod(MedusaConfig(num_heads=4), model, heads), steps, 3e-2)

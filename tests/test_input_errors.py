@@ -6,8 +6,8 @@ import pytest
 
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.registry import load_heads
-from selfspec.train.data import DataError, iter_records
-from selfspec.train.loop import TrainConfig
+from selfspec.train.records import DataError, iter_records
+from selfspec.train.train_config import TrainConfig
 
 
 def test_a_bad_jsonl_line_is_named(tmp_path):

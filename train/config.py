@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from selfspec.shipped.recipes import RECIPES
+
 T = TypeVar("T")
 
 
@@ -115,9 +117,6 @@ def check_at_least(config: Any, names: tuple[str, ...], low: int) -> None:
     for name in names:
         if getattr(config, name) < low:
             raise ConfigError(f"--{name} must be >= {low}, got {getattr(config, name)}")
-
-
-RECIPES = Path(__file__).resolve().parent.parent / "configs"  # the checkout's configs/, or the installed copy
 
 
 def recipe_path(name: str) -> Path:

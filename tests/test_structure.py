@@ -1,0 +1,101 @@
+"""The layout read from the imports: no circle between modules, `infer` never reaching up into `train`, no
+source file past ~400 lines. Imports inside functions count as much as those at the top: a lazy import is still
+a dependency, and hiding a circle inside a function is how circles are usually kept."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("heads", "infer", "train", "shipped")
+MAX_LINES = 420
+
+
+def _modules() -> dict[str, Path]:
+    """`selfspec.<package>.<module>` -> its file, for every source module of the checkout."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(("selfspec", *parts))] = path
+    return found
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `path` imports (`from selfspec.x import y` counts y when y is itself a module),
+    leaving out imports only a type checker runs."""
+    tree = ast.parse(path.read_text())
+    type_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+                 and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                 for stmt in block.body for node in ast.walk(stmt)}
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in names if name in modules}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = {name: _imports(path, modules) for name, path in modules.items()}
+    for name in graph:  # a package's __init__ is not an edge back from its own modules
+        graph[name].discard(name)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle, as the list of modules around it, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        stack.append(name)
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        stack.pop()
+        state[name] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state and (found := visit(name)):
+            return found
+    return None
+
+
+def test_the_graph_sees_imports():
+    graph = _graph()
+    assert "selfspec.heads.config" in graph["selfspec.heads.medusa"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_circle():
+    cycle = _cycle(_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_infer_does_not_import_train():
+    upward = sorted(f"{name} imports {dep}" for name, deps in _graph().items() if name.startswith("selfspec.infer")
+                    for dep in deps if dep.startswith("selfspec.train"))
+    assert not upward, upward
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_long_source_file(package):
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / package).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these into modules of at most {MAX_LINES} lines: {long}"
