@@ -9,7 +9,7 @@ from typing import Any
 
 from selfspec.shipped.models import resolve_model
 
-KINDS = ("medusa", "eagle", "eagle3")
+KINDS = ("medusa", "eagle", "eagle3", "dflash")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -53,6 +53,11 @@ class HeadsConfig:
     feature_layers: list[int] | None = None  # target hidden_states indices fused by fc (0 = embeddings), low to high
     norm_before_residual: bool = False  # the attention residual is hidden_norm(h), not h (speculators' variant)
     norm_before_fc: bool = False  # an RMSNorm `input_norm` over the concatenated features before fc (speculators)
+    # DFlash only (feature_layers: hidden_states indices, the published target_layer_ids + 1; depth, top_k and
+    # total_tokens shape the tree built from each block position's top_k: top_k 1 is the chain)
+    block_size: int = 16  # the block one draft forward fills: the last accepted token, then block_size - 1 masks
+    mask_token_id: int | None = None  # the embedding row of the masked positions (a token the target never writes)
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys before RoPE (Qwen3-family draft layers)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -69,7 +74,7 @@ class HeadsConfig:
                                  f"got {getattr(self, name)!r}")
         if self.adapter and self.merged_target:
             raise ValueError("a heads config names either an adapter or a merged target, not both")
-        if self.kind in ("eagle", "eagle3") and not self.layer:
+        if self.kind in ("eagle", "eagle3", "dflash") and not self.layer:
             raise ValueError(f"an {self.kind} config needs `layer`: the decoder layer's LlamaConfig fields")
         for name in ("norm_before_residual", "norm_before_fc"):
             if getattr(self, name) and self.kind != "eagle3":
@@ -81,9 +86,25 @@ class HeadsConfig:
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}] (0: the target's "
                              f"vocabulary), got {self.draft_vocab_size}")
-        if self.kind == "eagle3" and (not self.feature_layers or min(self.feature_layers) < 0):
-            raise ValueError(f"an eagle3 config needs `feature_layers`: the target hidden_states indices its fc "
+        if self.kind in ("eagle3", "dflash") and (not self.feature_layers or min(self.feature_layers) < 0):
+            raise ValueError(f"an {self.kind} config needs `feature_layers`: the target hidden_states indices its fc "
                              f"fuses (e.g. [2, L // 2, L - 3]), got {self.feature_layers}")
+        if self.kind == "dflash":
+            self._check_dflash()
+        elif self.qk_norm or self.mask_token_id is not None:
+            raise ValueError(f"qk_norm and mask_token_id are DFlash settings ({self.kind} drafters have neither): "
+                             "leave them out or use kind 'dflash'")
+
+    def _check_dflash(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"a DFlash block holds the last accepted token and at least one mask: block_size must "
+                             f"be >= 2, got {self.block_size}")
+        if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"a dflash config needs `mask_token_id`, an embedding row of the target's vocabulary "
+                             f"(0..{self.vocab_size - 1}) it never writes as text, got {self.mask_token_id}")
+        if self.depth > self.block_size - 1:
+            raise ValueError(f"a DFlash tree is at most block_size - 1 = {self.block_size - 1} deep (one level per "
+                             f"masked position), got depth {self.depth}")
 
     def _check_types(self) -> None:
         """A config.json edited by hand (or written by another tool) fails here, naming the field, not deep inside."""

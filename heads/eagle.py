@@ -121,6 +121,12 @@ class DraftCache:
         self.values[layer, :, :, self.length : end] = v
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
+    def write_at(self, layer: int, k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor) -> None:
+        """k, v (B, kv, W, d) into row b's columns columns[b] (B, W) of one layer (distinct within a row)."""
+        index = columns[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+        self.keys[layer].scatter_(2, index, k)
+        self.values[layer].scatter_(2, index, v)
+
     def advance(self, T: int) -> None:
         self.length += T
 

@@ -26,6 +26,10 @@ BENCH_NAME = "bench.json"  # `selfspec bench --json DIR/bench.json`
 
 
 def _shape(config: HeadsConfig) -> str:
+    if config.kind == "dflash":
+        return (f"DFlash block-parallel drafter: fc over target layers {[i - 1 for i in config.feature_layers]} "
+                f"(target_layer_ids) + {config.num_layers} decoder layer(s), blocks of {config.block_size} "
+                f"(mask token {config.mask_token_id})")
     if config.kind == "eagle3":
         return (f"EAGLE-3 draft model: fc over target layers {config.feature_layers} + one decoder layer, "
                 f"draft vocabulary of {config.draft_vocab_size or config.vocab_size} tokens")

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from selfspec.heads.config import HeadsConfig
+from selfspec.heads.dflash import DFlashDraft
 from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.formats import import_heads
@@ -16,7 +17,8 @@ from selfspec.heads.hub import resolve_heads
 from selfspec.heads.io import PretrainedHeads
 from selfspec.heads.medusa import MedusaHeads
 
-DRAFTERS: dict[str, type[PretrainedHeads]] = {"medusa": MedusaHeads, "eagle": EagleDraft, "eagle3": Eagle3Draft}
+DRAFTERS: dict[str, type[PretrainedHeads]] = {"medusa": MedusaHeads, "eagle": EagleDraft, "eagle3": Eagle3Draft,
+                                             "dflash": DFlashDraft}
 
 
 def is_published(directory: str | Path | Checkpoint) -> bool:

@@ -20,6 +20,7 @@ import torch
 
 from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.medusa import MedusaHeads
+from selfspec.infer.dflash import DFlashProposer
 from selfspec.infer.eagle import EagleProposer
 from selfspec.infer.generate import GenerationStats, SpeculativeModel
 from selfspec.infer.tree import (
@@ -108,7 +109,9 @@ def tune_eagle(
     from selfspec.infer.bench import left_pad
 
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    proposers = [EagleProposer(draft, embed, lm_head, *setting) for setting in grid]
+    dflash = getattr(getattr(draft, "config", None), "kind", None) == "dflash"
+    kind = DFlashProposer if dflash else EagleProposer  # both take (depth, top_k, total)
+    proposers = [kind(draft, embed, lm_head, *setting) for setting in grid]
     device = prompts[0].device
     filled = cycled(prompts, batch_size)
     # a batch of one gets an all-ones mask: the single-prompt path, and no pad id inferred from prompt tokens

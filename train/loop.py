@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedul
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.io import atomic_write
 from selfspec.shipped.models import resolve_model
+from selfspec.train.best import BestWeights
 from selfspec.train.checkpoints import (
     check_rng_files,
     check_same_run,
@@ -163,6 +164,7 @@ def train(
     metrics: dict[str, float] = {}
     run_id = uuid.uuid4().hex
     resume_from = find_resume(cfg.resume, output_dir)
+    best = BestWeights(getattr(method, "best_metric", None), output_dir)
     if resume_from is not None:
         state = read_state(resume_from)
         check_same_run(resume_from, state.get("fingerprint", {}), fingerprint, cfg.resume_allow_changes)
@@ -175,6 +177,7 @@ def train(
         run_id = state.get("run_id", run_id)
         metrics = state.get("metrics") or {}  # a final checkpoint's metrics decide the tree and the card
         history = [(step, metrics)] if metrics else []
+        best.record = state.get("best")
         accelerator.print(f"resumed from {resume_from} at step {step} (epoch {epoch}, batch {batches_done})")
 
     if cfg.report_to != "none":
@@ -190,6 +193,7 @@ def train(
     if step == 0 and total > 0:
         metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator)
         history.append((0, metrics))
+        best.offer(accelerator, trainable, 0, metrics)
         bar.write("step 0: " + format_metrics(metrics))
     start = time.time()
     tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)  # this rank's real tokens since start
@@ -226,12 +230,15 @@ def train(
             if step % cfg.eval_steps == 0 or stop:
                 metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator)
                 history.append((step, metrics))
+                best.offer(accelerator, trainable, step, metrics)
                 accelerator.log({"eval/" + k: v for k, v in metrics.items() if not k.startswith("path/")}, step=step)
                 bar.write(f"step {step}: " + format_metrics(metrics))
             if step % cfg.save_steps == 0 or stop:
                 state = {"step": step, "epoch": epoch, "batches_done": batches_done, "metrics": metrics,
-                         "run_id": run_id, "fingerprint": fingerprint, "total_steps": total}
+                         "run_id": run_id, "fingerprint": fingerprint, "total_steps": total, "best": best.record}
                 save_checkpoint(accelerator, output_dir, state, cfg.save_total_limit)
+                if main:
+                    best.prune()
             if stop:
                 if out_of_time:
                     accelerator.print(f"stopping at step {step}: the {cfg.max_minutes}-minute budget is spent")
@@ -247,6 +254,7 @@ def train(
     full = gathered_module(accelerator, trainable)
     method.trainable = full if main else accelerator.unwrap_model(trainable, keep_fp32_wrapper=False)
     if main:
+        metrics = best.restore(method.trainable, step) or metrics
         method.save(method.trainable, output_dir, metrics)
         save_recipe(cfg, output_dir)
         if history:

@@ -1,0 +1,164 @@
+"""DFlash drafting: one drafter forward per step fills the block [root, MASK × (B − 1)] at once.
+
+Each step the drafter reads the target's fused features of the newly confirmed positions (their keys and
+values join its cache, which only ever holds confirmed positions) and the block after them; block position
+j's logits are a distribution over the token j places after the root. Those are verified as
+  - a chain (top_k 1): each position's argmax, `depth` of them;
+  - a tree of each position's top_k: EAGLE-2's selection over candidates whose children at depth d are
+    position d's top_k (the positions are drafted in parallel, so every parent shares them), keeping the
+    `total_tokens` with the best cumulative log-probability.
+The tokens are point proposals: sampling verifies them with the target-only rejection rule (lossless).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from selfspec.heads.dflash import DFlashDraft
+from selfspec.heads.eagle import DraftCache
+from selfspec.infer.proposers import Draft
+from selfspec.infer.tree import Tree, descend, select_tree, tree_from_choices
+from selfspec.infer.verify import SamplingParams
+
+
+class DFlashProposer:
+    """Drafts with a `DFlashDraft` on the target's fused layers; a chain when top_k is 1, else a tree.
+
+    It holds the drafter's cache for the sequence (or batch) being decoded: one generation at a time per proposer.
+    """
+
+    name = "dflash"
+
+    def __init__(self, draft: DFlashDraft, embed: nn.Module, lm_head: nn.Module, depth: int | None = None,
+                 top_k: int | None = None, total_tokens: int | None = None) -> None:
+        cfg = draft.config
+        self.draft = draft.eval()
+        self.embed, self.lm_head = embed, lm_head
+        self.feature_layers = cfg.feature_layers  # the hidden_states indices the target hands over
+        self.block = cfg.block_size
+        self.device = next(draft.parameters()).device
+        self.dtype = next(draft.parameters()).dtype
+        depth = depth if depth is not None else cfg.depth
+        self.top_k = top_k if top_k is not None else cfg.top_k
+        total = total_tokens if total_tokens is not None else cfg.total_tokens
+        for name, value in (("depth", depth), ("top_k", self.top_k), ("total_tokens", total)):
+            if value < 1:
+                raise ValueError(f"DFlash {name} must be >= 1, got {value}")
+        if depth > self.block - 1:
+            raise ValueError(f"a DFlash block of {self.block} drafts {self.block - 1} positions: depth {depth} is "
+                             f"deeper; use at most {self.block - 1}")
+        vocab = lm_head.weight.shape[0]
+        if self.top_k > vocab:
+            raise ValueError(f"top_k {self.top_k} is above the vocabulary of {vocab} tokens")
+        self.depth = min(depth, total)
+        if self.top_k == 1:  # the chain: one node per drafted position
+            self.chain = tree_from_choices([[0] * d for d in range(1, self.depth + 1)]).to(self.device)
+            self.max_nodes = self.depth + 1
+        else:
+            self.max_nodes = min(total, self.top_k + (self.depth - 1) * self.top_k**2) + 1
+        self.slots = torch.arange(self.top_k, device=self.device)
+        self.offsets = torch.arange(self.block, device=self.device)
+        self.reset(0)
+
+    # ---------------------------------------------------------------- one sequence
+
+    def reset(self, max_length: int, params: SamplingParams | None = None, generator=None) -> None:
+        self.length = 0  # confirmed positions in the drafter's cache
+        self.cache = DraftCache.for_drafter(self.draft, max_length + self.block)
+
+    @torch.no_grad()
+    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
+        m, start = hiddens.shape[0], context.shape[0] - 1  # the root sits at position `start`
+        self.cache.length = self.length
+        positions = torch.arange(start - m, start + self.block, device=self.device)[None]
+        block = self.draft.block_embeds(context[-1:], self.embed, self.dtype)  # (1, Bk, H)
+        out = self.draft(hiddens.to(self.dtype)[None], block, positions[:, :m], positions[:, m:], self.cache)
+        self.length += m
+        self.cache.length = self.length  # the block's keys are dropped (overwritten next step)
+        tokens, tree = self._draft(context[-1:], out[:, 1 : 1 + self.depth])[0]
+        return Draft(tokens, tree)
+
+    def _draft(self, roots: torch.Tensor, out: torch.Tensor) -> list[tuple[torch.Tensor, Tree]]:
+        """Block outputs at the drafted positions (B, D, H) -> each row's tree tokens (root first) and tree."""
+        logits = self.draft.logits(out, self.lm_head)  # (B, D, V)
+        if self.top_k == 1:
+            tokens = torch.cat([roots[:, None], logits.argmax(-1)], dim=1)
+            return [(row, self.chain) for row in tokens]
+        scores, drafted, parents, ranks = self._candidates(logits)
+        rows = []
+        for b in range(logits.shape[0]):
+            chosen, tree = select_tree(scores[b], parents[b], ranks[b], self.max_nodes - 1, self.depth, self.top_k)
+            rows.append((torch.cat([roots[b : b + 1], drafted[b][chosen]]), tree))
+        return rows
+
+    def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """EAGLE-2's candidates from per-position distributions (B, D, V): depth 1 is position 1's top_k; a depth-d
+        frontier (its k best candidates) each gets position d's top_k as children. Scores, target tokens, parent
+        candidates (-1: the root) and sibling ranks (B, C) each, in depth order (tree.select_tree's input)."""
+        B, k = logits.shape[0], self.top_k
+        logp = torch.log_softmax(logits.float(), dim=-1).nan_to_num(nan=-1e4, neginf=-1e4)
+        top = logp.topk(k, dim=-1)  # (B, D, k)
+        scores, tokens = [top.values[:, 0]], [top.indices[:, 0]]
+        parents = [torch.full((B, k), -1, dtype=torch.long, device=logits.device)]
+        ranks = [self.slots.expand(B, k)]
+        front_scores, front_index, offset = top.values[:, 0], self.slots.expand(B, k), k
+        for d in range(1, self.depth):
+            child = descend(front_scores, top.values[:, d, None, :].expand(B, k, k)).flatten(1)  # (B, k·k)
+            scores.append(child)
+            tokens.append(top.indices[:, d].repeat(1, k))
+            parents.append(front_index.repeat_interleave(k, dim=1))
+            ranks.append(self.slots.repeat(k).expand(B, -1))
+            best = child.topk(k).indices
+            front_scores, front_index = child.gather(1, best), offset + best
+            offset += k * k
+        return tuple(torch.cat(x, dim=1) for x in (scores, tokens, parents, ranks))
+
+    # ---------------------------------------------------------------- a batch of rows
+
+    drafts_rows = True  # propose_rows drafts a whole batch in one drafter call
+
+    def reset_rows(self, rows: int, max_length: int) -> None:
+        """A batch of `rows` sequences starts: one drafter cache, row b's confirmed columns 0 .. lengths[b] − 1.
+        A call writes each row's new context after its own, the block after that, and padding past both."""
+        self.row_cache = DraftCache.for_drafter(self.draft, 2 * max_length + self.block, batch=rows)
+        self.row_lengths = [0] * rows
+
+    def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
+        """Go on with rows `keep` only, in that order (`index`: the same on the device)."""
+        self.row_cache.length = max(self.row_lengths)
+        self.row_cache.select_rows(keep, index)
+        self.row_lengths = [self.row_lengths[i] for i in keep]
+
+    @torch.no_grad()
+    def propose_rows(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+                     ) -> list[Draft | None]:
+        """`propose` for every row at once, in one drafter forward; rows not `active` feed nothing, get None."""
+        if not any(active):
+            return [None] * len(contexts)
+        counts = [h.shape[0] if on else 0 for h, on in zip(hiddens, active)]
+        M, Bk = max(counts), self.block
+        starts = [c.shape[0] - 1 for c in contexts]
+        feats = hiddens[0].new_zeros(len(contexts), M, hiddens[0].shape[-1], dtype=self.dtype)
+        for b, m in enumerate(counts):
+            if m:
+                feats[b, :m] = hiddens[b]
+        # host-side layout (no device sync): context j of row b at column n_b + j, the block after it, the
+        # padding (j >= m_b) after the block, where no row ever looks
+        n = torch.tensor(self.row_lengths)[:, None]
+        m = torch.tensor(counts)[:, None]
+        j = torch.arange(M)[None]
+        columns = torch.cat([torch.where(j < m, n + j, n + Bk + j), n + m + torch.arange(Bk)[None]], dim=1)
+        width = int((n + m).max()) + Bk
+        visible = torch.arange(width)[None] < n + m + Bk  # (B, width)
+        start = torch.tensor(starts)[:, None]
+        ctx_pos = (start - m + j).clamp(min=0)
+        blk_pos = start + torch.arange(Bk)[None]
+        to = dict(device=self.device, non_blocking=True)
+        roots = torch.stack([c[-1] for c in contexts])
+        block = self.draft.block_embeds(roots, self.embed, self.dtype)  # (B, Bk, H)
+        out = self.draft(feats, block, ctx_pos.to(**to), blk_pos.to(**to), self.row_cache, columns.to(**to),
+                         visible.to(**to)[:, None, None, :])
+        self.row_lengths = [a + b for a, b in zip(self.row_lengths, counts)]
+        drafts = self._draft(roots, out[:, 1 : 1 + self.depth])
+        return [Draft(*row) if on else None for row, on in zip(drafts, active)]

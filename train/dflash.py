@@ -1,0 +1,273 @@
+"""Train a DFlash block-parallel drafter on a frozen causal LM.
+
+    accelerate launch train/dflash.py                        # demo target, self-distilled stdlib, CPU, ~20 min
+    accelerate launch train/dflash.py --config configs/dflash/qwen3-8b-dflash.yaml
+
+The frozen target computes its fused layers (target_layer_ids) online, without gradients. Each sequence
+gives `anchors` random blocks [x_a, MASK...], all drafted in one masked attention pass (heads.dflash
+DFlashDraft.packed); the loss is position-weighted (train/dflash_loss.py). Validation reports each block
+position's top-1 agreement with the target and the simulated chain acceptance length, and the checkpoint
+with the best one is what is saved. At the end the chain/tree (depth, top_k, total_tokens) is fitted to this
+machine by decoding validation prompts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from selfspec.heads.dflash import DEFAULT_FEATURES, DFlashDraft, default_target_layer_ids
+from selfspec.heads.eagle import layer_fields
+from selfspec.heads.errors import run_main
+from selfspec.infer.tune import format_rows, tune_eagle
+from selfspec.train.config import ConfigError, check_at_least, load_config
+from selfspec.train.data import Examples
+from selfspec.train.dflash_loss import (
+    LOSSES,
+    WEIGHTINGS,
+    DFlashLoss,
+    anchor_carries,
+    sample_anchors,
+    strided_anchors,
+)
+from selfspec.train.distributed import unpartitioned
+from selfspec.train.eagle import calibration_prompts
+from selfspec.train.eagle3 import token_counts
+from selfspec.train.eagle_features import cached_features, target_features, validated
+from selfspec.train.loop import heads_config, load_frozen_target, start_run, train
+from selfspec.train.medusa_method import chunk_rows
+from selfspec.train.run_data import datasets_for
+from selfspec.train.train_config import TrainConfig
+
+
+@dataclasses.dataclass
+class DFlashConfig(TrainConfig):
+    """Train a DFlash drafter on a frozen causal LM (defaults: the demo target on CPU, about 20 minutes)."""
+
+    output_dir: str = "outputs/dflash-demo"
+    max_steps: int = 1200  # optimizer steps
+    max_minutes: float = 20.0  # stop a slower machine in time
+    learning_rate: float = 6e-4
+    adam_beta2: float = 0.95
+    max_grad_norm: float = 1.0
+    warmup_ratio: float = 0.04
+    max_length: int = 192
+    per_device_train_batch_size: int = 8
+    mixed_precision: str = "bf16"
+    self_distill: bool = True  # learn what the target itself says (the same self-distilled set as the demos)
+    max_train_examples: int = 1024
+    eval_steps: int = 200
+    save_steps: int = 400
+    num_layers: int = 0  # draft decoder layers (0: 5 for targets of 24+ layers, else 2)
+    block_size: int = 16  # one draft forward fills block_size - 1 masked positions
+    anchors: int = 32  # blocks drafted per sequence per training step
+    mask_token_id: int | None = None  # the masked positions' embedding row (None: a token the data never has)
+    target_layer_ids: list[int] | None = None  # decoder layers whose outputs are fused (published convention)
+    num_target_layers: int = DEFAULT_FEATURES  # how many, spaced as published, when target_layer_ids is None
+    qk_norm: bool = True  # per-head q/k RMSNorm before RoPE: the published DFlash layers are Qwen3's for any target
+    loss: str = "ce"  # ce: cross-entropy with the (target's own) tokens | kl: KL from the target's distribution
+    loss_weighting: str = "decay"  # decay: exp(-(j-1)/gamma) per block position | dpace: D-PACE
+    decay_gamma: float | None = None  # None: 7 for blocks of 16, in proportion otherwise
+    dpace_alpha: float = 0.5
+    cache_features: bool = False  # compute the target's features once and keep them on disk for every epoch
+    feature_shard_examples: int = 0  # with cache_features: examples per shard file (0: about 256 MiB each)
+    depth: int = 0  # the decoding tree stored with the drafter; 0 fits depth, top_k and total_tokens here
+    top_k: int = 0  # children per drafted position (1: the chain)
+    total_tokens: int = 0  # drafted nodes kept for verification
+    tune_depths: list[int] | None = None  # depths fitted over (None: block_size // 2 - 1 and block_size - 1)
+    tune_top_ks: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 4])  # 1 is the chain
+    tune_totals: list[int] = dataclasses.field(default_factory=lambda: [16, 32])  # tree sizes fitted over (top_k > 1)
+    tune_prompts: int = 6  # validation prompts decoded per setting when fitting
+    tune_new_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_at_least(self, ("anchors", "num_target_layers", "tune_prompts", "tune_new_tokens"), 1)
+        check_at_least(self, ("num_layers", "depth", "top_k", "total_tokens", "feature_shard_examples"), 0)
+        if self.block_size < 2:
+            raise ConfigError(f"--block_size must be >= 2 (the last accepted token and a mask), got {self.block_size}")
+        if self.loss not in LOSSES:
+            raise ConfigError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.loss_weighting not in WEIGHTINGS:
+            raise ConfigError(f"--loss_weighting must be one of {', '.join(WEIGHTINGS)}, got {self.loss_weighting!r}")
+        if self.decay_gamma is None:
+            self.decay_gamma = 7.0 * (self.block_size - 1) / 15
+        if self.decay_gamma <= 0 or not 0 <= self.dpace_alpha <= 1:
+            raise ConfigError(f"--decay_gamma must be > 0 and --dpace_alpha in [0, 1], got {self.decay_gamma} and "
+                              f"{self.dpace_alpha}")
+        if self.tune_depths is None:
+            self.tune_depths = sorted({max(1, self.block_size // 2 - 1), self.block_size - 1})
+        for name in ("tune_depths", "tune_top_ks", "tune_totals"):
+            if not getattr(self, name) or min(getattr(self, name)) < 1:
+                raise ConfigError(f"--{name} must list positive numbers (e.g. 1,2,4), got {getattr(self, name)}")
+        deepest = max(self.tune_depths + [self.depth])
+        if deepest > self.block_size - 1:
+            raise ConfigError(f"a block of {self.block_size} drafts {self.block_size - 1} positions: depth {deepest} "
+                              f"is deeper (--tune_depths, --depth)")
+        given = [self.depth > 0, self.top_k > 0, self.total_tokens > 0]
+        if any(given) and not all(given):
+            raise ConfigError("set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)")
+        ids = self.target_layer_ids
+        if ids is not None and (not ids or min(ids) < 0 or any(b <= a for a, b in zip(ids, ids[1:]))):
+            raise ConfigError(f"--target_layer_ids must be distinct decoder layer indices from low to high, got {ids}")
+
+    def grid(self) -> list[tuple[int, int, int]]:
+        """The (depth, top_k, total_tokens) settings fitted: the chain at each depth, trees of each size."""
+        settings = []
+        for depth in self.tune_depths:
+            for k in self.tune_top_ks:
+                totals = [depth] if k == 1 else [t for t in self.tune_totals if t > depth]
+                settings += [(depth, k, t) for t in totals]
+        return settings
+
+
+class DFlashMethod:
+    label = "the DFlash drafter"
+    agree = None  # set by the loop under ZeRO-3/FSDP (the loss projects through the frozen head only)
+    best_metric = "sim_accept"  # the loop saves the weights of the best validation by this
+
+    def __init__(self, cfg: DFlashConfig, target, draft: DFlashDraft, tune_prompts: list[torch.Tensor]) -> None:
+        self.cfg, self.target, self.trainable, self.tune_prompts = cfg, target, draft, tune_prompts
+        self.layers = draft.config.feature_layers
+        self.block = draft.config.block_size
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.mask_token_id = draft.config.mask_token_id
+        self.objective = DFlashLoss(self.lm_head, self.block, cfg.loss, cfg.loss_weighting, cfg.decay_gamma,
+                                    cfg.dpace_alpha, chunk_rows(self.lm_head.weight.shape[0]))
+
+    def _forward(self, batch: dict[str, torch.Tensor], training: bool):
+        """The drafter's block outputs (B, N, Bk, H) at this batch's anchors, the anchors (B, N), which are real, and
+        the target's last hidden states (B, T, H)."""
+        feats = batch["features"] if "features" in batch else target_features(
+            self.target, batch["input_ids"], batch["attention_mask"], self.layers)
+        hidden = self.lm_head.weight.shape[1]
+        carries = anchor_carries(batch)
+        anchors, real = (sample_anchors(carries, self.cfg.anchors) if training
+                         else strided_anchors(carries, self.cfg.anchors))
+        dtype = next(self.trainable.parameters()).dtype
+        ids = batch["input_ids"].gather(1, anchors)
+        with torch.no_grad():
+            block = self.embed(ids[..., None].repeat_interleave(self.block, dim=-1)).to(dtype)
+            block[:, :, 1:] = self.embed.weight[self.mask_token_id].to(dtype)
+        outputs = self.trainable(feats[..., :-hidden].to(dtype), block.flatten(1, 2), anchors=anchors)
+        return outputs, anchors, real, feats[..., -hidden:]
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        outputs, anchors, real, last = self._forward(batch, training=True)
+        return self.objective.loss(outputs, batch, anchors, real, last)
+
+    def evaluate(self, batches: list[dict[str, torch.Tensor]],
+                 total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+        """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share)."""
+        D = self.block - 1
+        sums = torch.zeros(4 + 2 * D, dtype=torch.float64, device=self.lm_head.weight.device)
+        for batch in batches:
+            outputs, anchors, real, last = self._forward(batch, training=False)
+            sums += self.objective.metrics(outputs, batch, anchors, real, last)
+        sums = (total(sums) if total else sums).cpu()
+        loss, batches_seen, accepted, blocks = sums[:4].tolist()
+        top = sums[4 : 4 + D] / sums[4 + D :].clamp(min=1)
+        metrics = {"loss": loss / max(batches_seen, 1), "top1": float(top[0]), "sim_accept": accepted / max(blocks, 1)}
+        return metrics | {f"pos{j + 1}_top1": float(top[j]) for j in range(D)}
+
+    def fit_tree(self, draft: DFlashDraft) -> dict:
+        """Decode validation prompts with each chain/tree setting here and keep the fastest."""
+        param = next(self.target.parameters())
+        draft = copy.deepcopy(draft).to(dtype=param.dtype).eval()  # as decoding runs it
+        best, rows = tune_eagle(self.target, draft, self.tune_prompts, self.cfg.grid(), self.cfg.tune_new_tokens)
+        print("DFlash chain/tree fitted to this machine (greedy decoding of validation prompts):")
+        print(format_rows(rows, best))
+        return best
+
+    def save(self, draft: DFlashDraft, output_dir: Path, metrics: dict[str, float]) -> None:
+        cfg = self.cfg
+        if cfg.depth and cfg.top_k and cfg.total_tokens:
+            best = {"depth": cfg.depth, "top_k": cfg.top_k, "total_tokens": cfg.total_tokens}
+        elif self.tune_prompts:
+            best = self.fit_tree(draft)
+        else:
+            best = {"depth": self.block - 1, "top_k": 1, "total_tokens": self.block - 1}  # the chain
+        draft.config.depth, draft.config.top_k, draft.config.total_tokens = (
+            best["depth"], best["top_k"], best["total_tokens"])
+        if not metrics:
+            raise ValueError("no validation metrics for the model card: evaluate before saving")
+        shape = "chain" if draft.config.top_k == 1 else f"tree of top_k {draft.config.top_k}"
+        card = (f"\n## Validation (best evaluation)\n\n{self.summary(metrics)}; decoding: {shape}, depth "
+                f"{draft.config.depth}, total_tokens {draft.config.total_tokens}\n")
+        draft.save_pretrained(output_dir, card_extra=card)
+
+    def summary(self, metrics: dict[str, float]) -> str:
+        per = " / ".join(f"{metrics[f'pos{j}_top1']:.3f}" for j in range(1, self.block))
+        return (f"top-1 agreement with the target per block position {per}; simulated acceptance length "
+                f"{metrics['sim_accept']:.2f} (chain, teacher-forced)")
+
+
+def choose_mask_token(cfg: DFlashConfig, tokenizer, train_data: Examples, vocab: int) -> int:
+    """The mask embedding row: --mask_token_id; the tokenizer's mask token; a row past the tokenizer's vocabulary;
+    else its highest special token (not BOS or EOS) that no training answer contains, the pad token last."""
+    if cfg.mask_token_id is not None:
+        if not 0 <= cfg.mask_token_id < vocab:
+            raise ConfigError(f"--mask_token_id {cfg.mask_token_id} is not a row of the target's embedding (0..{vocab - 1})")
+        return cfg.mask_token_id
+    if getattr(tokenizer, "mask_token_id", None) is not None and tokenizer.mask_token_id < vocab:
+        return tokenizer.mask_token_id
+    if len(tokenizer) < vocab:
+        return len(tokenizer)  # an embedding row no text token maps to
+    used = token_counts(train_data.token_batches(), vocab) > 0
+    taken = {tokenizer.bos_token_id, tokenizer.eos_token_id}
+    free = [i for i in tokenizer.all_special_ids if i not in taken and i < vocab and not used[i]]
+    if not free:
+        raise ConfigError("the tokenizer has no mask token, no spare embedding row and no unused special token: pass "
+                          "--mask_token_id, a token id the target never writes")
+    return max(free, key=lambda i: (i != tokenizer.pad_token_id, i))
+
+
+def build_drafter(cfg: DFlashConfig, target, tokenizer, train_data: Examples) -> DFlashDraft:
+    """A DFlash drafter for this target: the published layer spacing, Llama-shaped layers of the target's widths
+    (with Qwen3's q/k norms unless --qk_norm false: the layout vLLM and SGLang build)."""
+    text = target.config.get_text_config()
+    L = text.num_hidden_layers
+    ids = cfg.target_layer_ids or default_target_layer_ids(L, cfg.num_target_layers)
+    if max(ids) > L - 2:
+        raise ConfigError(f"--target_layer_ids must be decoder layers 0..{L - 2} of this {L}-layer target (the last "
+                          f"one's output is already normed), got {ids}")
+    vocab = target.get_output_embeddings().weight.shape[0]
+    fields = dict(num_layers=cfg.num_layers or (5 if L >= 24 else 2), layer=layer_fields(target.config),
+                  feature_layers=[i + 1 for i in ids], block_size=cfg.block_size, qk_norm=cfg.qk_norm,
+                  mask_token_id=choose_mask_token(cfg, tokenizer, train_data, vocab),
+                  depth=cfg.block_size - 1, top_k=1, total_tokens=cfg.block_size - 1)
+    return DFlashDraft(heads_config(cfg, target, "dflash", **fields))
+
+
+def run(cfg: DFlashConfig) -> dict:
+    """Set up, train and save; returns the target, the trained drafter and the validation history."""
+    accelerator = start_run(cfg)
+    with unpartitioned(accelerator):  # whole on every rank, also under ZeRO-3: it only makes features
+        target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
+    train_data, eval_data = datasets_for(cfg, tokenizer, target, accelerator)
+    with unpartitioned(accelerator, cfg.seed):  # built whole and alike on every rank; prepare() shards it
+        draft = build_drafter(cfg, target, tokenizer, train_data).to(accelerator.device)
+    layers = draft.config.feature_layers
+    if cfg.cache_features:  # every rank writes its share of the shards, then all read all of them
+        ranks = (accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone)
+        train_data = cached_features(cfg, target, train_data, "train", layers, *ranks)
+        eval_data = cached_features(cfg, target, validated(cfg, eval_data), "eval", layers, *ranks)
+    initial = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+    prompts = calibration_prompts(eval_data, cfg.tune_prompts, cfg.distill_prompt_tokens)
+    method = DFlashMethod(cfg, target, draft, prompts)
+    history = train(cfg, accelerator, method, train_data, eval_data)
+    return {"target": target, "draft": method.trainable, "initial": initial, "history": history}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The script: options from the command line; a user error ends in one line (exit 2)."""
+    run_main(lambda args: run(load_config(DFlashConfig, args)), argv, prog="train/dflash.py")
+
+
+if __name__ == "__main__":
+    main()
