@@ -301,11 +301,11 @@ def test_lambda_scales_what_reaches_the_adapters_not_the_heads_own_gradient(shar
     lm_head_grads = 0
     for (name, p), a, b in zip(lora_tensors(method.backbone).items(), l0_lora, heads_grads):
         expected = (a if a is not None else 0) + lam * b
-        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-5)  # two sums in another order
         lm_head_grads += "lm_head" in name and b.abs().sum().item() > 0
     assert lm_head_grads == (2 if shared else 0)  # shared heads ask the lm_head's adapter for help too
     for p, expected in zip(heads, heads_grads[len(lora):]):
-        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-5)  # two sums in another order
 
 
 def test_resumed_medusa2_run_ends_like_an_uninterrupted_one(tiny_model_dir, text_data, tmp_path, monkeypatch):
