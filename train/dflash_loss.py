@@ -16,7 +16,6 @@ tokens a position's error costs; the weighted mean over the batch's labels.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -38,15 +37,6 @@ def sample_anchors(carries: torch.Tensor, count: int, generator: torch.Generator
     picked = noise.masked_fill(~carries, -1.0).topk(n, dim=1)
     real = picked.values >= 0
     return torch.where(real, picked.indices, 1), real
-
-
-def strided_anchors(carries: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validation's anchors, the same every time: every ceil(T / count)-th position, where it carries a loss."""
-    B, T = carries.shape
-    stride = max(1, math.ceil(T / count))
-    positions = torch.arange(1, T, stride, device=carries.device)
-    real = carries[:, positions]
-    return positions.expand(B, -1), real
 
 
 def anchor_carries(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -138,11 +128,11 @@ class DFlashLoss:
 
     @torch.no_grad()
     def metrics(self, outputs: torch.Tensor, batch: dict[str, torch.Tensor], anchors: torch.Tensor,
-                real: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """Validation sums (float64): [loss sum, weight sum, accepted, blocks, hits per position (Bk − 1), counted
-        per position (Bk − 1)]. A position is right when the drafter's top-1 is the target's own next token (its
-        argmax at the position before); `accepted` counts per block 1 + its leading right positions (the chain's
-        acceptance length, teacher-forced)."""
+                real: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validation sums (float64): [loss sum, 1, hits per position (Bk − 1), counted per position (Bk − 1)], and
+        each block's streak (B, N): its leading right positions, −1 where its first drafted position has no
+        label. A position is right when the drafter's top-1 is the target's own next token (its argmax at the
+        position before)."""
         loss, _ = self.loss(outputs, batch, anchors, real, last)
         _, _, _, counts = self.rows(outputs, batch, anchors, real, last)
         b, n, j = counts.nonzero(as_tuple=True)
@@ -153,8 +143,31 @@ class DFlashLoss:
         right = torch.zeros(counts.shape, dtype=torch.bool, device=counts.device)
         right[b, n, j] = guess == wanted
         streak = torch.cumprod(right.long(), dim=-1).sum(-1)  # (B, N): leading right positions
-        blocks = real & counts[..., 0]  # blocks whose first drafted position has a label
+        streak = torch.where(real & counts[..., 0], streak, -1)
         counted = 1.0 if len(b) else 0.0  # a batch without labels (a rank's filler) counts for nothing
-        sums = torch.stack([loss.double() * counted, loss.new_tensor(counted, dtype=torch.float64),
-                            (streak[blocks] + 1).sum().double(), blocks.sum().double()])
-        return torch.cat([sums, right.sum((0, 1)).double(), counts.sum((0, 1)).double()])
+        sums = torch.stack([loss.double() * counted, loss.new_tensor(counted, dtype=torch.float64)])
+        return torch.cat([sums, right.sum((0, 1)).double(), counts.sum((0, 1)).double()]), streak
+
+
+def walk(row: list[int]) -> list[tuple[int, int]]:
+    """Teacher-forced chain decoding of one sequence from its block streaks at every anchor (−1 where no block is
+    drafted) -> the (anchor, streak) of each draft step. As decoding does, the first block of a generated
+    stretch sits one past its first anchor (the target's own forward gave that token), and a step at anchor a
+    accepts its streak plus the target's token, so the next step is at a + streak + 1."""
+    steps, a, fresh = [], 0, True
+    while a < len(row):
+        if row[a] < 0:
+            a, fresh = a + 1, True
+        elif fresh:
+            a, fresh = a + 1, False
+        else:
+            steps.append((a, row[a]))
+            a += row[a] + 1
+    return steps
+
+
+def decode_walk(streaks: torch.Tensor) -> tuple[int, int]:
+    """(draft steps, tokens) of `walk` over every row of streaks (B, T): tokens per step is the chain's tau on
+    these sequences, which a mean over all anchors overstates (one step jumps a whole predictable run)."""
+    steps = [step for row in streaks.tolist() for step in walk(row)]
+    return len(steps), sum(s + 1 for _, s in steps)

@@ -1,9 +1,10 @@
 """Published drafter checkpoints in, serving-engine layouts out: one entry point for every format.
 
 Import detects the layout from the files (FasterDecoding Medusa v1/v2, vLLM Medusa, SafeAILab
-EAGLE-1, SGLang EAGLE, SafeAILab / SGLang EAGLE-3, vllm-project/speculators EAGLE-3); export writes what each
-engine loads (fastdecoding-medusa, vllm-medusa, eagle1, sglang-eagle, eagle3, speculators-eagle3). The layouts
-and their sources are in the modules beside this one, one per family (medusa.py, eagle.py, eagle3.py). A folder
+EAGLE-1, SGLang EAGLE, SafeAILab / SGLang EAGLE-3, vllm-project/speculators EAGLE-3, z-lab and speculators DFlash);
+export writes what each engine loads (fastdecoding-medusa, vllm-medusa, eagle1, sglang-eagle, eagle3,
+speculators-eagle3, dflash, speculators-dflash). The layouts and their sources are in the modules beside this
+one, one per family (medusa.py, eagle.py, eagle3.py, dflash.py). A folder
 is read once (`Checkpoint`: its config.json and tensor names) and each layout is asked in turn whether it holds it.
 """
 
@@ -13,9 +14,12 @@ from pathlib import Path
 
 from torch import nn
 
+from selfspec.heads.dflash import DFlashDraft
 from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.formats.checkpoint import Checkpoint
+from selfspec.heads.formats.dflash import DFLASH_FORMATS, detect_dflash_format, import_dflash
+from selfspec.heads.formats.dflash_export import export_dflash
 from selfspec.heads.formats.eagle import EAGLE_FORMATS, detect_eagle_format, export_eagle, import_eagle
 from selfspec.heads.formats.eagle3 import EAGLE3_FORMATS, detect_eagle3_format, import_eagle3
 from selfspec.heads.formats.eagle3_export import export_eagle3
@@ -23,8 +27,9 @@ from selfspec.heads.formats.medusa import MEDUSA_FORMATS, detect_medusa_format, 
 from selfspec.heads.io import PretrainedHeads
 from selfspec.heads.medusa import MedusaHeads
 
-EXPORT_FORMATS = MEDUSA_FORMATS + EAGLE_FORMATS + EAGLE3_FORMATS
-DETECTORS = (detect_medusa_format, detect_eagle_format, detect_eagle3_format)
+EXPORT_FORMATS = MEDUSA_FORMATS + EAGLE_FORMATS + EAGLE3_FORMATS + DFLASH_FORMATS
+# DFlash first: its folders also hold the fc.weight and layers.0.* an EAGLE-1 detector looks for
+DETECTORS = (detect_dflash_format, detect_medusa_format, detect_eagle_format, detect_eagle3_format)
 
 
 def detect_format(directory: str | Path | Checkpoint) -> str | None:
@@ -62,6 +67,8 @@ def import_heads(directory: str | Path | Checkpoint, format: str | None = None, 
         return import_eagle(checkpoint, fmt, base_model=base_model)
     if fmt in EAGLE3_FORMATS:
         return import_eagle3(checkpoint, fmt, base_model=base_model)
+    if fmt in DFLASH_FORMATS:
+        return import_dflash(checkpoint, fmt, base_model=base_model)
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
 
 
@@ -96,5 +103,12 @@ def export_heads(heads: PretrainedHeads, fmt: str, out_dir: str | Path, target: 
             raise ValueError(f"{fmt}'s config.json names no base model (its engines are given the target "
                              "separately): leave out --base-model")
         export_eagle3(heads, fmt, out_dir, weights=weights or "safetensors", base_model=base_model, target=target)
+    elif fmt in DFLASH_FORMATS:
+        if not isinstance(heads, DFlashDraft):
+            raise ValueError(f"{fmt} is a DFlash layout but these heads are {heads.config.kind}")
+        if base_model and fmt == "dflash":
+            raise ValueError(f"{fmt}'s config.json names no base model (its engines are given the target "
+                             "separately): leave out --base-model")
+        export_dflash(heads, fmt, out_dir, weights=weights or "safetensors", base_model=base_model, target=target)
     else:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")

@@ -105,7 +105,6 @@ import dataclasses
 import re
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from selfspec.heads.config import DTYPES, HeadsConfig
@@ -120,6 +119,7 @@ from selfspec.heads.formats.eagle3_config import (
     settings,
     target_layers,
 )
+from selfspec.heads.formats.medusa import load_strict
 
 EMBED_KEY = "embed_tokens.weight"
 INPUT_NORM = "input_norm.weight"  # norm_before_fc's RMSNorm over the fc input, named alike by every engine
@@ -191,23 +191,6 @@ def detect_eagle3_format(directory: str | Path | Checkpoint) -> str | None:
 
 
 # ---------------------------------------------------------------- import
-
-
-def _load(draft: Eagle3Draft, state: dict[str, torch.Tensor], where: Path, name) -> None:
-    """A strict load; a refusal is one line naming the file's own missing, unexpected and misshapen tensors."""
-    for k, v in state.items():
-        if k not in VOCAB_MAPS and not v.is_floating_point():
-            raise ValueError(f"{where}: {name(k)} is {v.dtype}; quantized drafters are not supported: "
-                             "dequantize it")
-    want = draft.state_dict()
-    problems = [f"{what} {sorted(name(k) for k in keys)[:6]}" for what, keys in
-                (("missing", set(want) - set(state)), ("unexpected", set(state) - set(want))) if keys]
-    problems += [f"{name(k)} has shape {tuple(v.shape)}, expected {tuple(want[k].shape)}"
-                 for k, v in state.items() if k in want and v.shape != want[k].shape]
-    if problems:
-        raise ValueError(f"{where}: the tensors do not form the EAGLE-3 drafter its config describes: "
-                         f"{'; '.join(problems)}")
-    draft.load_state_dict(state, strict=True)
 
 
 def import_eagle3(
@@ -313,7 +296,8 @@ def import_eagle3(
     )
     draft = Eagle3Draft(config).to(fc.dtype)
     theirs = {**file_names, "d2t": "d2t", "t2d": "t2d"}
-    _load(draft, state | {"d2t": d2t, "t2d": t2d}, where, lambda k: theirs.get(k, theirs_name(fmt)(k)))
+    load_strict(draft, state | {"d2t": d2t, "t2d": t2d}, where, lambda k: theirs.get(k, theirs_name(fmt)(k)),
+                integers=VOCAB_MAPS)
     draft.eval()
     if target is not None:
         check_target(config, target, embed, directory)

@@ -18,10 +18,10 @@ from selfspec.heads.formats.eagle import CONFIG_FIELDS, rope_scaling_json, write
 from selfspec.heads.formats.eagle3 import EAGLE3_FORMATS, EMBED_KEY, LAYOUTS, layout_keys, theirs_name
 from selfspec.heads.formats.eagle3_config import VARIANTS
 from selfspec.heads.formats.medusa import base_model_field
-from selfspec.heads.io import atomic_write
+from selfspec.heads.io import PretrainedHeads, atomic_write
 
 
-def _llama_json(draft: Eagle3Draft) -> dict[str, Any]:
+def llama_layer_json(draft: PretrainedHeads) -> dict[str, Any]:
     """The draft layer's Llama config, as both layouts' loaders read it (LlamaConfig fields, SafeAILab's RoPE)."""
     cfg = draft.config
     lc, rope = llama_config(cfg), dict((cfg.layer or {}).get("rope_parameters") or {})
@@ -31,30 +31,44 @@ def _llama_json(draft: Eagle3Draft) -> dict[str, Any]:
                      "tie_word_embeddings": False, "torch_dtype": cfg.dtype}
 
 
+def verifier_name(base_model: str) -> str:
+    """What a speculators config.json names as the verifier, with a warning when that is a path on this machine
+    (speculators reads it when it loads the drafter)."""
+    base = base_model_field(base_model, required=False)
+    if Path(base).is_absolute():
+        warnings.warn(f"config.json names the verifier as {base}, a path on this machine, which speculators "
+                      "reads when it loads the drafter: pass --base-model <Hub id> (base_model=) for a "
+                      "checkpoint that loads elsewhere", stacklevel=4)
+    return base
+
+
+def speculators_config(algorithm: str, tokens: int, base_model: str, architectures: list[str] | None) -> dict:
+    """speculators' `speculators_config`: a greedy proposal of `tokens` tokens and the verifier it was trained for."""
+    proposal = {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1,
+                "accept_tolerance": 0.0}
+    return {"algorithm": algorithm, "proposal_methods": [proposal], "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": base_model or None, "architectures": list(architectures or [])}}
+
+
 def eagle3_config_json(draft: Eagle3Draft, fmt: str, base_model: str = "",
                        verifier_architectures: list[str] | None = None) -> dict[str, Any]:
     """The config.json `fmt`'s loaders read (see the module docstring for the sources)."""
     cfg = draft.config
     layers, size = list(cfg.feature_layers or []), draft.lm_head.out_features
     if fmt == "eagle3":
-        return {"architectures": [LAYOUTS[fmt].architecture], **_llama_json(draft), "draft_vocab_size": size,
+        return {"architectures": [LAYOUTS[fmt].architecture], **llama_layer_json(draft), "draft_vocab_size": size,
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [j - 1 for j in layers],  # SGLang adds 1
                                  "use_aux_hidden_state": True,
                                  "norm_before_fc": cfg.norm_before_fc},  # SGLang and vLLM read it here first
                 "eagle_aux_hidden_state_layer_ids": layers}  # vLLM reads this first, as hidden_states indices
-    proposal = {"proposal_type": "greedy", "speculative_tokens": cfg.depth, "verifier_accept_k": 1,
-                "accept_tolerance": 0.0}
     return {
         "architectures": [LAYOUTS[fmt].architecture], "speculators_model_type": "eagle3",
-        "transformer_layer_config": _llama_json(draft), "draft_vocab_size": size, "target_hidden_size": None,
+        "transformer_layer_config": llama_layer_json(draft), "draft_vocab_size": size, "target_hidden_size": None,
         # all written out: vLLM reads an absent norm_before_residual as true
         "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
         **{flag: VARIANTS[flag].neutral for flag in ("fc_norm", "norm_output")},
         "eagle_aux_hidden_state_layer_ids": layers,
-        "speculators_config": {"algorithm": "eagle3", "proposal_methods": [proposal],
-                               "default_proposal_method": "greedy",
-                               "verifier": {"name_or_path": base_model or None,
-                                            "architectures": list(verifier_architectures or [])}},
+        "speculators_config": speculators_config("eagle3", cfg.depth, base_model, verifier_architectures),
     }
 
 
@@ -125,11 +139,7 @@ def export_eagle3(
             raise ValueError(f"the target's input embedding is {tuple(embed.shape)}, this drafter's vocabulary and "
                              f"width make it {(cfg.vocab_size, cfg.hidden_size)}: give the target it was trained on")
         state[EMBED_KEY] = embed.to(device="cpu", dtype=state["fc.weight"].dtype).contiguous()
-        base = base_model_field(base_model or cfg.base_model, required=False)
-        if Path(base).is_absolute():
-            warnings.warn(f"config.json names the verifier as {base}, a path on this machine, which speculators "
-                          "reads when it loads the drafter: pass --base-model <Hub id> (base_model=) for a "
-                          "checkpoint that loads elsewhere", stacklevel=2)
+        base = verifier_name(base_model or cfg.base_model)
     text = json.dumps(eagle3_config_json(draft, fmt, base, archs), indent=2) + "\n"
     out = Path(out_dir)
     write_weights(state, out, weights)

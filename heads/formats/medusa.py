@@ -132,11 +132,12 @@ def engine_keys(fmt: str, num_heads: int, num_layers: int, projection: bool = Tr
 
 
 def load_strict(module: nn.Module, state: dict[str, torch.Tensor], where: Path | str,
-                name: Callable[[str], str | None] = lambda k: k) -> None:
+                name: Callable[[str], str | None] = lambda k: k, integers: tuple[str, ...] = ()) -> None:
     """`module.load_state_dict(state, strict=True)`; a refusal is one line naming `where` and the file's own
-    names for the missing, unexpected and misshapen tensors (`name` maps ours back to the file's)."""
+    names for the missing, unexpected and misshapen tensors (`name` maps ours back to the file's). Only the
+    tensors named in `integers` may be other than floating point (quantized weights are refused)."""
     for k, v in state.items():
-        if not v.is_floating_point():
+        if k not in integers and not v.is_floating_point():
             raise ValueError(f"{where}: {name(k)} is {v.dtype}; quantized drafters are not supported: dequantize it")
     try:
         module.load_state_dict(state, strict=True)
