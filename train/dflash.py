@@ -62,6 +62,7 @@ class DFlashConfig(TrainConfig):
     self_distill: bool = True  # learn what the target itself says (the same self-distilled set as the demos)
     max_train_examples: int = 1024
     eval_steps: int = 200
+    eval_batches: int = 4  # validation drafts a block at every position: 4 batches of 8 take about a minute on CPU
     save_steps: int = 400
     num_layers: int = 0  # draft decoder layers (0: 5 for targets of 24+ layers, else 2)
     block_size: int = 16  # one draft forward fills block_size - 1 masked positions
@@ -169,11 +170,11 @@ class DFlashMethod:
         last = feats[..., -self.lm_head.weight.shape[1]:]
         B, T = carries.shape
         streaks = torch.full((B, T), -1, dtype=torch.long, device=carries.device)
-        sums = 0
+        sums, target_next = 0, self.objective.argmax_tokens(last)
         for chunk in torch.arange(1, T, device=carries.device).split(self.cfg.anchors):
             anchors = chunk.expand(B, -1)
             part, streaks[:, chunk] = self.objective.metrics(self._forward(batch, feats, anchors), batch, anchors,
-                                                             carries[:, chunk], last)
+                                                             carries[:, chunk], last, target_next)
             sums = sums + part
         return streaks, sums
 

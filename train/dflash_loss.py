@@ -88,12 +88,21 @@ class DFlashLoss:
     def _per_row(self, out: torch.Tensor, label: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
         """Each row's loss (C,): cross-entropy with its label token, or KL from the target's distribution at the
         target's states (C, H) that predict it."""
-        logq = torch.log_softmax(self.logits(out), dim=-1)
+        return self._loss_of(self.logits(out), label, target)
+
+    def _loss_of(self, logits: torch.Tensor, label: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+        logq = torch.log_softmax(logits, dim=-1)
         if target is None:
             return -logq.gather(1, label[:, None])[:, 0]
         with torch.no_grad():
             logp = torch.log_softmax(self.logits(target), dim=-1)
         return (logp.exp() * (logp - logq)).sum(-1)
+
+    def weights(self, per: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor:
+        """Per-position weights (B, N, Bk − 1): the decay, or D-PACE's from the per-position losses `per`."""
+        if self.weighting == "decay":
+            return decay_weights(self.block, self.gamma, counts.device).expand_as(counts)
+        return dpace_weights(per, counts, self.alpha)
 
     def _weighted_sum(self, out, label, target, weight) -> torch.Tensor:
         return (self._per_row(out, label, target if target.numel() else None) * weight).sum()
@@ -113,33 +122,45 @@ class DFlashLoss:
         """outputs (B, N, Bk, H) of `DFlashDraft.packed`, the batch, its anchors (B, N) and which are real, the
         target's last hidden states (B, T, H) for KL -> the weighted mean loss and its logs."""
         out, label, target, counts = self.rows(outputs, batch, anchors, real, last)
-        if self.weighting == "decay":
-            weights = decay_weights(self.block, self.gamma, out.device).expand_as(counts)
-        else:
+        per = None
+        if self.weighting != "decay":
             with torch.no_grad():
                 per = torch.zeros(counts.shape, dtype=torch.float32, device=out.device)
                 per[counts] = torch.cat([self._per_row(o, lab, t if t.numel() else None) for o, lab, t in
                                          chunks((out, label, target), self.chunk)] or [per.new_zeros(0)])
-            weights = dpace_weights(per, counts, self.alpha)
+        weights = self.weights(per, counts)
         w = weights[counts]
         total = chunked_sum(self._weighted_sum, (out, label, target, w), self.chunk)
         loss = total / w.sum().clamp(min=1e-6) if out.shape[0] else outputs.sum() * 0.0
         return loss, {"loss": loss.detach()}
 
     @torch.no_grad()
+    def argmax_tokens(self, last: torch.Tensor) -> torch.Tensor:
+        """The target's greedy next token at every position (B, T), from its last hidden states (B, T, H)."""
+        rows = last.flatten(0, 1)
+        return torch.cat([self.logits(r).argmax(-1) for r, in chunks((rows,), self.chunk)]).view(last.shape[:2])
+
+    @torch.no_grad()
     def metrics(self, outputs: torch.Tensor, batch: dict[str, torch.Tensor], anchors: torch.Tensor,
-                real: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                real: torch.Tensor, last: torch.Tensor, target_next: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Validation sums (float64): [loss sum, 1, hits per position (Bk − 1), counted per position (Bk − 1)], and
         each block's streak (B, N): its leading right positions, −1 where its first drafted position has no
         label. A position is right when the drafter's top-1 is the target's own next token (its argmax at the
         position before)."""
-        loss, _ = self.loss(outputs, batch, anchors, real, last)
-        _, _, _, counts = self.rows(outputs, batch, anchors, real, last)
+        out, label, target, counts = self.rows(outputs, batch, anchors, real, last)
+        losses, guesses = [out.new_zeros(0)], [label[:0]]
+        for o, lab, t in chunks((out, label, target), self.chunk):  # one projection per row for both
+            logits = self.logits(o)
+            losses.append(self._loss_of(logits, lab, t if t.numel() else None))
+            guesses.append(logits.argmax(-1))
+        per = torch.zeros(counts.shape, dtype=torch.float32, device=out.device)
+        per[counts] = torch.cat(losses).float()
+        w = self.weights(per, counts)[counts]
+        loss = (per[counts] * w).sum() / w.sum().clamp(min=1e-6)
         b, n, j = counts.nonzero(as_tuple=True)
-        guess = torch.cat([self.logits(o).argmax(-1) for o, in chunks((outputs[b, n, j + 1],), self.chunk)]
-                          or [b.new_zeros(0)])
-        wanted = torch.cat([self.logits(s).argmax(-1) for s, in chunks((last[b, anchors[b, n] + j],), self.chunk)]
-                           or [b.new_zeros(0)])
+        guess = torch.cat(guesses)
+        wanted = target_next[b, anchors[b, n] + j]
         right = torch.zeros(counts.shape, dtype=torch.bool, device=counts.device)
         right[b, n, j] = guess == wanted
         streak = torch.cumprod(right.long(), dim=-1).sum(-1)  # (B, N): leading right positions
