@@ -55,6 +55,8 @@ def run_args(kind: str, model_dir: Path, data: Path, out: Path, batch: int, **ex
             "max_train_examples": 0, "mixed_precision": "no", "eval_batches": 4, "per_device_eval_batch_size": 2}
     if kind == "medusa":
         args |= {"num_heads": 2, "tree_nodes": 5, "share_lm_head": "false"}
+    elif kind == "dflash":
+        args |= {"depth": 3, "top_k": 2, "total_tokens": 6, "block_size": 4, "anchors": 8, "num_layers": 1}
     else:
         args |= {"depth": 3, "top_k": 2, "total_tokens": 6, "noise": 0.0}
         if kind == "eagle3":
@@ -157,8 +159,14 @@ def test_sharded_training_smoke(config, tiny_model_dir, text_data, tmp_path):
     check_sharded_run(config, "eagle3", tiny_model_dir, text_data, tmp_path)
 
 
+def test_dflash_trains_under_fsdp_and_resumes_exactly(tiny_model_dir, text_data, tmp_path):
+    """DFlash on the shared loop under a sharding engine: its random anchors come from the resumed RNG state, and
+    its validation drafts a block at every position on each rank."""
+    check_sharded_run("fsdp", "dflash", tiny_model_dir, text_data, tmp_path)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "dflash"])
 @pytest.mark.parametrize("config", list(ENGINES))
 def test_sharded_training(config, kind, tiny_model_dir, text_data, tmp_path):
     check_sharded_run(config, kind, tiny_model_dir, text_data, tmp_path)
@@ -167,7 +175,7 @@ def test_sharded_training(config, kind, tiny_model_dir, text_data, tmp_path):
 def check_sharded_run(config: str, kind: str, model_dir: Path, data: Path, tmp_path: Path) -> None:
     """Loss falls, the target is untouched, the drafter decodes exactly in one process, and resuming from
     the step-2 checkpoint ends with the uninterrupted run's weights."""
-    script = "medusa" if kind == "medusa" else "eagle"
+    script = {"medusa": "medusa", "dflash": "dflash"}.get(kind, "eagle")
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     log = launch(config, script, run_args(kind, model_dir, data, full, batch=2, eval_steps=3))
     assert f"2 processes x 1 accumulation; {ENGINES[config]}" in log
@@ -176,6 +184,8 @@ def check_sharded_run(config: str, kind: str, model_dir: Path, data: Path, tmp_p
     assert_target_untouched(model_dir, full)
     assert_decodes_like_target(model_dir, full)
     shutil.copytree(full / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
+    for best in (full / "checkpoints").glob("best-step-*.safetensors"):  # DFlash keeps its best validation's weights
+        shutil.copy(best, resumed / "checkpoints" / best.name)
     launch(config, script, run_args(kind, model_dir, data, resumed, batch=2, eval_steps=3, resume="latest"))
     assert_same_weights(full, resumed, atol=1e-6)
 

@@ -24,6 +24,15 @@ class BestWeights:
         self.metric, self.folder = metric, output_dir / "checkpoints"
         self.record = record
 
+    def resume(self, record: dict[str, Any] | None) -> None:
+        """The best evaluation a resumed checkpoint names; its weights must be on disk now, not found missing
+        after the training."""
+        if record is not None and not self.path(record["step"]).is_file():
+            raise FileNotFoundError(f"{self.path(record['step'])} (the weights of the best validation, which the "
+                                    "checkpoint resumed names) is missing: copy it from the run's checkpoints/ "
+                                    "folder next to the checkpoint, or train without resuming")
+        self.record = record
+
     def path(self, step: int) -> Path:
         """The weights of the best evaluation at `step`: one file per best step, so that a resume from an older
         checkpoint still finds the best its state names."""

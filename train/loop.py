@@ -177,7 +177,7 @@ def train(
         run_id = state.get("run_id", run_id)
         metrics = state.get("metrics") or {}  # a final checkpoint's metrics decide the tree and the card
         history = [(step, metrics)] if metrics else []
-        best.record = state.get("best")
+        best.resume(state.get("best"))
         accelerator.print(f"resumed from {resume_from} at step {step} (epoch {epoch}, batch {batches_done})")
 
     if cfg.report_to != "none":
