@@ -302,7 +302,7 @@ def test_calibration_prompts_are_a_chats_turns_up_to_its_first_answer():
     import datasets
 
     from selfspec.train.data import Examples
-    from selfspec.train.eagle import calibration_prompts
+    from selfspec.train.feature_run import calibration_prompts
 
     rows = datasets.Dataset.from_dict({"input_ids": [list(range(10, 50)), list(range(60, 100)), [7, 8]],
                                        "loss_mask": [[0] * 25 + [1] * 15, [1] * 40, [1, 1]]})

@@ -27,12 +27,11 @@ from selfspec.heads.errors import run_main
 from selfspec.infer.tune import eagle_grid, format_rows, tune_eagle
 from selfspec.train.config import ConfigError, check_at_least, load_config
 from selfspec.train.data import Examples
-from selfspec.train.distributed import unpartitioned
 from selfspec.train.eagle3 import Eagle3Loss, draft_vocabulary, init_from_target
-from selfspec.train.eagle_features import cached_features, target_features, validated
-from selfspec.train.loop import heads_config, load_frozen_target, start_run, train
+from selfspec.train.eagle_features import target_features
+from selfspec.train.feature_run import run_feature_drafter
+from selfspec.train.loop import heads_config
 from selfspec.train.medusa_method import chunk_rows, chunked_sum, medusa_labels
-from selfspec.train.run_data import datasets_for
 from selfspec.train.train_config import TrainConfig
 
 RANKS = 10  # validation reports how often the target's token is in the drafter's top-r, r < RANKS
@@ -285,20 +284,6 @@ class Eagle3Method(EagleMethod):
                 f"{metrics['sim_accept']:.2f} (chain, teacher-forced)")
 
 
-def calibration_prompts(eval_data: Examples, count: int, length: int) -> list[torch.Tensor]:
-    """Up to `count` validation examples' prompts: the tokens before the first loss-bearing one (a chat's
-    system and user turns through the generation prompt; a regenerated window's kept tokens), or the first
-    `length` tokens where the loss starts at once (plain text)."""
-    rows = eval_data.rows[: min(count, len(eval_data))]
-    prompts = []
-    for ids, mask in zip(rows["input_ids"], rows["loss_mask"]):
-        first = next((i for i, m in enumerate(mask) if m), len(mask))
-        cut = first if 1 < first < len(ids) else length
-        if ids[:cut]:
-            prompts.append(torch.tensor(ids[:cut], dtype=torch.long))
-    return prompts
-
-
 def default_draft_vocab_size(vocab: int) -> int:
     """A quarter of the target's vocabulary, clamped to 2048..32768 (2048 on the demo, 32064 for Llama-3)."""
     return min(max(2048, vocab // 4), 32768)
@@ -343,22 +328,9 @@ def build_drafter(cfg: EagleConfig, target, train_data: Examples) -> EagleDraft 
 
 def run(cfg: EagleConfig) -> dict:
     """Set up, train and save; returns the target, the trained drafter and the validation history."""
-    accelerator = start_run(cfg)
-    with unpartitioned(accelerator):  # whole on every rank, also under ZeRO-3: it only makes features
-        target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
-    train_data, eval_data = datasets_for(cfg, tokenizer, target, accelerator)
-    with unpartitioned(accelerator, cfg.seed):  # built whole and alike on every rank; prepare() shards it
-        draft = build_drafter(cfg, target, train_data).to(accelerator.device)
-    layers = draft.config.feature_layers
-    if cfg.cache_features:  # every rank writes its share of the shards, then all read all of them
-        ranks = (accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone)
-        train_data = cached_features(cfg, target, train_data, "train", layers, *ranks)
-        eval_data = cached_features(cfg, target, validated(cfg, eval_data), "eval", layers, *ranks)
-    initial = {k: v.detach().clone() for k, v in draft.state_dict().items()}
-    prompts = calibration_prompts(eval_data, cfg.tune_prompts, cfg.distill_prompt_tokens)
-    method = (Eagle3Method if cfg.version == 3 else EagleMethod)(cfg, target, draft, prompts)
-    history = train(cfg, accelerator, method, train_data, eval_data)
-    return {"target": target, "draft": method.trainable, "initial": initial, "history": history}
+    method = Eagle3Method if cfg.version == 3 else EagleMethod
+    return run_feature_drafter(cfg, lambda target, tokenizer, data: build_drafter(cfg, target, data),
+                               lambda target, draft, prompts: method(cfg, target, draft, prompts))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,18 +3,21 @@ loader reads and the weights under the published names (the layouts and their so
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from selfspec.heads.dflash import DFlashDraft
-from selfspec.heads.formats.checkpoint import WEIGHTS
 from selfspec.heads.formats.dflash import DFLASH_FORMATS, EMBED_KEY, LAYOUTS, LM_HEAD_KEY
-from selfspec.heads.formats.eagle import write_weights
-from selfspec.heads.formats.eagle3_export import llama_layer_json, speculators_config, verifier_name
-from selfspec.heads.io import atomic_write
+from selfspec.heads.formats.eagle3_export import (
+    fused_layers_for,
+    llama_layer_json,
+    speculators_config,
+    target_tensor,
+    verifier_name,
+    write_checkpoint,
+)
 
 
 def qwen3_layer_json(draft: DFlashDraft) -> dict[str, Any]:
@@ -62,40 +65,20 @@ def export_dflash(
     drafter's own."""
     if fmt not in LAYOUTS:
         raise ValueError(f"unknown DFlash format {fmt!r}; choose one of {', '.join(DFLASH_FORMATS)}")
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
     cfg = draft.config
     if not cfg.qk_norm:
         raise ValueError("this drafter's layers have no q_norm/k_norm, and vLLM and SGLang build DFlash layers as "
                          "Qwen3 layers, which have them: train with --qk_norm true for a drafter they serve")
-    layers = list(cfg.feature_layers)
-    if layers != sorted(set(layers)):
-        raise ValueError(f"feature_layers {layers} must be strictly increasing: the engines concatenate the "
-                         "target's layers in order")
     if LAYOUTS[fmt].carries_target and target is None:
         raise ValueError(f"a {fmt} checkpoint carries the target's embed_tokens and lm_head: give the target "
                          "(--model, or target=)")
-    num_layers, archs = None, []
-    if target is not None:
-        num_layers = target.config.get_text_config().num_hidden_layers
-        archs = list(getattr(target.config, "architectures", None) or [])
-        if layers[-1] >= num_layers:
-            raise ValueError(f"feature_layers {layers} include hidden_states[{num_layers}], which transformers norms "
-                             "and the engines do not: this drafter cannot run there")
+    num_layers = fused_layers_for(draft, target)
+    archs = list(getattr(target.config, "architectures", None) or []) if target is not None else []
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
     base = ""
     if LAYOUTS[fmt].carries_target:
         dtype = state["fc.weight"].dtype
-        for key, weight in ((EMBED_KEY, target.get_input_embeddings().weight),
-                            (LM_HEAD_KEY, target.get_output_embeddings().weight)):
-            if tuple(weight.shape) != (cfg.vocab_size, cfg.hidden_size):
-                raise ValueError(f"the target's {key} is {tuple(weight.shape)}, this drafter's vocabulary and "
-                                 f"width make it {(cfg.vocab_size, cfg.hidden_size)}: give the target it was "
-                                 "trained on")
-            state[key] = weight.detach().to(device="cpu", dtype=dtype).clone()  # tied targets share one tensor
+        state[EMBED_KEY] = target_tensor(target.get_input_embeddings().weight, EMBED_KEY, draft, dtype)
+        state[LM_HEAD_KEY] = target_tensor(target.get_output_embeddings().weight, LM_HEAD_KEY, draft, dtype)
         base = verifier_name(base_model or cfg.base_model)
-    text = json.dumps(dflash_config_json(draft, fmt, base, num_layers, archs), indent=2) + "\n"
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_weights(state, out, weights)
-    atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(text))
+    write_checkpoint(out_dir, state, weights, dflash_config_json(draft, fmt, base, num_layers, archs))

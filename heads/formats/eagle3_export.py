@@ -72,6 +72,42 @@ def eagle3_config_json(draft: Eagle3Draft, fmt: str, base_model: str = "",
     }
 
 
+def fused_layers_for(draft: PretrainedHeads, target: nn.Module | None) -> int | None:
+    """The drafter's fused layers checked for an engine (strictly increasing; below the target's depth when the
+    target is given) -> the target's layer count L, or None without a target."""
+    layers = list(draft.config.feature_layers or [])
+    if layers != sorted(set(layers)):
+        raise ValueError(f"feature_layers {layers} must be strictly increasing: the engines concatenate the "
+                         "target's hidden states in layer order (vLLM sorts the ids)")
+    if target is None:
+        return None
+    num_layers = target.config.get_text_config().num_hidden_layers
+    if layers[-1] >= num_layers:
+        raise ValueError(f"feature_layers {layers} include hidden_states[{num_layers}], which transformers norms "
+                         "and the engines do not: this drafter cannot run there")
+    return num_layers
+
+
+def target_tensor(weight: torch.Tensor, what: str, draft: PretrainedHeads, dtype: torch.dtype) -> torch.Tensor:
+    """A (vocabulary, width) tensor of the target's that a layout carries, as a CPU copy of its own (tied targets
+    share one tensor for two names), refused when its shape is not the drafter's."""
+    cfg = draft.config
+    if tuple(weight.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"the target's {what} is {tuple(weight.shape)}, this drafter's vocabulary and width make it "
+                         f"{(cfg.vocab_size, cfg.hidden_size)}: give the target it was trained on")
+    return weight.detach().to(device="cpu", dtype=dtype).clone()
+
+
+def write_checkpoint(out_dir: str | Path, state: dict[str, torch.Tensor], weights: str, config: dict[str, Any]) -> None:
+    """The weights (`weights`: "safetensors" or "bin") and config.json into `out_dir`."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
+    out = Path(out_dir)
+    write_weights(state, out, weights)
+    text = json.dumps(config, indent=2) + "\n"
+    atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(text))
+
+
 def export_eagle3(
     draft: Eagle3Draft,
     fmt: str,
@@ -90,13 +126,8 @@ def export_eagle3(
     """
     if fmt not in LAYOUTS:
         raise ValueError(f"unknown EAGLE-3 format {fmt!r}; choose one of {', '.join(EAGLE3_FORMATS)}")
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
     cfg = draft.config
     layers = list(cfg.feature_layers or [])
-    if layers != sorted(set(layers)):
-        raise ValueError(f"feature_layers {layers} must be strictly increasing: the engines concatenate the "
-                         "target's hidden states in layer order (vLLM sorts the ids)")
     if fmt == "eagle3" and cfg.norm_before_residual:
         raise ValueError("this drafter computes norm_before_residual, which SGLang and SafeAILab do not read (they "
                          "take the residual from the un-normed hidden state): export it as speculators-eagle3, "
@@ -108,11 +139,7 @@ def export_eagle3(
         raise ValueError("a speculators-eagle3 checkpoint carries the target's input embedding (embed_tokens.weight), "
                          "which speculators' loader otherwise leaves uninitialised without a warning: give the "
                          "target (--model, or target=)")
-    if target is not None:
-        num_layers = target.config.get_text_config().num_hidden_layers
-        if layers[-1] >= num_layers:
-            raise ValueError(f"feature_layers {layers} include hidden_states[{num_layers}], which transformers norms "
-                             "and the engines do not: this drafter cannot run there")
+    fused_layers_for(draft, target)
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
     size = draft.lm_head.out_features
     reduced = size != cfg.vocab_size
@@ -134,13 +161,7 @@ def export_eagle3(
     archs = list(getattr(target.config, "architectures", None) or []) if target is not None else []
     base = ""
     if fmt == "speculators-eagle3":
-        embed = target.get_input_embeddings().weight.detach()
-        if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(f"the target's input embedding is {tuple(embed.shape)}, this drafter's vocabulary and "
-                             f"width make it {(cfg.vocab_size, cfg.hidden_size)}: give the target it was trained on")
-        state[EMBED_KEY] = embed.to(device="cpu", dtype=state["fc.weight"].dtype).contiguous()
+        state[EMBED_KEY] = target_tensor(target.get_input_embeddings().weight, "input embedding", draft,
+                                         state["fc.weight"].dtype)
         base = verifier_name(base_model or cfg.base_model)
-    text = json.dumps(eagle3_config_json(draft, fmt, base, archs), indent=2) + "\n"
-    out = Path(out_dir)
-    write_weights(state, out, weights)
-    atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(text))
+    write_checkpoint(out_dir, state, weights, eagle3_config_json(draft, fmt, base, archs))

@@ -1,0 +1,54 @@
+"""The run of a drafter trained on the frozen target's features (EAGLE-1/2/3, DFlash): the target loaded whole on
+every rank, the data, the drafter built alike on every rank, the features cached when asked, the shared loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from selfspec.train.data import Examples
+from selfspec.train.distributed import unpartitioned
+from selfspec.train.eagle_features import cached_features, validated
+from selfspec.train.loop import load_frozen_target, start_run, train
+from selfspec.train.run_data import datasets_for
+from selfspec.train.train_config import TrainConfig
+
+
+def calibration_prompts(eval_data: Examples, count: int, length: int) -> list[torch.Tensor]:
+    """Up to `count` validation examples' prompts: the tokens before the first loss-bearing one (a chat's
+    system and user turns through the generation prompt; a regenerated window's kept tokens), or the first
+    `length` tokens where the loss starts at once (plain text)."""
+    rows = eval_data.rows[: min(count, len(eval_data))]
+    prompts = []
+    for ids, mask in zip(rows["input_ids"], rows["loss_mask"]):
+        first = next((i for i, m in enumerate(mask) if m), len(mask))
+        cut = first if 1 < first < len(ids) else length
+        if ids[:cut]:
+            prompts.append(torch.tensor(ids[:cut], dtype=torch.long))
+    return prompts
+
+
+def run_feature_drafter(cfg: TrainConfig, build: Callable[[Any, Any, Examples], torch.nn.Module],
+                        make_method: Callable[[Any, torch.nn.Module, list[torch.Tensor]], Any]) -> dict:
+    """Set up, train and save (`cfg` a recipe with cache_features and tune_prompts): `build(target, tokenizer,
+    train_data)` makes the drafter, `make_method(target,
+    drafter, tune_prompts)` its training method. Returns the target, the trained drafter, its initial weights and
+    the validation history."""
+    accelerator = start_run(cfg)
+    with unpartitioned(accelerator):  # whole on every rank, also under ZeRO-3: it only makes features
+        target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
+    train_data, eval_data = datasets_for(cfg, tokenizer, target, accelerator)
+    with unpartitioned(accelerator, cfg.seed):  # built whole and alike on every rank; prepare() shards it
+        draft = build(target, tokenizer, train_data).to(accelerator.device)
+    layers = draft.config.feature_layers
+    if cfg.cache_features:  # every rank writes its share of the shards, then all read all of them
+        ranks = (accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone)
+        train_data = cached_features(cfg, target, train_data, "train", layers, *ranks)
+        eval_data = cached_features(cfg, target, validated(cfg, eval_data), "eval", layers, *ranks)
+    initial = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+    prompts = calibration_prompts(eval_data, cfg.tune_prompts, cfg.distill_prompt_tokens)
+    method = make_method(target, draft, prompts)
+    history = train(cfg, accelerator, method, train_data, eval_data)
+    return {"target": target, "draft": method.trainable, "initial": initial, "history": history}
