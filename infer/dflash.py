@@ -58,7 +58,6 @@ class DFlashProposer:
         else:
             self.max_nodes = min(total, self.top_k + (self.depth - 1) * self.top_k**2) + 1
         self.slots = torch.arange(self.top_k, device=self.device)
-        self.offsets = torch.arange(self.block, device=self.device)
         self.reset(0)
 
     # ---------------------------------------------------------------- one sequence
