@@ -35,13 +35,11 @@ from selfspec.train.dflash_loss import (
     decode_walk,
     sample_anchors,
 )
-from selfspec.train.distributed import unpartitioned
-from selfspec.train.eagle import calibration_prompts
 from selfspec.train.eagle3 import token_counts
-from selfspec.train.eagle_features import cached_features, target_features, validated
-from selfspec.train.loop import heads_config, load_frozen_target, start_run, train
+from selfspec.train.eagle_features import target_features
+from selfspec.train.feature_run import run_feature_drafter
+from selfspec.train.loop import heads_config
 from selfspec.train.medusa_method import chunk_rows
-from selfspec.train.run_data import datasets_for
 from selfspec.train.train_config import TrainConfig
 
 
@@ -267,22 +265,8 @@ def build_drafter(cfg: DFlashConfig, target, tokenizer, train_data: Examples) ->
 
 def run(cfg: DFlashConfig) -> dict:
     """Set up, train and save; returns the target, the trained drafter and the validation history."""
-    accelerator = start_run(cfg)
-    with unpartitioned(accelerator):  # whole on every rank, also under ZeRO-3: it only makes features
-        target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
-    train_data, eval_data = datasets_for(cfg, tokenizer, target, accelerator)
-    with unpartitioned(accelerator, cfg.seed):  # built whole and alike on every rank; prepare() shards it
-        draft = build_drafter(cfg, target, tokenizer, train_data).to(accelerator.device)
-    layers = draft.config.feature_layers
-    if cfg.cache_features:  # every rank writes its share of the shards, then all read all of them
-        ranks = (accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone)
-        train_data = cached_features(cfg, target, train_data, "train", layers, *ranks)
-        eval_data = cached_features(cfg, target, validated(cfg, eval_data), "eval", layers, *ranks)
-    initial = {k: v.detach().clone() for k, v in draft.state_dict().items()}
-    prompts = calibration_prompts(eval_data, cfg.tune_prompts, cfg.distill_prompt_tokens)
-    method = DFlashMethod(cfg, target, draft, prompts)
-    history = train(cfg, accelerator, method, train_data, eval_data)
-    return {"target": target, "draft": method.trainable, "initial": initial, "history": history}
+    return run_feature_drafter(cfg, lambda target, tokenizer, data: build_drafter(cfg, target, tokenizer, data),
+                               lambda target, draft, prompts: DFlashMethod(cfg, target, draft, prompts))
 
 
 def main(argv: list[str] | None = None) -> None:
