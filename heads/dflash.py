@@ -45,6 +45,14 @@ def default_target_layer_ids(num_layers: int, count: int = DEFAULT_FEATURES) -> 
     return sorted({round(first + i * (last - first) / (count - 1)) for i in range(count)})
 
 
+def block_embeds(first: torch.Tensor, config: HeadsConfig, embed: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The blocks [embed(first), embed(MASK) × (B − 1)] (..., B, H) for first tokens (...,), through the target's
+    own embedding module (which may scale its rows, as Gemma's does), in training and decoding alike."""
+    ids = first[..., None].repeat_interleave(config.block_size, dim=-1)
+    ids[..., 1:] = config.mask_token_id
+    return embed(ids).to(dtype)
+
+
 class DFlashDraft(PretrainedHeads):
     """fc (K·H -> H) + hidden_norm on the target's fused layers, L Llama/Qwen3 decoder layers attending from the
     block to [context ; block], final norm; logits through the target's frozen lm_head. See the module docstring."""
@@ -83,9 +91,7 @@ class DFlashDraft(PretrainedHeads):
 
     def block_embeds(self, first: torch.Tensor, embed: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """Block inputs for first tokens (...,): [embed(first), embed(MASK) × (B − 1)] (..., B, H)."""
-        ids = first[..., None].repeat_interleave(self.block_size, dim=-1)
-        ids[..., 1:] = self.config.mask_token_id
-        return embed(ids).to(dtype)
+        return block_embeds(first, self.config, embed, dtype)
 
     def _project(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (B, T, H) -> rotated q (B, h, T, d), k and v (B, kv, T, d), with Qwen3's per-head norms where present."""

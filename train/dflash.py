@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.heads.dflash import DEFAULT_FEATURES, DFlashDraft, default_target_layer_ids
+from selfspec.heads.dflash import DEFAULT_FEATURES, DFlashDraft, block_embeds, default_target_layer_ids
 from selfspec.heads.eagle import layer_fields
 from selfspec.heads.errors import run_main
 from selfspec.infer.tune import format_rows, tune_eagle
@@ -136,7 +136,7 @@ class DFlashMethod:
         self.block = draft.config.block_size
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
-        self.mask_token_id = draft.config.mask_token_id
+        self.draft_config = draft.config
         self.objective = DFlashLoss(self.lm_head, self.block, cfg.loss, cfg.loss_weighting, cfg.decay_gamma,
                                     cfg.dpace_alpha, chunk_rows(self.lm_head.weight.shape[0]))
 
@@ -145,10 +145,8 @@ class DFlashMethod:
         hidden state `feats` (B, T, (K + 1)·H)."""
         hidden = self.lm_head.weight.shape[1]
         dtype = next(self.trainable.parameters()).dtype
-        ids = batch["input_ids"].gather(1, anchors)
         with torch.no_grad():
-            block = self.embed(ids[..., None].repeat_interleave(self.block, dim=-1)).to(dtype)
-            block[:, :, 1:] = self.embed.weight[self.mask_token_id].to(dtype)
+            block = block_embeds(batch["input_ids"].gather(1, anchors), self.draft_config, self.embed, dtype)
         return self.trainable(feats[..., :-hidden].to(dtype), block.flatten(1, 2), anchors=anchors)
 
     def _features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
