@@ -104,7 +104,6 @@ def _settings(raw: dict[str, Any], fmt: str, where: Path) -> tuple[dict[str, Any
         verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or ""
         fields = {"block_size": raw.get("block_size"), "mask_token_id": raw.get("mask_token_id"),
                   "feature_layers": ids, "base_model": str(verifier)}
-        hidden = raw.get("target_hidden_size")
     else:
         layer_json = {k: v for k, v in raw.items() if k not in QWEN3_ONLY}
         dflash = raw.get("dflash_config") or {}
@@ -119,7 +118,6 @@ def _settings(raw: dict[str, Any], fmt: str, where: Path) -> tuple[dict[str, Any
         fields = {"block_size": raw.get("block_size", dflash.get("block_size")),
                   "mask_token_id": dflash.get("mask_token_id", raw.get("mask_token_id")),
                   "feature_layers": [i + 1 for i in ids], "base_model": ""}
-        hidden = raw.get("target_hidden_size")
         _refuse_sliding(raw, where)
     _refuse_sliding(layer_json, where)
     if layer_json.get("is_causal") or raw.get("is_causal"):
@@ -127,6 +125,7 @@ def _settings(raw: dict[str, Any], fmt: str, where: Path) -> tuple[dict[str, Any
     if layer_json.get("model_type", "qwen3") not in ("qwen3", "llama"):
         raise ValueError(f"{where}: the draft layers are {layer_json['model_type']!r}; DFlashDraft computes Qwen3 "
                          "(or Llama) decoder layers")
+    hidden = raw.get("target_hidden_size")
     if hidden not in (None, layer_json.get("hidden_size")):
         raise ValueError(f"{where}: target_hidden_size {hidden} differs from the draft layers' hidden_size "
                          f"{layer_json.get('hidden_size')}; DFlashDraft is as wide as its target")
