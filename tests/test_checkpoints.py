@@ -146,7 +146,7 @@ def test_a_damaged_random_state_is_an_error_not_a_different_stream(train_to, tmp
 def test_an_unwritable_output_dir_fails_before_any_work(train_to, tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setattr(medusa_recipe, "load_frozen_target",
+    monkeypatch.setattr(medusa_recipe, "load_training_target",
                         lambda *a, **k: pytest.fail("the target was loaded before the output folder was checked"))
     with pytest.raises(ValueError, match=r"--output_dir .*a-file/heads cannot be written"):
         train_to(blocker / "heads")

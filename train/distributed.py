@@ -228,8 +228,10 @@ def scheduler_steps_per_update(accelerator: Accelerator) -> int:
     return 1 if deepspeed_plugin(accelerator) is not None else accelerator.num_processes
 
 
-def gathered_module(accelerator: Accelerator, prepared: torch.nn.Module) -> torch.nn.Module | None:
-    """The trained drafter with its full weights, on the main process (None on the others).
+def gathered_module(accelerator: Accelerator, prepared: torch.nn.Module,
+                    everywhere: bool = False) -> torch.nn.Module | None:
+    """The trained drafter with its full weights, on the main process (None on the others; on every rank with
+    `everywhere`, for work all ranks do with it in step, like fitting the tree on a sharded target).
 
     Every rank must call this: under ZeRO-3 and FSDP the weights are sharded and gathering them is a
     collective. The drafter is rebuilt from its config (our drafters are all `cls(config)`) and the
@@ -238,7 +240,12 @@ def gathered_module(accelerator: Accelerator, prepared: torch.nn.Module) -> torc
     if not hasattr(inner, "save_pretrained"):  # Medusa-2's target + heads: whole on every rank (refused under
         return inner if accelerator.is_main_process else None  # ZeRO-3/FSDP), saved by parts
     state = accelerator.get_state_dict(prepared)
-    if not accelerator.is_main_process:
+    if everywhere and accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        held = [{k: v.cpu() for k, v in state.items()} if accelerator.is_main_process else None]
+        state = broadcast_object_list(held, from_process=0)[0]
+    elif not accelerator.is_main_process:
         return None
     module = plain_class(inner)(inner.config)
     module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
@@ -253,3 +260,15 @@ def plain_class(module: torch.nn.Module) -> type:
     while issubclass(cls, FSDPModule):
         cls = next(base for base in cls.__bases__ if base is not FSDPModule)
     return cls
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """What of a parameter this rank stores: ZeRO-3's partition, FSDP2's local shard, or the tensor itself."""
+    if hasattr(p, "ds_tensor"):
+        return p.ds_tensor
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether some of the model's parameters are stored in pieces across ranks."""
+    return any(hasattr(p, "ds_tensor") or hasattr(p, "to_local") for p in model.parameters())

@@ -1,5 +1,6 @@
-"""The run of a drafter trained on the frozen target's features (EAGLE-1/2/3, DFlash): the target loaded whole on
-every rank, the data, the drafter built alike on every rank, the features cached when asked, the shared loop."""
+"""The run of a drafter trained on the frozen target's features (EAGLE-1/2/3, DFlash): the target loaded (whole on
+every rank, or sharded: train/target_shard.py), the data, the drafter built alike on every rank, the features
+cached when asked, the shared loop."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 from selfspec.train.data import Examples
 from selfspec.train.distributed import unpartitioned
 from selfspec.train.eagle_features import cached_features, validated
-from selfspec.train.loop import load_frozen_target, start_run, train
+from selfspec.train.loop import start_run, train
 from selfspec.train.run_data import datasets_for
+from selfspec.train.target_shard import load_training_target
 from selfspec.train.train_config import TrainConfig
 
 
@@ -37,8 +39,7 @@ def run_feature_drafter(cfg: TrainConfig, build: Callable[[Any, Any, Examples], 
     drafter, tune_prompts)` its training method. Returns the target, the trained drafter, its initial weights and
     the validation history."""
     accelerator = start_run(cfg)
-    with unpartitioned(accelerator):  # whole on every rank, also under ZeRO-3: it only makes features
-        target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
+    target, tokenizer = load_training_target(cfg, accelerator)
     train_data, eval_data = datasets_for(cfg, tokenizer, target, accelerator)
     with unpartitioned(accelerator, cfg.seed):  # built whole and alike on every rank; prepare() shards it
         draft = build(target, tokenizer, train_data).to(accelerator.device)

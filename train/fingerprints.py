@@ -12,6 +12,7 @@ import torch
 from accelerate import Accelerator
 
 from selfspec.train.data import Examples
+from selfspec.train.distributed import is_sharded, local_tensor
 from selfspec.train.train_config import TrainConfig
 
 
@@ -19,10 +20,17 @@ from selfspec.train.train_config import TrainConfig
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """A digest of a model's weights (float64 sums per tensor, read back in one transfer): any update changes it.
     LoRA adapters (Medusa-2 trains them inside the target) are left out, so the digest of a target with adapters
-    equals that of the target alone."""
-    sums = [torch.stack([p.sum(dtype=torch.float64), p.abs().sum(dtype=torch.float64)])
-            for name, p in model.named_parameters() if "lora_" not in name]
-    return hashlib.sha1(repr(torch.stack(sums).cpu().tolist()).encode()).hexdigest()[:16] if sums else "empty"
+    equals that of the target alone. A target sharded over the ranks (--shard_target) is read piece by piece, and
+    every rank must call this then: the pieces' sums are gathered."""
+    tensors = [local_tensor(p) for name, p in model.named_parameters() if "lora_" not in name]
+    if not tensors:
+        return "empty"
+    sums = torch.stack([torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)]) for t in tensors])
+    if is_sharded(model):  # each rank holds a piece of every tensor: the digest is of every rank's sums, in order
+        pieces = [torch.empty_like(sums) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(pieces, sums)
+        sums = torch.cat(pieces)
+    return hashlib.sha1(repr(sums.cpu().tolist()).encode()).hexdigest()[:16]
 
 
 # options a resumed run may change: where and how often to write, log and validate, how long to train (a run may

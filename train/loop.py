@@ -8,12 +8,15 @@ checkpoints, exact resume (step, optimizer, scheduler, RNG and data position) an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import itertools
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 import uuid
 from datetime import timedelta
@@ -48,6 +51,7 @@ from selfspec.train.distributed import (
     expose_methods,
     fsdp_without_gpu,
     gathered_module,
+    is_sharded,
     max_over_ranks,
     scheduler_steps_per_update,
 )
@@ -250,15 +254,22 @@ def train(
         raise RuntimeError("the frozen target's weights changed during training: a drafter trained on a moving "
                            "target is wrong; check that no optimizer or engine received the target's parameters")
     accelerator.wait_for_everyone()
-    # every rank helps gather the weights (ZeRO-3 / FSDP shard them); rank 0 fits the tree and writes once
-    full = gathered_module(accelerator, trainable)
-    method.trainable = full if main else accelerator.unwrap_model(trainable, keep_fp32_wrapper=False)
+    # every rank helps gather the weights (ZeRO-3 / FSDP shard them); rank 0 fits the tree and writes once. A
+    # sharded target needs every rank in each of its forwards: then every rank fits the same tree in step (the
+    # same drafter, prompts and greedy decoding make the same calls) and the others' copies are thrown away.
+    in_step = is_sharded(method.target)
+    full = gathered_module(accelerator, trainable, everywhere=in_step)
+    method.trainable = full if main or in_step else accelerator.unwrap_model(trainable, keep_fp32_wrapper=False)
     if main:
         metrics = best.restore(method.trainable, step) or metrics
         method.save(method.trainable, output_dir, metrics)
         save_recipe(cfg, output_dir)
         if history:
             report_saved(cfg, history, method.label)
+    elif in_step:
+        metrics = best.restore(method.trainable, step) or metrics
+        with tempfile.TemporaryDirectory() as scratch, contextlib.redirect_stdout(io.StringIO()):
+            method.save(method.trainable, Path(scratch), metrics)
     accelerator.wait_for_everyone()  # the others wait for the save (ddp_timeout_minutes bounds it)
     accelerator.end_training()
     return history

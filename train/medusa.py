@@ -16,9 +16,10 @@ from selfspec.heads.errors import run_main
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.train.config import ConfigError, check_at_least, load_config
 from selfspec.train.distributed import gathers_weights, unpartitioned
-from selfspec.train.loop import heads_config, load_frozen_target, start_run, train
+from selfspec.train.loop import heads_config, start_run, train
 from selfspec.train.medusa_method import MedusaMethod
 from selfspec.train.run_data import datasets_for
+from selfspec.train.target_shard import load_training_target
 from selfspec.train.train_config import TrainConfig
 
 # the options only Medusa-2 reads: set on a Medusa-1 run they would be ignored, so they are refused
@@ -101,8 +102,7 @@ def run(cfg: MedusaConfig) -> dict:
     if cfg.medusa2 and gathers_weights(accelerator):  # before any heavy work
         raise ConfigError("Medusa-2 trains a LoRA inside the target, which stays whole on every rank: use DDP "
                           "or DeepSpeed ZeRO-2 (configs/accelerate/ddp.yaml, deepspeed-zero2.yaml), not ZeRO-3/FSDP")
-    with unpartitioned(accelerator):  # whole on every rank, also under ZeRO-3: it only makes features
-        target, tokenizer = load_frozen_target(cfg.model, accelerator.device, cfg.target_dtype)
+    target, tokenizer = load_training_target(cfg, accelerator)
     heads_cfg = heads_config(cfg, target, "medusa", num_heads=cfg.num_heads, num_layers=cfg.num_layers,
                              share_lm_head=cfg.share_lm_head)
     with unpartitioned(accelerator, cfg.seed):  # built whole and alike on every rank; prepare() shards it

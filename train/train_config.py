@@ -51,6 +51,7 @@ class TrainConfig:
     resume_allow_changes: bool = False  # resume although batch size, data or model differ from the checkpoint's
     report_to: str = "none"  # none | wandb | tensorboard
     run_name: str | None = None  # the tracker's run name (default: output_dir's name)
+    shard_target: bool = False  # shard the frozen target over the ranks (ZeRO-3 or FSDP2) when it does not fit one device
     ddp_timeout_minutes: float = 360.0  # how long ranks wait for each other (data preparation, tree fitting on rank 0)
 
     @property
