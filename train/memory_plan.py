@@ -203,8 +203,8 @@ def format_plan(plan: Plan, name: str) -> str:
     """The plan as the script prints it."""
     gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
     lines = [f"{name}: target {plan.target_params / 1e9:.2f} B parameters, drafter {plan.drafter_params / 1e6:.1f} M",
-             f"  target on this rank      {gib(plan.target)}"]
-    lines += [f"  drafter {part:<17}{gib(size)}" for part, size in plan.drafter.items()]
+             f"  target on this rank             {gib(plan.target)}"]
+    lines += [f"  drafter {part:<24}{gib(size)}" for part, size in plan.drafter.items()]
     for length, act in plan.activations.items():
         lines.append(f"  activations at {length:>6} tokens x {plan.rows} row(s): {gib(act)} "
                      f"({act / (length * plan.rows) / 2**20:.2f} MiB per token); total {gib(plan.total(length))} of "
@@ -215,7 +215,7 @@ def format_plan(plan: Plan, name: str) -> str:
 def markdown_rows(name: str, placement: str, plan: Plan) -> str:
     """One README table row: model, target placement, target, drafter states, activations and total per context."""
     gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
-    acts = " / ".join(gib(a) for a in plan.activations.values())
+    acts = " / ".join(f"{gib(a)} ({a / (n * plan.rows) / 2**20:.1f})" for n, a in plan.activations.items())
     totals = " / ".join(f"{gib(plan.total(n))} {'✓' if plan.fits(n) else '✗'}" for n in plan.activations)
     return f"| {name} | {placement} | {gib(plan.target)} | {gib(sum(plan.drafter.values()))} | {acts} | {totals} |"
 
@@ -236,13 +236,13 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model or cfg.model
     config = target_config(model)
     if args.markdown:
-        print("| target | target placement | target GiB | drafter + grads + AdamW GiB | activations GiB "
+        print("| target | target placement | target GiB | drafter + grads + AdamW GiB | activations GiB (MiB/token) "
               f"{' / '.join(f'{n // 1024}K' for n in args.context)} | total GiB (fits {args.gpu_memory_gib:g}) |")
         print("|---|---|---|---|---|---|")
         for shard in (False, True):
             plan = memory_plan(cfg, config, args.engine, args.gpus, args.context, shard, args.gpu_memory_gib,
                                args.rows)
-            print(markdown_rows(Path(model).stem, "sharded 1/" + str(args.gpus) if shard else "replicated", plan))
+            print(markdown_rows(model.split("/")[-1], "sharded 1/" + str(args.gpus) if shard else "replicated", plan))
         return
     plan = memory_plan(cfg, config, args.engine, args.gpus, args.context, args.shard_target, args.gpu_memory_gib,
                        args.rows)
