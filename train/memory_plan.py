@@ -6,7 +6,8 @@
 The target and the drafter are built on the meta device from their configs (parameter counts exactly as the run
 builds them); what a training step holds on one rank is then counted in bytes (docs/memory.md explains each term):
 
-    target        the frozen weights in the run's dtype: whole on every rank, or 1/N with --shard_target
+    target        the frozen weights in the run's dtype: whole on every rank, or 1/N with --shard_target (but the
+                  embedding and lm_head, which stay whole)
     drafter       float32 master weights, gradients, AdamW's two states and the run's initial copy, split by the
                   engine (ENGINES); bf16 working copies where the engine or autocast makes them
     activations   what the drafter's forward saves for its backward, the loss's live chunk, the target's features
@@ -194,7 +195,11 @@ def memory_plan(cfg: Any, config: Any, engine: str, gpus: int, contexts: list[in
     sharded = bool(ENGINES[engine][1].get("adam"))
     local = -(-params // gpus) if sharded else params
     step = 4 * local if foreach else 2 * 4 * max(p.numel() for p in draft.parameters())
-    return Plan(sum(p.numel() for p in target.parameters()), params, -(-whole // gpus) if shard_target else whole,
+    # --shard_target keeps the embedding and the lm_head whole on every rank: the losses call them outside the target
+    kept = parameter_bytes(nn.ModuleList({id(m): m for m in (target.get_input_embeddings(),
+                                                              target.get_output_embeddings())}.values()), dtype)
+    on_rank = -(-(whole - kept) // gpus) + kept if shard_target else whole
+    return Plan(sum(p.numel() for p in target.parameters()), params, on_rank,
                 drafter_state_bytes(params, engine, gpus, cfg.mixed_precision), acts, step, rows,
                 int(gpu_memory_gib * GIB))
 
