@@ -16,6 +16,8 @@ from functools import partial
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from selfspec.infer.exactness import check_length
+
 
 class PreallocatedLayer(DynamicLayer):
     """One layer's keys and values (B, H, max_length, D), filled up to `length`; `keys`/`values` are views of
@@ -153,16 +155,9 @@ class PreallocatedCache(Cache):
 
 
 def new_cache(model: torch.nn.Module, max_length: int) -> PreallocatedCache:
-    """An empty cache of `max_length` positions for `model`; fails early where sliding-window layers would drop
-    tree positions."""
-    window = getattr(model.config, "sliding_window", None)
-    layer_types = getattr(model.config, "layer_types", None) or []
-    uses_window = window is not None and (not layer_types or any("sliding" in t for t in layer_types))
-    if uses_window and max_length > window:
-        raise ValueError(
-            f"prompt + max_new_tokens + tree ({max_length} tokens) exceeds the model's sliding window ({window}); "
-            "tree verification keeps a full cache, so shorten the generation or use a full-attention model"
-        )
+    """An empty cache of `max_length` positions for `model`; fails early where the target's attention or RoPE
+    would make tree verification differ from plain decoding within that length (infer/exactness.py)."""
+    check_length(model.config, max_length)
     return PreallocatedCache(max_length)
 
 

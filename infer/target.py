@@ -12,6 +12,7 @@ from torch import nn
 
 from selfspec.heads.projection import is_plain_linear, vocab_logits
 from selfspec.infer.cache import PreallocatedCache
+from selfspec.infer.exactness import check_architecture
 from selfspec.infer.mask import PrefixMask, padded_causal_mask
 from selfspec.infer.tree import Tree
 
@@ -25,6 +26,7 @@ class Target:
         self.model = model  # its train/eval mode is the caller's: decoding runs in eval mode and restores it
         # what the drafter reads: the last hidden states (what the lm_head reads), or EAGLE-3's fused layers
         self.feature_layers = feature_layers
+        check_architecture(model.config)  # ALiBi, recurrent and hybrid layers: never exact (infer/exactness.py)
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in ("eager", "sdpa"):
             raise ValueError(
