@@ -133,3 +133,46 @@ def test_what_a_sharded_target_cannot_do_is_refused_before_it_loads(option, engi
     check_shard_target(types.SimpleNamespace(shard_target=True), fake_accelerator(engine))  # alone: fine
     with pytest.raises(ConfigError, match="needs an engine that shards weights"):
         check_shard_target(types.SimpleNamespace(shard_target=True), fake_accelerator("ddp"))
+
+
+def _fsdp2_worker(rank: int, arch: str, port: int, results: dict) -> None:
+    """One of 2 ranks: the tiny `arch` target's outputs (every hidden state, and the logits) before and after
+    fsdp2_target, and its share of the bytes."""
+    import torch.distributed as dist
+
+    from conftest import tiny_model
+    from selfspec.train.target_shard import fsdp2_target, resident_bytes
+
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        model = tiny_model(arch).eval()
+        ids = torch.tensor([[3, 17, 8, 40, 22, 9, 11], [5, 6, 7, 8, 9, 10, 12]])
+        with torch.no_grad():
+            want = model.base_model(input_ids=ids, output_hidden_states=True).hidden_states
+            want_logits = model(input_ids=ids).logits
+            fsdp2_target(model, torch.device("cpu"))
+            got = model.base_model(input_ids=ids, output_hidden_states=True).hidden_states
+            got_logits = model(input_ids=ids).logits
+        local, whole = resident_bytes(model)
+        results[rank] = {"same": len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+                         and torch.equal(got_logits, want_logits), "share": local / whole}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2", "gemma"])
+def test_fsdp2_sharding_keeps_every_architectures_outputs(arch):
+    """The hidden states the drafters read (output_hidden_states: FSDP2 renames the model's class, which
+    transformers looks its recording hooks up by) and the logits decoding reads, equal before and after."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_fsdp2_worker, args=(arch, free_port(), results), nprocs=2)
+        results = dict(results)
+    assert sorted(results) == [0, 1]
+    for rank in results.values():
+        assert rank["same"], f"{arch}: sharded outputs differ"
+        assert 0.3 < rank["share"] < 0.8, rank["share"]
