@@ -128,6 +128,7 @@ class DFlashDraft(PretrainedHeads):
         columns: torch.Tensor | None = None,
         visible: torch.Tensor | None = None,
         anchors: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One draft forward: context (B, C, K·H) the target's fused layers at context_positions (B, C), block
         (B, Q, H) the embedded block at block_positions (B, Q) -> block outputs (B, Q, H), final norm applied.
@@ -137,10 +138,11 @@ class DFlashDraft(PretrainedHeads):
         everything cached; the caller then sets `cache.length` to keep the context only. `visible`
         (B, 1, Q, columns) bool: what each block position sees (None: all of it).
 
-        `anchors` (B, N) is training (`packed`): block holds N blocks per row (Q = N·B). It goes through
-        forward so that DDP, DeepSpeed and FSDP wrappers see (and synchronise) the call."""
+        `anchors` (B, N) is training (`packed`, with context_positions and `segments` as it reads them): block
+        holds N blocks per row (Q = N·B). It goes through forward so that DDP, DeepSpeed and FSDP wrappers see
+        (and synchronise) the call."""
         if anchors is not None:
-            return self.packed(context, block, anchors)
+            return self.packed(context, block, anchors, context_positions, segments)
         context = self.fuse(context)
         bound = cache.capacity if cache is not None else None
         cos_c, sin_c = self.rotary_emb.at(context, context_positions, bound)
@@ -164,7 +166,8 @@ class DFlashDraft(PretrainedHeads):
 
     # ---------------------------------------------------------------- training
 
-    def packed(self, features: torch.Tensor, block: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def packed(self, features: torch.Tensor, block: torch.Tensor, anchors: torch.Tensor,
+               positions: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Training: N blocks per sequence in one attention pass per layer. features (B, T, K·H) the target's fused
         layers at every position, block (B, N·Bk, H) the embedded blocks (`block_embeds` of x at the anchors),
         anchors (B, N) positions a (1 <= a < T) -> block outputs (B, N, Bk, H), final norm applied; block n's
@@ -172,15 +175,24 @@ class DFlashDraft(PretrainedHeads):
 
         Block n is [x_a, MASK...] at positions a .. a + Bk − 1; its queries see the context keys at positions < a
         and its own Bk keys, in one softmax: what the inference forward of that block after the context 0 .. a − 1
-        computes, at O(N·Bk·(T + Bk)) instead of attention over every block's keys."""
+        computes, at O(N·Bk·(T + Bk)) instead of attention over every block's keys.
+
+        Rows holding several sequences (packed training rows) pass each position's `positions` (B, T) in its
+        sequence (default 0 .. T − 1) and its sequence id `segments` (B, T): a block then sees the context of its
+        anchor's sequence only, at that sequence's positions."""
         B, T = features.shape[:2]
         N, Bk = anchors.shape[1], self.block_size
         ctx = self.fuse(features)  # (B, T, H)
         h = block.to(ctx.dtype)
-        positions = (anchors[..., None] + torch.arange(Bk, device=anchors.device)).flatten(1)  # (B, N·Bk)
-        cos_c, sin_c = self.rotary_emb.at(ctx, torch.arange(T, device=ctx.device)[None].expand(B, T), T + Bk)
-        cos_b, sin_b = self.rotary_emb.at(h, positions, T + Bk)
-        before = (torch.arange(T, device=ctx.device) < anchors[..., None])[:, None, :, None]  # (B, 1, N, 1, T)
+        if positions is None:
+            positions = torch.arange(T, device=ctx.device)[None].expand(B, T)
+        at = (positions.gather(1, anchors)[..., None] + torch.arange(Bk, device=anchors.device)).flatten(1)  # (B, N·Bk)
+        cos_c, sin_c = self.rotary_emb.at(ctx, positions, T + Bk)
+        cos_b, sin_b = self.rotary_emb.at(h, at, T + Bk)
+        before = torch.arange(T, device=ctx.device) < anchors[..., None]  # (B, N, T)
+        if segments is not None:
+            before = before & (segments[:, None, :] == segments.gather(1, anchors)[..., None])
+        before = before[:, None, :, None]  # (B, 1, N, 1, T)
         for layer in self.layers:
             attn = layer.self_attn
             groups = attn.num_key_value_groups

@@ -125,11 +125,11 @@ class Eagle3Draft(DraftVocabulary, PretrainedHeads):
         (B, T) = the next tokens -> layer outputs (B, T, H), before the final norm. Mask, positions and cache
         as EagleDraft.forward.
 
-        `unroll` > 0 is training: hidden is the target's features (B, T, nH), attention_mask the (B, T) padding
-        mask, and the result `unrolled`'s list of step outputs. It goes through forward so that DDP, DeepSpeed
+        `unroll` > 0 is training: hidden is the target's features (B, T, nH), attention_mask and position_ids
+        as `unrolled` reads them, and the result its list of step outputs. It goes through forward so that DDP, DeepSpeed
         and FSDP wrappers see (and synchronise) the call."""
         if unroll > 0:
-            return self.unrolled(hidden, input_ids, embed, attention_mask, unroll)
+            return self.unrolled(hidden, input_ids, embed, attention_mask, unroll, position_ids)
         embeds = embed(input_ids).to(hidden.dtype)
         T = hidden.shape[1]
         position_ids, attention_mask = continue_after(cache, T, hidden.device, position_ids, attention_mask)
@@ -141,7 +141,8 @@ class Eagle3Draft(DraftVocabulary, PretrainedHeads):
         return layer.finish(hidden, attended)
 
     def unrolled(self, features: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
-                 attention_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
+                 attention_mask: torch.Tensor, steps: int, position_ids: torch.Tensor | None = None
+                 ) -> list[torch.Tensor]:
         """The training-time test: `steps` draft steps over a whole sequence in one masked attention each.
 
             step 0  at t: hidden = fc(features_t),  token x_{t+1},   position t       -> o0_t  (predicts x_{t+2})
@@ -151,18 +152,24 @@ class Eagle3Draft(DraftVocabulary, PretrainedHeads):
         and step j's key at t for j = 1..i (its own earlier drafts along this path): what the drafter
         sees at inference after i of its own steps. features (B, T, nH), input_ids (B, T) = x_{t+1}
         (padded with anything past the end), attention_mask (B, T) 0/1 -> the outputs of each step, (B, T, H).
+        Packed rows (several sequences in one) pass the context mask itself, boolean (B, 1, T, T) (True =
+        visible, every row seeing at least itself), and each position's position_ids (B, T) in its sequence.
         """
         B, T = input_ids.shape
         layer, attn = self.midlayer, self.midlayer.self_attn
-        positions = torch.arange(T, device=input_ids.device)[None].expand(B, T)
-        context = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None] & attention_mask.bool()[:, None]
-        context = context | torch.eye(T, dtype=torch.bool, device=input_ids.device)  # (B, T, T): no empty rows
-        context = context[:, None]  # (B, 1, T, T)
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
+        if attention_mask.dim() == 4:
+            context = attention_mask.bool()
+        else:
+            context = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None] & attention_mask.bool()[:, None]
+            context = context | torch.eye(T, dtype=torch.bool, device=input_ids.device)  # (B, T, T): no empty rows
+            context = context[:, None]  # (B, 1, T, T)
         hidden, own_keys, own_values, outputs = self.fuse(features), [], [], []
         for i in range(steps):
             ids = F.pad(input_ids[:, i:], (0, i))  # x_{t+1+i}, padding past the end (masked from the loss)
             embeds = embed(ids).to(hidden.dtype)
-            cos, sin = self.rotary_emb.at(hidden, positions + i, T + steps)
+            cos, sin = self.rotary_emb.at(hidden, position_ids + i, T + steps)
             q, k, v = project(attn, layer.attention_input(embeds, hidden), cos, sin)
             k, v = repeat_kv(k, attn.num_key_value_groups), repeat_kv(v, attn.num_key_value_groups)
             if i == 0:

@@ -291,7 +291,8 @@ def pad_batch(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
     input_ids (B, T) long, 0 on padding; loss_mask (B, T) bool, False on padding; attention_mask (B, T)
     long, 0 on padding; and features (B, T, H) zero on padding when the rows carry them. The padding id is
-    never read: no real position attends to it and no loss is taken there.
+    never read: no real position attends to it and no loss is taken there. Packed rows (train/packing.py)
+    also carry position_ids (B, T), restarting at 0 on the padding, and seq_ids (B, T), -1 on the padding.
     """
     length = max(len(r["input_ids"]) for r in rows)
     ids = torch.zeros(len(rows), length, dtype=torch.long)
@@ -309,6 +310,14 @@ def pad_batch(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         for i, r in enumerate(rows):
             feats[i, : len(r["features"])] = r["features"]
         batch["features"] = feats
+    if "seq_ids" in rows[0]:
+        batch["position_ids"] = torch.arange(length).repeat(len(rows), 1)
+        batch["seq_ids"] = torch.full((len(rows), length), -1, dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            batch["position_ids"][i, :n] = r["position_ids"]
+            batch["position_ids"][i, n:] -= n
+            batch["seq_ids"][i, :n] = r["seq_ids"]
     return batch
 
 

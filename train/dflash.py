@@ -36,10 +36,12 @@ from selfspec.train.dflash_loss import (
     sample_anchors,
 )
 from selfspec.train.eagle3 import token_counts
-from selfspec.train.eagle_features import target_features
+from selfspec.train.eagle_features import batch_features
 from selfspec.train.feature_run import run_feature_drafter
 from selfspec.train.loop import heads_config
 from selfspec.train.medusa_method import chunk_rows
+from selfspec.train.packing import positions, segments
+from selfspec.train.step_timer import OFF
 from selfspec.train.train_config import TrainConfig
 
 
@@ -129,6 +131,7 @@ class DFlashMethod:
     label = "the DFlash drafter"
     agree = None  # set by the loop under ZeRO-3/FSDP (the loss projects through the frozen head only)
     best_metric = "sim_accept"  # the loop saves the weights of the best validation by this
+    timer = OFF  # the loop sets its StepTimer: the target's forward is timed apart (train.step_timer)
 
     def __init__(self, cfg: DFlashConfig, target, draft: DFlashDraft, tune_prompts: list[torch.Tensor]) -> None:
         self.cfg, self.target, self.trainable, self.tune_prompts = cfg, target, draft, tune_prompts
@@ -142,20 +145,25 @@ class DFlashMethod:
 
     def _forward(self, batch: dict[str, torch.Tensor], feats: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """The drafter's block outputs (B, N, Bk, H) at anchors (B, N), from the target's fused layers + last
-        hidden state `feats` (B, T, (K + 1)·H)."""
+        hidden state `feats` (B, T, (K + 1)·H); in packed rows each block within its anchor's example."""
         hidden = self.lm_head.weight.shape[1]
         dtype = next(self.trainable.parameters()).dtype
         with torch.no_grad():
             block = block_embeds(batch["input_ids"].gather(1, anchors), self.draft_config, self.embed, dtype)
-        return self.trainable(feats[..., :-hidden].to(dtype), block.flatten(1, 2), anchors=anchors)
+        return self.trainable(feats[..., :-hidden].to(dtype), block.flatten(1, 2), context_positions=positions(batch),
+                              anchors=anchors, segments=segments(batch))
 
     def _features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return batch["features"] if "features" in batch else target_features(
-            self.target, batch["input_ids"], batch["attention_mask"], self.layers)
+        return batch_features(self.target, batch, self.layers, self.timer)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        feats = self._features(batch)
         anchors, real = sample_anchors(anchor_carries(batch), self.cfg.anchors)
+        return self.block_loss(batch, anchors, real)
+
+    def block_loss(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor, real: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of the blocks at `anchors` (B, N) where `real` (B, N)."""
+        feats = self._features(batch)
         outputs = self._forward(batch, feats, anchors)
         return self.objective.loss(outputs, batch, anchors, real, feats[..., -self.lm_head.weight.shape[1]:])
 

@@ -11,7 +11,9 @@ A label counts where its position is loss-bearing (an answer token) and inside t
 cross-entropy with the label token (`ce`) or the KL divergence from the target's distribution there (`kl`),
 weighted per block position by exp(−(j − 1)/γ) (`decay`) or by D-PACE (`dpace`): with
 q̃_i = (1 − α)·exp(−loss_i) + α, w_j = Σ_{m≥j} Π_{i≤m} q̃_i (detached), the expected number of accepted
-tokens a position's error costs; the weighted mean over the batch's labels.
+tokens a position's error costs; the weighted mean over the batch's labels. In packed rows (train.packing) an
+anchor has its own example's tokens before it as context, sits at its position there (>= 1), and only labels
+of that example count.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from selfspec.train.medusa_method import chunked_sum, chunks
+from selfspec.train.packing import positions, reaches, segments
 
 LOSSES = ("ce", "kl")
 WEIGHTINGS = ("decay", "dpace")
@@ -40,22 +43,26 @@ def sample_anchors(carries: torch.Tensor, count: int, generator: torch.Generator
 
 
 def anchor_carries(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(B, T) bool: anchor a (>= 1, so the block has context) predicts a loss-bearing x_{a+1}."""
+    """(B, T) bool: anchor a (at position >= 1 of its example, so the block has context) predicts a loss-bearing
+    x_{a+1} of its example."""
     carries = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)
-    carries[:, 1:-1] = batch["loss_mask"][:, 2:].bool() & batch["attention_mask"][:, 2:].bool()
-    return carries
+    carries[:, :-1] = batch["loss_mask"][:, 1:].bool()
+    return carries & reaches(segments(batch), 1) & (positions(batch) >= 1)
 
 
 def block_labels(batch: dict[str, torch.Tensor], anchors: torch.Tensor, real: torch.Tensor, block: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The label token of each block position j >= 1, x_{a+j}, and whether it counts (B, N, block − 1) each."""
+    """The label token of each block position j >= 1, x_{a+j}, and whether it counts (B, N, block − 1) each: a
+    loss-bearing token of the anchor's own example."""
     T = batch["input_ids"].shape[1]
     at = anchors[..., None] + torch.arange(1, block, device=anchors.device)  # (B, N, Bk - 1)
     inside = at < T
     at = at.clamp(max=T - 1)
     flat = at.flatten(1)
     keep = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-    counts = keep.gather(1, flat).view_as(at) & inside & real[..., None]
+    seq = segments(batch)
+    same = seq.gather(1, flat).view_as(at) == seq.gather(1, anchors)[..., None]
+    counts = keep.gather(1, flat).view_as(at) & inside & same & real[..., None]
     return batch["input_ids"].gather(1, flat).view_as(at), counts
 
 

@@ -21,17 +21,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from selfspec.heads.eagle import EagleDraft, causal_mask, layer_fields
+from selfspec.heads.eagle import EagleDraft, layer_fields
 from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
 from selfspec.heads.errors import run_main
 from selfspec.infer.tune import eagle_grid, format_rows, tune_eagle
 from selfspec.train.config import ConfigError, check_at_least, load_config
 from selfspec.train.data import Examples
 from selfspec.train.eagle3 import Eagle3Loss, draft_vocabulary, init_from_target
-from selfspec.train.eagle_features import target_features
+from selfspec.train.eagle_features import batch_features
 from selfspec.train.feature_run import run_feature_drafter
 from selfspec.train.loop import heads_config
 from selfspec.train.medusa_method import chunk_rows, chunked_sum, medusa_labels
+from selfspec.train.packing import block_causal_mask, pair_segments, positions, segments
+from selfspec.train.step_timer import OFF
 from selfspec.train.train_config import TrainConfig
 
 RANKS = 10  # validation reports how often the target's token is in the drafter's top-r, r < RANKS
@@ -122,6 +124,7 @@ class EagleConfig(TrainConfig):
 
 class EagleMethod:
     label = "the EAGLE drafter"
+    timer = OFF  # the loop sets its StepTimer: the target's forward is timed apart (train.step_timer)
 
     def __init__(self, cfg: EagleConfig, target, draft: EagleDraft, tune_prompts: list[torch.Tensor]) -> None:
         self.cfg, self.target, self.trainable, self.tune_prompts = cfg, target, draft, tune_prompts
@@ -133,23 +136,25 @@ class EagleMethod:
 
     def features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The target's last hidden states (B, T, H), from the batch when cached on disk."""
-        if "features" in batch:
-            return batch["features"]
-        return target_features(self.target, batch["input_ids"], batch["attention_mask"], None)
+        return batch_features(self.target, batch, None, self.timer)
 
     def _predict(self, batch: dict[str, torch.Tensor], noise: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Predicted and true next features at the masked pairs, (N, H) each.
 
         Pair t reads (f_t, x_{t+1}) and predicts f_{t+1}, whose logits predict x_{t+2}: a pair counts
-        where x_{t+2} is in the loss mask (the same positions as Medusa's first head).
+        where x_{t+2} is in the loss mask (the same positions as Medusa's first head). In packed rows a pair
+        attends only to the earlier pairs of its example, at its position there, and counts only where x_{t+2}
+        is in that example too.
         """
         feats = self.features(batch)
         inputs = feats[:, :-1].to(next(self.trainable.parameters()).dtype)  # evaluation runs without autocast
         if noise > 0:
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
-        attn = batch["attention_mask"][:, 1:]
-        pred = self.trainable(inputs, batch["input_ids"][:, 1:], self.embed, attention_mask=causal_mask(attn))
-        keep = medusa_labels(batch["input_ids"], batch["loss_mask"], 0)[1][:, :-1] & attn.bool()
+        seq = segments(batch)
+        pairs = pair_segments(seq)  # (B, T-1): the example of each pair, -1 where x_{t+1} is not in it
+        pred = self.trainable(inputs, batch["input_ids"][:, 1:], self.embed, attention_mask=block_causal_mask(pairs),
+                              position_ids=positions(batch)[:, :-1])
+        keep = medusa_labels(batch["input_ids"], batch["loss_mask"], 0, seq)[1][:, :-1] & (pairs >= 0)
         return pred[keep], feats[:, 1:][keep]
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -247,8 +252,7 @@ class Eagle3Method(EagleMethod):
     def _unroll(self, batch: dict[str, torch.Tensor]):
         """The drafter's outputs per step and the target's last hidden states (B, T, H), from online or cached
         features; the target's lm_head projects only the positions that carry a label (in Eagle3Loss)."""
-        feats = batch["features"] if "features" in batch else target_features(
-            self.target, batch["input_ids"], batch["attention_mask"], self.layers)
+        feats = batch_features(self.target, batch, self.layers, self.timer)
         hidden = self.lm_head.weight.shape[1]
         draft = getattr(self.trainable, "module", self.trainable)  # DDP and DeepSpeed wrap it; FSDP2 does not
         ttt = Eagle3Loss(draft, self.cfg.ttt_steps, self.lm_head, self.chunk, runner=self.trainable, agree=self.agree)

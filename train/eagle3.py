@@ -11,7 +11,9 @@ label is the target's distribution there, restricted to the draft vocabulary and
     step i, t   reads (o(i-1)_t, x_{t+1+i}) -> x_{t+2+i}, label target logits at t+1+i
 
 Loss = sum_i 0.8^i * soft cross-entropy; positions whose label token is outside the loss mask, or whose
-target argmax is outside the draft vocabulary, are left out. No feature-regression loss.
+target argmax is outside the draft vocabulary, are left out. No feature-regression loss. In packed rows
+(train.packing) the unrolled steps attend within their example only, at its positions, and step i at t counts
+only where x_{t+2+i} is in t's example: no draft path runs into the next example.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.train.medusa_method import agreed_calls, chunk_rows, chunked_sum, chunks
+from selfspec.train.packing import block_causal_mask, pair_segments, positions, segments
 
 STEP_DECAY = 0.8  # weight of step i's loss is STEP_DECAY ** i
 
@@ -72,6 +75,7 @@ class Labels:
         carries = batch["loss_mask"][:, 2:].bool() & batch["attention_mask"][:, 2:].bool()  # (B, T-2): p = 1..T-2
         self.b, p = carries.nonzero(as_tuple=True)
         self.p = p + 1  # (R,) each
+        self.seq = segments(batch)  # (B, T): a path from t reaches label row p only inside t's example
         self.states = target[self.b, self.p]  # (R, H)
         with torch.no_grad():
             self.argmax = torch.cat([target_logits(s).argmax(-1) for s in self.states.split(chunk)])  # (R,)
@@ -80,7 +84,9 @@ class Labels:
         """The label rows step `step` reaches, as indices into the rows (n,), with their batch row and the
         drafter's position t = p - 1 - step, (n,) each."""
         rows = (self.p > step).nonzero().squeeze(1)
-        return rows, self.b[rows], self.p[rows] - 1 - step
+        b, t = self.b[rows], self.p[rows] - 1 - step
+        inside = self.seq[b, t] == self.seq[b, self.p[rows] + 1]  # x_{t+2+step} is in t's example
+        return rows[inside], b[inside], t[inside]
 
 
 class Eagle3Loss:
@@ -124,9 +130,12 @@ class Eagle3Loss:
         return F.linear(states.to(self.label_weight.dtype), self.label_weight, self.label_bias).float()
 
     def unroll(self, features: torch.Tensor, batch: dict[str, torch.Tensor], embed) -> list[torch.Tensor]:
-        ids, attn = batch["input_ids"], batch["attention_mask"]
+        """The drafter's outputs per step (B, T-1, H) each over the pairs (F_t, x_{t+1}); in packed rows each pair
+        attends within its example (train.packing.block_causal_mask), at its position there."""
+        context = block_causal_mask(pair_segments(segments(batch)))  # (B, 1, T-1, T-1)
         dtype = next(self.draft.parameters()).dtype
-        return self.runner(features[:, :-1].to(dtype), ids[:, 1:], embed, attn[:, 1:], unroll=self.steps)
+        return self.runner(features[:, :-1].to(dtype), batch["input_ids"][:, 1:], embed, context,
+                           positions(batch)[:, :-1], unroll=self.steps)
 
     def _calls(self, rows: list[int]) -> list[int]:
         return agreed_calls(rows, self.chunk, self.agree)

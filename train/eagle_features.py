@@ -20,21 +20,35 @@ from selfspec.train.features import (
     write_shards,
 )
 from selfspec.train.fingerprints import weights_fingerprint
+from selfspec.train.step_timer import OFF, StepTimer
 
 if TYPE_CHECKING:
     from selfspec.train.eagle import EagleConfig
 
 
 @torch.no_grad()
-def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    layers: list[int] | None) -> torch.Tensor:
+def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    layers: list[int] | None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """What the drafter learns from, without gradients: the target's last hidden states (B, T, H), or with
-    `layers` (EAGLE-3) those hidden_states indices concatenated, then the last hidden states (B, T, (n+1)H)."""
-    out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                            output_hidden_states=layers is not None)
+    `layers` (EAGLE-3) those hidden_states indices concatenated, then the last hidden states (B, T, (n+1)H).
+    Packed rows (train.packing) pass their position_ids and no attention_mask."""
+    out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False, output_hidden_states=layers is not None)
     if layers is None:
         return out.last_hidden_state
     return torch.cat([out.hidden_states[i] for i in layers] + [out.last_hidden_state], dim=-1)
+
+
+def batch_features(target, batch: dict[str, torch.Tensor], layers: list[int] | None,
+                   timer: StepTimer = OFF) -> torch.Tensor:
+    """A batch's target features (see `target_features`): read from the batch when cached on disk, else computed
+    (its target forward timed as the "target" section), for padded or packed rows alike."""
+    if "features" in batch:
+        return batch["features"]
+    with timer.section("target"):
+        if "position_ids" in batch:
+            return target_features(target, batch["input_ids"], None, layers, batch["position_ids"])
+        return target_features(target, batch["input_ids"], batch["attention_mask"], layers)
 
 
 def write_features(cfg: EagleConfig, target, examples: Examples, name: str, layers: list[int] | None = None,

@@ -56,7 +56,9 @@ from selfspec.train.distributed import (
     scheduler_steps_per_update,
 )
 from selfspec.train.fingerprints import run_fingerprint, weights_fingerprint
+from selfspec.train.packing import PackedExamples, check_packed_target
 from selfspec.train.records import check_source
+from selfspec.train.step_timer import StepTimer, padding, step_report
 from selfspec.train.train_config import TrainConfig
 
 
@@ -142,13 +144,18 @@ def train(
     groups = method.param_groups(cfg.learning_rate) if hasattr(method, "param_groups") else params
     optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
-    loader = DataLoader(train_data, batch_size=cfg.per_device_train_batch_size, shuffle=True, drop_last=True,
+    # packed rows (train/packing.py) for training; validation reads one example per row, so its numbers stay
+    # comparable between packed and unpacked runs
+    rows = PackedExamples(train_data, cfg.max_length, cfg.seed) if cfg.packing else train_data
+    if cfg.packing:
+        check_packed_target(method.target)
+    loader = DataLoader(rows, batch_size=cfg.per_device_train_batch_size, shuffle=True, drop_last=True,
                         collate_fn=pad_batch)
     eval_loader = DataLoader(eval_data, batch_size=cfg.per_device_eval_batch_size, collate_fn=pad_batch)
     per_epoch = len(loader) // (cfg.gradient_accumulation_steps * accelerator.num_processes)
     if per_epoch == 0:
         raise ValueError(
-            f"{len(train_data)} training examples make no full optimizer step at batch size "
+            f"{len(rows)} training {'rows' if cfg.packing else 'examples'} make no full optimizer step at batch size "
             f"{cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} accumulation x "
             f"{accelerator.num_processes} processes: add data or lower the batch size"
         )
@@ -189,7 +196,8 @@ def train(
     global_batch = cfg.per_device_train_batch_size * accelerator.num_processes * cfg.gradient_accumulation_steps
     accelerator.print(
         f"training {sum(p.numel() for p in params) / 1e6:.2f} M parameters for {total} steps "
-        f"({len(train_data)} examples of up to {cfg.max_length} tokens, {per_epoch} steps per epoch); "
+        f"({len(train_data)} examples of up to {cfg.max_length} tokens"
+        f"{f' packed into {len(rows)} rows' if cfg.packing else ''}, {per_epoch} steps per epoch); "
         f"global batch {global_batch} = {cfg.per_device_train_batch_size} per device x {accelerator.num_processes} "
         f"processes x {cfg.gradient_accumulation_steps} accumulation; {engine_name(accelerator)}"
     )
@@ -199,8 +207,11 @@ def train(
         history.append((0, metrics))
         best.offer(accelerator, trainable, 0, metrics)
         bar.write("step 0: " + format_metrics(metrics))
-    start = time.time()
+    start, paused, first_step = time.time(), 0.0, step  # paused: seconds spent validating and saving
     tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)  # this rank's real tokens since start
+    slots = 0  # this rank's positions trained (rows x row length), padding included
+    timer = StepTimer(accelerator.device)  # target forward / drafter forward+backward / optimizer (train.step_timer)
+    method.timer = timer
     stop = step >= total
     while not stop:
         loader.set_epoch(epoch)
@@ -209,15 +220,18 @@ def train(
             trainable.train()
             method.step, method.total_steps = step, total  # for losses that change over the run (Medusa-2)
             with accelerator.accumulate(trainable), accelerator.autocast():
-                loss, logs = method.loss(batch)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(trainable.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                with timer.section("forward_backward"):  # the method times its target forward inside
+                    loss, logs = method.loss(batch)
+                    accelerator.backward(loss)
+                with timer.section("optimizer"):
+                    if accelerator.sync_gradients and cfg.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(trainable.parameters(), cfg.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
             batches_done += 1
             tokens += batch["attention_mask"].sum()
+            slots += batch["attention_mask"].numel()
             if not accelerator.sync_gradients:
                 continue
             step += 1
@@ -228,9 +242,11 @@ def train(
             stop = step >= total or out_of_time
             if step % cfg.logging_steps == 0:
                 logs = {"train/" + k: float(v) for k, v in logs.items()} | {"lr": scheduler.get_last_lr()[0]}
-                rate = float(tokens) * accelerator.num_processes / max(time.time() - start, 1e-9)
-                bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{rate:,.0f}")
+                rate = float(tokens) * accelerator.num_processes / max(time.time() - start - paused, 1e-9)
+                bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{rate:,.0f}",
+                                pad=f"{padding(float(tokens), slots):.1%}")
                 accelerator.log(logs, step=step)
+            pause = time.time()
             if step % cfg.eval_steps == 0 or stop:
                 metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator)
                 history.append((step, metrics))
@@ -243,6 +259,7 @@ def train(
                 save_checkpoint(accelerator, output_dir, state, cfg.save_total_limit)
                 if main:
                     best.prune()
+            paused += time.time() - pause
             if stop:
                 if out_of_time:
                     accelerator.print(f"stopping at step {step}: the {cfg.max_minutes}-minute budget is spent")
@@ -250,6 +267,10 @@ def train(
         else:
             epoch, batches_done = epoch + 1, 0
     bar.close()
+    if step > first_step:
+        n = accelerator.num_processes
+        accelerator.print(step_report(timer.seconds(), step - first_step, int(tokens) * n, slots * n,
+                                      time.time() - start - paused))
     if weights_fingerprint(method.target) != fingerprint["target_weights"]:
         raise RuntimeError("the frozen target's weights changed during training: a drafter trained on a moving "
                            "target is wrong; check that no optimizer or engine received the target's parameters")

@@ -28,6 +28,7 @@ from selfspec.heads.medusa import MedusaHeads
 from selfspec.heads.target import ADAPTED
 from selfspec.infer.target import decoder_layers
 from selfspec.train.medusa_method import MedusaMethod, agreed_calls, chunked_sum
+from selfspec.train.packing import reaches, segments, target_inputs
 from selfspec.train.regenerate import written_by
 
 SCHEDULES = ("constant", "linear", "sine")
@@ -95,14 +96,16 @@ class JointMedusa(nn.Module):
         self.register_state_dict_post_hook(_drop_frozen)
         self.register_load_state_dict_post_hook(_frozen_not_missing)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, some: torch.Tensor,
-                joint: bool = True, push: float = 1.0) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, some: torch.Tensor,
+                joint: bool = True, push: float = 1.0, position_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The adapted target's last hidden states (B, T, H) and the heads' features at `some` (M, H) each; with
         joint=False the target runs without gradients (the heads-only stage), else the heads' gradient reaches
-        it scaled by `push` (lambda(t))."""
+        it scaled by `push` (lambda(t)). Packed rows: position_ids and no attention_mask (train.packing)."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and joint):
             hidden = self.backbone.get_base_model().base_model(
-                input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=False).last_hidden_state
         return hidden, self.heads(scale_grad(hidden[some], push), project=False)
 
     def frozen(self, key: str) -> bool:
@@ -153,8 +156,9 @@ class Medusa2Method(MedusaMethod):
         return self.step >= self.cfg.heads_only_steps
 
     def _features(self, batch, some):
-        return self.trainable(batch["input_ids"], batch["attention_mask"], some,
-                              joint=self._joint_stage() and torch.is_grad_enabled(), push=self._heads_weight())
+        with self.timer.section("target"):  # the adapted target's forward (its backward: the drafter's part)
+            return self.trainable(batch["input_ids"], some=some, joint=self._joint_stage() and torch.is_grad_enabled(),
+                                  push=self._heads_weight(), **target_inputs(batch))
 
     def _logits(self, k: int, outputs: torch.Tensor) -> torch.Tensor:
         if not self.shared:  # the heads' own projection, inside the joint module (DDP and DeepSpeed wrap it)
@@ -185,11 +189,11 @@ class Medusa2Method(MedusaMethod):
 
     def _l0_rows(self, batch, hidden):
         """The adapted and frozen hidden states at the positions whose next token is trained on, and that token."""
-        mask = batch["loss_mask"][:, 1:].bool()  # position t predicts t + 1
+        mask = batch["loss_mask"][:, 1:].bool() & reaches(segments(batch), 1)[:, :-1]  # t predicts t + 1
         labels = batch["input_ids"][:, 1:][mask]
-        with torch.no_grad(), self.backbone.disable_adapter():
-            frozen = self.target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                            use_cache=False).last_hidden_state if self.kl else None
+        with torch.no_grad(), self.backbone.disable_adapter(), self.timer.section("target"):
+            frozen = self.target.base_model(input_ids=batch["input_ids"], use_cache=False,
+                                            **target_inputs(batch)).last_hidden_state if self.kl else None
         adapted = hidden[:, :-1][mask]
         return adapted, (frozen[:, :-1][mask] if frozen is not None else adapted.detach()), labels
 

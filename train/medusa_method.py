@@ -23,6 +23,8 @@ from selfspec.infer.tree import (
     path_frequencies,
 )
 from selfspec.infer.tune import format_tree_rows
+from selfspec.train.packing import reaches, segments, target_inputs
+from selfspec.train.step_timer import OFF
 
 if TYPE_CHECKING:
     from selfspec.train.medusa import MedusaConfig
@@ -34,7 +36,8 @@ JOINT_BINS = 2**20  # at most this many rank vectors counted in validation (the 
 CHUNK_ELEMENTS = 2**26  # float32 logits per loss chunk (256 MiB): positions per chunk = this // vocabulary size
 
 
-def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int,
+                  seq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels for head k (0-based): the token k + 2 positions after each input position.
 
         input    [x0, x1, x2, x3, x4, x5]     hidden h_t has read x0..x_t
@@ -43,7 +46,8 @@ def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> t
         head 1    h_t -> x_{t+3}:  labels [x3, x4, x5, -, -, -]
 
     Returns labels (B, T) and a mask (B, T) that is False where no label exists or the label's
-    position is outside the loss mask.
+    position is outside the loss mask; with `seq` (B, T) (train.packing.segments of packed rows) also
+    where the label belongs to another example than the position.
     """
     shift = k + 2
     labels = torch.zeros_like(input_ids)
@@ -51,6 +55,8 @@ def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> t
     if shift < input_ids.shape[1]:
         labels[:, :-shift] = input_ids[:, shift:]
         mask[:, :-shift] = loss_mask[:, shift:].bool()
+    if seq is not None:
+        mask &= reaches(seq, shift)
     return labels, mask
 
 
@@ -113,6 +119,7 @@ def chunked_sum(fn: Callable[..., torch.Tensor], rows: tuple[torch.Tensor, ...],
 class MedusaMethod:
     label = "Medusa heads"
     agree = None  # the loop sets it under ZeRO-3/FSDP: every rank projects as many chunks (train.distributed)
+    timer = OFF  # the loop sets its StepTimer: the target's forward is timed apart (train.step_timer)
 
     def __init__(self, cfg: MedusaConfig, target, heads: MedusaHeads) -> None:
         self.cfg, self.target, self.trainable = cfg, target, heads
@@ -127,9 +134,8 @@ class MedusaMethod:
         return hidden, self.trainable(hidden[some], project=False)  # one call through the (wrapped) heads
 
     def _hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with torch.no_grad():  # the frozen target; base_model skips its lm_head
-            out = self.target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                         use_cache=False)
+        with torch.no_grad(), self.timer.section("target"):  # the frozen target; base_model skips its lm_head
+            out = self.target.base_model(input_ids=batch["input_ids"], use_cache=False, **target_inputs(batch))
         return out.last_hidden_state  # (B, T, H)
 
     def _per_head(self, batch: dict[str, torch.Tensor]
@@ -137,7 +143,8 @@ class MedusaMethod:
         """The target's hidden states (B, T, H), and per head k: its features at its loss positions only (M_k, H),
         before any vocabulary projection (done chunk by chunk in `_logits`), the labels (M_k,), and how many chunks
         to project them in."""
-        masks = [medusa_labels(batch["input_ids"], batch["loss_mask"], k) for k in range(self.num_heads)]
+        seq = segments(batch)
+        masks = [medusa_labels(batch["input_ids"], batch["loss_mask"], k, seq) for k in range(self.num_heads)]
         some = torch.stack([mask for _, mask in masks]).any(0)  # (B, T): positions some head learns from
         hidden, outputs = self._features(batch, some)  # K x (M, H)
         heads = [(k, outputs[k][mask[some]], labels[mask]) for k, (labels, mask) in enumerate(masks)]
@@ -194,7 +201,7 @@ class MedusaMethod:
         for batch in batches:
             hidden, heads = self._per_head(batch)
             self._eval_extra(batch, hidden)
-            masks = [medusa_labels(batch["input_ids"], batch["loss_mask"], k)[1] for k in range(K)]
+            masks = [medusa_labels(batch["input_ids"], batch["loss_mask"], k, segments(batch))[1] for k in range(K)]
             every = torch.stack(masks).all(0)  # (B, T): positions where every head has a label
             code = torch.zeros(int(every.sum()), dtype=torch.long, device=device)
             for (k, outputs, labels, calls), mask in zip(heads, masks):

@@ -40,6 +40,7 @@ class TrainConfig:
     per_device_eval_batch_size: int = 8  # examples per process per validation batch
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     max_length: int = 512  # tokens per example: text is packed into blocks of this, chats cut to it
+    packing: bool = False  # pack training examples into rows of up to max_length, attention kept within each example
     mixed_precision: str = "no"  # no | bf16 | fp16
     seed: int = 0  # seeds data order, subsets, initialisation and noise
     save_steps: int = 500  # write a resumable checkpoint every this many steps (and at the end)
