@@ -234,6 +234,24 @@ class DraftVocabulary:
         """The target ids of the draft vocabulary, in draft order (N,)."""
         return self.to_target(torch.arange(self.d2t.numel(), device=self.d2t.device))
 
+    def check_draft_vocab(self, where: object) -> None:
+        """Refuse a d2t that is not one-to-one into the target's vocabulary (a loaded file's, once)."""
+        d2t = getattr(self, "d2t", None)  # EAGLE-1/2 drafters over the whole vocabulary have none
+        if d2t is not None:
+            draft_targets(d2t, self.config.vocab_size, where)
+
+
+def draft_targets(d2t: torch.Tensor, vocab: int, where: object) -> torch.Tensor:
+    """The target ids draft ids 0..N-1 map to (id + d2t[id]), checked distinct and inside the vocabulary: a tree's
+    siblings are a node's top-k draft ids, and sampled verification assumes siblings are distinct tokens."""
+    targets = torch.arange(d2t.numel(), device=d2t.device) + d2t.long()
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+        raise ValueError(f"{where}: d2t maps draft ids to target ids outside [0, {vocab})")
+    if targets.unique().numel() != targets.numel():
+        raise ValueError(f"{where}: d2t maps two draft ids to one target id: the tree's siblings would repeat a "
+                         "token, which verification cannot accept exactly; rebuild the draft vocabulary")
+    return targets
+
 
 class EagleDraft(DraftVocabulary, PretrainedHeads):
     """fc (2H -> H) + Llama decoder layer(s); predicts the next feature. See the module docstring."""

@@ -129,5 +129,7 @@ class PretrainedHeads(nn.Module):
                 f"{weights} does not match its config.json ({config.kind}): missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
         model.load_state_dict(state, strict=True)
+        if hasattr(model, "check_draft_vocab"):  # EAGLE drafters with a draft vocabulary: d2t one-to-one
+            model.check_draft_vocab(weights)
         model.source_dir = directory
         return model.to(device=device, dtype=getattr(torch, config.dtype))

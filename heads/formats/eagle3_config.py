@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from selfspec.heads.eagle import draft_targets
 from selfspec.shipped.models import resolve_model
 
 
@@ -148,9 +149,7 @@ def draft_vocab_maps(d2t: torch.Tensor | None, t2d: torch.Tensor | None, size: i
     if d2t.shape != (size,) or d2t.is_floating_point() or d2t.is_complex():
         raise ValueError(f"{where}: d2t should be {size} integers (one per lm_head row), found {d2t.dtype} "
                          f"{tuple(d2t.shape)}")
-    targets = torch.arange(size) + d2t.long()
-    if targets.min() < 0 or targets.max() >= vocab or targets.unique().numel() != size:
-        raise ValueError(f"{where}: d2t maps draft ids to target ids outside [0, {vocab}) or to one id twice")
+    targets = draft_targets(d2t, vocab, where)
     rebuilt = torch.zeros(vocab, dtype=torch.bool)
     rebuilt[targets] = True
     if t2d is not None:
