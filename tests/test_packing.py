@@ -233,7 +233,7 @@ def chat_file(path):
     return path
 
 
-REPORT = re.compile(r"throughput: ([\d,]+) tokens/s, padding ([\d.]+)%; step time (\d+) ms: target forward (\d+) ms, "
+REPORT = re.compile(r"throughput: ([\d,]+) tok/s, padding ([\d.]+)%; step time (\d+) ms: target forward (\d+) ms, "
                     r"drafter forward\+backward (-?\d+) ms, optimizer (\d+) ms")
 
 

@@ -58,7 +58,7 @@ def step_report(seconds: dict[str, float], steps: int, tokens: int, slots: int, 
     forward + backward (the forward and backward sections less the target's part) and optimizer."""
     per = {k: v / max(steps, 1) * 1000 for k, v in seconds.items()}  # ms per optimizer step
     target, both, opt = per.get("target", 0.0), per.get("forward_backward", 0.0), per.get("optimizer", 0.0)
-    return (f"throughput: {tokens / max(busy, 1e-9):,.0f} tokens/s, padding {padding(tokens, slots):.1%}; step time "
+    return (f"throughput: {tokens / max(busy, 1e-9):,.0f} tok/s, padding {padding(tokens, slots):.1%}; step time "
             f"{both + opt:.0f} ms: target forward {target:.0f} ms, drafter forward+backward {both - target:.0f} ms, "
             f"optimizer {opt:.0f} ms")
 
