@@ -28,11 +28,43 @@ def format_table(result: dict) -> str:
                          f"{m['step_ms_last_100']:.1f} over the last 100")
         if "peak_memory_mb" in m:
             notes.append(f"{name}: peak memory {m['peak_memory_mb']:.0f} MiB")
+        if m.get("mismatches"):
+            notes.append(f"{name}: " + format_agreement(agreement(m, result["num_prompts"])))
         for mm in m.get("mismatches", []):
             kind = "a near-tie" if mm["near_tie"] else "NOT a near-tie: a bug"
             notes.append(f"{name}: prompt {mm['prompt']} differs from the baseline at new token {mm['position']}; "
                          f"top-2 logit margin there {mm['top2_logit_margin']}, {kind}")
     return "\n".join(rows + notes)
+
+
+def agreement(method: dict, num_prompts: int) -> dict:
+    """How far a method's greedy output agrees with the baseline's: the prompts identical to it, and for the others
+    where they first differ and the target's top-2 logit margin there (a near-tie when within 4 units in the
+    last place of the dtype: a tree forward and a one-token forward may round differently and flip such an
+    argmax; anything wider is a bug)."""
+    mismatches = method.get("mismatches", [])
+    margins = [mm["top2_logit_margin"] for mm in mismatches if mm["top2_logit_margin"] is not None]
+    return {"prompts": num_prompts, "identical_prompts": num_prompts - len(mismatches),
+            "fraction_identical": (num_prompts - len(mismatches)) / max(1, num_prompts),
+            "first_divergence": [mm["position"] for mm in mismatches],
+            "top2_margins": margins, "largest_margin": max(margins, default=None),
+            "all_near_ties": all(mm["near_tie"] for mm in mismatches)}
+
+
+def add_agreement(result: dict) -> dict:
+    """`result` (run_bench's) with each method's `agreement` added."""
+    for method in result["methods"].values():
+        method["agreement"] = agreement(method, result["num_prompts"])
+    return result
+
+
+def format_agreement(a: dict) -> str:
+    return (f"{a['identical_prompts']}/{a['prompts']} prompts identical to the baseline "
+            f"({a['fraction_identical']:.0%}); the others first differ at new token"
+            f"{'s' if len(a['first_divergence']) > 1 else ''} {', '.join(map(str, a['first_divergence']))}, "
+            f"top-2 logit margin{'s' if len(a['top2_margins']) > 1 else ''} there "
+            f"{', '.join(f'{x:g}' for x in a['top2_margins']) or '-'}"
+            f"{' (all near-ties)' if a['all_near_ties'] else ' (NOT all near-ties: a bug)'}")
 
 
 def format_tables(results: dict[int, dict]) -> str:

@@ -133,7 +133,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         run_bench,
         speculative_runner,
     )
-    from selfspec.infer.bench_report import check_plot_file, format_tables, plot_bench
+    from selfspec.infer.bench_report import add_agreement, check_plot_file, format_tables, plot_bench
     from selfspec.infer.generate import SpeculativeModel
     from selfspec.infer.proposers import NoDraft
 
@@ -200,7 +200,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     results = {}
     for size in sizes:
         chosen = {name: run for name, run in runners.items() if size == 1 or name not in batch_one}
-        results[size] = run_bench(model, tokenizer, chosen, prompts, chains=chains, batch_size=size, pad_token_id=pad)
+        results[size] = add_agreement(run_bench(model, tokenizer, chosen, prompts, chains=chains, batch_size=size,
+                                                pad_token_id=pad))
     print(format_tables(results))
     if args.latency:
         from selfspec.infer.bench import latency_report
