@@ -31,6 +31,7 @@ from test_distributed import (
 )
 
 from selfspec.train.config import ConfigError
+from selfspec.train.memory_plan import load_recipe, memory_plan, target_config
 from selfspec.train.target_shard import check_shard_target
 
 ENGINES = {"fsdp": "FSDP2", "deepspeed-zero3": "DeepSpeed ZeRO-3"}
@@ -71,6 +72,12 @@ def test_a_sharded_target_trains_the_replicated_targets_drafter(config, tiny_mod
         assert expected_share(tiny_model_dir) - 0.005 < share < expected_share(tiny_model_dir) + 0.02
     assert_same_weights(replicated, sharded, atol=1e-6)
     assert_decodes_like_target(tiny_model_dir, sharded)
+    # the memory plan's target share, from the config alone, is what each rank measured
+    plan = memory_plan(load_recipe(ROOT / "configs/medusa/demo.yaml", ["--mixed_precision", "no"]),
+                       target_config(str(tiny_model_dir)), "zero3" if "deepspeed" in config else "fsdp", 2, [32],
+                       shard_target=True)
+    local = [int(m[2]) for m in LINE.findall(log)]
+    assert all(abs(plan.target - b) <= 0.01 * b for b in local), (plan.target, local)
 
 
 @pytest.mark.parametrize("config, kind", [("fsdp", "eagle3"), ("deepspeed-zero3", "medusa"), ("fsdp", "dflash")])
