@@ -39,6 +39,9 @@ class PreallocatedLayer(DynamicLayer):
         # that happens to be NaN would still poison the attention's weighted sum
         self.key_storage = key_states.new_zeros(B, H, self.max_length, D)
         self.value_storage = value_states.new_zeros(B, value_states.shape[1], self.max_length, value_states.shape[-1])
+        # fixed addresses for a compiled verify: CUDA graphs read them in place instead of copying them per replay
+        torch._dynamo.mark_static_address(self.key_storage)
+        torch._dynamo.mark_static_address(self.value_storage)
         self.key_buffer, self.value_buffer = self.key_storage, self.value_storage  # all rows until `select_rows`
         self.is_initialized = True
         self._set_length(0)
@@ -154,11 +157,16 @@ class PreallocatedCache(Cache):
                 layer.write_at = None
 
 
+WIDTH_STEP = 16  # cache lengths (and so the masks' row strides) in multiples of this: aligned for SDPA's kernels
+
+
 def new_cache(model: torch.nn.Module, max_length: int) -> PreallocatedCache:
-    """An empty cache of `max_length` positions for `model`; fails early where the target's attention or RoPE
-    would make tree verification differ from plain decoding within that length (infer/exactness.py)."""
+    """An empty cache of at least `max_length` positions for `model` (rounded up to a multiple of WIDTH_STEP: a
+    mask as wide as the cache then has a row stride SDPA's memory-efficient kernel takes without padding it per
+    layer); fails early where the target's attention or RoPE would make tree verification differ from plain
+    decoding within that length (infer/exactness.py)."""
     check_length(model.config, max_length)
-    return PreallocatedCache(max_length)
+    return PreallocatedCache(-(-max_length // WIDTH_STEP) * WIDTH_STEP)
 
 
 def keep_accepted(cache: PreallocatedCache, prefix_len: int, path: torch.Tensor, length: int) -> None:

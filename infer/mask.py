@@ -41,6 +41,7 @@ class RowMask:
     def __init__(self, batch: int, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
         self.low = torch.finfo(dtype).min
         self.storage = torch.full((batch, 1, rows, max_len), self.low, dtype=dtype, device=device)
+        torch._dynamo.mark_static_address(self.storage)  # a compiled verify's CUDA graphs read it in place
         self.buffer = self.storage  # the rows in use (see `select_rows`)
 
     def select_rows(self, keep: list[int], index: torch.Tensor, columns: int) -> None:
@@ -79,10 +80,8 @@ class RowMask:
                              values[:, None, None, :].expand(B, 1, rows, -1))
 
 
-def padded_causal_mask(start: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """(B, 1, T, T) additive mask for a left-padded prompt batch: causal, keys before start[b] hidden. A padding
-    query sees itself only (a row with nothing visible would turn softmax into NaN); nothing reads its output."""
-    pos = torch.arange(length, device=start.device)
-    visible = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] >= start[:, None, None])
-    visible |= torch.eye(length, dtype=torch.bool, device=start.device)[None]
-    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+def padding_mask(start: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, length) bool for a left-padded prompt batch, False on row b's first start[b] columns: the 2D mask
+    model.generate passes, from which the model builds its own causal mask (boolean for "sdpa", not an additive
+    float (B, 1, T, T))."""
+    return torch.arange(length, device=start.device)[None] >= start[:, None]

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from selfspec.heads.projection import is_plain_linear, vocab_logits
+from selfspec.infer.attention import ATTENTION, model_configs, using_grouped_attention
 from selfspec.infer.cache import PreallocatedCache
 from selfspec.infer.exactness import check_architecture
-from selfspec.infer.mask import PrefixMask, padded_causal_mask
+from selfspec.infer.mask import PrefixMask, padding_mask
 from selfspec.infer.tree import Tree
 
 LAYOUT_ROWS = 64  # the most rows vocab_layout projects through vocab_logits (the range it was measured on)
@@ -22,17 +23,20 @@ LAYOUT_ROWS = 64  # the most rows vocab_layout projects through vocab_logits (th
 class Target:
     """A frozen HF causal LM and how to call it: the cache keyword, logits_to_keep, hidden states."""
 
-    def __init__(self, model: nn.Module, feature_layers: list[int] | None = None) -> None:
+    def __init__(self, model: nn.Module, feature_layers: list[int] | None = None, grouped_attention: bool = True
+                 ) -> None:
         self.model = model  # its train/eval mode is the caller's: decoding runs in eval mode and restores it
         # what the drafter reads: the last hidden states (what the lm_head reads), or EAGLE-3's fused layers
         self.feature_layers = feature_layers
         check_architecture(model.config)  # ALiBi, recurrent and hybrid layers: never exact (infer/exactness.py)
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
-        if attn not in ("eager", "sdpa"):
+        if attn not in ("eager", "sdpa", ATTENTION):
             raise ValueError(
                 f"tree verification passes a custom 4D attention mask, which attn_implementation={attn!r} does not "
                 "take as given; load the target with attn_implementation='sdpa' (or 'eager')"
             )
+        # "sdpa" runs as ATTENTION during our forwards: the same masks and kernels, minus repeat_kv's KV copy
+        self.configs = model_configs(model) if grouped_attention else []  # False: transformers' sdpa as it is
         params = inspect.signature(model.forward).parameters
         # transformers renamed `past_key_values` to `cache`; use whichever this version has.
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -68,9 +72,11 @@ class Target:
             kwargs[self.keep_kw] = 1
         if start is not None:  # positions count from each row's first real token, as model.generate does
             T = input_ids.shape[1]
-            kwargs["attention_mask"] = padded_causal_mask(start, T, self.dtype)
+            # a (B, cached + T) padding mask, as model.generate passes it: the model builds its own (boolean) 4D
+            # mask from it, or none at all
+            kwargs["attention_mask"] = padding_mask(start, cache.get_seq_length() + T)
             kwargs["position_ids"] = (torch.arange(T, device=start.device)[None] - start[:, None]).clamp(min=0)
-        with self.capture(hidden) as features, self.vocab_layout():
+        with self.capture(hidden) as features, self.vocab_layout(), using_grouped_attention(self.configs):
             out = self.model(input_ids=input_ids, **kwargs)
         return out.logits[:, -1], features() if hidden else None
 
@@ -83,10 +89,11 @@ class Target:
                                             mask.at(prefix_len, tree.ancestors), cache)
         return logits[0], features[0]
 
-    def compile(self) -> None:
+    def compile(self, mode: str = "default") -> None:
         """Run tree verification through torch.compile from now on (`verify_rows(..., at=...)`), with shapes that
-        never change, so it compiles once."""
-        self.compiled = torch.compile(self._features_and_logits, dynamic=False)
+        never change, so it compiles once. `mode`: torch.compile's ("reduce-overhead": CUDA graphs on CUDA, the
+        cache and mask buffers being static addresses; on the CPU the same compiled code without graphs)."""
+        self.compiled = torch.compile(self._features_and_logits, dynamic=False, mode=mode)
 
     compiled: Callable | None = None
 
@@ -109,9 +116,9 @@ class Target:
         cached + N) -> logits (B, N, V) and the drafter's features (B, N, H or nH). Compiled (`compile`): the
         trees are written at column `at` (a 0-dim tensor) and the mask covers the whole cache (B, 1, N, max)."""
         if self.compiled is not None:
-            with cache.fixed(at):
+            with cache.fixed(at), using_grouped_attention(self.configs):
                 return self.compiled(tokens, positions, mask, cache)
-        with self.capture() as features, self.vocab_layout():
+        with self.capture() as features, self.vocab_layout(), using_grouped_attention(self.configs):
             out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                              **{self.cache_kw: cache})
         return out.logits, features()

@@ -1,0 +1,61 @@
+"""Grouped-query attention through SDPA without copying the keys and values once per query head.
+
+repeat_kv (what transformers' SDPA and eager paths do under a mask) materialises (B, H, S, D) keys and values
+from (B, Hkv, S, D) in every layer at every step: for an 8B target at 4K context, ~2 GiB copied per verify
+forward. Here either the backend takes the groups itself (`enable_gqa`, where a fused kernel does that under
+a mask: the CPU's flash kernel), or the G query heads that share a key head are folded into the query length,
+
+    q (B, Hkv*G, T, D) -> (B, Hkv, G*T, D)     row g*T + t is query head h*G + g at token t
+    mask (B, 1, T, S)  -> (B, 1, G*T, S)       the T rows repeated G times: G*T*S, not 2*H*S*D
+
+so that any SDPA kernel (flash, memory-efficient, cuDNN) runs plain multi-head attention over the Hkv heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ALIGN = 16  # a mask's row stride the memory-efficient kernel takes as it is (it pads and copies any other)
+
+
+def native_gqa(device: torch.device) -> bool:
+    """Whether SDPA's fused kernels on `device` take grouped heads under a mask (`enable_gqa`) without copies:
+    the CPU's flash kernel does; CUDA's memory-efficient kernel (the one that takes a mask) does not."""
+    return device.type == "cpu"
+
+
+def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """mask (B, 1, T, S) bool or additive -> (B, 1, groups*T, S): the rows repeated per folded query head, in
+    one copy whose row stride is a multiple of ALIGN (so the kernel does not pad it again)."""
+    B, _, T, S = mask.shape
+    width = -(-S // ALIGN) * ALIGN
+    folded = mask.new_empty(B, 1, groups, T, width)[..., :S]  # (B, 1, G, T, S), row stride `width`
+    folded.copy_(mask[:, :, None].expand(B, 1, groups, T, S))
+    return folded.view(B, 1, groups * T, S)
+
+
+def folds_cheaper(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether folding (a (B, 1, G*T, S) mask copy) moves fewer bytes than repeat_kv's (B, H, S, D) keys and
+    values: a tree's few queries, yes; a long prompt's (T ~ S), no."""
+    B, H, T, D = query.shape
+    groups = H // key.shape[1]
+    return mask.shape[0] * groups * T * mask.element_size() < 2 * B * H * D * key.element_size()
+
+
+def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                 scale: float | None = None, fold: bool | None = None) -> torch.Tensor:
+    """query (B, Hkv*G, T, D), key and value (B, Hkv, S, D), mask (B or 1, 1, T, S) bool (True = visible) or
+    additive -> (B, Hkv*G, T, Dv), query head i reading key head i // G (as repeat_kv pairs them). `fold`: fold
+    the groups into the query length (None: unless the device's kernels take the groups natively, `native_gqa`)."""
+    B, H, T, D = query.shape
+    groups = H // key.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    if fold is None:
+        fold = not native_gqa(query.device)
+    if not fold or mask is None or mask.shape[1] != 1:  # no mask: SDPA's flash kernels take the groups natively
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    folded = query.reshape(B, key.shape[1], groups * T, D)  # (B, Hkv, G*T, D): a view when query is contiguous
+    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=fold_mask(mask, groups), scale=scale)
+    return out.view(B, H, T, value.shape[-1])  # (B, Hkv, G*T, Dv) -> (B, H, T, Dv)
