@@ -10,11 +10,13 @@ them alike. The tables and the plot of these results are infer/bench_report.py's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import statistics
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -157,15 +159,33 @@ def hf_runner(model, max_new_tokens: int, eos: int | list[int] | None, pad: int 
     return run
 
 
+@contextlib.contextmanager
+def host_syncs(device: torch.device) -> Iterator[Callable[[], int | None]]:
+    """Within: count the host syncs on CUDA (torch's sync debug mode warns at each one). Yields a function giving the
+    count so far; None off CUDA, where nothing waits."""
+    if device.type != "cuda":
+        yield lambda: None
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield lambda: sum("synchronizing" in str(w.message) for w in caught)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
 def speculative_runner(spec: SpeculativeModel, max_new_tokens: int, eos: int | list[int] | None,
                        pad: int | None = None) -> Runner:
     stop = eos_set(eos if eos is not None else spec.model.generation_config.eos_token_id)
 
     def run(ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[list[int]], dict | None]:
         # greedy like the baseline; the rest of the target's generation_config applies to both alike (or is refused)
-        out = spec.generate(ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                            do_sample=False, pad_token_id=pad)
-        return new_rows(out, ids.shape[1], stop), spec.last_stats.as_dict()
+        with host_syncs(ids.device) as syncs:
+            out = spec.generate(ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                do_sample=False, pad_token_id=pad)
+        return new_rows(out, ids.shape[1], stop), spec.last_stats.as_dict() | {"host_syncs": syncs()}
 
     return run
 
@@ -272,6 +292,8 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], 
             entry["ms_per_step"] = {k: 1e3 * sum(s[f"{k}_s"] for s in st) / max(1, batched_steps)
                                     for k in ("draft", "verify", "bookkeeping")}
             entry["accept_lengths"] = [n for s in st for n in s["accept_lengths"]]
+        if st and st[0].get("host_syncs") is not None:  # CUDA: the prefill's and the output's few included
+            entry["host_syncs_per_step"] = sum(s["host_syncs"] for s in st) / max(1, sum(len(s["step_times"]) for s in st))
         entry |= step_drift(st)
         if name in chains and st:
             entry |= chain_acceptance([a for s in st for a in s["accepted_drafts"]], [d for s in st for d in s["drafted"]])

@@ -17,7 +17,7 @@ from torch import nn
 
 from selfspec.heads.dflash import DFlashDraft
 from selfspec.heads.eagle import DraftCache
-from selfspec.infer.proposers import Draft
+from selfspec.infer.proposers import Draft, embedding_for
 from selfspec.infer.tree import Tree, descend, select_tree, tree_from_choices
 from selfspec.infer.verify import SamplingParams
 
@@ -34,10 +34,10 @@ class DFlashProposer:
                  top_k: int | None = None, total_tokens: int | None = None) -> None:
         cfg = draft.config
         self.draft = draft.eval()
-        self.embed, self.lm_head = embed, lm_head
         self.feature_layers = cfg.feature_layers  # the hidden_states indices the target hands over
         self.block = cfg.block_size
-        self.device = next(draft.parameters()).device
+        self.device = next(draft.parameters()).device  # the drafter's own (by the lm_head); what it reads moves here
+        self.embed, self.lm_head = embedding_for(embed, self.device), lm_head
         self.dtype = next(draft.parameters()).dtype
         depth = depth if depth is not None else cfg.depth
         self.top_k = top_k if top_k is not None else cfg.top_k
@@ -72,7 +72,7 @@ class DFlashProposer:
         self.cache.length = self.length
         positions = torch.arange(start - m, start + self.block, device=self.device)[None]
         block = self.draft.block_embeds(context[-1:], self.embed, self.dtype)  # (1, Bk, H)
-        out = self.draft(hiddens.to(self.dtype)[None], block, positions[:, :m], positions[:, m:], self.cache)
+        out = self.draft(hiddens.to(self.device, self.dtype)[None], block, positions[:, :m], positions[:, m:], self.cache)
         self.length += m
         self.cache.length = self.length  # the block's keys are dropped (overwritten next step)
         tokens, tree = self._draft(context[-1:], out[:, 1 : 1 + self.depth])[0]
@@ -138,7 +138,7 @@ class DFlashProposer:
         counts = [h.shape[0] if on else 0 for h, on in zip(hiddens, active)]
         M, Bk = max(counts), self.block
         starts = [c.shape[0] - 1 for c in contexts]
-        feats = hiddens[0].new_zeros(len(contexts), M, hiddens[0].shape[-1], dtype=self.dtype)
+        feats = torch.zeros(len(contexts), M, hiddens[0].shape[-1], dtype=self.dtype, device=self.device)
         for b, m in enumerate(counts):
             if m:
                 feats[b, :m] = hiddens[b]
@@ -148,7 +148,7 @@ class DFlashProposer:
         m = torch.tensor(counts)[:, None]
         j = torch.arange(M)[None]
         columns = torch.cat([torch.where(j < m, n + j, n + Bk + j), n + m + torch.arange(Bk)[None]], dim=1)
-        width = int((n + m).max()) + Bk
+        width = max(a + b for a, b in zip(self.row_lengths, counts)) + Bk
         visible = torch.arange(width)[None] < n + m + Bk  # (B, width)
         start = torch.tensor(starts)[:, None]
         ctx_pos = (start - m + j).clamp(min=0)

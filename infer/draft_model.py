@@ -54,14 +54,19 @@ class DraftModelProposer:
         keep = min(self.cache.get_seq_length(), context.shape[0] - 1)
         truncate(self.cache, keep)
         logits, _ = self.draft.prefill(context[keep:][None].to(self.draft.device), self.cache, hidden=False)
-        tokens, probs = [context[-1:]], []
+        drafted, probs = [], []
         for i in range(self.num_tokens):
             token, q = self._pick(logits)
-            tokens.append(token)
+            drafted.append(token)
             probs.append(q)
             if i + 1 < self.num_tokens:
-                logits, _ = self.draft.prefill(token[None], self.cache, hidden=False)
-        tokens = torch.cat(tokens)
+                logits, _ = self.draft.prefill(token[None].to(self.draft.device), self.cache, hidden=False)
+        # what it hands back sits where the context is (the target's drafts), wherever the draft model runs
+        device = context.device
+        tokens = torch.cat([context[-1:], torch.cat(drafted).to(device)])
+        if self.tree.depths.device != device:
+            self.tree = self.tree.to(device)
         if self.params.greedy:
             return Draft(tokens, self.tree)
-        return Draft(tokens, self.tree, torch.stack([torch.zeros_like(probs[0]), *probs]))
+        q = torch.stack(probs).to(device)
+        return Draft(tokens, self.tree, torch.cat([torch.zeros_like(q[:1]), q]))

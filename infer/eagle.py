@@ -19,7 +19,8 @@ from torch import nn
 
 from selfspec.heads.eagle import DraftCache, EagleDraft
 from selfspec.infer.mask import PrefixMask, RowMask
-from selfspec.infer.proposers import Draft
+from selfspec.infer.proposers import Draft, embedding_for
+from selfspec.infer.rows import upload
 from selfspec.infer.tree import Tree, choices_width, descend, select_tree, tree_from_choices
 from selfspec.infer.verify import SamplingParams
 
@@ -46,8 +47,8 @@ class EagleProposer:
         self.draft = draft.eval()
         self.name = cfg.kind  # eagle | eagle3
         self.feature_layers = cfg.feature_layers if cfg.kind == "eagle3" else None  # what the target hands over
-        self.embed, self.lm_head = embed, lm_head
-        self.device = next(draft.parameters()).device
+        self.device = next(draft.parameters()).device  # the drafter's own (by the lm_head); what it reads moves here
+        self.embed, self.lm_head = embedding_for(embed, self.device), lm_head
         self.dtype = next(draft.parameters()).dtype
         self.depth = depth if depth is not None else cfg.depth
         self.top_k = top_k if top_k is not None else cfg.top_k
@@ -114,7 +115,8 @@ class EagleProposer:
         # the confirmed pairs (f_t, x_{t+1}); the last one holds the root, so its output drafts depth 1
         positions = torch.arange(self.length, self.length + m, device=self.device)
         causal = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()
-        feats, logp = self._run(self.draft.fuse(hiddens.to(self.dtype)), context[-m:], causal, positions, last_only=True)
+        feats, logp = self._run(self.draft.fuse(hiddens.to(self.device, self.dtype)), context[-m:], causal, positions,
+                                last_only=True)
         self.length += m
         root_feature, root_logp = feats[-1], logp[-1]
         if self.static is not None:
@@ -156,16 +158,16 @@ class EagleProposer:
         M = max(counts)
         cache, mask = self.row_cache, self.row_mask
         # 1. the confirmed pairs (f_t, x_{t+1}) of each row, right-padded to M and written at the shared column
-        feats = hiddens[0].new_zeros(B, M, hiddens[0].shape[-1])
+        feats = torch.zeros(B, M, hiddens[0].shape[-1], dtype=self.dtype, device=device)  # rows' features move here
         tokens = torch.zeros(B, M, dtype=torch.long, device=device)
         for b, m in enumerate(counts):
             if m:
                 feats[b, :m] = hiddens[b]
                 tokens[b, :m] = contexts[b][-m:]
         at = cache.length
-        lengths = torch.tensor(self.row_lengths, device=device)
+        lengths = upload(self.row_lengths, device)
         cols = torch.arange(M, device=device)
-        count_t = torch.tensor(counts, device=device)
+        count_t = upload(counts, device)
         positions = lengths[:, None] + cols
         if at == 0:  # the prompts: right padding after causal pairs is never seen by them
             block = None

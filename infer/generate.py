@@ -31,7 +31,7 @@ from selfspec.infer.generation_config import Settings, resolve
 from selfspec.infer.loading import load_parts, refuse_unknown, target_placement
 from selfspec.infer.mask import RowMask
 from selfspec.infer.proposers import Draft, Proposer, row_copy
-from selfspec.infer.rows import Rows, first_tokens
+from selfspec.infer.rows import Rows, first_tokens, upload
 from selfspec.infer.stats import GenerateOutput, GenerationStats
 from selfspec.infer.target import Target
 from selfspec.infer.text_stream import text_pieces
@@ -82,7 +82,8 @@ class SpeculativeModel:
         self.last_stats = GenerationStats()
         self.last_rows: list[list[int]] = []  # new token ids of the last call, per row
         self._decoding = False  # a generation is under way (one at a time: the drafter holds its state)
-        self.root_only = tree_from_choices([]).to(self.target.device)  # the tree of a step that drafts nothing
+        # the tree of a step that drafts nothing, where drafted trees are (by the lm_head)
+        self.root_only = tree_from_choices([]).to(self.target.lm_head.weight.device)
         self._cache: PreallocatedCache | None = None  # the last finished generation's KV cache, reused by the next
 
     @classmethod
@@ -193,7 +194,7 @@ class SpeculativeModel:
         if min(budgets) < max_new_tokens:
             warnings.warn(f"prompt ({T - min(starts)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
                           f"model's {limit} positions: generating at most {min(budgets)} new tokens", stacklevel=3)
-        return self._decode(input_ids.to(self.target.device), starts, budgets, settings.params, settings.eos,
+        return self._decode(input_ids.to(self.model.get_input_embeddings().weight.device), starts, budgets, settings.params, settings.eos,
                             list(generators), limit)
 
     def _decode(self, input_ids: torch.Tensor, starts: list[int], budgets: list[int], params: SamplingParams,
@@ -243,7 +244,11 @@ class SpeculativeModel:
         the running ones move down to the first slots of the cache, the mask and the drafter's state (once per
         stop, never per step), so later forwards carry only them (a compiled verify keeps its fixed shapes
         instead: its stopped rows stay as padding)."""
-        target, device = self.target, self.target.device
+        # devices by where things meet: tokens, trees and the rows' state where drafts are made (the drafter sits by
+        # the lm_head), what the model reads (ids, positions, mask) where its input embedding is; the outputs are
+        # used where they come out (under accelerate's device_map the logits return to the input's device)
+        target = self.target
+        device, feed = target.lm_head.weight.device, self.model.get_input_embeddings().weight.device
         B, T = input_ids.shape
         together = B > 1 and getattr(self.proposer, "drafts_rows", False)  # the drafter batches rows itself
         fixed = target.compiled is not None
@@ -253,7 +258,7 @@ class SpeculativeModel:
         max_len = T + max(budgets) + max_nodes
         last_tree_at = None if limit is None else limit - max_nodes  # the latest root position a tree fits after
         # as wide as the cache's buffers (a reused cache may be larger): a compiled verify keeps one shape
-        mask = RowMask(B, max_nodes, cache.max_length, target.dtype, device)
+        mask = RowMask(B, max_nodes, cache.max_length, target.dtype, feed)
         context = torch.empty(B, max_len + 1, dtype=torch.long, device=device)  # each row's tokens, then its root
         context[:, :T] = input_ids
         for proposer, generator in zip(proposers, generators):
@@ -265,12 +270,18 @@ class SpeculativeModel:
 
         # 0. prefill: the prompts once; their last logits give each row's first token (its first tree root)
         t0 = time.perf_counter()
-        start_t = torch.tensor(starts, device=device)
-        logits, features = target.prefill_rows(input_ids, cache, start_t if any(starts) else None)
+        start_t = upload(starts, feed)
+        logits, features = target.prefill_rows(input_ids.to(feed), cache, start_t if any(starts) else None)
         roots = first_tokens(logits, params, generators)
         context[:, T] = roots
         mask.open(start_t, T)
         first = roots.tolist()
+        observers = [getattr(p, "observe", None) for p in proposers] if not together else []
+        if any(observers):  # drafters that keep the context on the host (prompt lookup) get it once, then each
+            prompts = input_ids.tolist()  # step's new tokens from the step's one read
+            for see, prompt, start, tok in zip(observers, prompts, starts, first):
+                if see is not None:
+                    see(prompt[start:] + [tok])
         stats.record_prefill(time.perf_counter() - t0, B)
         rows = Rows(starts, budgets, T, first, eos, generators, [features[b, s:] for b, s in enumerate(starts)], device)
         self.last_rows = rows.emitted
@@ -281,12 +292,13 @@ class SpeculativeModel:
             if not fixed and any(rows.done):  # rows that stopped leave the batch: no target or drafter work on them
                 width = max(rows.filled)
                 keep, index = rows.drop_stopped()
-                cache.select_rows(keep, index)
-                mask.select_rows(keep, index, width)
+                cache.select_rows(keep, index.to(feed))
+                mask.select_rows(keep, index.to(feed), width)
                 if together:
                     proposers[0].select_rows(keep, index)
                 else:
                     proposers = [proposers[s] for s in keep]
+                    observers = [observers[s] for s in keep] if observers else []
                 context[: len(keep), : width + 1] = context[:, : width + 1].index_select(0, index)
                 context = context[: len(keep)]
             # 1. propose: each row's drafter builds a tree below its root (near the position limit, or once the
@@ -306,19 +318,21 @@ class SpeculativeModel:
             # 2. verify: one target forward over every row's tree, all written at column `at`
             m2 = clock.mark()
             at = rows.tree_column()
-            positions = rows.positions(trees.depths)
-            if fixed:  # compiled: the same shapes every step (the largest tree, the whole cache)
-                logits, node_features = target.verify_rows(tokens, positions, mask.at(at, trees.ancestors, full=True),
-                                                           cache, at=rows.filled_t.max())
-            else:
-                logits, node_features = target.verify_rows(tokens, positions, mask.at(at, trees.ancestors), cache)
-            # 3. accept: per row the deepest node whose path the target agrees with, plus a bonus token
+            positions = rows.positions(trees.depths).to(feed)
+            tree_mask = mask.at(at, trees.ancestors.to(feed), full=fixed)  # compiled: the whole cache, every step
+            logits, node_features = target.verify_rows(tokens.to(feed), positions, tree_mask, cache,
+                                                       at=rows.filled_t.max().to(feed) if fixed else None)
+            # 3. accept: per row the deepest node whose path the target agrees with, plus a bonus token (on the
+            # logits' device: the drafts move there, not the logits)
+            on = logits.device
             if params.greedy:
-                ends, bonus = accept_greedy_rows(logits, tokens, trees)
+                ends, bonus = accept_greedy_rows(logits, tokens.to(on), trees.to(on))
             else:  # each row on its own tree and generator: its draws never depend on the other rows
-                picks = [accept(logits[b, : d.tree.size], d.tokens, d.tree, params, rows.generators[b], d.probs)
-                         if not rows.done[b] else (ends_root(device), tokens[b, 0]) for b, d in enumerate(drafts)]
+                picks = [accept(logits[b, : d.tree.size], d.tokens.to(on), d.tree.to(on), params, rows.generators[b],
+                                None if d.probs is None else d.probs.to(on))
+                         if not rows.done[b] else (ends_root(on), tokens[b, :1].to(on)[0]) for b, d in enumerate(drafts)]
                 ends, bonus = torch.cat([e for e, _ in picks]), torch.stack([t for _, t in picks])
+            ends, bonus = ends.to(device), bonus.to(device)
             m3 = clock.mark()
             W = trees.paths.shape[-1]
             paths = trees.paths.gather(1, ends[:, None, None].expand(len(rows), 1, W))[:, 0]  # (B, D+1) root first
@@ -328,13 +342,17 @@ class SpeculativeModel:
             # 4. commit: each row keeps its prefix + accepted path (cut at EOS or its budget); its bonus is its
             # next root
             new_rows, lengths, counts = rows.take(host, [d.tree.size for d in drafts])
+            for see, new in zip(observers, new_rows):
+                if see is not None:
+                    see(new)
             dst, kept = rows.advance(lengths, end_depths, columns[:W])
             keep_accepted_rows(cache, at + paths, dst, rows.cache_end())
-            mask.commit(at, N, dst, kept)
+            mask.commit(at, N, dst.to(feed), kept.to(feed))
             context.scatter_(1, dst, path_tokens)
             context.scatter_(1, rows.filled_t[:, None], bonus[:, None])
             rows.end_step()
-            path_features = node_features.gather(1, paths[:, :, None].expand(-1, -1, node_features.shape[-1]))
+            path_features = node_features.gather(1, paths.to(node_features.device)[:, :, None].expand(
+                -1, -1, node_features.shape[-1]))  # where the features came out: each drafter moves its own
             rows.hiddens = [path_features[b, :n] for b, n in enumerate(lengths)]
             stats.record_step(counts["drafted"], counts["accepted"], counts["made"], began, (m1, m2, m3), clock)
             yield rows.in_caller_order(new_rows)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from selfspec.infer.proposers import Draft
+from selfspec.infer.rows import upload
 from selfspec.infer.tree import chain_choices, tree_from_choices
 from selfspec.infer.verify import SamplingParams
 
@@ -57,14 +58,19 @@ class PromptLookupProposer:
         self.device = device
         self.chains = [chain.to(device) for chain in self.host_chains]
 
+    def observe(self, new: list[int]) -> None:
+        """The tokens the context grew by, from the host (the decode loop has them after its one read per step:
+        the prompt and first token, then each step's new tokens), so that `propose` reads nothing back."""
+        self._extend(new)
+
     @torch.no_grad()
     def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
         if context.device != self.device:
             self._to(context.device)
-        self._extend(context[len(self.tokens) :].tolist())  # only the new tokens cross to the host
+        if len(self.tokens) < context.shape[0]:  # not told by `observe`: only the new tokens cross to the host
+            self._extend(context[len(self.tokens) :].tolist())
         guess = self.lookup()
-        tokens = torch.tensor([self.tokens[-1], *guess], dtype=torch.long, device=self.device)
-        return Draft(tokens, self.chains[len(guess)])
+        return Draft(upload([self.tokens[-1], *guess], self.device), self.chains[len(guess)])
 
 
 class LookupFirst:
@@ -90,6 +96,10 @@ class LookupFirst:
         self.primary.reset(max_length, params, generator)
         self.lookup.reset(max_length, params, generator)
         self.pending = []
+
+    def observe(self, new: list[int]) -> None:
+        """See `PromptLookupProposer.observe` (the other drafter reads the device context)."""
+        self.lookup.observe(new)
 
     def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
         self.pending.append(hiddens)

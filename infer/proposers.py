@@ -50,6 +50,24 @@ class Proposer(Protocol):
     # with rows `keep` only, in that order: rows that stopped leave it); see MedusaProposer and EagleProposer.
 
 
+class Embedding(torch.nn.Module):
+    """The target's input embedding called from a drafter on another device (a target split by device_map): the
+    ids go to the embedding's device and the vectors come back to the ids' own."""
+
+    def __init__(self, embed: torch.nn.Module) -> None:
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids.to(self.embed.weight.device)).to(ids.device)
+
+
+def embedding_for(embed: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`embed` as a drafter on `device` calls it: itself where it sits there too, else wrapped (`Embedding`)."""
+    weight = getattr(embed, "weight", None)
+    return embed if weight is None or weight.device == device else Embedding(embed)
+
+
 def default_medusa_choices(num_heads: int, num_nodes: int = 24) -> list[list[int]]:
     """A tree for untuned heads from a typical accuracy profile (falls with depth and rank)."""
     depth = torch.arange(num_heads, dtype=torch.float)[:, None]
@@ -86,6 +104,7 @@ class MedusaProposer:
             raise ValueError(f"the tree takes rank {self.top_k - 1} of a head's guesses, but the heads guess among "
                              f"{vocab} tokens: use ranks below {vocab} (--tree)")
         self.dtype = next(heads.parameters()).dtype
+        self.device = device  # the heads' (by the lm_head: where tokens and logits are); hidden states move here
 
     def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
         pass  # stateless: every step reads only the newest hidden state
@@ -116,7 +135,7 @@ class MedusaProposer:
         the hidden states that produced them (B, H) -> tokens (B, N) of `self.tree`, root first."""
         if self.max_nodes == 1:  # a fitted tree of the root alone (no draft paid off): the heads need not run
             return roots[:, None]
-        logits = torch.stack(self.heads(hiddens.to(self.dtype), self.lm_head), dim=1)  # (B, K, V)
+        logits = torch.stack(self.heads(hiddens.to(self.device, self.dtype), self.lm_head), dim=1)  # (B, K, V)
         top = logits.topk(self.top_k, dim=-1).indices  # (B, K, k)
         return torch.cat([roots[:, None], top[:, self.node_head, self.node_rank]], dim=1)
 

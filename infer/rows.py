@@ -26,6 +26,13 @@ def cut(new: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
     return new, done
 
 
+def upload(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values as a tensor on `device`, without waiting for the device: a tensor made from host data straight on
+    an accelerator (torch.tensor(..., device=)) waits for all work queued there first; a non-blocking copy from
+    pageable host memory is staged at once and does not."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def first_tokens(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None]) -> torch.Tensor:
     """Each row's first new token from its prompt's last logits (B, V), as plain decoding chooses it."""
     if params.greedy:
@@ -47,7 +54,7 @@ class Rows:
         self.produced = [1] * count
         self.done = [tok in eos or budget == 1 for tok, budget in zip(first, budgets)]
         self.emitted = [[tok] for tok in first]
-        self.start_t = torch.tensor(starts, device=device)
+        self.start_t = upload(starts, device)
         self.filled_t = torch.full((count,), prompt_width, dtype=torch.long, device=device)
         self._tell_device()
 
@@ -60,13 +67,13 @@ class Rows:
 
     def _tell_device(self) -> None:
         self.stopped = list(self.done)  # what the device copy says
-        self.stopped_t = torch.tensor(self.stopped, device=self.device)
+        self.stopped_t = upload(self.stopped, self.device, torch.bool)
 
     def drop_stopped(self) -> tuple[list[int], torch.Tensor]:
         """Remove the rows that stopped; return the slots kept and the same as an index on the device, for the
         caller to select the cache, mask and drafter rows with."""
         keep = [s for s, off in enumerate(self.done) if not off]
-        index = torch.tensor(keep, device=self.device)
+        index = upload(keep, self.device)
         for name in PER_ROW:
             values = getattr(self, name)
             setattr(self, name, [values[s] for s in keep])

@@ -111,7 +111,7 @@ def build_tree(parents: torch.Tensor, ranks: torch.Tensor, max_depth: int, width
     up = parents
     for _ in range(max_depth):
         valid = up >= 0
-        ancestors |= torch.nn.functional.one_hot(up.clamp(min=0), n).bool() & valid[:, None]
+        ancestors |= (up[:, None] == idx[None, :]) & valid[:, None]  # one_hot would check its range: a host sync
         depths += valid
         chain.append(up)
         up = torch.where(valid, parents[up.clamp(min=0)], -1)

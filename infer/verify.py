@@ -57,22 +57,29 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 NUCLEUS_FIRST_K = 64  # candidates the nucleus is first looked for among; 4x more each time it does not fit
+GROWS_ON = ("cpu",)  # devices where the search may read back whether it is done (free there; a sync elsewhere)
 
 
 def outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """(..., V) bool: the tokens outside the smallest most-probable set whose mass reaches top_p.
 
-    Sorting the whole vocabulary is not needed: the nucleus is found among the top k tokens (k = 64, grown 4x
-    until every row's top k reach top_p), which are a full sort's first k with the same running sums. Tokens
-    tied at the boundary are cut by position in that order, as a sort would (not all kept)."""
+    On CPU sorting the whole vocabulary is not needed: the nucleus is found among the top k tokens (k = 64, grown
+    4x until every row's top k reach top_p), which are a full sort's first k with the same running sums. Whether
+    they reach it is a value read back, which on an accelerator waits for the device: there the whole vocabulary is
+    sorted instead (on the device, no read). Tokens tied at the boundary are cut by position in that order, as a
+    sort would (not all kept)."""
     vocab = probs.shape[-1]
-    k = min(NUCLEUS_FIRST_K, vocab)
-    while True:
-        top = probs.topk(k, dim=-1)  # sorted, descending
-        cum = top.values.cumsum(-1)
-        if k == vocab or bool((cum[..., -1] >= top_p).all()):
-            break
-        k = min(4 * k, vocab)
+    if probs.device.type not in GROWS_ON:
+        top = probs.sort(dim=-1, descending=True)
+        k, cum = vocab, top.values.cumsum(-1)
+    else:
+        k = min(NUCLEUS_FIRST_K, vocab)
+        while True:
+            top = probs.topk(k, dim=-1)  # sorted, descending
+            cum = top.values.cumsum(-1)
+            if k == vocab or bool((cum[..., -1] >= top_p).all()):
+                break
+            k = min(4 * k, vocab)
     kept = ((cum - top.values) < top_p).sum(-1, keepdim=True)  # tokens before which the mass is below top_p
     inside = torch.arange(k, device=probs.device) < kept  # (..., k): the first `kept` of the sorted top k
     return ~torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top.indices, inside)
