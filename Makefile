@@ -58,6 +58,7 @@ bench-gpu: $(VENV)/.installed
 	$(PY) -m selfspec bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --json outputs/bench-gpu.json
 	$(PY) -m selfspec bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --compile \
 		--json outputs/bench-gpu-compile.json
+	$(PY) -m selfspec.infer.kv_bytes --device cuda --dtype bfloat16 --out outputs/kv-bytes-gpu.json
 
 clean-demo:
 	rm -rf outputs/medusa-demo outputs/eagle-demo outputs/eagle3-demo outputs/bench-demo.json outputs/bench-demo.png

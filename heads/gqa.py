@@ -46,16 +46,19 @@ def folds_cheaper(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) ->
 def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                  scale: float | None = None, fold: bool | None = None) -> torch.Tensor:
     """query (B, Hkv*G, T, D), key and value (B, Hkv, S, D), mask (B or 1, 1, T, S) bool (True = visible) or
-    additive -> (B, Hkv*G, T, Dv), query head i reading key head i // G (as repeat_kv pairs them). `fold`: fold
-    the groups into the query length (None: unless the device's kernels take the groups natively, `native_gqa`)."""
+    additive -> (B, Hkv*G, T, Dv), query head i reading key head i // G (as repeat_kv pairs them), always on a
+    fused kernel's inputs. `fold` True: fold the groups into the query length; False: `enable_gqa`; None: by the
+    device and the sizes (the grouped kernel where `native_gqa`, else the fold where it copies less than
+    repeating the keys and values, else those repeated)."""
     B, H, T, D = query.shape
     groups = H // key.shape[1]
     if groups == 1:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
-    if fold is None:
-        fold = not native_gqa(query.device)
-    if not fold or mask is None or mask.shape[1] != 1:  # no mask: SDPA's flash kernels take the groups natively
+    if mask is None or fold is False or (fold is None and native_gqa(query.device)):  # no mask: flash takes groups
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    if mask.dim() != 4 or mask.shape[1] != 1 or (fold is None and not folds_cheaper(query, key, mask)):  # a long prompt's
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
     folded = query.reshape(B, key.shape[1], groups * T, D)  # (B, Hkv, G*T, D): a view when query is contiguous
     out = F.scaled_dot_product_attention(folded, key, value, attn_mask=fold_mask(mask, groups), scale=scale)
     return out.view(B, H, T, value.shape[-1])  # (B, Hkv, G*T, Dv) -> (B, H, T, Dv)

@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward, use
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from selfspec.heads.gqa import folds_cheaper, grouped_sdpa, native_gqa
+from selfspec.heads.gqa import grouped_sdpa
 
 ATTENTION = "selfspec_sdpa"
 
@@ -31,16 +31,12 @@ def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
     """transformers' attention-function signature: query (B, H, T, D), key and value (B, Hkv, S, D) -> the
     output (B, T, H, Dv) and no weights."""
     groups = query.shape[1] // key.shape[1]
-    plain = (groups == 1 or attention_mask is None or dropout or attention_mask.shape[1] != 1
-             or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
-             or kwargs.get("s_aux") is not None or use_gqa_in_sdpa(attention_mask, key, value))
-    # a long prompt's mask folded would outweigh the KV copy it saves: fold only where it is smaller
-    if not plain and not native_gqa(query.device) and not folds_cheaper(query, key, attention_mask):
-        plain = True
-    if plain:
+    if (groups == 1 or attention_mask is None or dropout or kwargs.get("softcap") is not None
+            or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None
+            or use_gqa_in_sdpa(attention_mask, key, value)):  # nothing to save, or what grouped_sdpa cannot do
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    out = grouped_sdpa(query, key, value, attention_mask, scaling)  # (B, H, T, Dv)
+    out = grouped_sdpa(query, key, value, attention_mask, scaling)  # (B, H, T, Dv); a long prompt: repeated K/V
     return out.transpose(1, 2).contiguous(), None
 
 

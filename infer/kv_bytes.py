@@ -4,12 +4,14 @@
 
 A random grouped-query Llama target (16 query heads over 4 key/value heads; a real model's path: a target
 given with --model) is prefilled to `context` tokens, then one tree of `tree` nodes is verified twice: through
-transformers' "sdpa" as it is, and through "selfspec_sdpa". Two counts per forward:
+transformers' "sdpa" as it is, through "selfspec_sdpa", and through "selfspec_sdpa" folding the query groups
+as it does on CUDA (`heads.gqa`; forced here). Two counts per forward:
 
 - `kv_copied`: bytes written by copying ops (clone, copy_, cat, index_select, ...) that read the cache's
   buffers, seen op by op with a TorchDispatchMode (repeat_kv's expand + reshape is a clone of each layer's
   keys and values);
-- `allocated`: bytes allocated during the forward, summed over torch.profiler's per-op memory records.
+- `allocated`: bytes allocated during the forward, summed over torch.profiler's per-op memory records (the
+  fold's mask copy, G*T*S per layer, is here).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from selfspec.heads import gqa
 from selfspec.infer.cache import PreallocatedCache, new_cache
 from selfspec.infer.mask import RowMask
 from selfspec.infer.target import Target
@@ -64,9 +68,11 @@ def measure(forward: Callable[[], object], cache: PreallocatedCache) -> dict:
     """kv_copied (bytes, and per op) and allocated bytes of one call of `forward`."""
     with CopyCounter(storages(cache)) as counter:
         forward()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
         forward()
-    allocated = sum(max(0, e.self_cpu_memory_usage) for e in prof.key_averages())
+    allocated = sum(max(0, e.self_cpu_memory_usage) + max(0, getattr(e, "self_device_memory_usage", 0))
+                    for e in prof.key_averages())
     return {"kv_copied": counter.bytes, "kv_copied_by_op": counter.ops, "allocated": allocated}
 
 
@@ -80,29 +86,37 @@ def gqa_model(layers: int, context: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
 
+# (name, grouped attention, whether the kernels take grouped heads: None = as the device does): the third is
+# CUDA's fold, wherever it runs
+VARIANTS = (("sdpa", False, None), ("selfspec_sdpa", True, None), ("selfspec_sdpa_folded", True, False))
+
+
 def verify_bytes(model: torch.nn.Module, context: int, tree: int) -> dict:
-    """{"sdpa": ..., "selfspec_sdpa": ...}: `measure` of one verify forward of a `tree`-node chain after a
+    """{name: ...} per VARIANTS: `measure` of one verify forward of a `tree`-node chain after a
     prefilled `context`-token prompt, each through its own cache."""
     gen = torch.Generator().manual_seed(0)
     vocab = model.get_output_embeddings().weight.shape[0]
-    prompt = torch.randint(3, vocab, (1, context), generator=gen)
-    tokens = torch.randint(3, vocab, (1, tree), generator=gen)
+    device = next(model.parameters()).device
+    prompt = torch.randint(3, vocab, (1, context), generator=gen).to(device)
+    tokens = torch.randint(3, vocab, (1, tree), generator=gen).to(device)
     result = {}
-    for name, grouped in (("sdpa", False), ("selfspec_sdpa", True)):
+    for name, grouped, native in VARIANTS:
         target = Target(model, grouped_attention=grouped)
         cache = new_cache(model, context + tree)
         target.prefill_rows(prompt, cache, hidden=False)
         mask = RowMask(1, tree, cache.max_length, target.dtype, target.device)
-        mask.open(torch.zeros(1, dtype=torch.long), context)
-        block = mask.at(context, torch.ones(tree, tree, dtype=torch.bool).tril()[None])
-        positions = torch.arange(context, context + tree)[None]
+        mask.open(torch.zeros(1, dtype=torch.long, device=device), context)
+        block = mask.at(context, torch.ones(tree, tree, dtype=torch.bool, device=device).tril()[None])
+        positions = torch.arange(context, context + tree, device=device)[None]
 
         def forward(target=target, cache=cache, block=block, positions=positions):
             target.verify_rows(tokens, positions, block, cache)
             for layer in cache.layers:  # forget the tree: every call writes it at the same columns
                 layer.crop(-tree)
 
-        result[name] = measure(forward, cache)
+        kernels = gqa.native_gqa if native is None else (lambda device, native=native: native)
+        with mock.patch.object(gqa, "native_gqa", kernels):
+            result[name] = measure(forward, cache)
     return result
 
 
@@ -112,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tree", type=int, default=64, help="tree nodes verified in the forward")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the random GQA model")
     p.add_argument("--model", default=None, help="a local causal LM folder to measure instead (loaded with sdpa)")
+    p.add_argument("--device", default="cpu", help="where the model runs (cuda: the fold is the device's own path)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out", type=Path, default=None, help="also write the result here as JSON")
     args = p.parse_args(argv)
     if args.model:
@@ -120,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
     else:
         model = gqa_model(args.layers, args.context)
+    model = model.to(args.device, getattr(torch, args.dtype))
     with torch.no_grad():
         result = {"context": args.context, "tree": args.tree, **verify_bytes(model, args.context, args.tree)}
     text = json.dumps(result, indent=2)

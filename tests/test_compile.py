@@ -11,6 +11,7 @@ from selfspec.heads.eagle import layer_fields
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.infer.eagle import EagleProposer
 from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.mask import RowMask
 
 
 def plain(model, prompt, n):
@@ -60,3 +61,24 @@ def test_compiled_verification_reads_eagle3_features():
     assert seen[True][1].shape[-1] == 2 * 48  # two layers, fused by the drafter
     for a, b in zip(seen[True], seen[False]):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_reduce_overhead_mode_decodes_greedily_as_generate_over_static_buffers():
+    """The mode CUDA graphs come with (`Target.compile("reduce-overhead")`): on the CPU the same compiled code
+    without graphs. Its inputs stay graph-ready: the cache's and the mask's buffers are static addresses (CUDA
+    graphs read them in place instead of copying them in per replay), and a cache width is a multiple of 16."""
+    model = tiny_model("llama")
+    spec = SpeculativeModel(model, drafter(model, "medusa"))
+    spec.target.compile("reduce-overhead")
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(4)) for n in (6, 2)]
+    ids, mask = left_padded(prompts)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
+    for b, p in enumerate(prompts):
+        assert out[b, ids.shape[1]:].tolist() == plain(model, p, 24)
+    assert max(spec.last_stats.accept_lengths) > 1
+    cache = spec._cache
+    assert cache.max_length % 16 == 0
+    static = [getattr(t, "_dynamo_static_input_type", None) for layer in cache.layers
+              for t in (layer.key_storage, layer.value_storage)]
+    assert len(static) == 2 * len(cache.layers) and None not in static
+    assert getattr(RowMask(2, 4, 32, torch.float32, "cpu").storage, "_dynamo_static_input_type", None) is not None

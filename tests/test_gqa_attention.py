@@ -5,8 +5,11 @@ greedy tokens as model.generate; no byte of the cache copied; the user's model l
 import pytest
 import torch
 from test_batch import drafter, left_padded
+from test_dflash import proposer as dflash_proposer
+from test_dflash import random_draft as random_dflash
 from transformers.integrations.sdpa_attention import repeat_kv
 
+import selfspec.heads.gqa as gqa
 import selfspec.infer.attention as attention
 from conftest import VOCAB, tiny_model
 from selfspec.heads.gqa import ALIGN, fold_mask, grouped_sdpa
@@ -21,7 +24,7 @@ from selfspec.infer.target import Target
 @pytest.fixture(params=["native", "folded"])
 def path(request, monkeypatch) -> str:
     """Both ways round the copy: the CPU's own grouped kernel, and the fold CUDA takes (forced here)."""
-    monkeypatch.setattr(attention, "native_gqa", lambda device: request.param == "native")
+    monkeypatch.setattr(gqa, "native_gqa", lambda device: request.param == "native")
     return request.param
 
 
@@ -32,15 +35,18 @@ def reference(query, key, value, mask, scale):
                                                             attn_mask=mask, scale=scale)
 
 
-@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("fold", [False, True, "repeat"])
 @pytest.mark.parametrize("kind", ["bool", "additive", "broadcast"])
-def test_grouped_sdpa_equals_repeated_keys(fold, kind):
+def test_grouped_sdpa_equals_repeated_keys(fold, kind, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, t, 8, generator=gen) for h, t in ((6, 5), (2, 37), (2, 37)))  # G = 3, S = 37
     visible = torch.rand(2 if kind != "broadcast" else 1, 1, 5, 37, generator=gen) < 0.7
     visible[..., 0] = True  # every query sees something
     mask = visible if kind != "additive" else torch.where(visible, 0.0, torch.finfo(torch.float32).min)
-    out = grouped_sdpa(q, k, v, mask, 0.3, fold=fold)
+    if fold == "repeat":  # what a long prompt takes off the CPU: the fold would copy more than the keys
+        monkeypatch.setattr(gqa, "native_gqa", lambda device: False)
+        monkeypatch.setattr(gqa, "folds_cheaper", lambda *args: False)
+    out = grouped_sdpa(q, k, v, mask, 0.3, fold=None if fold == "repeat" else fold)
     torch.testing.assert_close(out, reference(q, k, v, mask, 0.3), atol=1e-6, rtol=0)
 
 
@@ -117,6 +123,21 @@ def test_greedy_decoding_equals_generate(arch, path, kind):
     assert max(spec.last_stats.accept_lengths) >= {"eagle": 1, "self": 4}[kind]  # self: root + 3 drafted
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash"])
+def test_drafters_draft_the_same_trees_on_either_path(kind, monkeypatch):
+    """The drafters' own attention (heads.gqa) folded as on CUDA: the same acceptance step by step (the trees
+    the drafter proposed), not only the same tokens."""
+    model = tiny_model("qwen2")
+    prompt = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for native in (True, False):
+        monkeypatch.setattr(gqa, "native_gqa", lambda device, native=native: native)
+        proposer = drafter(model, kind) if kind != "dflash" else dflash_proposer(model, random_dflash(model))
+        spec = SpeculativeModel(model, proposer)
+        runs[native] = spec.generate(prompt, max_new_tokens=24, eos_token_id=[]), spec.last_stats.accept_lengths
+    assert torch.equal(runs[True][0], runs[False][0]) and runs[True][1] == runs[False][1]
+
+
 def test_what_it_does_not_cover_goes_to_transformers_sdpa():
     """Softcapping (Gemma-2) is not folded: transformers' sdpa refuses it as it always has."""
     q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
@@ -145,3 +166,15 @@ def test_cache_and_mask_widths_are_multiples_of_16():
     assert all(layer.keys.stride(1) % (WIDTH_STEP * layer.keys.shape[-1]) == 0 for layer in cache.layers)
     mask = RowMask(1, 4, cache.max_length, torch.float32, "cpu").at(3, torch.ones(1, 4, 4, dtype=torch.bool))
     assert mask.shape[-1] == 7 and mask.stride(-2) % WIDTH_STEP == 0  # the view's rows stay aligned
+
+
+def test_kv_bytes_script_reports_the_copy_before_and_none_after(tmp_path):
+    import json
+
+    from selfspec.infer.kv_bytes import main
+
+    main(["--context", "32", "--tree", "8", "--layers", "1", "--out", str(tmp_path / "kv.json")])
+    result = json.loads((tmp_path / "kv.json").read_text())
+    # one layer's keys and values repeated to 16 heads of 64 over the 32 + 8 filled columns, float32
+    assert result["sdpa"]["kv_copied"] == 2 * 16 * 40 * 64 * 4
+    assert result["selfspec_sdpa"]["kv_copied"] == result["selfspec_sdpa_folded"]["kv_copied"] == 0
