@@ -16,7 +16,6 @@ Qwen3-family layers), `norm`. The target's embedding and lm_head are passed in, 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
@@ -28,6 +27,7 @@ from transformers.models.llama.modeling_llama import (
 
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.eagle import DraftCache, Float32RotaryEmbedding, llama_config
+from selfspec.heads.gqa import grouped_sdpa
 from selfspec.heads.io import PretrainedHeads
 from selfspec.heads.projection import apply_head
 
@@ -159,8 +159,7 @@ class DFlashDraft(PretrainedHeads):
                 cache.write_at(i, k, v, columns)
                 width = visible.shape[-1]
                 k, v = cache.keys[i, :, :, :width], cache.values[i, :, :, :width]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.scaling,
-                                                 enable_gqa=attn.num_key_value_groups > 1)
+            out = grouped_sdpa(q, k, v, visible, attn.scaling)  # a fused kernel under the mask (heads/gqa.py)
             h = self._finish(layer, h, out.transpose(1, 2).flatten(2))
         return self.norm(h)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
@@ -26,6 +25,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from selfspec.heads.config import HeadsConfig
+from selfspec.heads.gqa import grouped_sdpa
 from selfspec.heads.io import PretrainedHeads
 from selfspec.heads.projection import apply_head, is_plain_linear, vocab_logits
 
@@ -159,8 +159,7 @@ def attend(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.
     q, k, v = project(attn, x, cos, sin)
     if cache is not None:
         k, v = cache.write(layer, k, v)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling,
-                                         enable_gqa=attn.num_key_value_groups > 1)
+    out = grouped_sdpa(q, k, v, mask, attn.scaling)  # a fused kernel under the mask, no KV copy for a few queries
     return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
