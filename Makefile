@@ -51,13 +51,16 @@ test: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(TEST_WORKERS)  # the tests use only the models the project builds
 
 # On a GPU machine (build the venv with a CUDA torch: make bench-gpu TORCH_SPEC=torch): the CUDA tests, then the
-# bench in bf16 at batch 1 and 8, eager and compiled. HEADS: the trained drafters (make demo writes these two).
+# bench in bf16 at batch 1 and 8, eager, compiled and with CUDA graphs (each reports host syncs per step), then
+# the KV bytes a verify forward copies. HEADS: the trained drafters (make demo writes these two).
 HEADS ?= --heads outputs/medusa-demo --heads outputs/eagle-demo
 bench-gpu: $(VENV)/.installed
 	$(PY) -m pytest -m cuda tests/test_cuda.py
 	$(PY) -m selfspec bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --json outputs/bench-gpu.json
 	$(PY) -m selfspec bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --compile \
 		--json outputs/bench-gpu-compile.json
+	$(PY) -m selfspec bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --compile reduce-overhead \
+		--json outputs/bench-gpu-graphs.json
 	$(PY) -m selfspec.infer.kv_bytes --device cuda --dtype bfloat16 --out outputs/kv-bytes-gpu.json
 
 clean-demo:

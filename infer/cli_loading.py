@@ -142,9 +142,9 @@ def load_models(
         from selfspec.infer.prompt_lookup import PromptLookupProposer
 
         specs.append(SpeculativeModel(model, PromptLookupProposer(args.prompt_lookup_tokens, device=args.device)))
-    if getattr(args, "compile", False):
+    if getattr(args, "compile", None):
         for spec in specs:
-            spec.target.compile()
+            spec.target.compile(args.compile)
     return model, tokenizer, specs
 
 

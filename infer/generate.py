@@ -70,12 +70,13 @@ def ends_root(device: torch.device) -> torch.Tensor:
 class SpeculativeModel:
     """A frozen target plus a proposer; `generate` takes what `model.generate` takes, batches included."""
 
-    def __init__(self, model: torch.nn.Module, proposer: Proposer, compile: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, proposer: Proposer, compile: bool | str = False) -> None:
         """`compile`: verify trees through torch.compile (fixed shapes: every step verifies the largest tree
-        over the whole cache; the first steps pay the compilation)."""
+        over the whole cache; the first steps pay the compilation); True is torch.compile's default mode, a
+        string names the mode ("reduce-overhead": CUDA graphs on CUDA)."""
         self.target = Target(model, getattr(proposer, "feature_layers", None))
         if compile:
-            self.target.compile()
+            self.target.compile(compile if isinstance(compile, str) else "default")
         check_drafter_device(proposer, self.target.lm_head.weight.device)
         self.proposer = proposer
         self.model = model
@@ -104,7 +105,7 @@ class SpeculativeModel:
         draft_depth: int | None = None,
         draft_top_k: int | None = None,
         draft_total_tokens: int | None = None,
-        compile: bool = False,
+        compile: bool | str = False,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> SpeculativeModel:

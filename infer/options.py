@@ -163,8 +163,10 @@ def drafter_options(p: argparse.ArgumentParser, several: bool) -> None:
     p.add_argument("--max-new-tokens", type=at_least(1), default=128,
                    help="new tokens per prompt (clipped to the model's positions)")
     p.add_argument("--json", help="write results to this JSON file (its folder is made if missing)")
-    p.add_argument("--compile", action="store_true",
-                   help="verify trees through torch.compile (fixed shapes; the first steps pay the compilation)")
+    p.add_argument("--compile", nargs="?", const="default", default=None,
+                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                   help="verify trees through torch.compile in this mode (default: torch.compile's default; "
+                        "reduce-overhead: CUDA graphs on CUDA); fixed shapes, the first steps pay the compilation")
 
 
 def eagle_tree_options(p: argparse.ArgumentParser, top_k_flags: list[str], note: str) -> None:

@@ -1,6 +1,7 @@
 """`compile=True`: tree verification through torch.compile with fixed shapes gives the same tokens, and does
 not recompile step by step."""
 
+import pytest
 import torch
 from test_batch import drafter, left_padded
 from torch._dynamo.utils import counters
@@ -68,8 +69,7 @@ def test_reduce_overhead_mode_decodes_greedily_as_generate_over_static_buffers()
     without graphs. Its inputs stay graph-ready: the cache's and the mask's buffers are static addresses (CUDA
     graphs read them in place instead of copying them in per replay), and a cache width is a multiple of 16."""
     model = tiny_model("llama")
-    spec = SpeculativeModel(model, drafter(model, "medusa"))
-    spec.target.compile("reduce-overhead")
+    spec = SpeculativeModel(model, drafter(model, "medusa"), compile="reduce-overhead")  # --compile reduce-overhead
     prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(4)) for n in (6, 2)]
     ids, mask = left_padded(prompts)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
@@ -82,3 +82,15 @@ def test_reduce_overhead_mode_decodes_greedily_as_generate_over_static_buffers()
               for t in (layer.key_storage, layer.value_storage)]
     assert len(static) == 2 * len(cache.layers) and None not in static
     assert getattr(RowMask(2, 4, 32, torch.float32, "cpu").storage, "_dynamo_static_input_type", None) is not None
+
+
+def test_the_compile_option_takes_a_mode():
+    from selfspec.infer.cli import COMMANDS
+    from selfspec.infer.options import build_parser
+
+    parse = build_parser(COMMANDS).parse_args
+    assert parse(["bench", "--compile", "reduce-overhead"]).compile == "reduce-overhead"
+    assert parse(["bench", "--compile", "--json", "x.json"]).compile == "default"
+    assert parse(["bench"]).compile is None
+    with pytest.raises(SystemExit):
+        parse(["bench", "--compile", "fastest"])
