@@ -57,6 +57,7 @@ class EagleProposer:
             if getattr(self, name) < 1:
                 raise ValueError(f"EAGLE {name} must be >= 1, got {getattr(self, name)}")
         self.depth = min(self.depth, self.total_tokens)  # a kept tree is never deeper than its node count
+        draft.check_draft_vocab("this EAGLE drafter")  # an in-memory d2t too: siblings must be distinct tokens
         drafted = cfg.draft_vocab_size or cfg.vocab_size
         width = choices_width(choices)
         for wanted, what in ((self.top_k, "top_k"), (width, "children per node in the static tree")):

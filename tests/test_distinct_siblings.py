@@ -13,6 +13,7 @@ from conftest import tiny_model
 from selfspec.heads.eagle import draft_targets
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.formats.eagle3_config import draft_vocab_maps
+from selfspec.infer.eagle import EagleProposer
 
 
 def test_a_one_to_one_map_gives_its_target_ids():
@@ -44,3 +45,14 @@ def test_a_saved_drafter_with_a_repeating_map_is_refused_when_loaded(tmp_path):
 def test_an_imported_repeating_map_is_refused(tmp_path):
     with pytest.raises(ValueError, match="maps two draft ids to one target id"):
         draft_vocab_maps(torch.tensor([0, 0, -1]), None, 3, 8, tmp_path)
+
+
+def test_an_in_memory_drafter_with_a_repeating_map_is_refused_by_its_proposer():
+    model = tiny_model("llama")
+    draft = reduced_draft(model, size=12)
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    EagleProposer(draft, embed, lm_head)  # as built: fine
+    with torch.no_grad():
+        draft.d2t[1] = draft.d2t[0] - 1  # draft id 1 now means draft id 0's target
+    with pytest.raises(ValueError, match="this EAGLE drafter: d2t maps two draft ids to one target id"):
+        EagleProposer(draft, embed, lm_head)
