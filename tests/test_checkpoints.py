@@ -195,7 +195,7 @@ def test_help_lists_every_option_with_default_and_meaning(script, capsys):
     import dataclasses
     import importlib
 
-    module = importlib.import_module(script.removesuffix(".py").replace("/", "."))
+    module = importlib.import_module("selfspec." + script.removesuffix(".py").replace("/", "."))
     cls = {"train/medusa.py": "MedusaConfig", "train/eagle.py": "EagleConfig", "train/target.py": "TargetConfig"}
     config = getattr(module, cls[script])
     with pytest.raises(SystemExit) as exit_info:
