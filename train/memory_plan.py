@@ -52,6 +52,10 @@ ENGINES: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # FSDP2, one unit per drafter (configs/accelerate/fsdp.yaml): unsharded bf16 weights and grads during the step
     "fsdp": ({"gathered weights (bf16)": 2, "grads (bf16)": 2}, {"weights": 4, "grads": 4, "adam": 8}),
 }
+# DeepSpeed's gradient buckets, each of reduce_bucket_size elements in the grads' dtype, which the shipped configs
+# set to "auto" (accelerate: hidden_size^2; DeepSpeed's own default, 5e8, would be 1-2 GB on every rank):
+# ZeRO-3 one, made at start; ZeRO-2 two with overlap_comm (deepspeed 0.19, runtime/zero/stage3.py, stage_1_and_2.py)
+GRADIENT_BUCKETS = {"zero2": 2, "zero3": 1}
 INITIAL_COPY = 4  # the run keeps the drafter's initial float32 state dict (train/feature_run.py, train/medusa.py)
 
 
@@ -133,8 +137,9 @@ def parameter_bytes(module: nn.Module, dtype: torch.dtype | None = None) -> int:
     return total
 
 
-def drafter_state_bytes(params: int, engine: str, gpus: int, mixed_precision: str) -> dict[str, int]:
-    """Bytes per rank of `params` trainable drafter parameters under `engine` on `gpus` ranks, by what holds them."""
+def drafter_state_bytes(params: int, engine: str, gpus: int, mixed_precision: str, hidden: int = 0) -> dict[str, int]:
+    """Bytes per rank of `params` trainable drafter parameters under `engine` on `gpus` ranks, by what holds them
+    (`hidden`: the drafter's hidden size, which sizes DeepSpeed's gradient buckets)."""
     if engine not in ENGINES:
         raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     whole, sharded = ENGINES[engine]
@@ -146,6 +151,8 @@ def drafter_state_bytes(params: int, engine: str, gpus: int, mixed_precision: st
                     continue  # no autocast, no copy
                 size = 4
             parts[name] = -(-params * size // share)
+    if engine in GRADIENT_BUCKETS:
+        parts["gradient buckets"] = GRADIENT_BUCKETS[engine] * hidden * hidden * (4 if mixed_precision == "no" else 2)
     parts["initial copy"] = params * INITIAL_COPY
     return parts
 
@@ -200,7 +207,7 @@ def memory_plan(cfg: Any, config: Any, engine: str, gpus: int, contexts: list[in
                                                               target.get_output_embeddings())}.values()), dtype)
     on_rank = -(-(whole - kept) // gpus) + kept if shard_target else whole
     return Plan(sum(p.numel() for p in target.parameters()), params, on_rank,
-                drafter_state_bytes(params, engine, gpus, cfg.mixed_precision), acts, step, rows,
+                drafter_state_bytes(params, engine, gpus, cfg.mixed_precision, config.get_text_config().hidden_size), acts, step, rows,
                 int(gpu_memory_gib * GIB))
 
 

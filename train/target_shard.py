@@ -104,7 +104,9 @@ def target_engine_config(target: torch.nn.Module, accelerator: Accelerator, cfg:
         config.pop(key, None)
     zero = config.setdefault("zero_optimization", {})
     hidden = target.config.get_text_config().hidden_size
-    zero.update({"stage": 3, "stage3_param_persistence_threshold": 10 * hidden, "stage3_max_reuse_distance": 0})
+    # accelerate fills the configs' "auto" bucket sizes for the drafter's engine only: the same rule (hidden^2) here
+    zero.update({"stage": 3, "stage3_param_persistence_threshold": 10 * hidden, "stage3_max_reuse_distance": 0,
+                 "reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden)})
     for key in ("offload_optimizer", "stage3_gather_16bit_weights_on_model_save"):
         zero.pop(key, None)
     batch = cfg.per_device_train_batch_size
