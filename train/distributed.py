@@ -63,7 +63,8 @@ def fsdp_without_gpu(accelerator: Accelerator) -> None:
 
     accelerate turns FSDP on only for accelerator devices (on CPU the run would silently become DDP), while
     torch's FSDP2 shards over gloo as well: switch the multi-CPU state to FSDP with the plugin the launch
-    config describes, so tests and CPU machines run the same code path as GPUs do."""
+    config describes, so tests and CPU machines run the same code path as GPUs do (bf16 mixed precision included:
+    FSDP2 gathers the drafter's weights in bf16 and reduces its gradients in bf16)."""
     import os
 
     from accelerate.state import PartialState
@@ -72,7 +73,10 @@ def fsdp_without_gpu(accelerator: Accelerator) -> None:
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or accelerator.distributed_type != (
             DistributedType.MULTI_CPU):
         return
-    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* settings of the launch
+    plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* settings of the launch
+    if accelerator.mixed_precision != "no":  # what accelerate does for a plugin it builds itself (GPUs)
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    accelerator.state.fsdp_plugin = plugin
     PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
 
 
