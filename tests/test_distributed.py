@@ -33,13 +33,13 @@ def free_port() -> int:
 def launch(config: str, script: str, args: dict, processes: int = 2, succeed: bool = True,
            env: dict | None = None) -> str:
     """Run `accelerate launch --config_file <config> train/<script>.py` with `args` (a name means
-    configs/accelerate/<name>.yaml); returns its output, failing the test with the output's tail when it
-    fails (or, with succeed=False, when it does not)."""
+    configs/accelerate/<name>.yaml; a script ending in .py is a path from the repository root); returns its
+    output, failing the test with the output's tail when it fails (or, with succeed=False, when it does not)."""
     env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
                         "TOKENIZERS_PARALLELISM": "false"} | (env or {})
     path = config if config.endswith(".yaml") else f"configs/accelerate/{config}.yaml"
     cmd = [str(ACCELERATE), "launch", "--config_file", path,
-           "--num_processes", str(processes), "--main_process_port", str(free_port()), f"train/{script}.py"]
+           "--num_processes", str(processes), "--main_process_port", str(free_port()), script if script.endswith(".py") else f"train/{script}.py"]
     cmd += [x for k, v in args.items() for x in (f"--{k}", str(v))]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     text = out.stdout + out.stderr

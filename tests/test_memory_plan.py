@@ -10,13 +10,11 @@ counts tensors, not the allocator's or the libraries' overhead that RSS would ad
 from __future__ import annotations
 
 import dataclasses
-import gc
-import weakref
+import json
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from live_bytes import measuring_step
 
 import selfspec.train.loop as loop
 from conftest import TOKENIZER_TEXT
@@ -26,63 +24,11 @@ from selfspec.train.memory_plan import SHIPPED_CONFIGS, memory_plan, meta_drafte
 TOLERANCE = 0.2
 
 
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the CPU tensor storages made while active and still alive, and their peak."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self.refs: dict[int, weakref.ref] = {}
-
-    def _freed(self, key: int, size: int) -> None:
-        self.refs.pop(key, None)
-        self.live -= size
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key = storage._cdata
-                # a view or an in-place result is an input's storage (perhaps one made before the step): not new
-                if key not in self.refs and key not in inputs:
-                    size = storage.nbytes()
-                    self.refs[key] = weakref.ref(storage, lambda _, k=key, s=size: self._freed(k, s))
-                    self.live += size
-        self.peak = max(self.peak, self.live)
-        return out
-
-
-def live_tensor_bytes() -> int:
-    """Bytes of every CPU tensor storage alive now, each once."""
-    gc.collect()
-    storages = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            storages[storage._cdata] = storage.nbytes()
-    return sum(storages.values())
-
-
 def measured_peak(run, cfg, monkeypatch, step: int = 1) -> tuple[int, dict]:
     """Run the recipe `run(cfg)` and return the tensor bytes at the peak of its training step `step` (0-based:
     the second, when AdamW's states exist), and the run's result."""
     found = {}
-    batches = loop.batches_keeping_rng
-
-    def measuring(loader):
-        for i, batch in enumerate(batches(loader)):
-            if i != step:
-                yield batch
-                continue
-            before = live_tensor_bytes()
-            with LiveBytes() as mode:
-                yield batch  # the loop's whole step runs here, until it asks for the next batch
-            found["peak"] = before + mode.peak
-
-    monkeypatch.setattr(loop, "batches_keeping_rng", measuring)
+    monkeypatch.setattr(loop, "batches_keeping_rng", measuring_step(found, step))
     result = run(cfg)
     assert "peak" in found, "the run ended before the measured step"
     return found["peak"], result
@@ -164,3 +110,38 @@ def test_sharding_divides_the_target_and_the_states():
     assert draft.lm_head.out_features == 32000 and draft.config.feature_layers == [2, 16, 29]
     with pytest.raises(ValueError, match="ZeRO-3 or FSDP2"):
         memory_plan(cfg, config, "ddp", 8, [2048], shard_target=True)
+
+
+# (launch config, engine, recipe, target sharded): the peak each of 2 gloo processes measures at its second step
+RANK_RUNS = [("fsdp", "fsdp", "eagle3", True), ("deepspeed-zero3", "zero3", "eagle3", True),
+             ("fsdp", "fsdp", "medusa", True), ("deepspeed-zero3", "zero3", "medusa", True),
+             ("deepspeed-zero2", "zero2", "medusa", False)]
+
+
+@pytest.mark.parametrize("config, engine, kind, sharded", RANK_RUNS)
+def test_the_per_rank_plan_matches_each_ranks_measured_peak(config, engine, kind, sharded, code_text, tmp_path):
+    """2 CPU processes under the shipped launch configs, bf16: the plan for one rank against the peak each rank
+    measures (tests/rank_peak.py). EAGLE-3's activations dominate; Medusa's peak is the engine's drafter states
+    (sharded weights and AdamW, gathered bf16 weights, gradient buckets)."""
+    from test_distributed import launch
+
+    from selfspec.train.eagle import EagleConfig
+    from selfspec.train.medusa import MedusaConfig
+
+    if kind == "eagle3":
+        cls, extra = EagleConfig, dict(version=3, max_length=192, per_device_train_batch_size=8, depth=3, top_k=2,
+                                       total_tokens=6)
+    else:
+        cls, extra = MedusaConfig, dict(max_length=64, per_device_train_batch_size=2, share_lm_head=False,
+                                        tree_nodes=4)
+    out = tmp_path / "out"
+    argv = common(code_text, out, shard_target=sharded, **extra)
+    options = {name.removeprefix("--"): value for name, value in zip(argv[::2], argv[1::2])}
+    launch(config, "tests/rank_peak.py", {"kind": kind.rstrip("3")} | options)
+    peaks = [json.loads((out / f"peak-rank{r}.json").read_text())["peak"] for r in range(2)]
+    cfg = load_config(cls, argv)
+    predicted = memory_plan(cfg, target_config(cfg.model), engine, 2, [cfg.max_length], shard_target=sharded,
+                            foreach=False).total(cfg.max_length)
+    print(f"{kind} {engine}{' sharded' if sharded else ''}: predicted {predicted / 2**20:.1f} MiB, measured "
+          f"{', '.join(f'{p / 2**20:.1f}' for p in peaks)} MiB")
+    assert all(within(predicted, p) for p in peaks), (predicted, peaks)
