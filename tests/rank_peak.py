@@ -15,16 +15,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import selfspec.train.loop as loop  # noqa: E402
 from live_bytes import measuring_step  # noqa: E402
+
+import selfspec.train.loop as loop  # noqa: E402
 from selfspec.train.config import load_config  # noqa: E402
 
 
 def main(kind: str, argv: list[str]) -> None:
     if kind == "eagle":
-        from selfspec.train.eagle import EagleConfig as Config, run
+        from selfspec.train.eagle import EagleConfig as Config
+        from selfspec.train.eagle import run
     else:
-        from selfspec.train.medusa import MedusaConfig as Config, run
+        from selfspec.train.medusa import MedusaConfig as Config
+        from selfspec.train.medusa import run
     cfg = load_config(Config, argv)
     found: dict = {}
     loop.batches_keeping_rng = measuring_step(found)

@@ -13,7 +13,6 @@ import dataclasses
 import json
 
 import pytest
-import torch
 from live_bytes import measuring_step
 
 import selfspec.train.loop as loop
