@@ -131,10 +131,7 @@ class MedusaMethod:
                   some: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The target's last hidden states (B, T, H) and the K heads' features at the `some` positions (M, H)."""
         hidden = self._hidden(batch)
-        features = hidden[some]
-        if not torch.is_autocast_enabled(features.device.type):  # validation: the heads' dtype (FSDP2 keeps fp32)
-            features = features.to(next(self.trainable.parameters()).dtype)
-        return hidden, self.trainable(features, project=False)  # one call through the (wrapped) heads
+        return hidden, self.trainable(hidden[some], project=False)  # one call through the (wrapped) heads
 
     def _hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad(), self.timer.section("target"):  # the frozen target; base_model skips its lm_head
