@@ -114,7 +114,7 @@ def verify_bytes(model: torch.nn.Module, context: int, tree: int) -> dict:
             for layer in cache.layers:  # forget the tree: every call writes it at the same columns
                 layer.crop(-tree)
 
-        kernels = gqa.native_gqa if native is None else (lambda device, native=native: native)
+        kernels = gqa.native_gqa if native is None else (lambda *device, native=native: native)
         with mock.patch.object(gqa, "native_gqa", kernels):
             result[name] = measure(forward, cache)
     return result

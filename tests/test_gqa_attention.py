@@ -4,7 +4,7 @@ greedy tokens as model.generate; no byte of the cache copied; the user's model l
 
 import pytest
 import torch
-from test_batch import drafter, left_padded
+from test_batch import batch_prompts, drafter, left_padded
 from test_dflash import proposer as dflash_proposer
 from test_dflash import random_draft as random_dflash
 from transformers.integrations.sdpa_attention import repeat_kv
@@ -24,7 +24,7 @@ from selfspec.infer.target import Target
 @pytest.fixture(params=["native", "folded"])
 def path(request, monkeypatch) -> str:
     """Both ways round the copy: the CPU's own grouped kernel, and the fold CUDA takes (forced here)."""
-    monkeypatch.setattr(gqa, "native_gqa", lambda device: request.param == "native")
+    monkeypatch.setattr(gqa, "native_gqa", lambda *device: request.param == "native")
     return request.param
 
 
@@ -44,7 +44,7 @@ def test_grouped_sdpa_equals_repeated_keys(fold, kind, monkeypatch):
     visible[..., 0] = True  # every query sees something
     mask = visible if kind != "additive" else torch.where(visible, 0.0, torch.finfo(torch.float32).min)
     if fold == "repeat":  # what a long prompt takes off the CPU: the fold would copy more than the keys
-        monkeypatch.setattr(gqa, "native_gqa", lambda device: False)
+        monkeypatch.setattr(gqa, "native_gqa", lambda *device: False)
         monkeypatch.setattr(gqa, "folds_cheaper", lambda *args: False)
     out = grouped_sdpa(q, k, v, mask, 0.3, fold=None if fold == "repeat" else fold)
     torch.testing.assert_close(out, reference(q, k, v, mask, 0.3), atol=1e-6, rtol=0)
@@ -123,18 +123,72 @@ def test_greedy_decoding_equals_generate(arch, path, kind):
     assert max(spec.last_stats.accept_lengths) >= {"eagle": 1, "self": 4}[kind]  # self: root + 3 drafted
 
 
+def transposed_layout(sdpa):
+    """SDPA as CUDA's memory-efficient kernel returns it: (B, H, T, D) values over (B, T, H, D) memory (torch's
+    meta kernel for `_scaled_dot_product_efficient_attention` gives these strides)."""
+    def kernel(*args, **kwargs):
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+    return kernel
+
+
+def test_the_fold_takes_the_memory_efficient_kernels_output_layout(monkeypatch):
+    """`.view` on that output raised 'view size is not compatible' on every grouped-query target on CUDA."""
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        transposed_layout(torch.nn.functional.scaled_dot_product_attention))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, t, 8, generator=gen) for h, t in ((6, 5), (2, 37), (2, 37)))
+    mask = torch.rand(2, 1, 5, 37, generator=gen) < 0.7
+    mask[..., 0] = True
+    torch.testing.assert_close(grouped_sdpa(q, k, v, mask, 0.3, fold=True), reference(q, k, v, mask, 0.3),
+                               atol=1e-6, rtol=0)
+
+
+def test_a_mask_of_one_row_is_folded_for_every_query():
+    """DFlash's (B, 1, 1, S) mask: every block position sees the same columns; folding its one row instead of
+    the block's Q failed with 'The size of tensor a (64) must match the size of tensor b (4)'."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, h, t, 8, generator=gen) for h, t in ((4, 4), (2, 21), (2, 21)))
+    mask = torch.rand(2, 1, 1, 21, generator=gen) < 0.6
+    mask[..., 0] = True
+    torch.testing.assert_close(grouped_sdpa(q, k, v, mask, 0.3, fold=True), reference(q, k, v, mask, 0.3),
+                               atol=1e-6, rtol=0)
+
+
+def test_cuda_backends_are_asked_which_takes_grouped_heads_under_a_mask(monkeypatch):
+    """Memory-efficient first where it takes `enable_gqa` under a mask, else cuDNN, else None (then the fold):
+    SDPA ranks math above cuDNN, so the grouped call names the backend it found."""
+    params = torch.backends.cuda.SDPAParams(torch.zeros(1, 8, 4, 64), torch.zeros(1, 2, 16, 64),
+                                            torch.zeros(1, 2, 16, 64), torch.ones(1, 1, 4, 16, dtype=torch.bool),
+                                            0.0, False, True)
+    for efficient, cudnn, expected in ((True, True, "EFFICIENT_ATTENTION"), (False, True, "CUDNN_ATTENTION"),
+                                       (False, False, None)):
+        monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention", lambda p, e=efficient: e)
+        monkeypatch.setattr(torch.backends.cuda, "can_use_cudnn_attention", lambda p, c=cudnn: c)
+        found = gqa.fused_backend(params)
+        assert (found.name if found is not None else None) == expected
+    assert gqa.gqa_backend(torch.device("cpu")) is None and gqa.native_gqa(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash"])
-def test_drafters_draft_the_same_trees_on_either_path(kind, monkeypatch):
-    """The drafters' own attention (heads.gqa) folded as on CUDA: the same acceptance step by step (the trees
+def test_drafters_draft_the_same_trees_on_either_path(kind, batch, monkeypatch):
+    """The drafters' own attention (heads.gqa) folded as on CUDA, with the memory-efficient kernel's output
+    layout, every drafter's mask shape, one row and a padded batch: the same acceptance step by step (the trees
     the drafter proposed), not only the same tokens."""
     model = tiny_model("qwen2")
-    prompt = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    prompts = batch_prompts(3)[:batch] if batch > 1 else [torch.randint(3, VOCAB, (7,),
+                                                                         generator=torch.Generator().manual_seed(3))]
+    ids, attention_mask = left_padded(prompts)
     runs = {}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     for native in (True, False):
-        monkeypatch.setattr(gqa, "native_gqa", lambda device, native=native: native)
+        monkeypatch.setattr(gqa, "native_gqa", lambda *device, native=native: native)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                            sdpa if native else transposed_layout(sdpa))
         proposer = drafter(model, kind) if kind != "dflash" else dflash_proposer(model, random_dflash(model))
         spec = SpeculativeModel(model, proposer)
-        runs[native] = spec.generate(prompt, max_new_tokens=24, eos_token_id=[]), spec.last_stats.accept_lengths
+        out = spec.generate(ids, attention_mask=attention_mask, max_new_tokens=24, eos_token_id=[], pad_token_id=0)
+        runs[native] = out, spec.last_stats.accept_lengths
     assert torch.equal(runs[True][0], runs[False][0]) and runs[True][1] == runs[False][1]
 
 
