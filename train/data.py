@@ -35,6 +35,7 @@ from selfspec.train.records import (
     iter_records,
     load_saved,
 )
+from selfspec.train.regen_shards import is_shards_folder, load_shards
 
 # an example: its token ids and, per token, 1 where the loss is taken; no padding is stored
 EXAMPLE_FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
@@ -167,13 +168,14 @@ def regenerated_token_rows(source: str, tokenizer) -> datasets.Dataset | None:
     (then the records' messages/text are tokenised again)."""
     path = Path(source)
     info = path / REGENERATION_FILE
-    if not (is_saved_dataset(path) and info.is_file()):
+    shards = is_shards_folder(path)
+    if not ((shards or is_saved_dataset(path)) and info.is_file()):
         return None
     try:
         recorded = json.loads(info.read_text()).get("tokenizer")
     except (OSError, json.JSONDecodeError, AttributeError):
         raise DataError(f"{info} is damaged (not a JSON object); regenerate the data or delete that file") from None
-    rows = load_saved(path, "train")
+    rows = load_shards(path) if shards else load_saved(path, "train")
     if recorded != tokenizer_fingerprint(tokenizer) or not {"input_ids", "loss_mask"} <= set(rows.column_names):
         return None
     return rows

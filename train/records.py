@@ -24,6 +24,7 @@ MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # a record: plain text, or a conversation as the JSON of its [{"role", "content"}] turns (any content type)
 RECORD_FEATURES = datasets.Features({"text": datasets.Value("string"), "messages": datasets.Value("string")})
 REGENERATION_FILE = "regeneration.json"  # what train/regenerate.py writes beside its output (not a record file)
+MANIFEST_FILE = "manifest.json"  # train/regenerate.py --output_format shards: the shards and their checksums
 
 
 class DataError(ValueError):
@@ -131,9 +132,10 @@ def is_saved_dataset(path: Path) -> bool:
 
 
 def unfinished_regeneration(path: Path) -> bool:
-    """Whether `path` holds a train/regenerate.py run that has not merged its shards yet."""
+    """Whether `path` holds a train/regenerate.py run that has not merged its shards yet (a run in `shards`
+    form is readable as far as its manifest goes, finished or not)."""
     info = path / REGENERATION_FILE
-    if not info.is_file():
+    if not info.is_file() or (path / MANIFEST_FILE).is_file():
         return False
     try:
         return not json.loads(info.read_text()).get("complete")

@@ -8,7 +8,7 @@ import dataclasses
 from selfspec.train.config import ConfigError, check_at_least, check_finite
 
 BACKENDS = ("transformers", "vllm")
-FORMATS = ("dataset", "jsonl")
+FORMATS = ("dataset", "jsonl", "shards")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -20,7 +20,7 @@ class RegenerateConfig:
     dataset: str = "stdlib"  # any source train/data.py reads: stdlib | .txt | folder | .json(l) | saved dataset | name
     split: str = "train"  # the split of a `datasets` name or a saved DatasetDict (stdlib: train | validation)
     output_dir: str = "outputs/regenerated-demo"  # the regenerated dataset, regeneration.json and (while running) shards/
-    output_format: str = "dataset"  # dataset (save_to_disk, with the exact tokens) | jsonl (messages / text rows)
+    output_format: str = "dataset"  # dataset (save_to_disk, with the exact tokens) | jsonl (messages / text rows) | shards (zstd Parquet shards kept, with a manifest of checksums: commit them as they complete)
     backend: str = "transformers"  # transformers | vllm (vLLM's offline engine, one process)
     temperature: float = 0.3  # sampling temperature of the target's answers (Medusa's recipe); 0 is greedy
     top_p: float = 1.0  # nucleus sampling: draw from the smallest set of tokens holding this much probability

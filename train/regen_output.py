@@ -21,6 +21,7 @@ from selfspec.train.data import tokenizer_fingerprint, write_arrow
 from selfspec.train.records import REGENERATION_FILE, DataError
 from selfspec.train.regen_config import RegenerateConfig
 from selfspec.train.regen_items import Items
+from selfspec.train.regen_shards import SUFFIX, write_manifest, write_parquet_shard
 
 JSONL_FILE = "regenerated.jsonl"
 # a regenerated row: messages (conversations) or text (windows), the exact tokens and where the loss is taken
@@ -92,12 +93,16 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
 
 
-def shard_path(out: Path, shard: int) -> Path:
-    return out / "shards" / f"{shard:05d}.arrow"
+def shard_path(out: Path, shard: int, output_format: str = "dataset") -> Path:
+    """Where shard `shard` goes: Arrow while a dataset/jsonl run lasts, Parquet kept for good in `shards` form."""
+    return out / "shards" / f"{shard:05d}{SUFFIX if output_format == 'shards' else '.arrow'}"
 
 
 def write_shard(rows: list[dict[str, Any]], path: Path) -> None:
-    """The shard's rows as one Arrow file, renamed into place only when complete."""
+    """The shard's rows as one Arrow (or, by its suffix, Parquet) file, renamed into place only when complete."""
+    if path.suffix == SUFFIX:
+        write_parquet_shard(rows, path, ROW_FEATURES)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     write_arrow(rows, tmp, ROW_FEATURES)
@@ -105,7 +110,18 @@ def write_shard(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def merge(out: Path, shards: int, output_format: str, record: dict[str, Any], report: bool = True) -> None:
-    """Join the shards into the saved dataset (or JSONL), mark the record complete, delete the shards."""
+    """Join the shards into the saved dataset (or JSONL), mark the record complete, delete the shards; in
+    `shards` form keep them and complete their manifest instead."""
+    if output_format == "shards":
+        manifest = write_manifest(out)
+        counts = manifest["counts"]
+        if counts["rows"] == 0:
+            raise DataError("no item could be regenerated (every one was skipped)")
+        write_json(out / REGENERATION_FILE, record | {"complete": True, "rows": counts["rows"]})
+        if report:
+            print(f"regenerated {counts['rows']} items into {out}: {manifest['shards_done']} shards, "
+                  f"{counts['answer_tokens']} answer tokens (manifest.json lists their checksums)")
+        return
     parts = datasets.concatenate_datasets([datasets.Dataset.from_file(str(shard_path(out, s))) for s in range(shards)])
     skipped = Counter(r for r in parts["skipped"] if r is not None)
     dropped = parts.filter(lambda why, n: why is None and n > 0, input_columns=["skipped", "dropped_turns"])

@@ -48,6 +48,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.heads.errors import run_main
+from selfspec.shipped.models import WEIGHTS_CHECKSUM
 from selfspec.train.config import ConfigError, load_config
 from selfspec.train.records import REGENERATION_FILE, unfinished_regeneration
 from selfspec.train.regen_backends import (
@@ -69,6 +70,7 @@ from selfspec.train.regen_output import (
     write_json,
     write_shard,
 )
+from selfspec.train.regen_shards import write_manifest
 
 # ---------------------------------------------------------------- one shard
 
@@ -160,7 +162,7 @@ def regenerate(make_generator: Callable[[], Generator], tokenizer, items: Items,
         return out
     shards = math.ceil(len(items) / cfg.shard_size)
     mine = [s for s in range(rank, shards, world)]
-    todo = [s for s in mine if not shard_path(out, s).is_file()]
+    todo = [s for s in mine if not shard_path(out, s, cfg.output_format).is_file()]
     if todo:
         generator = make_generator()
         share = sum(min(cfg.shard_size, len(items) - s * cfg.shard_size) for s in mine)
@@ -172,7 +174,9 @@ def regenerate(make_generator: Callable[[], Generator], tokenizer, items: Items,
                 generator.start(derived_seed(cfg.seed, s))
                 rows = items.rows[s * cfg.shard_size : (s + 1) * cfg.shard_size]
                 regenerated = regenerate_shard(generator, tokenizer, rows, cfg, stops, bar.update)
-                write_shard(regenerated, shard_path(out, s))
+                write_shard(regenerated, shard_path(out, s, cfg.output_format))
+                if cfg.output_format == "shards":  # what is done so far can be committed and read
+                    write_manifest(out)
     barrier()  # every shard is on disk
     if rank == 0:
         merge(out, shards, cfg.output_format, record, show_progress)
@@ -194,8 +198,11 @@ def regenerate_with_model(model, tokenizer, items: Items, cfg: RegenerateConfig,
 
 
 def model_files(path: str) -> str:
-    """A digest naming the target's files: sizes and times of a local folder's files, else the hub revision."""
+    """A digest naming the target's files: the checked weights' sha256 of a folder built here (the same on every
+    machine), else sizes and times of a local folder's files, else the hub revision."""
     folder = Path(path)
+    if (folder / WEIGHTS_CHECKSUM).is_file():  # a folder built here (make real-model): its checked weights
+        return (folder / WEIGHTS_CHECKSUM).read_text().split()[0]
     if folder.is_dir():
         h = hashlib.sha1()
         for f in sorted(folder.iterdir()):
