@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 from transformers import GenerationConfig
 
+import selfspec
 from selfspec.infer.arguments import token_ids
 from selfspec.infer.verify import SamplingParams
 
@@ -89,6 +92,24 @@ def merged_config(model_config: GenerationConfig | None, generation_config: Gene
     return config, unused
 
 
+def caller_level() -> int:
+    """The warnings stacklevel of the first frame outside selfspec's own modules: the user's call, whichever
+    public method (generate, decode, stream) it went through."""
+    ours = {str(Path(__file__).parent), str(Path(selfspec.__file__).parent)}
+    frame, level = sys._getframe(1), 1
+    while frame is not None and str(Path(frame.f_code.co_filename).parent) in ours:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def no_max_length(model_config: GenerationConfig | None, generation_config: GenerationConfig | None,
+                  kwargs: dict[str, Any]) -> bool:
+    """Whether neither the call, its generation_config nor the model's sets max_length: model.generate then makes
+    the default max_length (20) of *new* tokens, past the prompt (transformers 5's `has_default_max_length`)."""
+    return all(c is None or c.max_length is None for c in (model_config, generation_config)) \
+        and kwargs.get("max_length") is None
+
+
 def check_applicable(config: GenerationConfig) -> None:
     """Refuse a generation config that asks for something speculative decoding here does not apply exactly."""
     for name, neutral in NOT_APPLIED.items():
@@ -141,9 +162,15 @@ def resolve(model_config: GenerationConfig | None, generation_config: Generation
                          "streamer, generator)")
     check_applicable(config)
     params = sampling_params(config)
+    max_new_tokens = config.max_new_tokens
+    if max_new_tokens is None and no_max_length(model_config, generation_config, kwargs):
+        warnings.warn(f"Using the model-agnostic default `max_length` (={config.max_length}) to control the "
+                      "generation length: that many new tokens, as model.generate makes. Set `max_new_tokens` to "
+                      "control the length.", UserWarning, stacklevel=caller_level())
+        max_new_tokens = int(config.max_length)  # transformers: the default max_length counts new tokens
     pad = config.pad_token_id
     eos = [] if config.eos_token_id is None else token_ids(config.eos_token_id, "eos_token_id")
     return Settings(params=params, eos_ids=eos,
                     pad_token_id=None if pad is None else token_ids(pad, "pad_token_id")[0],
-                    max_new_tokens=config.max_new_tokens, max_length=int(config.max_length),
+                    max_new_tokens=max_new_tokens, max_length=int(config.max_length),
                     return_dict=bool(config.return_dict_in_generate))

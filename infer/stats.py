@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 import torch
+from transformers.utils import ModelOutput
 
 from selfspec.infer.timing import Clock, Mark
 
@@ -65,15 +66,10 @@ class GenerationStats:
 
 
 @dataclasses.dataclass
-class GenerateOutput:
-    """What `generate(..., return_dict_in_generate=True)` returns: the sequences, as transformers' output holds
-    them (`out.sequences`, also `out["sequences"]`), and the call's decoding statistics."""
+class GenerateOutput(ModelOutput):
+    """What `generate(..., return_dict_in_generate=True)` returns: the sequences, as transformers' generate output
+    holds them, and the call's decoding statistics. A transformers ModelOutput: `out.sequences`, `out["sequences"]`,
+    `out[0]`, `"sequences" in out`, `len(out)` and `sequences, stats = out.to_tuple()` all work."""
 
-    sequences: torch.Tensor
-    stats: GenerationStats
-
-    def __getitem__(self, key: str):
-        return getattr(self, key)
-
-    def keys(self) -> list[str]:
-        return ["sequences", "stats"]
+    sequences: torch.Tensor | None = None
+    stats: GenerationStats | None = None

@@ -72,11 +72,27 @@ def test_without_max_new_tokens_the_length_comes_from_max_length(spec, prompt):
         spec.generate(**inputs, max_length=3)
 
 
+def test_with_no_length_at_all_it_makes_20_new_tokens_with_transformers_warning(spec):
+    """transformers 5: no max_length anywhere means 20 *new* tokens, whatever the prompt's length (this loop made
+    20 in total, and refused a 40-token prompt)."""
+    prompt = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    spec.model.generation_config.max_length = None
+    with pytest.warns(UserWarning, match="model-agnostic default `max_length`") as ours_warned:
+        ours = spec.generate(prompt, do_sample=False, eos_token_id=None)
+    with pytest.warns(UserWarning, match="model-agnostic default `max_length`"):
+        theirs = spec.model.generate(prompt, do_sample=False, eos_token_id=None)
+    assert ours.tolist() == theirs.tolist() and ours.shape[1] == 40 + 20
+    assert ours_warned[0].filename == __file__  # pointed at the caller's line, as a warning should be
+
+
 def test_return_dict_in_generate_gives_the_sequences_and_the_statistics(spec, prompt):
     _, inputs = prompt
     out = spec.generate(**inputs, max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
     assert isinstance(out, GenerateOutput)
-    assert torch.equal(out.sequences, out["sequences"])
+    assert torch.equal(out.sequences, out["sequences"]) and torch.equal(out[0], out.sequences)
+    assert "sequences" in out and len(out) == 2 and list(out.keys()) == ["sequences", "stats"]
+    sequences, stats = out.to_tuple()
+    assert sequences is out.sequences and stats is out.stats
     assert out.sequences.tolist() == spec.generate(**inputs, max_new_tokens=10, do_sample=False).tolist()
     assert out.stats.new_tokens == 10 and out.stats.tau >= 1
 
