@@ -75,7 +75,7 @@ def resolve_heads(name_or_path: str | Path, revision: str | None = None, token: 
         why = "HF_HUB_OFFLINE=1 forbids downloading" if offline else "the Hub could not be reached"
         raise FileNotFoundError(
             f"{name_or_path} is not a local directory and not in the Hugging Face cache, and {why}: download it "
-            f"where the Hub is reachable (huggingface-cli download {name_or_path}) or pass a local directory"
+            f"where the Hub is reachable (hf download {name_or_path}) or pass a local directory"
         ) from None
     except (RepositoryNotFoundError, HfHubHTTPError) as e:
         raise FileNotFoundError(f"{name_or_path}: no such local directory, and the Hub says: {e}") from None

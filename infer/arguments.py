@@ -9,6 +9,22 @@ from typing import Any
 import torch
 
 
+def unavailable_device(text: str) -> str | None:
+    """Why a device named `text` cannot hold a model on this machine (no such kind, or none of it here), in a line
+    that says what to use instead; None when it can."""
+    try:
+        kind = torch.device(text).type
+    except RuntimeError as e:
+        return " ".join(str(e).split())
+    available = {"cpu": lambda: True, "cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available,
+                 "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}
+    if kind not in available:
+        return f"{text}: a model cannot run on a {kind} device; use cpu, cuda, mps or xpu"
+    if not available[kind]():
+        return f"{text}: no {kind.upper()} device is available here; use cpu"
+    return None
+
+
 def max_positions(config) -> int | None:
     """How many positions a model embeds: `max_position_embeddings` (`n_positions` in GPT-2-style configs);
     None when its config names no limit."""

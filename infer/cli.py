@@ -251,7 +251,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
 
     if not Path(args.heads, "config.json").is_file():
         raise ValueError(f"--heads {args.heads}: tune stores its result in a local heads directory; "
-                         "download Hub heads first (huggingface-cli download ID --local-dir DIR)")
+                         "download Hub heads first (hf download ID --local-dir DIR)")
     if is_published(args.heads):
         raise ValueError(f"--heads {args.heads}: tune stores its result in the heads' config.json, and this one is "
                          f"a published checkpoint's: write it in selfspec's layout first (selfspec import "

@@ -12,7 +12,7 @@ from selfspec.heads.config import check_compatible
 from selfspec.heads.io import PretrainedHeads
 from selfspec.heads.registry import load_heads
 from selfspec.heads.target import check_adapted, load_target
-from selfspec.infer.arguments import same_device
+from selfspec.infer.arguments import same_device, unavailable_device
 from selfspec.infer.dflash import DFlashProposer
 from selfspec.infer.eagle import EagleProposer
 from selfspec.infer.proposers import MedusaProposer, Proposer
@@ -42,6 +42,10 @@ def target_placement(device_map: Any, device: str | torch.device | None, dtype: 
     if device is not None and device_map is not None and str(device) != str(device_map):
         raise ValueError(f"device={device} and device_map={device_map} disagree: pass device_map alone")
     device_map = device_map if device_map is not None else device
+    for place in (device_map.values() if isinstance(device_map, dict) else [device_map]):
+        if isinstance(place, (str, torch.device)) and str(place) not in ("auto", "disk", "meta") \
+                and (why := unavailable_device(str(place))) is not None:
+            raise ValueError(f"device_map={device_map!r}: {why}")
     return device_map, dtype
 
 

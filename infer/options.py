@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 
 from selfspec.heads.errors import describe
+from selfspec.infer.arguments import unavailable_device
 from selfspec.infer.verify import SamplingParams
 
 PROG = "selfspec"
@@ -95,16 +96,8 @@ def tree_choices(text: str) -> list[list[int]]:
 
 def device(text: str) -> str:
     """An argparse type: a torch device that this machine has."""
-    try:
-        kind = torch.device(text).type
-    except RuntimeError as e:
-        raise argparse.ArgumentTypeError(" ".join(str(e).split())) from None
-    available = {"cpu": lambda: True, "cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available,
-                 "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}
-    if kind not in available:
-        raise argparse.ArgumentTypeError(f"{text}: a model cannot run on a {kind} device; use cpu, cuda, mps or xpu")
-    if not available[kind]():
-        raise argparse.ArgumentTypeError(f"{text}: no {kind.upper()} device is available here; use --device cpu")
+    if (why := unavailable_device(text)) is not None:
+        raise argparse.ArgumentTypeError(why.replace("use cpu", "use --device cpu"))
     return text
 
 

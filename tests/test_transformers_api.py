@@ -109,6 +109,15 @@ def test_what_generate_does_not_support_is_refused_in_one_line_naming_it(spec, k
         spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, **kwargs)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("device_map", ["cuda", {"": "cuda:1"}, "mps" if not torch.backends.mps.is_available()
+                                        else "cuda"])
+def test_a_device_this_machine_lacks_is_one_line_before_loading(medusa_dir, device_map):
+    """Was a raw AssertionError ('Torch not compiled with CUDA enabled') from deep inside the loading."""
+    with pytest.raises(ValueError, match=r"no (CUDA|MPS) device is available here; use cpu$"):
+        SpeculativeModel.from_pretrained(medusa_dir, device_map=device_map)
+
+
 def test_from_pretrained_takes_transformers_loading_options(medusa_dir):
     spec = SpeculativeModel.from_pretrained(medusa_dir, torch_dtype=torch.bfloat16, attn_implementation="eager")
     assert spec.model.dtype == torch.bfloat16 and spec.model.config._attn_implementation == "eager"

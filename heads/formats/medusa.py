@@ -301,7 +301,7 @@ def import_medusa(directory: str | Path | Checkpoint, format: str | None = None,
     directory = checkpoint.path
     if not directory.is_dir():
         raise ValueError(f"{directory} is not a directory: download the checkpoint first "
-                         "(huggingface-cli download ...)")
+                         "(hf download ...)")
     fmt = format or detect_medusa_format(checkpoint)
     if fmt is None:
         found = sorted(p.name for p in directory.iterdir())[:10]
