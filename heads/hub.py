@@ -5,10 +5,12 @@ A token is handed to `huggingface_hub` and nowhere else: never printed, logged o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from selfspec.heads.config import HeadsConfig
@@ -109,6 +111,20 @@ def card_for(directory: str | Path) -> str:
     return model_card(config, extra)
 
 
+@contextlib.contextmanager
+def hub_reached(api) -> Iterator[None]:
+    """Within: a failure to reach the Hub (no network, a proxy, DNS) is one OSError naming the endpoint and the
+    fix, not the HTTP client's own traceback (its class varies with huggingface_hub's client: requests, httpx)."""
+    try:
+        yield
+    except Exception as e:
+        kinds = {c.__name__ for c in type(e).__mro__}
+        if not kinds & {"TransportError", "ConnectionError", "Timeout", "TimeoutException"}:
+            raise
+        raise OSError(f"cannot reach the Hub at {api.endpoint} ({type(e).__name__}: {' '.join(str(e).split())}): "
+                      "check the network or proxy, then push again") from None
+
+
 def push_to_hub(directory: str | Path, repo_id: str, private: bool | None = None, token: str | None = None,
                 commit_message: str = "Upload speculative-decoding heads with selfspec") -> str:
     """Upload config.json, model.safetensors, a fresh model card and (Medusa-2) the adapted target's subfolder
@@ -127,8 +143,9 @@ def push_to_hub(directory: str | Path, repo_id: str, private: bool | None = None
                                     "whole directory the training run wrote")
         names += sorted(str(f.relative_to(directory)) for f in (directory / sub).rglob("*") if f.is_file())
     api = HfApi(token=token)
-    url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    with tempfile.TemporaryDirectory() as staging:
+    with hub_reached(api):
+        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    with tempfile.TemporaryDirectory() as staging, hub_reached(api):
         stage = Path(staging)
         for name in names:
             (stage / name).parent.mkdir(parents=True, exist_ok=True)

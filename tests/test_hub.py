@@ -127,3 +127,18 @@ def test_push_refuses_a_directory_without_weights(tmp_path, hub):
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         push_to_hub(tmp_path, "me/x")
     assert "create" not in hub
+
+
+def test_push_without_a_network_is_one_line(tmp_path, monkeypatch, capsys):
+    """With HF_HUB_OFFLINE unset and the Hub unreachable (here: a local port nothing listens on), the push was a
+    79-line double traceback ending in the HTTP client's ConnectError."""
+    import huggingface_hub.constants
+
+    saved_heads(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["push", "--heads", str(tmp_path), "--repo-id", "me/x", "--token", TOKEN])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "cannot reach the Hub at http://127.0.0.1:9" in err and "check the network" in err and TOKEN not in err
