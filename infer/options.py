@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
+import selfspec
 from selfspec.heads.errors import describe
 from selfspec.infer.arguments import unavailable_device
 from selfspec.infer.verify import SamplingParams
@@ -122,6 +123,7 @@ def build_parser(commands: dict[str, Command], prog: str = PROG) -> argparse.Arg
     parser = Parser(prog=prog, description=DESCRIPTION)
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error instead of one line (also: SELFSPEC_DEBUG=1)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {selfspec.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in commands.values():
         command.add(sub)

@@ -284,3 +284,11 @@ def test_the_console_script_names_itself_selfspec(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         console()
     assert capsys.readouterr().err.startswith("selfspec: error: argument command: invalid choice: 'no-such-command'")
+
+
+def test_version_prints_the_installed_version(capsys):
+    import selfspec
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"selfspec {selfspec.__version__}\n"
