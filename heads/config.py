@@ -10,6 +10,7 @@ from typing import Any
 from selfspec.shipped.models import resolve_model
 
 KINDS = ("medusa", "eagle", "eagle3", "dflash")
+DYNAMIC_TREE_KINDS = ("eagle", "eagle3", "dflash")  # drafters whose tree --depth / --draft-top-k / --total-tokens shape
 DTYPES = ("float32", "bfloat16", "float16")
 
 

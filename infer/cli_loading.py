@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError
 
+from selfspec.heads.config import DYNAMIC_TREE_KINDS
 from selfspec.heads.errors import describe
 from selfspec.infer.options import DTYPES
 
@@ -66,10 +67,10 @@ def _eagle_options(args: argparse.Namespace, configs: list[HeadsConfig]) -> dict
     if given and args.tree is not None:
         raise ValueError(f"{', '.join(given)} shape EAGLE's dynamic tree and --tree fixes a static one: "
                          "give one or the other")
-    if given and not any(c.kind.startswith("eagle") for c in configs):
+    if given and not any(c.kind in DYNAMIC_TREE_KINDS for c in configs):
         kinds = sorted({c.kind for c in configs})
-        raise ValueError(f"{', '.join(given)} shape EAGLE's dynamic tree, but the heads are {'/'.join(kinds)} "
-                         "heads; use --tree for a static tree")
+        raise ValueError(f"{', '.join(given)} shape EAGLE's and DFlash's dynamic trees, but the heads are "
+                         f"{'/'.join(kinds)} heads; use --tree for a static tree")
     return options
 
 

@@ -164,9 +164,16 @@ def drafter_options(p: argparse.ArgumentParser, several: bool) -> None:
                         "reduce-overhead: CUDA graphs on CUDA); fixed shapes, the first steps pay the compilation")
 
 
+def refused(why: str) -> Callable[[str], NoReturn]:
+    """An argparse type for an option kept only to say, in one line, what to use instead."""
+    def check(text: str) -> NoReturn:
+        raise argparse.ArgumentTypeError(why)
+    return check
+
+
 def eagle_tree_options(p: argparse.ArgumentParser, top_k_flags: list[str], note: str) -> None:
     """The EAGLE dynamic tree's options, `top_k_flags` naming its width."""
-    g = p.add_argument_group("EAGLE dynamic tree", "override the EAGLE heads' defaults (from their config.json); "
+    g = p.add_argument_group("dynamic tree (EAGLE, DFlash)", "override the drafter's defaults (from its config.json); "
                              f"not with --tree; {note}")
     g.add_argument("--depth", type=at_least(1), help="draft steps (the tree's maximum depth)")
     g.add_argument(*top_k_flags, dest="draft_top_k", type=at_least(1),
@@ -177,7 +184,7 @@ def eagle_tree_options(p: argparse.ArgumentParser, top_k_flags: list[str], note:
 def generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a completion")
     drafter_options(gen, several=False)
-    eagle_tree_options(gen, ["--draft-top-k"], "an error with Medusa heads")
+    eagle_tree_options(gen, ["--draft-top-k"], "an error with Medusa heads (they take --tree)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--temperature", type=sampling("temperature", float), default=None,
                      help="0: greedy; otherwise sample at this temperature (default: as the model's generation_config "
@@ -195,8 +202,11 @@ def generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="compare drafters with model.generate and plain decoding on the same prompts")
     drafter_options(bench, several=True)
-    # bench does not sample, so --top-k is free to mean the draft's (as --draft-top-k does on both commands)
-    eagle_tree_options(bench, ["--draft-top-k", "--top-k"], "applied to the EAGLE heads only, an error when none is EAGLE")
+    eagle_tree_options(bench, ["--draft-top-k"], "applied to the EAGLE and DFlash drafters only, an error when none "
+                       "is one")
+    bench.add_argument("--top-k", type=refused("--top-k is sampling's top-k in selfspec generate; bench decodes "
+                                               "greedily, and the tree's width is --draft-top-k"),
+                       help=argparse.SUPPRESS)
     bench.add_argument("--prompts", help='a .jsonl file of {"prompt": ...} texts or {"messages": [...]} chats, '
                                          "rendered with the chat template (default: demo test-split functions)")
     bench.add_argument("--num-prompts", type=at_least(1), default=None,

@@ -22,9 +22,11 @@ def no_weights(monkeypatch):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--depth", "2"], "--depth shape EAGLE's dynamic tree, but the heads are medusa heads"),
-    (["--top-k", "2", "--total-tokens", "4"], "--draft-top-k, --total-tokens shape EAGLE's dynamic tree, but"),
+    (["--depth", "2"], "--depth shape EAGLE's and DFlash's dynamic trees, but the heads are medusa heads"),
+    (["--draft-top-k", "2", "--total-tokens", "4"], "--draft-top-k, --total-tokens shape EAGLE's and DFlash's"),
     (["--depth", "2", "--tree", "[[0]]"], "give one or the other"),
+    (["--top-k", "2"], "--top-k is sampling's top-k in selfspec generate; bench decodes greedily, and the tree's "
+                       "width is --draft-top-k"),
 ])
 def test_eagle_options_with_medusa_heads_are_a_clear_error(medusa_dir, extra, message, capsys, no_weights):
     assert message in user_error(capsys, ["bench", "--heads", str(medusa_dir), "--num-prompts", "1", *extra])
@@ -55,7 +57,7 @@ TEMPERATURE_RULE = "temperature must be 0 (greedy) or a finite number >= 1e-06"
     (BENCH + ["--max-new-tokens", "-5"], "--max-new-tokens", "got -5", "an integer >= 1"),
     (BENCH + ["--num-prompts", "0"], "--num-prompts", "got 0", "an integer >= 1"),
     (BENCH + ["--threads", "-1"], "--threads", "got -1", "an integer >= 0"),
-    (BENCH + ["--top-k", "0"], "--draft-top-k/--top-k", "got 0", "an integer >= 1"),
+    (BENCH + ["--draft-top-k", "0"], "--draft-top-k", "got 0", "an integer >= 1"),
     (["tune", "--heads", "x", "--num-prompts", "0"], "--num-prompts", "got 0", "an integer >= 1"),
     (GEN + ["--device", "meta"], "--device", "meta", "a model cannot run on a meta device"),
     (GEN + ["--device", "xpu"], "--device", "xpu", "no XPU device is available here; use --device cpu"),
@@ -196,3 +198,23 @@ def test_a_prompts_file_is_read_as_jsonl_is_written(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(json.dumps({"prompt": p}, ensure_ascii=False)
                                                   for p in prompts).encode() + b"\r\n")
     assert load_prompts(path) == prompts
+
+
+def test_a_dflash_tree_is_set_from_the_command_line(tiny_model_dir, tmp_path):
+    """--depth / --draft-top-k / --total-tokens shape a DFlash drafter's tree (they said "use --tree", which DFlash
+    refuses); the tree the run used is the one asked for, and the output is still the target's greedy."""
+    import torch
+    from test_dflash import random_draft
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    draft = random_draft(model)
+    draft.config.base_model = str(tiny_model_dir)
+    draft.save_pretrained(tmp_path / "dflash")
+    out = tmp_path / "gen.json"
+    cli(["generate", "--heads", str(tmp_path / "dflash"), "--prompt", "def add(a, b):", "--max-new-tokens", "12",
+         "--depth", "3", "--draft-top-k", "2", "--total-tokens", "5", "--json", str(out), "--quiet"])
+    record = json.loads(out.read_text())
+    assert record["token_ids"] == greedy_reference(tiny_model_dir, "def add(a, b):", 12)
+    assert max(record["stats"]["accept_lengths"]) <= 4  # at most depth 3 drafted + the bonus token
+    assert torch.tensor(record["stats"]["drafted"]).max().item() == 5  # total_tokens nodes verified a step
