@@ -9,6 +9,7 @@ labels', or the target's) must break that equality: the mutation tests show the 
 import json
 import math
 import re
+import time
 
 import pytest
 import torch
@@ -263,4 +264,18 @@ def test_a_packed_run_trains_and_reports_less_padding(recipe, tiny_model_dir, tm
         assert report is not None, printed
         padding[packing] = float(report.group(2))
         assert float(report.group(1).replace(",", "")) > 0 and int(report.group(4)) > 0
+        # the split adds up: validation's target forwards are not counted as a training step's
+        assert int(report.group(5)) >= 0 and int(report.group(4)) <= int(report.group(3)), report.group(0)
     assert padding[True] < padding[False] / 2, padding
+
+
+def test_the_step_timer_counts_nothing_while_paused():
+    from selfspec.train.step_timer import StepTimer
+
+    timer = StepTimer()
+    with timer.section("target"):
+        pass
+    counted = timer.seconds()["target"]
+    with timer.paused(), timer.section("target"):
+        time.sleep(0.05)
+    assert timer.seconds()["target"] == counted and timer.enabled

@@ -57,6 +57,7 @@ from selfspec.train.distributed import (
 )
 from selfspec.train.fingerprints import run_fingerprint, weights_fingerprint
 from selfspec.train.packing import PackedExamples, check_packed_target
+from selfspec.train.precision import precision_line
 from selfspec.train.records import check_source
 from selfspec.train.step_timer import StepTimer, padding, step_report
 from selfspec.train.train_config import TrainConfig
@@ -117,13 +118,15 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     accelerator = Accelerator(
         cpu=multi_cpu and not deepspeed,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        mixed_precision=cfg.mixed_precision,
+        mixed_precision=cfg.precision,
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_dir=cfg.output_dir,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         kwargs_handlers=handlers,
     )
     fsdp_without_gpu(accelerator)
+    if accelerator.is_main_process:
+        print(precision_line(cfg.mixed_precision, cfg.precision), file=sys.stderr)
     return accelerator
 
 
@@ -248,7 +251,8 @@ def train(
                 accelerator.log(logs, step=step)
             pause = time.time()
             if step % cfg.eval_steps == 0 or stop:
-                metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator)
+                with timer.paused():  # the step split counts training steps only
+                    metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator)
                 history.append((step, metrics))
                 best.offer(accelerator, trainable, step, metrics)
                 accelerator.log({"eval/" + k: v for k, v in metrics.items() if not k.startswith("path/")}, step=step)
@@ -262,7 +266,7 @@ def train(
             paused += time.time() - pause
             if stop:
                 if out_of_time:
-                    accelerator.print(f"stopping at step {step}: the {cfg.max_minutes}-minute budget is spent")
+                    accelerator.print(cut_short(step, total, cfg.max_minutes))
                 break
         else:
             epoch, batches_done = epoch + 1, 0
@@ -294,6 +298,13 @@ def train(
     accelerator.wait_for_everyone()  # the others wait for the save (ddp_timeout_minutes bounds it)
     accelerator.end_training()
     return history
+
+
+def cut_short(step: int, total: int, minutes: float) -> str:
+    """What a run stopped by its time budget says: how far it got of what it planned, and how to go on."""
+    return (f"stopping at step {step} of {total} ({step / total:.0%}): the {minutes:g}-minute budget (--max_minutes) is "
+            "spent, so the drafter saved is trained that far only; --resume latest --max_minutes 0 goes on to the "
+            "planned steps")
 
 
 def batches_keeping_rng(loader: DataLoader):

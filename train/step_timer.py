@@ -26,6 +26,16 @@ class StepTimer:
         self.pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: not yet read
 
     @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Within: nothing is timed (validation and tree fits call the target too, outside any training step,
+        which made the target's share exceed the step and the drafter's come out negative)."""
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
+
+    @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
         if not self.enabled:
             yield
