@@ -208,3 +208,24 @@ def test_help_lists_every_option_with_default_and_meaning(script, capsys):
         row = next((line for line in lines if line.split()[:2] == [f"--{f.name}", shown]), None)
         assert row is not None, f"--{f.name} {shown} missing from --help"
         assert len(row.split()) > 3, f"--{f.name} has no meaning in --help: {row!r}"
+
+
+def test_resume_without_a_checkpoint_fails_before_the_data_is_prepared(tiny_model_dir, text_data, tmp_path,
+                                                                          monkeypatch):
+    """Self-distillation can take an hour: --resume latest with nothing to resume failed only after it."""
+    import selfspec.train.run_data as run_data
+    from selfspec.train.config import load_config
+    from selfspec.train.medusa import MedusaConfig
+    from selfspec.train.medusa import run as run_medusa
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the data was prepared before --resume was checked")
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(run_data, "regenerate_with_model", refuse)
+    for resume, message in (("latest", "--resume latest: no checkpoint under"),
+                            (str(tmp_path / "nowhere"), "not a complete checkpoint")):
+        args = medusa_args(tiny_model_dir, text_data, tmp_path / "heads", self_distill=True, resume=resume,
+                           distill_prompt_tokens=8)
+        with pytest.raises(FileNotFoundError, match=message):
+            run_medusa(load_config(MedusaConfig, args))

@@ -60,6 +60,8 @@ def prepare_output_dir(accelerator: Accelerator, output_dir: Path, resume: str |
     continues them or `--overwrite_output_dir` deletes them."""
     if accelerator.is_main_process:
         check_writable(output_dir)
+        if resume:
+            check_resumable(resume, output_dir)
         target = Path(model).resolve() if model is not None and Path(model).is_dir() else None
         if target is not None and (target == output_dir.resolve() or output_dir.resolve() in target.parents):
             raise ValueError(f"--output_dir {output_dir} holds the target model ({model}): saving there could "
@@ -151,15 +153,25 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: dict[str,
     return final
 
 
+def check_resumable(resume: str, output_dir: Path) -> None:
+    """That `--resume` names a checkpoint that is there: checked when the run starts, before any data is
+    prepared (self-distillation can take an hour), not when the loop begins."""
+    if resume in ("latest", "true", "auto"):
+        if not checkpoints(output_dir):
+            raise FileNotFoundError(f"--resume latest: no checkpoint under {output_dir}/checkpoints (start without "
+                                    "--resume, or give the --output_dir of the run to continue)")
+    elif not (Path(resume) / STATE_NAME).is_file():
+        raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (no {STATE_NAME})")
+
+
 def find_resume(resume: str | None, output_dir: Path) -> Path | None:
     """The checkpoint to resume from: `latest` is the newest intact one in output_dir (a damaged newer one is
     skipped with a warning naming the damaged file); a named folder must be intact."""
     if not resume:
         return None
+    check_resumable(resume, output_dir)
     if resume in ("latest", "true", "auto"):
         found = checkpoints(output_dir)
-        if not found:
-            raise FileNotFoundError(f"--resume latest: no checkpoint under {output_dir}/checkpoints")
         for candidate in reversed(found):
             problem = damage(candidate)
             if problem is None:
@@ -168,8 +180,6 @@ def find_resume(resume: str | None, output_dir: Path) -> Path | None:
                   file=sys.stderr)
         raise ValueError(f"--resume latest: every checkpoint under {output_dir}/checkpoints is damaged")
     path = Path(resume)
-    if not (path / STATE_NAME).is_file():
-        raise FileNotFoundError(f"--resume {path}: not a complete checkpoint (no {STATE_NAME})")
     problem = damage(path)
     if problem is not None:
         raise ValueError(f"--resume {path}: {problem}; resume from an earlier checkpoint")
