@@ -227,7 +227,20 @@ def test_a_launch_not_in_effect_is_named(cmdline, env, message):
     from selfspec.train.distributed import check_launch_in_effect, launch_request
 
     with pytest.raises(ConfigError, match=message):
-        check_launch_in_effect(launch_request(cmdline, str(ROOT)), env)
+        check_launch_in_effect(launch_request(cmdline, str(ROOT)), env, gpus=0, cores=2)
+
+
+def test_a_gpu_config_on_a_machine_without_gpus_is_refused_before_it_starts_8_cpu_processes():
+    from selfspec.train.config import ConfigError
+    from selfspec.train.distributed import check_launch_in_effect, launch_request
+
+    request = launch_request(["python", "/x/bin/accelerate", "launch", "--config_file", "configs/accelerate/ddp.yaml",
+                              "train/medusa.py"], str(ROOT))
+    with pytest.raises(ConfigError, match=r"ddp.yaml asks for 8 processes, but this machine has no GPU and 2 CPU "
+                                          r"cores, so they would all share those: launch with configs/accelerate/cpu"):
+        check_launch_in_effect(request, {"WORLD_SIZE": "8"}, gpus=0, cores=2)
+    check_launch_in_effect(request, {"WORLD_SIZE": "8"}, gpus=8, cores=2)  # where it belongs
+    check_launch_in_effect(request, {"WORLD_SIZE": "8"}, gpus=0, cores=64)  # a big CPU machine may run them
 
 
 @pytest.mark.parametrize("cmdline, env", [
@@ -239,4 +252,4 @@ def test_a_launch_not_in_effect_is_named(cmdline, env, message):
 def test_a_launch_in_effect_passes(cmdline, env):
     from selfspec.train.distributed import check_launch_in_effect, launch_request
 
-    check_launch_in_effect(launch_request(cmdline, str(ROOT)), env)
+    check_launch_in_effect(launch_request(cmdline, str(ROOT)), env, gpus=0, cores=2)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -127,9 +128,12 @@ def launch_request(cmdline: list[str], cwd: str) -> dict[str, Any] | None:
     return {"config_file": path, "engine": engine, "num_processes": processes}
 
 
-def check_launch_in_effect(request: dict[str, Any] | None, env: dict[str, str]) -> None:
-    """Refuse a run whose launch asked for DeepSpeed, FSDP or several processes that are not in effect: accelerate
-    launch --cpu silently drops a DeepSpeed or FSDP config and starts one plain process."""
+def check_launch_in_effect(request: dict[str, Any] | None, env: dict[str, str], gpus: int | None = None,
+                           cores: int | None = None) -> None:
+    """Refuse a run whose launch asked for DeepSpeed, FSDP or several processes that are not in effect (accelerate
+    launch --cpu silently drops a DeepSpeed or FSDP config and starts one plain process), or for more processes
+    than a machine without GPUs has cores (a GPU config there starts them all as CPU processes). `gpus`, `cores`:
+    this machine's (default: counted)."""
     if request is None:
         return
     where = f"accelerate launch --config_file {request['config_file']}" if request["config_file"] else "accelerate launch"
@@ -144,13 +148,17 @@ def check_launch_in_effect(request: dict[str, Any] | None, env: dict[str, str]) 
         raise ConfigError(f"{where} asks for {request['num_processes']} processes, but {running} is running "
                           "(--cpu with a GPU config starts one): launch with configs/accelerate/cpu-2proc.yaml, or "
                           "without --cpu")
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    if gpus == 0 and request["num_processes"] > cores:
+        raise ConfigError(f"{where} asks for {request['num_processes']} processes, but this machine has no GPU and "
+                          f"{cores} CPU cores, so they would all share those: launch with "
+                          "configs/accelerate/cpu.yaml (one process) or cpu-2proc.yaml (two), or pass --num_processes")
 
 
 def check_launch() -> None:
     """check_launch_in_effect for this process, from its parent's command line (Linux /proc; elsewhere nothing
     to read, nothing checked)."""
-    import os
-
     try:
         parent = Path(f"/proc/{os.getppid()}")
         cmdline = (parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
