@@ -93,3 +93,15 @@ def test_data_that_is_not_text_is_refused_before_any_model_loads(tmp_path, monke
     with pytest.raises(DataError, match=problem) as error:
         train_loop.start_run(TrainConfig(dataset=str(path), output_dir=str(tmp_path / "out")))
     assert str(path) in str(error.value) and not loaded
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "empty.txt"])
+def test_an_empty_data_file_is_called_empty(tmp_path, monkeypatch, name):
+    """It said 'lower --max_length', which cannot help."""
+    from conftest import tiny_tokenizer
+    from selfspec.train.data import load_examples
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    (tmp_path / name).write_text("")
+    with pytest.raises(DataError, match=rf"{name} holds no text and no conversation: it is empty"):
+        load_examples(str(tmp_path / name), tiny_tokenizer(), 32)

@@ -144,13 +144,20 @@ def save_examples(make: Callable[[Path], datasets.Dataset], path: Path) -> datas
 
 
 def build_examples(records: Iterable[dict[str, Any]], tokenizer, max_length: int, path: Path,
-                   batch_size: int = WRITE_BATCH) -> datasets.Dataset:
+                   batch_size: int = WRITE_BATCH, source: str = "the dataset") -> datasets.Dataset:
     """Tokenise records into examples saved at `path` (see Packer); records never all sit in RAM."""
 
     def make(scratch: Path) -> datasets.Dataset:
-        rows = ({"text": r.get("text"), "messages": json.dumps(r["messages"]) if "messages" in r else None}
-                for r in records)
-        table = write_arrow(rows, scratch / "records.arrow", RECORD_FEATURES)
+        seen = {"content": False}
+
+        def rows():
+            for r in records:
+                seen["content"] = seen["content"] or bool(r.get("text") or r.get("messages"))
+                yield {"text": r.get("text"), "messages": json.dumps(r["messages"]) if "messages" in r else None}
+
+        table = write_arrow(rows(), scratch / "records.arrow", RECORD_FEATURES)
+        if not seen["content"]:
+            raise DataError(f"{source} holds no text and no conversation: it is empty; give a file or folder with data")
         examples = table.map(Packer(tokenizer, max_length), batched=True, batch_size=batch_size,
                              remove_columns=table.column_names, features=EXAMPLE_FEATURES,
                              cache_file_name=str(scratch / "examples.arrow"), new_fingerprint=path.name,
@@ -332,7 +339,7 @@ def load_examples(source: str, tokenizer, max_length: int, split: str = "train")
     elif (tokens := regenerated_token_rows(source, tokenizer)) is not None:
         rows = build_token_examples(tokens, max_length, path)
     else:
-        rows = build_examples(iter_records(source, split), tokenizer, max_length, path)
+        rows = build_examples(iter_records(source, split), tokenizer, max_length, path, source=source)
     return Examples(rows, key)
 
 
