@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import reprlib
 import sys
 import warnings
 from pathlib import Path
@@ -39,7 +40,8 @@ NOT_RETURNED: dict[str, Any] = {
     "watermarking_config": None, "use_cache": True,
 }
 # Keyword arguments generate takes besides GenerationConfig fields.
-CALL_ARGUMENTS = ("input_ids", "inputs", "attention_mask", "generator", "streamer", "generation_config")
+CALL_ARGUMENTS = ("input_ids", "inputs", "attention_mask", "generator", "streamer", "generation_config",
+                  "tokenizer")  # tokenizer: model.generate reads it for stop_strings only, refused below
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,12 +156,16 @@ def resolve(model_config: GenerationConfig | None, generation_config: Generation
     """A call's settings by model.generate's rules; an argument that is neither a generation setting nor one of
     generate's own (`CALL_ARGUMENTS`) is refused in one line naming it."""
     check_call(kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k != "tokenizer"}  # what model.generate reads for stop_strings
     config, unused = merged_config(model_config, generation_config, kwargs)
     if unused:
         name = next(iter(unused))
-        raise ValueError(f"generate got an argument it does not support: {name}={unused[name]!r} (it takes "
-                         "transformers' generation settings and input_ids, attention_mask, generation_config, "
-                         "streamer, generator)")
+        raise ValueError(f"generate got an argument it does not support: {name}={reprlib.repr(unused[name])} (it "
+                         "takes transformers' generation settings and input_ids, attention_mask, generation_config, "
+                         "streamer, generator, tokenizer)")
+    if config.stop_strings:
+        raise ValueError(f"stop_strings={reprlib.repr(config.stop_strings)} is not supported by speculative decoding "
+                         "here: stop on token ids (eos_token_id=[...]) or cut the decoded text at the string")
     check_applicable(config)
     params = sampling_params(config)
     max_new_tokens = config.max_new_tokens

@@ -86,7 +86,7 @@ def test_with_no_length_at_all_it_makes_20_new_tokens_with_transformers_warning(
 
 
 def test_return_dict_in_generate_gives_the_sequences_and_the_statistics(spec, prompt):
-    _, inputs = prompt
+    tok, inputs = prompt
     out = spec.generate(**inputs, max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
     assert isinstance(out, GenerateOutput)
     assert torch.equal(out.sequences, out["sequences"]) and torch.equal(out[0], out.sequences)
@@ -94,6 +94,8 @@ def test_return_dict_in_generate_gives_the_sequences_and_the_statistics(spec, pr
     sequences, stats = out.to_tuple()
     assert sequences is out.sequences and stats is out.stats
     assert out.sequences.tolist() == spec.generate(**inputs, max_new_tokens=10, do_sample=False).tolist()
+    assert out.sequences.tolist() == spec.generate(**inputs, max_new_tokens=10, do_sample=False,
+                                                   tokenizer=tok).tolist()  # taken, as model.generate takes it
     assert out.stats.new_tokens == 10 and out.stats.tau >= 1
 
 
@@ -103,6 +105,9 @@ def test_return_dict_in_generate_gives_the_sequences_and_the_statistics(spec, pr
     ({"output_scores": True}, "sets output_scores=True, which speculative decoding here does not support"),
     ({"num_return_sequences": 2}, "num_return_sequences"),
     ({"generation_config": {"max_new_tokens": 3}}, "generation_config must be a transformers.GenerationConfig"),
+    ({"stop_strings": ["\n\n"], "tokenizer": "a tokenizer"},
+     r"^stop_strings=\['\\n\\n'\] is not supported by speculative decoding here: stop on token ids"),
+    ({"foo": "x" * 5000}, r"^generate got an argument it does not support: foo='x{10,40}\.\.\.x*' \(it takes"),
 ])
 def test_what_generate_does_not_support_is_refused_in_one_line_naming_it(spec, kwargs, message):
     with pytest.raises(ValueError, match=message):
