@@ -9,8 +9,11 @@ Drafters: trained heads directories (`--heads`, Medusa or EAGLE), a separate sma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,7 +119,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print()
     stats = spec.last_stats
     token_ids = spec.last_tokens
-    print(f"[{stats.new_tokens} tokens, {stats.target_forwards} target forwards, tau {stats.tau:.2f}]", file=sys.stderr)
+    if not args.quiet:
+        print(f"[{stats.new_tokens} tokens, {stats.target_forwards} target forwards, tau {stats.tau:.2f}]",
+              file=sys.stderr)
     if args.json:
         record = {"token_ids": token_ids, "text": "".join(pieces), "stats": stats.as_dict()}
         Path(args.json).write_text(json.dumps(record, indent=2))
@@ -311,6 +316,45 @@ def main(argv: list[str] | None = None, prog: str = PROG, commands: dict[str, Co
     `error: ...` line and exit status 2 (`--debug`: the traceback)."""
     def run(args: list[str]) -> None:
         parsed = build_parser(commands, prog).parse_args(args)
-        commands[parsed.command].run(parsed)
+        with plain_warnings(prog), quiet_libraries(getattr(parsed, "quiet", False)):
+            commands[parsed.command].run(parsed)
 
     run_main(run, argv, prog=prog)
+
+
+@contextlib.contextmanager
+def plain_warnings(prog: str) -> Iterator[None]:
+    """Within: a warning prints as one `prog: warning: ...` line, not Python's file:line and source-line form."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"{prog}: warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True)
+
+    saved, warnings.showwarning = warnings.showwarning, show
+    try:
+        yield
+    finally:
+        warnings.showwarning = saved
+
+
+@contextlib.contextmanager
+def quiet_libraries(quiet: bool) -> Iterator[None]:
+    """With `quiet`: transformers' and datasets' progress bars ("Loading weights") and info logs off within."""
+    if not quiet:
+        yield
+        return
+    import datasets
+    import transformers
+
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    level = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    datasets_quiet = datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        transformers.utils.logging.set_verbosity(level)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+        if not datasets_quiet:
+            datasets.enable_progress_bars()

@@ -195,7 +195,8 @@ def generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                      help="sampling: keep the likeliest tokens holding this much probability, in (0, 1] "
                           "(default: the generation_config's, else 1)")
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--quiet", action="store_true", help="do not print the text")
+    gen.add_argument("--quiet", action="store_true", help="print nothing: no text, no statistics, no loading bars "
+                                                          "(with --json, the record holds them)")
     return gen
 
 

@@ -292,3 +292,26 @@ def test_version_prints_the_installed_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out == f"selfspec {selfspec.__version__}\n"
+
+
+def test_quiet_prints_nothing_and_warnings_are_one_plain_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    import warnings
+
+    import selfspec.cli as console
+    import selfspec.infer.cli as infer_cli
+
+    out = tmp_path / "gen.json"
+    transformers.utils.logging.enable_progress_bar()  # as in a fresh process: the "Loading weights" bar is on
+    cli(["generate", "--prompt-lookup", "--model", str(tiny_model_dir), "--prompt", "def add(a, b):",
+         "--max-new-tokens", "8", "--quiet", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err == ""
+    assert len(json.loads(out.read_text())["token_ids"]) == 8
+    assert transformers.utils.logging.is_progress_bar_enabled()  # given back as it was
+
+    def warns(args):
+        warnings.warn("the tree was fitted on a busy machine:\n re-fit it", UserWarning, stacklevel=1)
+
+    monkeypatch.setitem(console.COMMANDS, "recipes", infer_cli.Command(infer_cli.recipes_parser, warns))
+    cli(["recipes"])
+    assert capsys.readouterr().err == "selfspec: warning: the tree was fitted on a busy machine: re-fit it\n"
