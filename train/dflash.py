@@ -58,7 +58,7 @@ class DFlashConfig(TrainConfig):
     warmup_ratio: float = 0.04
     max_length: int = 192
     per_device_train_batch_size: int = 8
-    mixed_precision: str = "bf16"
+    mixed_precision: str = "auto"  # auto: bf16 on a GPU with bf16 or a CPU with AMX, float32 elsewhere
     self_distill: bool = True  # learn what the target itself says (the same self-distilled set as the demos)
     max_train_examples: int = 1024
     eval_steps: int = 200

@@ -52,7 +52,7 @@ class EagleConfig(TrainConfig):
     warmup_ratio: float = 0.02
     max_length: int = 192
     per_device_train_batch_size: int = 8
-    mixed_precision: str = "bf16"
+    mixed_precision: str = "auto"  # auto: bf16 on a GPU with bf16 or a CPU with AMX, float32 elsewhere
     self_distill: bool = True  # learn what the target itself says: the drafter imitates it at decode time
     max_train_examples: int = 1024  # the same self-distilled set as the Medusa demo (shared cache)
     eval_steps: int = 250

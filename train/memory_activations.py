@@ -22,7 +22,7 @@ F32 = 4
 
 def _width(cfg: Any) -> tuple[int, bool]:
     """Bytes of an activation under the run's precision, and whether autocast casts (bf16/fp16) happen."""
-    cast = cfg.mixed_precision in ("bf16", "fp16")
+    cast = cfg.precision in ("bf16", "fp16")
     return (2 if cast else F32), cast
 
 

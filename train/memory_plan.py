@@ -207,7 +207,7 @@ def memory_plan(cfg: Any, config: Any, engine: str, gpus: int, contexts: list[in
                                                               target.get_output_embeddings())}.values()), dtype)
     on_rank = -(-(whole - kept) // gpus) + kept if shard_target else whole
     return Plan(sum(p.numel() for p in target.parameters()), params, on_rank,
-                drafter_state_bytes(params, engine, gpus, cfg.mixed_precision, config.get_text_config().hidden_size), acts, step, rows,
+                drafter_state_bytes(params, engine, gpus, cfg.precision, config.get_text_config().hidden_size), acts, step, rows,
                 int(gpu_memory_gib * GIB))
 
 
@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--markdown", action="store_true", help="print the README table's rows, both placements")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_recipe(args.recipe, overrides)
+    if cfg.mixed_precision == "auto":  # the plan is for GPUs, where auto means bf16, not for this machine
+        cfg = dataclasses.replace(cfg, mixed_precision="bf16")
     model = args.model or cfg.model
     config = target_config(model)
     if args.markdown:
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     plan = memory_plan(cfg, config, args.engine, args.gpus, args.context, args.shard_target, args.gpu_memory_gib,
                        args.rows)
-    print(f"{args.engine} on {args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, {cfg.mixed_precision} mixed "
+    print(f"{args.engine} on {args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, {cfg.precision} mixed "
           f"precision, target {'sharded' if args.shard_target else 'replicated'}")
     print(format_plan(plan, model))
 

@@ -8,9 +8,10 @@ import dataclasses
 import torch
 
 from selfspec.train.config import ConfigError, check_at_least, check_finite
+from selfspec.train.precision import resolve_precision
 
 REPORTERS = ("none", "wandb", "tensorboard")
-PRECISIONS = ("no", "bf16", "fp16")
+PRECISIONS = ("auto", "no", "bf16", "fp16")
 
 
 @dataclasses.dataclass
@@ -41,7 +42,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     max_length: int = 512  # tokens per example: text is packed into blocks of this, chats cut to it
     packing: bool = False  # pack training examples into rows of up to max_length, attention kept within each example
-    mixed_precision: str = "no"  # no | bf16 | fp16
+    mixed_precision: str = "auto"  # auto (bf16 on a GPU with bf16 or a CPU with AMX, else float32) | no | bf16 | fp16
     seed: int = 0  # seeds data order, subsets, initialisation and noise
     save_steps: int = 500  # write a resumable checkpoint every this many steps (and at the end)
     save_total_limit: int = 2  # checkpoints of this run kept (older ones deleted; 0 keeps all)
@@ -56,9 +57,14 @@ class TrainConfig:
     ddp_timeout_minutes: float = 360.0  # how long ranks wait for each other (data preparation, tree fitting on rank 0)
 
     @property
+    def precision(self) -> str:
+        """The mixed precision this machine runs: `auto` resolved (train/precision.py), else as given."""
+        return resolve_precision(self.mixed_precision)
+
+    @property
     def target_dtype(self) -> torch.dtype:
         """The frozen target needs no fp32 master weights: keep it in the mixed-precision dtype."""
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision, torch.float32)
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
 
     def __post_init__(self) -> None:
         check_finite(self)
