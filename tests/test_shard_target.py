@@ -81,8 +81,10 @@ def test_a_sharded_target_trains_the_replicated_targets_drafter(config, tiny_mod
 
 
 @pytest.mark.parametrize("config, kind", [("fsdp", "eagle3"), ("deepspeed-zero3", "medusa"), ("fsdp", "dflash")])
-def test_the_tree_is_fitted_on_every_rank_of_a_sharded_target(config, kind, tiny_model_dir, text_data, tmp_path):
-    """No fixed tree: the end of the run decodes validation prompts with the sharded target on both ranks."""
+def test_a_sharded_runs_tree_is_fitted_in_step_or_left_to_tune(config, kind, tiny_model_dir, text_data, tmp_path):
+    """No fixed tree: Medusa's fit times forwards with the sharded target on both ranks; EAGLE-3's and DFlash's
+    would decode prompts (an EAGLE fit of a 30-step run took 14 minutes after 31 s of training), so they keep the
+    default tree and say how to fit it."""
     out = tmp_path / "out"
     args = run_args(kind, tiny_model_dir, text_data, out, batch=2, shard_target="true")
     for name in ("depth", "top_k", "total_tokens", "tree_nodes"):
@@ -92,7 +94,11 @@ def test_the_tree_is_fitted_on_every_rank_of_a_sharded_target(config, kind, tiny
     else:
         args |= {"tune_depths": 2, "tune_top_ks": 2, "tune_totals": 4, "tune_prompts": 2, "tune_new_tokens": 8}
     log = launch(config, {"eagle3": "eagle"}.get(kind, kind), args)
-    assert "fitted" in log, log[-2000:]
+    if kind == "medusa":  # its fit times a few target forwards: done in step on every rank
+        assert "fitted" in log, log[-2000:]
+    else:  # a fit decodes prompts, gathering the target at every forward: left to `selfspec tune` on one copy
+        assert "the tree is not fitted at the end of this run" in log and "fitted to this machine" not in log
+        assert f"selfspec tune --heads {out}" in log
     assert len(shares(log)) == 2
     assert_decodes_like_target(tiny_model_dir, out)
 

@@ -50,6 +50,11 @@ def run_feature_drafter(cfg: TrainConfig, build: Callable[[Any, Any, Examples], 
         eval_data = cached_features(cfg, target, validated(cfg, eval_data), "eval", layers, *ranks)
     initial = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     prompts = calibration_prompts(eval_data, cfg.tune_prompts, cfg.distill_prompt_tokens)
+    if cfg.shard_target and not (cfg.depth and cfg.top_k and cfg.total_tokens):
+        accelerator.print(f"--shard_target: the tree is not fitted at the end of this run (each of its timed decodes "
+                          "would gather the sharded target again, minutes on end); the drafter keeps its default tree. "
+                          f"Fit it afterwards on one copy of the target: selfspec tune --heads {cfg.output_dir}")
+        prompts = []
     method = make_method(target, draft, prompts)
     history = train(cfg, accelerator, method, train_data, eval_data)
     return {"target": target, "draft": method.trainable, "initial": initial, "history": history}
