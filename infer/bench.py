@@ -24,6 +24,7 @@ import torch
 
 from selfspec.infer.arguments import eos_set
 from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.launches import LaunchCounter
 from selfspec.infer.tree import LatencyCurve, tree_from_parents
 from selfspec.shipped.stdlib_corpus import stdlib_files
 
@@ -231,6 +232,15 @@ def step_drift(stats: list[dict]) -> dict:
     return {"step_ms_first_100": 1e3 * first, "step_ms_last_100": 1e3 * last}
 
 
+def launches_per_step(model, run: Runner, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """One more run of the first batch, its kernel launches counted (infer/launches.py): per target forward,
+    outside and inside the target's forward (a baseline without statistics: per new token of its longest row)."""
+    with LaunchCounter(model).counting() as counter:
+        rows, st = run(ids, mask)
+    steps = len(st["step_times"]) if st and "step_times" in st else max(1, max(map(len, rows)))
+    return {"outside": counter.outside / steps, "inside": counter.inside / steps}
+
+
 def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], warmup: int = 1,
               chains: frozenset[str] = frozenset(), batch_size: int = 1, pad_token_id: int | None = None) -> dict:
     """Run every method on every batch of `batch_size` consecutive prompts (the last batch may be smaller),
@@ -249,6 +259,7 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], 
     for ids, mask in batches[:warmup]:
         for run in runners.values():
             run(ids, mask)
+    launches = {name: launches_per_step(model, run, *batches[0]) for name, run in runners.items()} if warmup else {}
     names = list(runners)
     outs = {n: [] for n in names}  # each prompt's new tokens, in prompt order
     tokens = {n: [] for n in names}  # per batch
@@ -295,6 +306,8 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], 
         if st and st[0].get("host_syncs") is not None:  # CUDA: the prefill's and the output's few included
             entry["host_syncs_per_step"] = sum(s["host_syncs"] for s in st) / max(1, sum(len(s["step_times"]) for s in st))
         entry |= step_drift(st)
+        if name in launches:
+            entry["launches_per_step"] = launches[name]
         if name in chains and st:
             entry |= chain_acceptance([a for s in st for a in s["accepted_drafts"]], [d for s in st for d in s["drafted"]])
         if name in memory:

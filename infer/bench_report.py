@@ -26,6 +26,10 @@ def format_table(result: dict) -> str:
         if "step_ms_first_100" in m:
             notes.append(f"{name}: {m['step_ms_first_100']:.1f} ms per step over the first 100 steps, "
                          f"{m['step_ms_last_100']:.1f} over the last 100")
+        if "launches_per_step" in m:
+            launches = m["launches_per_step"]
+            notes.append(f"{name}: {launches['outside']:.0f} kernel launches per step outside the target's forward, "
+                         f"{launches['inside']:.0f} inside")
         if "peak_memory_mb" in m:
             notes.append(f"{name}: peak memory {m['peak_memory_mb']:.0f} MiB")
         if m.get("mismatches"):

@@ -79,7 +79,9 @@ def test_bench_writes_every_method(trained_heads, tmp_path, capsys):
     for m in result["methods"].values():
         assert m["identical_to_baseline"] is True
         assert {"tokens_per_s", "tau", "target_forwards", "new_tokens"} <= set(m)
-    assert "medusa" in capsys.readouterr().out
+        assert m["launches_per_step"]["inside"] > m["launches_per_step"]["outside"] > 0
+    printed = capsys.readouterr().out
+    assert "medusa" in printed and "kernel launches per step outside the target's forward" in printed
 
 
 def test_missing_heads_dir_is_a_clear_error(tmp_path, capsys):
