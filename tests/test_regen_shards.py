@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from conftest import TOKENIZER_TEXT
 from selfspec.train.data import load_examples
-from selfspec.train.records import DataError, unfinished_regeneration
+from selfspec.train.records import DataError, check_source, iter_records, unfinished_regeneration
 from selfspec.train.regen_config import RegenerateConfig
 from selfspec.train.regen_shards import check_shards, load_shards, main, write_manifest
 from selfspec.train.regenerate import run, written_by
@@ -46,6 +46,8 @@ def test_shards_hold_the_rows_a_dataset_run_writes_and_training_reads_them_alike
     a, b = load_examples(str(shards), tok, 24), load_examples(str(merged), tok, 24)
     assert [a[i]["input_ids"].tolist() for i in range(len(a))] == [b[i]["input_ids"].tolist() for i in range(len(b))]
     assert written_by(str(shards), str(target_dir))
+    check_source(str(shards))  # a training run's first check takes the folder (it read manifest.json as records)
+    assert list(iter_records(str(shards))) == list(iter_records(str(merged)))  # another tokenizer reads these
 
 
 def test_a_run_cut_short_is_read_as_far_as_it_went_and_resumes_from_its_shards(target_dir, tmp_path, monkeypatch):

@@ -31,11 +31,12 @@ from selfspec.train.records import (
     RECORD_FEATURES,
     REGENERATION_FILE,
     DataError,
+    is_regenerated_shards,
     is_saved_dataset,
     iter_records,
     load_saved,
 )
-from selfspec.train.regen_shards import is_shards_folder, load_shards
+from selfspec.train.regen_shards import load_shards
 
 # an example: its token ids and, per token, 1 where the loss is taken; no padding is stored
 EXAMPLE_FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
@@ -175,7 +176,7 @@ def regenerated_token_rows(source: str, tokenizer) -> datasets.Dataset | None:
     (then the records' messages/text are tokenised again)."""
     path = Path(source)
     info = path / REGENERATION_FILE
-    shards = is_shards_folder(path)
+    shards = is_regenerated_shards(path)
     if not ((shards or is_saved_dataset(path)) and info.is_file()):
         return None
     try:

@@ -65,6 +65,12 @@ def iter_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
     if is_saved_dataset(path):
         yield from _records_from_saved(path, split)
         return
+    if is_regenerated_shards(path):
+        from selfspec.train.regen_shards import load_shards  # it reads records.py's names
+
+        for row in load_shards(path).select_columns(["messages", "text"]):
+            yield {"messages": row["messages"]} if row["messages"] is not None else {"text": row["text"]}
+        return
     if path.is_dir():
         if unfinished_regeneration(path):
             raise DataError(f"{path} holds an unfinished regeneration: run the same train/regenerate.py command "
@@ -114,8 +120,8 @@ def check_source(source: str | None) -> None:
     if not source or source in ("stdlib", "demo"):
         return
     path = Path(source)
-    if not path.exists() or is_saved_dataset(path):
-        return  # a `datasets` name, a missing path (named when loaded), or a saved dataset
+    if not path.exists() or is_saved_dataset(path) or is_regenerated_shards(path):
+        return  # a `datasets` name, a missing path (named when loaded), a saved dataset or regenerated shards
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES
                                                  | {".json", ".jsonl"} and p.name != REGENERATION_FILE)
     for f in files:
@@ -124,6 +130,11 @@ def check_source(source: str | None) -> None:
                 pass
         else:
             read_text(f, limit=2**20)
+
+
+def is_regenerated_shards(path: Path) -> bool:
+    """Whether `path` is a train/regenerate.py folder in `shards` form (regeneration.json beside manifest.json)."""
+    return (path / MANIFEST_FILE).is_file() and (path / REGENERATION_FILE).is_file()
 
 
 def is_saved_dataset(path: Path) -> bool:

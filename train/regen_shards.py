@@ -103,10 +103,6 @@ def check_shards(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def is_shards_folder(folder: Path) -> bool:
-    return (folder / MANIFEST_FILE).is_file() and (folder / REGENERATION_FILE).is_file()
-
-
 def load_shards(folder: Path) -> datasets.Dataset:
     """The kept rows of every checked shard (skipped items left out), in shard order."""
     manifest = check_shards(folder)
