@@ -68,7 +68,12 @@ def ends_root(device: torch.device) -> torch.Tensor:
 
 
 class SpeculativeModel:
-    """A frozen target plus a proposer; `generate` takes what `model.generate` takes, batches included."""
+    """A frozen target plus a proposer; `generate` takes what `model.generate` takes, batches included.
+
+    After each call `last_stats` (a GenerationStats) holds that call's decoding statistics: `tau` (tokens per
+    target forward), `new_tokens`, `target_forwards`, the per-step `accept_lengths`, and the time split
+    `draft_s` / `verify_s` / `bookkeeping_s`; `generate(..., return_dict_in_generate=True)` returns the same
+    object as `out.stats`."""
 
     def __init__(self, model: torch.nn.Module, proposer: Proposer, compile: bool | str = False) -> None:
         """`compile`: verify trees through torch.compile (fixed shapes: every step verifies the largest tree

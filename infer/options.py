@@ -22,7 +22,7 @@ from selfspec.infer.verify import SamplingParams
 PROG = "selfspec"
 DESCRIPTION = """Speculative decoding from the command line: generate, bench, tune, import, export, push.
 
-Drafters: trained heads directories (--heads: Medusa, EAGLE, EAGLE-3), a separate small draft model
+Drafters: trained drafter directories (--heads: Medusa, EAGLE, EAGLE-3, DFlash), a separate small draft model
 (--draft-model, the seed paper's algorithm) or prompt lookup (--prompt-lookup)."""
 NUM_DRAFT_TOKENS = 4  # a draft model's proposal length when --num-draft-tokens is not given
 PROMPT_LOOKUP_TOKENS = 10  # prompt lookup's longest proposal when --prompt-lookup-tokens is not given
@@ -134,10 +134,10 @@ def drafter_options(p: argparse.ArgumentParser, several: bool) -> None:
     """generate's and bench's options: the drafters (`several`: --heads repeats), the target, the run."""
     if several:
         p.add_argument("--heads", action="append",
-                       help="a trained heads directory (Medusa or EAGLE); repeat it to compare several drafters "
-                            "of one target in the same run")
+                       help="a trained drafter directory (Medusa, EAGLE, EAGLE-3 or DFlash); repeat it to compare "
+                            "several drafters of one target in the same run")
     else:
-        p.add_argument("--heads", help="a trained heads directory (Medusa or EAGLE)")
+        p.add_argument("--heads", help="a trained drafter directory (Medusa, EAGLE, EAGLE-3 or DFlash)")
     p.add_argument("--draft-model", help="a small causal LM with the target's tokenizer drafts chains (the seed "
                                          "paper's algorithm); `demo-draft` is the shipped one")
     p.add_argument("--num-draft-tokens", type=at_least(1), default=None,
@@ -226,7 +226,7 @@ def bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="fit the heads' default tree to this machine and store it in their config.json")
-    tune.add_argument("--heads", required=True, help="a trained heads directory (Medusa or EAGLE)")
+    tune.add_argument("--heads", required=True, help="a trained drafter directory (Medusa, EAGLE, EAGLE-3 or DFlash)")
     tune.add_argument("--model", help="target model name or path (default: the heads' base_model)")
     tune.add_argument("--dtype", choices=list(DTYPES), help="default: the dtype the heads were trained with")
     tune.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
@@ -261,7 +261,7 @@ def export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from selfspec.heads.formats import EXPORT_FORMATS
 
     exp = sub.add_parser("export", help="write heads in the layout a serving engine loads")
-    exp.add_argument("--heads", required=True, help="a selfspec heads directory or Hub id")
+    exp.add_argument("--heads", required=True, help="a selfspec drafter directory or Hub id")
     exp.add_argument("--format", required=True, choices=EXPORT_FORMATS,
                      help="fastdecoding-medusa (FasterDecoding, TGI, TensorRT-LLM), vllm-medusa, eagle1 (SafeAILab, "
                           "vLLM), sglang-eagle, eagle3 (EAGLE-3: SafeAILab, SGLang, vLLM), speculators-eagle3 "
@@ -282,8 +282,8 @@ def export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def push_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    push = sub.add_parser("push", help="upload a heads directory to the Hugging Face Hub with a model card")
-    push.add_argument("--heads", required=True, help="a heads directory (config.json + model.safetensors)")
+    push = sub.add_parser("push", help="upload a drafter directory to the Hugging Face Hub with a model card")
+    push.add_argument("--heads", required=True, help="a drafter directory (config.json + model.safetensors)")
     push.add_argument("--repo-id", required=True, help="e.g. your-name/llama3-8b-medusa")
     push.add_argument("--private", action="store_true")
     push.add_argument("--token", help="a Hub token (default: HF_TOKEN or the saved login); never printed")

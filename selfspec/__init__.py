@@ -1,4 +1,5 @@
-"""selfspec: train Medusa / EAGLE drafters on a frozen Hugging Face causal LM and decode with them losslessly.
+"""selfspec: train Medusa / EAGLE-1/2/3 / DFlash drafters on a frozen Hugging Face causal LM and decode with them
+losslessly (a draft model and prompt lookup run in the same loop).
 
     from selfspec import SpeculativeModel
     spec = SpeculativeModel.from_pretrained("outputs/eagle3-llama3.1-8b", device_map="cuda", dtype="bfloat16")
@@ -29,6 +30,7 @@ PUBLIC = {
     "MedusaHeads": "selfspec.heads.medusa",
     "EagleDraft": "selfspec.heads.eagle",
     "Eagle3Draft": "selfspec.heads.eagle3",
+    "DFlashDraft": "selfspec.heads.dflash",
     "load_heads": "selfspec.heads.registry",
     "import_heads": "selfspec.heads.formats",
     "export_heads": "selfspec.heads.formats",

@@ -167,3 +167,19 @@ def test_attention_mask_is_checked_at_the_boundary(mask, error, match):
         spec.generate(torch.tensor([[5, 6, 7]]), attention_mask=mask, max_new_tokens=3)
     bool_mask = torch.ones(1, 3, dtype=torch.bool)  # a bool mask is a mask, as transformers takes it
     assert spec.generate(torch.tensor([[5, 6, 7]]), attention_mask=bool_mask, max_new_tokens=2).shape == (1, 5)
+
+
+def test_every_drafter_family_is_a_public_name_and_in_the_docs():
+    """DFlash was missing from help(selfspec), the public names and the CLI's description and --heads help."""
+    import selfspec
+    from selfspec.heads.config import KINDS
+    from selfspec.heads.registry import DRAFTERS
+    from selfspec.infer.options import DESCRIPTION
+
+    for kind in KINDS:
+        cls = DRAFTERS[kind]
+        assert getattr(selfspec, cls.__name__) is cls and cls.__name__ in selfspec.__all__
+    names = {"medusa": "Medusa", "eagle": "EAGLE", "eagle3": "EAGLE-3", "dflash": "DFlash"}
+    assert set(names) == set(KINDS)
+    for text in (selfspec.__doc__, DESCRIPTION):
+        assert all(names[k].split("-")[0] in text for k in KINDS), text

@@ -7,7 +7,7 @@ import json
 import shutil
 
 import pytest
-from regen_helpers import CHATS, options, rows_of, save_target, write_jsonl
+from regen_helpers import CHATS, ROOT, options, rows_of, save_target, write_jsonl
 from transformers import AutoTokenizer
 
 from conftest import TOKENIZER_TEXT
@@ -84,3 +84,17 @@ def test_a_changed_or_missing_shard_is_a_one_line_error(target_dir, tmp_path, ca
         check_shards(out)
     main([str(out), "--write"])  # the manifest written anew from the shards there
     assert "7 of 8 shards, all checksums match" in capsys.readouterr().out
+
+
+def test_the_shipped_data_is_found_complete_without_its_engine(monkeypatch, capsys):
+    """The recipe names vLLM; a machine without it still runs the recipe's command over the shipped folder, which
+    is complete and needs no engine (and its checksums match)."""
+    from selfspec.train import regenerate as regen_module
+    from selfspec.train.config import load_config
+
+    monkeypatch.setattr(regen_module, "vllm_missing", lambda: "no vLLM here")
+    shipped = ROOT / "shipped" / "smollm2-chat"
+    assert check_shards(shipped)["complete"]
+    assert regen_module.finished(shipped)
+    cfg = load_config(RegenerateConfig, ["--config", str(ROOT / "configs/regenerate/smollm2-chat.yaml")])
+    assert cfg.backend == "vllm" and cfg.output_dir == "shipped/smollm2-chat"

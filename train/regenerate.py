@@ -230,6 +230,14 @@ def written_by(source: str, model: str) -> bool | None:
         return False
 
 
+def finished(out: Path) -> bool:
+    """Whether `out` holds a complete regeneration (whose settings `regenerate` still checks against the run's)."""
+    try:
+        return bool(json.loads((out / REGENERATION_FILE).read_text()).get("complete"))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+
+
 def run(cfg: RegenerateConfig) -> Path:
     """The script: check the folder and the backend, read the items (rank 0 first), regenerate, merge."""
     from accelerate import PartialState
@@ -240,7 +248,7 @@ def run(cfg: RegenerateConfig) -> Path:
     out = Path(cfg.output_dir)
     check_output_dir(out)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.backend == "vllm":
+    if cfg.backend == "vllm" and not finished(out):  # a finished folder (the shipped data) needs no engine
         if (why := vllm_missing()) is not None:
             raise ConfigError(why)
         if world > 1:
