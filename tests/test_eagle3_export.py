@@ -185,3 +185,17 @@ def test_cli_export_then_import_keeps_the_drafter(tmp_path, target, target_dir, 
     cli(["import", "--src", str(tmp_path / "out"), "--out", str(tmp_path / "back"), "--base-model", str(target_dir)])
     assert "imported eagle3 heads" in capsys.readouterr().out
     assert_same_draft(load_heads(tmp_path / "back"), draft)
+
+
+def test_an_export_says_which_settings_its_layout_leaves_behind(tmp_path, target, target_dir):
+    """Export then import gave the defaults for the fitted tree and the target where the layout has no room for
+    them, silently; what the layout carries comes back exactly."""
+    draft = random_draft(target, 40, feature_layers=[1, 3, 6], base_model="org/target")
+    draft.config.depth, draft.config.top_k, draft.config.total_tokens = 5, 2, 8  # a fitted tree
+    with pytest.warns(UserWarning, match=r"^speculators-eagle3 has no room for top_k=2, total_tokens=8: importing"):
+        export_heads(draft, "speculators-eagle3", tmp_path / "spec", target=target)
+    back = import_eagle3(tmp_path / "spec")
+    assert (back.config.base_model, back.config.depth) == ("org/target", 5)  # carried
+    with pytest.warns(UserWarning, match=r"^eagle3 has no room for base_model=org/target, depth=5, top_k=2, "
+                                         r"total_tokens=8: importing the export gives the defaults"):
+        export_heads(draft, "eagle3", tmp_path / "safeailab", target=target)

@@ -10,10 +10,12 @@ is read once (`Checkpoint`: its config.json and tensor names) and each layout is
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from torch import nn
 
+from selfspec.heads.config import DYNAMIC_TREE_KINDS
 from selfspec.heads.dflash import DFlashDraft
 from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.eagle3 import Eagle3Draft
@@ -28,6 +30,12 @@ from selfspec.heads.io import PretrainedHeads
 from selfspec.heads.medusa import MedusaHeads
 
 EXPORT_FORMATS = MEDUSA_FORMATS + EAGLE_FORMATS + EAGLE3_FORMATS + DFLASH_FORMATS
+# Of a drafter's target and decoding defaults, what each layout's files carry back to an importer (the modules'
+# sources: Medusa configs name base_model_name_or_path; speculators' name the verifier and a chain of
+# speculative_tokens; SafeAILab/SGLang configs and z-lab's DFlash config name neither). The rest is left behind.
+CARRIED = {"fastdecoding-medusa": {"base_model"}, "vllm-medusa": {"base_model"}, "eagle1": set(), "sglang-eagle": set(),
+           "eagle3": set(), "speculators-eagle3": {"base_model", "depth"}, "dflash": set(),
+           "speculators-dflash": {"base_model"}}
 # DFlash first: its folders also hold the fc.weight and layers.0.* an EAGLE-1 detector looks for
 DETECTORS = (detect_dflash_format, detect_medusa_format, detect_eagle_format, detect_eagle3_format)
 
@@ -112,3 +120,21 @@ def export_heads(heads: PretrainedHeads, fmt: str, out_dir: str | Path, target: 
         export_dflash(heads, fmt, out_dir, weights=weights or "safetensors", base_model=base_model, target=target)
     else:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
+    if lost := left_behind(heads, fmt, base_model):
+        warnings.warn(f"{fmt} has no room for {', '.join(lost)}: importing the export gives the defaults there; keep "
+                      "the selfspec folder for them, or re-fit the tree with selfspec tune", UserWarning, stacklevel=2)
+
+
+def left_behind(heads: PretrainedHeads, fmt: str, base_model: str | None = None) -> list[str]:
+    """The settings of `heads` an export in `fmt` does not carry (CARRIED), each as `name=value`: its fitted tree
+    (a static tree; EAGLE's and DFlash's depth / top_k / total_tokens, DFlash's only when not the block's chain)
+    and the target it names."""
+    c = heads.config
+    settings: dict[str, object] = {"base_model": base_model or c.base_model}
+    if c.tree is not None:
+        settings["tree"] = f"{len(c.tree)} nodes"
+    if c.kind in DYNAMIC_TREE_KINDS:
+        chain = isinstance(heads, DFlashDraft) and c.top_k == 1 and c.depth == c.total_tokens == c.block_size - 1
+        if not chain:  # a DFlash export is decoded as the block's chain
+            settings |= {"depth": c.depth, "top_k": c.top_k, "total_tokens": c.total_tokens}
+    return [f"{k}={v}" for k, v in settings.items() if v not in ("", None) and k not in CARRIED[fmt]]
