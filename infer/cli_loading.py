@@ -121,7 +121,7 @@ def load_models(
     tree = args.tree  # parsed by tree_choices
     specs = []
     for heads, drafter in zip(heads_dirs, drafters):
-        kwargs = options if drafter.config.kind.startswith("eagle") else {}
+        kwargs = options if drafter.config.kind in DYNAMIC_TREE_KINDS else {}
         try:
             specs.append(SpeculativeModel.from_pretrained(drafter, model=model, device=args.device, tree=tree,
                                                           **kwargs))
