@@ -23,7 +23,7 @@ class TrainConfig:
     eval_dataset: str | None = None  # default: the stdlib validation split, or a held-out slice
     eval_fraction: float = 0.02  # the held-out slice of `dataset` used for validation when no eval_dataset
     max_train_examples: int = 0  # > 0: use only this many (seeded random) training examples
-    self_distill: bool = False  # train on the target's own answers and continuations (train/regenerate.py)
+    self_distill: bool = False  # train on the target's own answers (train/regenerate.py), generated before step 1 for every training item (max_train_examples bounds them), whatever max_steps; cached
     distill_prompt_tokens: int = 32  # with self_distill: tokens of each text window kept as its prompt
     distill_temperature: float = 0.0  # with self_distill: the target's sampling temperature (0: greedy)
     output_dir: str = "outputs/medusa-demo"  # where the drafter, its checkpoints and training_args.json go
