@@ -70,10 +70,9 @@ def ends_root(device: torch.device) -> torch.Tensor:
 class SpeculativeModel:
     """A frozen target plus a proposer; `generate` takes what `model.generate` takes, batches included.
 
-    After each call `last_stats` (a GenerationStats) holds that call's decoding statistics: `tau` (tokens per
-    target forward), `new_tokens`, `target_forwards`, the per-step `accept_lengths`, and the time split
-    `draft_s` / `verify_s` / `bookkeeping_s`; `generate(..., return_dict_in_generate=True)` returns the same
-    object as `out.stats`."""
+    After each call `last_stats` (a GenerationStats, also `out.stats` with return_dict_in_generate=True) holds
+    its decoding statistics: `tau` (tokens per target forward), `new_tokens`, `target_forwards`, the per-step
+    `accept_lengths`, the time split `draft_s` / `verify_s` / `bookkeeping_s`."""
 
     def __init__(self, model: torch.nn.Module, proposer: Proposer, compile: bool | str = False) -> None:
         """`compile`: verify trees through torch.compile (fixed shapes: every step verifies the largest tree
@@ -138,7 +137,9 @@ class SpeculativeModel:
         return cls(model, proposer, compile=compile)
 
     def _settings(self, generation_config: Any, kwargs: dict[str, Any]) -> Settings:
-        return resolve(getattr(self.model, "generation_config", None), generation_config, **kwargs)
+        settings = resolve(getattr(self.model, "generation_config", None), generation_config, **kwargs)
+        settings.warn_default_length()
+        return settings
 
     def decode(self, input_ids: torch.Tensor, max_new_tokens: int | None = None, **kwargs: Any) -> Iterator[list[int]]:
         """Yield the new token ids of each step (the first from prefill) for one prompt (T,) or (1, T), stopping

@@ -54,6 +54,15 @@ class Settings:
     max_new_tokens: int | None  # None: bounded by max_length instead
     max_length: int
     return_dict: bool
+    default_length: bool = False  # nothing set the length: model.generate's 20 new tokens, with its warning
+
+    def warn_default_length(self) -> None:
+        """transformers' warning for a call that set no length, pointed at the caller's line (generate warns it;
+        resolving settings to check them does not)."""
+        if self.default_length:
+            warnings.warn(f"Using the model-agnostic default `max_length` (={self.max_new_tokens}) to control the "
+                          "generation length: that many new tokens, as model.generate makes. Set `max_new_tokens` "
+                          "to control the length.", UserWarning, stacklevel=caller_level())
 
     @property
     def eos(self) -> set[int]:
@@ -169,14 +178,12 @@ def resolve(model_config: GenerationConfig | None, generation_config: Generation
     check_applicable(config)
     params = sampling_params(config)
     max_new_tokens = config.max_new_tokens
-    if max_new_tokens is None and no_max_length(model_config, generation_config, kwargs):
-        warnings.warn(f"Using the model-agnostic default `max_length` (={config.max_length}) to control the "
-                      "generation length: that many new tokens, as model.generate makes. Set `max_new_tokens` to "
-                      "control the length.", UserWarning, stacklevel=caller_level())
+    default_length = max_new_tokens is None and no_max_length(model_config, generation_config, kwargs)
+    if default_length:
         max_new_tokens = int(config.max_length)  # transformers: the default max_length counts new tokens
     pad = config.pad_token_id
     eos = [] if config.eos_token_id is None else token_ids(config.eos_token_id, "eos_token_id")
     return Settings(params=params, eos_ids=eos,
                     pad_token_id=None if pad is None else token_ids(pad, "pad_token_id")[0],
-                    max_new_tokens=max_new_tokens, max_length=int(config.max_length),
+                    max_new_tokens=max_new_tokens, max_length=int(config.max_length), default_length=default_length,
                     return_dict=bool(config.return_dict_in_generate))

@@ -107,7 +107,9 @@ def test_run_bench_feeds_left_padded_batches_in_turns_and_counts_each_row_to_its
     # batches [0, 1] (0 stops at its EOS: padded after it while 1 goes on) and [2]
     result = run_bench(model, tokenizer, {"hf": baseline, "rowwise": rowwise}, list(text), batch_size=2,
                        pad_token_id=PAD)
-    assert calls == [("hf", 2), ("rowwise", 2)] * 2 + [("hf", 1), ("rowwise", 1)]  # a warm-up batch, then turns
+    # a warm-up batch, the first batch again with its kernel launches counted, then the batches in turns
+    assert calls == [("hf", 2), ("rowwise", 2)] * 3 + [("hf", 1), ("rowwise", 1)]
+    assert result["methods"]["hf"]["launches_per_step"]["inside"] > 0
     alone = [base(p[None], None)[0][0] for p in prompts]
     assert alone[0][-1] == eos and len(alone[0]) < len(alone[1]) == 12
     for name in ("hf", "rowwise"):

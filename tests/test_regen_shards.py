@@ -12,9 +12,16 @@ from transformers import AutoTokenizer
 
 from conftest import TOKENIZER_TEXT
 from selfspec.train.data import load_examples
-from selfspec.train.records import DataError, check_source, iter_records, unfinished_regeneration
+from selfspec.train.records import (
+    DataError,
+    check_shards,
+    check_source,
+    iter_records,
+    load_shards,
+    unfinished_regeneration,
+)
 from selfspec.train.regen_config import RegenerateConfig
-from selfspec.train.regen_shards import check_shards, load_shards, main, write_manifest
+from selfspec.train.regen_shards import main, write_manifest
 from selfspec.train.regenerate import run, written_by
 
 

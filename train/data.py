@@ -35,8 +35,8 @@ from selfspec.train.records import (
     is_saved_dataset,
     iter_records,
     load_saved,
+    load_shards,
 )
-from selfspec.train.regen_shards import load_shards
 
 # an example: its token ids and, per token, 1 where the loss is taken; no padding is stored
 EXAMPLE_FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),

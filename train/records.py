@@ -14,6 +14,7 @@ from typing import Any
 
 import datasets
 
+from selfspec.heads.io import sha256_of
 from selfspec.shipped.stdlib_corpus import stdlib_texts
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst"}
@@ -66,8 +67,6 @@ def iter_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
         yield from _records_from_saved(path, split)
         return
     if is_regenerated_shards(path):
-        from selfspec.train.regen_shards import load_shards  # it reads records.py's names
-
         for row in load_shards(path).select_columns(["messages", "text"]):
             yield {"messages": row["messages"]} if row["messages"] is not None else {"text": row["text"]}
         return
@@ -196,3 +195,43 @@ def _normalise(record: Any, where: str) -> dict[str, Any]:
     if "text" in record:
         return {"text": record["text"]}
     raise DataError(f"{where}: records need a `text`, `messages` or `conversations` field; got {sorted(record)}")
+
+
+# ---------------------------------------------------------------- regenerated shards (train/regen_shards.py)
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        raise DataError(f"{folder / MANIFEST_FILE} is missing or damaged: write the shards' manifest anew with "
+                        "`python -m selfspec.train.regen_shards FOLDER --write`") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
+        raise DataError(f"{folder / MANIFEST_FILE} lists no shards: write it anew with "
+                        "`python -m selfspec.train.regen_shards FOLDER --write`")
+    return manifest
+
+
+def check_shards(folder: Path) -> dict[str, Any]:
+    """The manifest, once every shard it lists is there with its recorded checksum (else a one-line error
+    naming the shard)."""
+    manifest = read_manifest(folder)
+    for entry in manifest["shards"]:
+        path = folder / entry["file"]
+        if not path.is_file():
+            raise DataError(f"{path} is listed in {folder / MANIFEST_FILE} but missing: restore it (git checkout) "
+                            "or run the regeneration again to write it")
+        if sha256_of(path) != entry["sha256"]:
+            raise DataError(f"{path} does not match its sha256 in {folder / MANIFEST_FILE}: restore it (git "
+                            "checkout) or delete it and run the regeneration again")
+    return manifest
+
+
+def load_shards(folder: Path) -> datasets.Dataset:
+    """The kept rows of every checked shard (skipped items left out), in shard order."""
+    manifest = check_shards(folder)
+    if not manifest["shards"]:
+        raise DataError(f"{folder} holds no finished shard yet: wait for the regeneration's first shard")
+    files = [str(folder / e["file"]) for e in manifest["shards"]]
+    rows = datasets.Dataset.from_parquet(files, keep_in_memory=False)
+    return rows.filter(lambda why: why is None, input_columns="skipped").remove_columns(["skipped", "dropped_turns"])
