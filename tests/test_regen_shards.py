@@ -4,6 +4,7 @@ regeneration is committed shard by shard, resumed from what was committed, and r
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -105,3 +106,20 @@ def test_the_shipped_data_is_found_complete_without_its_engine(monkeypatch, caps
     assert regen_module.finished(shipped)
     cfg = load_config(RegenerateConfig, ["--config", str(ROOT / "configs/regenerate/smollm2-chat.yaml")])
     assert cfg.backend == "vllm" and cfg.output_dir == "shipped/smollm2-chat"
+
+
+def test_a_shards_folder_keys_its_cache_by_content_not_file_times(target_dir, tmp_path, monkeypatch):
+    """A fresh clone gives every file a new time: the tokenised copy and the EAGLE feature cache (5 GB for the
+    shipped chats) must still be found, and a changed manifest must not be."""
+    from selfspec.train.data import source_fingerprint
+
+    shards = regenerate(target_dir, tmp_path, "shards", output_format="shards")
+    monkeypatch.chdir(tmp_path)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    key = source_fingerprint("shards", "train", tok, 24)
+    for path in shards.rglob("*"):
+        os.utime(path, (1_000_000, 1_000_000))
+    assert source_fingerprint("shards", "train", tok, 24) == key
+    manifest = json.loads((shards / "manifest.json").read_text())
+    (shards / "manifest.json").write_text(json.dumps(manifest | {"counts": {}}))
+    assert source_fingerprint("shards", "train", tok, 24) != key

@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 import torch
 
 from selfspec.train.records import (
+    MANIFEST_FILE,
     RECORD_FEATURES,
     REGENERATION_FILE,
     DataError,
@@ -221,11 +222,15 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def source_fingerprint(source: str, split: str, tokenizer, max_length: int) -> str:
-    """The cache key of a source's examples: the source, its files' sizes and times, the tokenizer, max_length."""
+    """The cache key of a source's examples: the source, its files' sizes and times (a shards folder: its manifest's
+    checksums), the tokenizer, max_length."""
     h = hashlib.sha1(f"{source}|{split}|{max_length}|{tokenizer.name_or_path}|{len(tokenizer)}".encode())
     h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()[:1_000_000])
     h.update(str(getattr(tokenizer, "chat_template", "")).encode())
     path = Path(source)
+    if path.is_dir() and is_regenerated_shards(path):  # checksummed shards: their manifest names the content, so a
+        h.update((path / MANIFEST_FILE).read_bytes())  # fresh clone (new file times) finds its cache again
+        return h.hexdigest()[:16]
     files = sorted(path.rglob("*")) if path.is_dir() else [path] if path.exists() else []
     for f in files:
         if f.is_file():
