@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from selfspec.heads.families import SETTINGS, family
 from selfspec.shipped.models import resolve_model
 
-KINDS = ("medusa", "eagle", "eagle3", "dflash")
-DYNAMIC_TREE_KINDS = ("eagle", "eagle3", "dflash")  # drafters whose tree --depth / --draft-top-k / --total-tokens shape
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -62,8 +61,7 @@ class HeadsConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown heads kind {self.kind!r}; supported: {', '.join(KINDS)}")
+        drafter_family = family(self.kind)  # an unknown kind fails first
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         for name in ("hidden_size", "vocab_size", "num_heads", "num_layers", "depth", "top_k", "total_tokens"):
@@ -75,37 +73,21 @@ class HeadsConfig:
                                  f"got {getattr(self, name)!r}")
         if self.adapter and self.merged_target:
             raise ValueError("a heads config names either an adapter or a merged target, not both")
-        if self.kind in ("eagle", "eagle3", "dflash") and not self.layer:
-            raise ValueError(f"an {self.kind} config needs `layer`: the decoder layer's LlamaConfig fields")
-        for name in ("norm_before_residual", "norm_before_fc"):
-            if getattr(self, name) and self.kind != "eagle3":
-                raise ValueError(f"{name} is an EAGLE-3 variant ({self.kind} drafters have no such norm): leave "
-                                 "it false or use kind 'eagle3'")
-        if self.draft_vocab_size and self.kind not in ("eagle", "eagle3"):
-            raise ValueError(f"draft_vocab_size is for EAGLE drafters ({self.kind} heads draft over the target's "
-                             "vocabulary): leave it 0")
+        self._check_settings()
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}] (0: the target's "
                              f"vocabulary), got {self.draft_vocab_size}")
-        if self.kind in ("eagle3", "dflash") and (not self.feature_layers or min(self.feature_layers) < 0):
-            raise ValueError(f"an {self.kind} config needs `feature_layers`: the target hidden_states indices its fc "
-                             f"fuses (e.g. [2, L // 2, L - 3]), got {self.feature_layers}")
-        if self.kind == "dflash":
-            self._check_dflash()
-        elif self.qk_norm or self.mask_token_id is not None:
-            raise ValueError(f"qk_norm and mask_token_id are DFlash settings ({self.kind} drafters have neither): "
-                             "leave them out or use kind 'dflash'")
+        if drafter_family.check is not None:
+            drafter_family.check(self)
 
-    def _check_dflash(self) -> None:
-        if self.block_size < 2:
-            raise ValueError(f"a DFlash block holds the last accepted token and at least one mask: block_size must "
-                             f"be >= 2, got {self.block_size}")
-        if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"a dflash config needs `mask_token_id`, an embedding row of the target's vocabulary "
-                             f"(0..{self.vocab_size - 1}) it never writes as text, got {self.mask_token_id}")
-        if self.depth > self.block_size - 1:
-            raise ValueError(f"a DFlash tree is at most block_size - 1 = {self.block_size - 1} deep (one level per "
-                             f"masked position), got depth {self.depth}")
+    def _check_settings(self) -> None:
+        """A family-specific field set for a family that does not read it is refused, naming who reads it."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, kinds in SETTINGS.items():
+            if self.kind not in kinds and getattr(self, name) != defaults[name]:
+                titles = " and ".join(family(k).title for k in kinds)
+                raise ValueError(f"{name} is for {titles} drafters ({self.kind} drafters do not read it): leave it "
+                                 f"at its default ({defaults[name]!r}) or use kind {' or '.join(map(repr, kinds))}")
 
     def _check_types(self) -> None:
         """A config.json edited by hand (or written by another tool) fails here, naming the field, not deep inside."""

@@ -57,10 +57,11 @@ class DFlashDraft(PretrainedHeads):
     """fc (K·H -> H) + hidden_norm on the target's fused layers, L Llama/Qwen3 decoder layers attending from the
     block to [context ; block], final norm; logits through the target's frozen lm_head. See the module docstring."""
 
+    kind = "dflash"  # the family (heads/families) whose configs this class builds
+
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
-        if config.kind != "dflash":
-            raise ValueError(f"DFlashDraft needs a config of kind 'dflash', got {config.kind!r}")
+        self.check_kind(config)
         self.config = config
         lc = llama_config(config)
         hidden = config.hidden_size

@@ -255,10 +255,11 @@ def draft_targets(d2t: torch.Tensor, vocab: int, where: object) -> torch.Tensor:
 class EagleDraft(DraftVocabulary, PretrainedHeads):
     """fc (2H -> H) + Llama decoder layer(s); predicts the next feature. See the module docstring."""
 
+    kind = "eagle"  # the family (heads/families) whose configs this class builds
+
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
-        if config.kind != "eagle":
-            raise ValueError(f"EagleDraft needs a config of kind 'eagle', got {config.kind!r}")
+        self.check_kind(config)
         self.config = config
         lc = llama_config(config)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)

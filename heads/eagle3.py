@@ -79,10 +79,11 @@ class Eagle3Layer(nn.Module):
 class Eagle3Draft(DraftVocabulary, PretrainedHeads):
     """fc (nH -> H) on fused target features + one EAGLE-3 layer + norm + lm_head over the draft vocabulary."""
 
+    kind = "eagle3"  # the family (heads/families) whose configs this class builds
+
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
-        if config.kind != "eagle3":
-            raise ValueError(f"Eagle3Draft needs a config of kind 'eagle3', got {config.kind!r}")
+        self.check_kind(config)
         self.config = config
         lc = llama_config(config)
         hidden, vocab = config.hidden_size, config.vocab_size

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from selfspec.heads.config import HeadsConfig
+from selfspec.heads.families import family
 
 WEIGHTS_NAME = "model.safetensors"
 HEAD_FILES = ["config.json", WEIGHTS_NAME, "README.md"]
@@ -27,21 +28,6 @@ RECIPE_NAME = "training_args.json"  # written next to the heads by the training 
 BENCH_NAME = "bench.json"  # `selfspec bench --json DIR/bench.json`
 
 
-def _shape(config: HeadsConfig) -> str:
-    if config.kind == "dflash":
-        return (f"DFlash block-parallel drafter: fc over target layers {[i - 1 for i in config.feature_layers]} "
-                f"(target_layer_ids) + {config.num_layers} decoder layer(s), blocks of {config.block_size} "
-                f"(mask token {config.mask_token_id})")
-    if config.kind == "eagle3":
-        return (f"EAGLE-3 draft model: fc over target layers {config.feature_layers} + one decoder layer, "
-                f"draft vocabulary of {config.draft_vocab_size or config.vocab_size} tokens")
-    if config.kind == "eagle":
-        vocab = f", drafting among {config.draft_vocab_size} tokens" if config.draft_vocab_size else ""
-        return (f"EAGLE draft model: fc (2H -> H) + {config.num_layers} Llama decoder layer(s) on the target's "
-                f"features{vocab}")
-    return f"{config.num_heads} Medusa heads x {config.num_layers} residual block(s)"
-
-
 def model_card(config: HeadsConfig, extra: str = "") -> str:
     base = config.base_model or "unknown"
     return f"""---
@@ -51,7 +37,7 @@ tags: [speculative-decoding, {config.kind}, selfspec]
 ---
 # {config.kind} drafter for {base}
 
-{_shape(config)}, hidden size {config.hidden_size}, vocabulary {config.vocab_size}. Decoding with them is lossless: greedy output is token-identical to the
+{family(config.kind).describe(config)}, hidden size {config.hidden_size}, vocabulary {config.vocab_size}. Decoding with them is lossless: greedy output is token-identical to the
 target's own, sampled output has the target's distribution.
 
 ```python

@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -102,7 +102,13 @@ class PretrainedHeads(nn.Module):
     """`save_pretrained` / `from_pretrained` for a drafter holding a `HeadsConfig` as `self.config`."""
 
     config: HeadsConfig
+    kind: ClassVar[str]  # the family whose configs it builds (heads/families)
     source_dir: Path | None = None  # the directory it was loaded from (a Medusa-2 checkpoint's adapter lives there)
+
+    def check_kind(self, config: HeadsConfig) -> None:
+        """Refuse a config of another family (a drafter class built from the wrong config.json)."""
+        if config.kind != self.kind:
+            raise ValueError(f"{type(self).__name__} needs a config of kind {self.kind!r}, got {config.kind!r}")
 
     def save_pretrained(self, directory: str | Path, card_extra: str = "") -> None:
         """config.json, model.safetensors and a card; a Medusa-2 checkpoint's adapted-target folder comes along."""

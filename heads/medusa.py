@@ -37,10 +37,11 @@ def _head(config: HeadsConfig) -> nn.Sequential:
 class MedusaHeads(PretrainedHeads):
     """K heads; parameter names `heads.{k}.{layer}.linear.*` and `heads.{k}.{num_layers}.weight`."""
 
+    kind = "medusa"  # the family (heads/families) whose configs this class builds
+
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
-        if config.kind != "medusa":
-            raise ValueError(f"MedusaHeads needs a config of kind 'medusa', got {config.kind!r}")
+        self.check_kind(config)
         self.config = config
         self.heads = nn.ModuleList(_head(config) for _ in range(config.num_heads))
 

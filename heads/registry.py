@@ -1,4 +1,4 @@
-"""The drafter kinds and their classes: load a selfspec drafter directory by the `kind` in its config, or a
+"""Load a selfspec drafter directory by the `kind` in its config, or a
 published Medusa/EAGLE checkpoint as it is (converted in memory, the layout detected as `import` does)."""
 
 from __future__ import annotations
@@ -8,17 +8,11 @@ from pathlib import Path
 import torch
 
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.dflash import DFlashDraft
-from selfspec.heads.eagle import EagleDraft
-from selfspec.heads.eagle3 import Eagle3Draft
+from selfspec.heads.families import family
 from selfspec.heads.formats import import_heads
 from selfspec.heads.formats.checkpoint import Checkpoint
 from selfspec.heads.hub import resolve_heads
 from selfspec.heads.io import PretrainedHeads
-from selfspec.heads.medusa import MedusaHeads
-
-DRAFTERS: dict[str, type[PretrainedHeads]] = {"medusa": MedusaHeads, "eagle": EagleDraft, "eagle3": Eagle3Draft,
-                                             "dflash": DFlashDraft}
 
 
 def is_published(directory: str | Path | Checkpoint) -> bool:
@@ -41,4 +35,5 @@ def load_heads(name_or_path: str | Path, device: str | torch.device = "cpu", bas
     checkpoint = Checkpoint.read(resolve_heads(name_or_path, revision=revision, token=token))
     if is_published(checkpoint):
         return import_heads(checkpoint, base_model=base_model or None).to(device)
-    return DRAFTERS[HeadsConfig.load(checkpoint.path).kind].from_pretrained(checkpoint.path, device)
+    drafter = family(HeadsConfig.load(checkpoint.path).kind).load("drafter")
+    return drafter.from_pretrained(checkpoint.path, device)

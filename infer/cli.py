@@ -249,9 +249,9 @@ def calibration_prompts(tokenizer, texts: list[Any], length: int | None = 32) ->
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
+    from selfspec.heads.families import dynamic_tree
     from selfspec.heads.io import atomic_write
     from selfspec.heads.registry import is_published
-    from selfspec.infer.eagle import EagleProposer
     from selfspec.infer.tune import eagle_grid, format_rows, format_tree_rows, tune_eagle, tune_medusa
 
     if not Path(args.heads, "config.json").is_file():
@@ -264,18 +264,18 @@ def cmd_tune(args: argparse.Namespace) -> None:
     texts = calibration_texts(args.prompts, args.num_prompts)  # a bad --prompts file fails before the model loads
     model, tokenizer, (spec,) = load_models(args, [args.heads])
     prompts = [p.to(args.device) for p in calibration_prompts(tokenizer, texts, None if args.prompts else 32)]
-    proposer = spec.proposer
-    config = proposer.draft.config if isinstance(proposer, EagleProposer) else proposer.heads.config
+    drafter = spec.proposer.drafter
+    config = drafter.config
     print(f"measuring on {len(prompts)} calibration prompts, batch size {args.batch_size}, {args.dtype}, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
-    if isinstance(proposer, EagleProposer):
-        best, rows = tune_eagle(model, proposer.draft, prompts, eagle_grid(), args.max_new_tokens, args.batch_size)
+    if dynamic_tree(config.kind):
+        best, rows = tune_eagle(model, drafter, prompts, eagle_grid(), args.max_new_tokens, args.batch_size)
         print("EAGLE dynamic tree, measured by greedy decoding (tau, 20th-percentile step time):")
         print(format_rows(rows, best))
         config.depth, config.top_k, config.total_tokens = best["depth"], best["top_k"], best["total_tokens"]
         chosen = f"depth {config.depth}, top_k {config.top_k}, total_tokens {config.total_tokens}"
     else:
-        choices, rows, accuracy = tune_medusa(model, proposer.heads, prompts, batch_size=args.batch_size)
+        choices, rows, accuracy = tune_medusa(model, drafter, prompts, batch_size=args.batch_size)
         print("Medusa heads' top-1..3 accuracy on the target's own continuations:")
         for k, row in enumerate(accuracy.tolist()):
             print(f"  head {k}: " + " ".join(f"{a:.3f}" for a in row[:3]))

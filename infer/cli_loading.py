@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError
 
-from selfspec.heads.config import DYNAMIC_TREE_KINDS
 from selfspec.heads.errors import describe
+from selfspec.heads.families import dynamic_tree
 from selfspec.infer.options import DTYPES
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def _eagle_options(args: argparse.Namespace, configs: list[HeadsConfig]) -> dict
     if given and args.tree is not None:
         raise ValueError(f"{', '.join(given)} shape EAGLE's dynamic tree and --tree fixes a static one: "
                          "give one or the other")
-    if given and not any(c.kind in DYNAMIC_TREE_KINDS for c in configs):
+    if given and not any(dynamic_tree(c.kind) for c in configs):
         kinds = sorted({c.kind for c in configs})
         raise ValueError(f"{', '.join(given)} shape EAGLE's and DFlash's dynamic trees, but the heads are "
                          f"{'/'.join(kinds)} heads; use --tree for a static tree")
@@ -121,7 +121,7 @@ def load_models(
     tree = args.tree  # parsed by tree_choices
     specs = []
     for heads, drafter in zip(heads_dirs, drafters):
-        kwargs = options if drafter.config.kind in DYNAMIC_TREE_KINDS else {}
+        kwargs = options if dynamic_tree(drafter.config.kind) else {}
         try:
             specs.append(SpeculativeModel.from_pretrained(drafter, model=model, device=args.device, tree=tree,
                                                           **kwargs))

@@ -17,7 +17,7 @@ from torch import nn
 
 from selfspec.heads.dflash import DFlashDraft
 from selfspec.heads.eagle import DraftCache
-from selfspec.infer.proposers import Draft, embedding_for
+from selfspec.infer.proposers import TREE_OPTIONS, Draft, embedding_for
 from selfspec.infer.tree import Tree, descend, select_tree, tree_from_choices
 from selfspec.infer.verify import SamplingParams
 
@@ -29,6 +29,11 @@ class DFlashProposer:
     """
 
     name = "dflash"
+
+    @property
+    def drafter(self) -> torch.nn.Module:
+        """The trained module this proposer drafts with (what `selfspec tune` fits a tree for)."""
+        return self.draft
 
     def __init__(self, draft: DFlashDraft, embed: nn.Module, lm_head: nn.Module, depth: int | None = None,
                  top_k: int | None = None, total_tokens: int | None = None) -> None:
@@ -161,3 +166,13 @@ class DFlashProposer:
         self.row_lengths = [a + b for a, b in zip(self.row_lengths, counts)]
         drafts = self._draft(roots, out[:, 1 : 1 + self.depth])
         return [Draft(*row) if on else None for row, on in zip(drafts, active)]
+
+
+def dflash_proposer(draft: DFlashDraft, model: nn.Module, tree: list[list[int]] | None = None,
+                    **tree_options: int | None) -> DFlashProposer:
+    """The DFlash family's proposer: its tree is built from each block position's top_k, shaped by
+    `tree_options` (depth, top_k, total_tokens; top_k 1 is the block's chain), never a static `tree`."""
+    if tree is not None:
+        raise ValueError("a DFlash drafter builds its tree from each block position's top_k: shape it with "
+                         f"{', '.join(TREE_OPTIONS)} (draft_top_k=1: a chain), not `tree`")
+    return DFlashProposer(draft, model.get_input_embeddings(), model.get_output_embeddings(), **tree_options)

@@ -33,6 +33,11 @@ class EagleProposer:
     It holds the drafter's cache for the sequence being decoded: one generation at a time per proposer.
     """
 
+    @property
+    def drafter(self) -> torch.nn.Module:
+        """The trained module this proposer drafts with (what `selfspec tune` fits a tree for)."""
+        return self.draft
+
     def __init__(
         self,
         draft: EagleDraft,
@@ -46,7 +51,7 @@ class EagleProposer:
         cfg = draft.config
         self.draft = draft.eval()
         self.name = cfg.kind  # eagle | eagle3
-        self.feature_layers = cfg.feature_layers if cfg.kind == "eagle3" else None  # what the target hands over
+        self.feature_layers = cfg.feature_layers  # what the target hands over (EAGLE-3's fused layers; EAGLE-1: none)
         self.device = next(draft.parameters()).device  # the drafter's own (by the lm_head); what it reads moves here
         self.embed, self.lm_head = embedding_for(embed, self.device), lm_head
         self.dtype = next(draft.parameters()).dtype
@@ -267,3 +272,12 @@ class EagleProposer:
             features[start:end], logp = self._run(features[parents], tokens[start:end], visible, position)
             kids[start:end] = self.draft.to_target(logp.topk(width).indices)
         return tokens, tree
+
+
+def eagle_proposer(draft: EagleDraft, model: nn.Module, tree: list[list[int]] | None = None,
+                   **tree_options: int | None) -> EagleProposer:
+    """The EAGLE-1/2 and EAGLE-3 families' proposer: `tree` (else the drafter's own) is a static tree of paths;
+    without one, `tree_options` (depth, top_k, total_tokens) shape EAGLE-2's dynamic tree."""
+    choices = tree if tree is not None else draft.config.tree
+    return EagleProposer(draft, model.get_input_embeddings(), model.get_output_embeddings(), choices=choices,
+                         **tree_options)

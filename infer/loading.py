@@ -9,15 +9,12 @@ from typing import Any
 import torch
 
 from selfspec.heads.config import check_compatible
+from selfspec.heads.families import family
 from selfspec.heads.io import PretrainedHeads
 from selfspec.heads.registry import load_heads
 from selfspec.heads.target import check_adapted, load_target
 from selfspec.infer.arguments import same_device, unavailable_device
-from selfspec.infer.dflash import DFlashProposer
-from selfspec.infer.eagle import EagleProposer
-from selfspec.infer.proposers import MedusaProposer, Proposer
-
-TREE_OPTIONS = {"draft_depth": "depth", "draft_top_k": "top_k", "draft_total_tokens": "total_tokens"}
+from selfspec.infer.proposers import TREE_OPTIONS, Proposer
 
 
 def as_dtype(value: torch.dtype | str | None) -> torch.dtype | str | None:
@@ -84,19 +81,7 @@ def proposer_for(heads: torch.nn.Module, model: torch.nn.Module, tree: list[list
                  **tree_options: int | None) -> Proposer:
     """The proposer that drafts with these heads on this target; `tree_options` (depth, top_k, total_tokens)
     shape EAGLE's dynamic tree and DFlash's tree (top_k 1: its chain)."""
-    if heads.config.kind == "dflash":
-        if tree is not None:
-            raise ValueError("a DFlash drafter builds its tree from each block position's top_k: shape it with "
-                             f"{', '.join(TREE_OPTIONS)} (draft_top_k=1: a chain), not `tree`")
-        return DFlashProposer(heads, model.get_input_embeddings(), model.get_output_embeddings(), **tree_options)
-    if heads.config.kind in ("eagle", "eagle3"):
-        choices = tree if tree is not None else heads.config.tree
-        return EagleProposer(heads, model.get_input_embeddings(), model.get_output_embeddings(), choices=choices,
-                             **tree_options)
-    if any(v is not None for v in tree_options.values()):
-        raise ValueError(f"{', '.join(TREE_OPTIONS)} shape EAGLE's and DFlash's trees; {heads.config.kind} heads take "
-                         "`tree`")
-    return MedusaProposer(heads, model.get_output_embeddings(), tree)
+    return family(heads.config.kind).load("proposer")(heads, model, tree, **tree_options)
 
 
 def load_parts(drafter: str | Path | PretrainedHeads, model: torch.nn.Module | None, device_map: Any,

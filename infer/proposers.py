@@ -15,6 +15,9 @@ from selfspec.heads.medusa import MedusaHeads
 from selfspec.infer.tree import Tree, best_choices, tree_from_choices
 from selfspec.infer.verify import SamplingParams
 
+# from_pretrained's names for the dynamic tree's shape (EAGLE, DFlash), and the proposers' own
+TREE_OPTIONS = {"draft_depth": "depth", "draft_top_k": "top_k", "draft_total_tokens": "total_tokens"}
+
 
 @dataclasses.dataclass
 class Draft:
@@ -82,6 +85,11 @@ class MedusaProposer:
     name = "medusa"
     stateless = True  # nothing kept between calls: streams may interleave on one SpeculativeModel
 
+    @property
+    def drafter(self) -> torch.nn.Module:
+        """The trained module this proposer drafts with (what `selfspec tune` fits a tree for)."""
+        return self.heads
+
     def __init__(self, heads: MedusaHeads, lm_head: torch.nn.Module, choices: list[list[int]] | None = None) -> None:
         if choices is None:
             choices = heads.config.tree if heads.config.tree is not None else default_medusa_choices(heads.config.num_heads)
@@ -138,6 +146,14 @@ class MedusaProposer:
         logits = torch.stack(self.heads(hiddens.to(self.device, self.dtype), self.lm_head), dim=1)  # (B, K, V)
         top = logits.topk(self.top_k, dim=-1).indices  # (B, K, k)
         return torch.cat([roots[:, None], top[:, self.node_head, self.node_rank]], dim=1)
+
+
+def medusa_proposer(heads: MedusaHeads, model: torch.nn.Module, tree: list[list[int]] | None = None,
+                    **tree_options: int | None) -> MedusaProposer:
+    """The Medusa family's proposer (heads/families/medusa.py): a static tree, `tree` or the heads' own."""
+    if any(v is not None for v in tree_options.values()):
+        raise ValueError(f"{', '.join(TREE_OPTIONS)} shape EAGLE's and DFlash's trees; medusa heads take `tree`")
+    return MedusaProposer(heads, model.get_output_embeddings(), tree)
 
 
 class NoDraft:

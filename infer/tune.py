@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 
 from selfspec.heads.eagle import EagleDraft
+from selfspec.heads.families import family
 from selfspec.heads.medusa import MedusaHeads
-from selfspec.infer.dflash import DFlashProposer
 from selfspec.infer.eagle import EagleProposer
 from selfspec.infer.generate import GenerationStats, SpeculativeModel
 from selfspec.infer.tree import (
@@ -108,10 +108,9 @@ def tune_eagle(
     """
     from selfspec.infer.bench import left_pad
 
-    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    dflash = getattr(getattr(draft, "config", None), "kind", None) == "dflash"
-    kind = DFlashProposer if dflash else EagleProposer  # both take (depth, top_k, total)
-    proposers = [kind(draft, embed, lm_head, *setting) for setting in grid]
+    build = family(draft.config.kind).load("proposer")
+    proposers = [build(draft, model, None, depth=depth, top_k=top_k, total_tokens=total)
+                 for depth, top_k, total in grid]
     device = prompts[0].device
     filled = cycled(prompts, batch_size)
     # a batch of one gets an all-ones mask: the single-prompt path, and no pad id inferred from prompt tokens

@@ -108,12 +108,12 @@ def test_bad_sizes_are_one_line_errors(eagle_dir, chats, tmp_path, extra, messag
 def test_what_cannot_be_restricted_is_refused_in_one_line(medusa_dir, eagle_dir, tiny_model_dir, chats, tmp_path,
                                                             capsys):
     out = ["--size", "16", "--out", str(tmp_path / "o")]
-    assert "are medusa heads; draft-vocab restricts EAGLE-1/2 drafters" in user_error(
+    assert "are medusa heads; draft-vocab restricts drafters that read rows of the target's lm_head, such as EAGLE-1/2 (they draft over" in user_error(
         capsys, ["draft-vocab", "--heads", str(medusa_dir), "--dataset", str(chats), *out])
     eagle3 = tmp_path / "eagle3"
     Eagle3Draft(eagle3_config(AutoModelForCausalLM.from_pretrained(tiny_model_dir))).save_pretrained(eagle3)
     capsys.readouterr()  # the model's loading bar
-    assert "are eagle3 heads; draft-vocab restricts EAGLE-1/2 drafters (EAGLE-3 drafters learn" in user_error(
+    assert "are eagle3 heads; draft-vocab restricts drafters that read rows of the target's lm_head, such as EAGLE-1/2 (they learn" in user_error(
         capsys, ["draft-vocab", "--heads", str(eagle3), "--dataset", str(chats), *out])
     assert "already holds a checkpoint" in user_error(
         capsys, ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--out", str(eagle_dir)])

@@ -135,11 +135,11 @@ def test_export_refuses_what_the_layouts_cannot_hold(tmp_path, target):
     for fmt in EAGLE3_FORMATS:
         for heads in (eagle1, medusa):
             kind = heads.config.kind
-            with pytest.raises(ValueError, match=f"{fmt} is an EAGLE-3 layout but these heads are {kind}"):
+            with pytest.raises(ValueError, match=f"{fmt} is a layout of EAGLE-3 drafters but these heads are {kind}"):
                 export_heads(heads, fmt, tmp_path / "x")
     draft = random_draft(target, 40)
     for fmt in ("eagle1", "sglang-eagle"):
-        with pytest.raises(ValueError, match=f"{fmt} is an EAGLE-1 layout but these heads are eagle3: choose one of "
+        with pytest.raises(ValueError, match=f"{fmt} is a layout of EAGLE-1/2 drafters but these heads are eagle3: choose one of "
                                              "eagle3, speculators-eagle3"):
             export_heads(draft, fmt, tmp_path / "x")
     with pytest.raises(ValueError, match="eagle3's config.json names no base model"):

@@ -5,6 +5,7 @@ a dependency, and hiding a circle inside a function is how circles are usually k
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,33 @@ def test_no_long_source_file(package):
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / package).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these into modules of at most {MAX_LINES} lines: {long}"
+
+
+REGISTRY = ("heads/family.py", "heads/families/")  # where a drafter family is declared
+
+
+def _family_switches(source: str) -> list[str]:
+    """Lines that branch on a drafter family outside its declaration: a config's `kind` compared or looked up
+    in a collection, a family name compared as a string, or a recipe config told apart by its class name."""
+    from selfspec.heads.families import KINDS
+
+    names = "|".join(KINDS)
+    pattern = re.compile(rf'kind\s*(==|!=)\s*"({names})"|kind\s+(not\s+)?in\s*[(\[{{][^)\]}}]*"({names})"'
+                         rf'|_KINDS\b|type\([^)]*\)\.__name__\s*==')
+    return [line.strip() for line in source.splitlines() if pattern.search(line.split("#")[0])]
+
+
+def test_family_switch_finder_sees_switches():
+    assert _family_switches('if heads.config.kind == "dflash":')
+    assert _family_switches('if kind in ("eagle", "eagle3"):')
+    assert _family_switches('if type(cfg).__name__ == "MedusaConfig":')
+    assert _family_switches('if c.kind in DYNAMIC_TREE_KINDS:')
+    assert not _family_switches('if self.loss == "kl":  # a "dflash" comment')
+
+
+def test_no_drafter_family_switch_outside_the_registry():
+    """A family is declared once (heads/families/<kind>.py); the layers read its declaration, so a new family
+    touches no other file (docs/adding-a-drafter.md)."""
+    found = {str(p.relative_to(ROOT)): hits for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
+             if not str(p.relative_to(ROOT)).startswith(REGISTRY) and (hits := _family_switches(p.read_text()))}
+    assert not found, found

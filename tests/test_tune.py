@@ -1,5 +1,7 @@
 """Tree fitting on a busy machine: interleaved repeats, a low quantile, a curve that never falls, a noise warning."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -150,12 +152,14 @@ STEP = {WIDE: 0.010, NARROW: 0.008}  # 300 vs 250 tokens/s: WIDE is faster
 
 def fake_tune(monkeypatch, step_time, batch_size=1):
     monkeypatch.setattr(tune_module, "SpeculativeModel", FakeSpec)
-    monkeypatch.setattr(tune_module, "EagleProposer", lambda draft, embed, lm_head, *setting: setting)
+    settings = SimpleNamespace(load=lambda name: lambda draft, model, tree, **setting: tuple(setting.values()))
+    monkeypatch.setattr(tune_module, "family", lambda kind: settings)  # each "proposer" is its (depth, top_k, total)
     monkeypatch.setattr(FakeSpec, "log", [])
     monkeypatch.setattr(FakeSpec, "rows", [])
     monkeypatch.setattr(FakeSpec, "step_time", staticmethod(step_time))
     prompts = [torch.tensor([p, 5, 6]) for p in range(6)]
-    return tune_eagle(tiny_model("llama"), None, prompts, [WIDE, NARROW], max_new_tokens=8, batch_size=batch_size)
+    draft = SimpleNamespace(config=SimpleNamespace(kind="eagle3"))
+    return tune_eagle(tiny_model("llama"), draft, prompts, [WIDE, NARROW], max_new_tokens=8, batch_size=batch_size)
 
 
 @pytest.mark.parametrize("batch_size", [4, 8])

@@ -18,6 +18,7 @@ import copy
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -48,6 +49,8 @@ from selfspec.train.train_config import TrainConfig
 @dataclasses.dataclass
 class DFlashConfig(TrainConfig):
     """Train a DFlash drafter on a frozen causal LM (defaults: the demo target on CPU, about 20 minutes)."""
+
+    kind: ClassVar[str] = "dflash"  # the drafter family this recipe trains (heads/families)
 
     output_dir: str = "outputs/dflash-demo"
     max_steps: int = 1200  # optimizer steps

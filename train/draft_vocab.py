@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from selfspec.heads.families import family
 from selfspec.infer.cli_formats import refuse_to_overwrite
 from selfspec.infer.cli_loading import load_drafters, load_pretrained
 from selfspec.infer.options import Command, at_least
@@ -50,11 +51,12 @@ def cmd_draft_vocab(args: argparse.Namespace) -> None:
     refuse_to_overwrite(args.out)
     [heads] = load_drafters([args.heads], "cpu", args.model)
     config = heads.config
-    if config.kind != "eagle":
-        why = ("EAGLE-3 drafters learn their vocabulary's projection in training: set it with train/eagle.py "
-               "--draft_vocab_size" if config.kind == "eagle3" else "Medusa heads draft over the whole vocabulary")
-        raise ValueError(f"--heads {args.heads} are {config.kind} heads; draft-vocab restricts EAGLE-1/2 "
-                         f"drafters ({why})")
+    vocabulary = family(config.kind).vocabulary
+    if vocabulary != "rows":
+        why = ("they learn their vocabulary's projection in training: set it with --draft_vocab_size there"
+               if vocabulary == "learned" else "they draft over the target's whole vocabulary")
+        raise ValueError(f"--heads {args.heads} are {config.kind} heads; draft-vocab restricts drafters that read "
+                         f"rows of the target's lm_head, such as EAGLE-1/2 ({why})")
     from selfspec.infer.tree import choices_width
 
     widest = max(config.top_k, choices_width(config.tree))

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from selfspec.heads.eagle import EagleDraft, layer_fields
 from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
 from selfspec.heads.errors import run_main
+from selfspec.heads.families import family
 from selfspec.infer.tune import eagle_grid, format_rows, tune_eagle
 from selfspec.train.config import ConfigError, check_at_least, load_config
 from selfspec.train.data import Examples
@@ -79,6 +80,11 @@ class EagleConfig(TrainConfig):
     norm_before_residual: bool = False  # EAGLE-3: residual from hidden_norm(h), not h (speculators; vLLM, not SGLang)
     norm_before_fc: bool = False  # EAGLE-3: one RMSNorm over the fused features before fc (speculators; vLLM, SGLang)
 
+    @property
+    def kind(self) -> str:
+        """The drafter family this recipe trains (heads/families)."""
+        return "eagle3" if self.version == 3 else "eagle"
+
     def __post_init__(self) -> None:
         if self.max_steps is None:  # the demo's budget: EAGLE-3's steps unroll ttt_steps drafts, so cost more
             self.max_steps = 800 if self.version == 3 else 2400
@@ -129,7 +135,8 @@ class EagleMethod:
     def __init__(self, cfg: EagleConfig, target, draft: EagleDraft, tune_prompts: list[torch.Tensor]) -> None:
         self.cfg, self.target, self.trainable, self.tune_prompts = cfg, target, draft, tune_prompts
         # an EAGLE-1/2 draft vocabulary (fixed for the run; read here, before an engine wraps the drafter)
-        self.draft_ids = draft.draft_ids.clone() if draft.config.kind == "eagle" and draft.config.draft_vocab_size else None
+        rows = family(draft.config.kind).vocabulary == "rows" and draft.config.draft_vocab_size
+        self.draft_ids = draft.draft_ids.clone() if rows else None
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.chunk = chunk_rows(self.lm_head.weight.shape[0])  # positions projected onto the vocabulary at a time
@@ -304,29 +311,33 @@ def draft_vocab_size(cfg: EagleConfig, vocab: int) -> int:
     return size if 0 < size < vocab else 0
 
 
-def build_drafter(cfg: EagleConfig, target, train_data: Examples) -> EagleDraft | Eagle3Draft:
-    """An EAGLE-1 drafter, or (version 3) an EAGLE-3 drafter whose vocabulary is the most frequent
-    loss-bearing tokens of the training data."""
+def new_draft(cfg: EagleConfig, target) -> EagleDraft | Eagle3Draft:
+    """The recipe's drafter for this target, freshly initialised, its draft vocabulary sized but not chosen:
+    what training starts from and what the memory planner builds on the meta device."""
     vocab = target.get_output_embeddings().weight.shape[0]
     size = draft_vocab_size(cfg, vocab)
     if cfg.version == 1:
-        draft = EagleDraft(heads_config(cfg, target, "eagle", num_layers=cfg.num_layers, fc_bias=cfg.fc_bias,
-                                        layer=layer_fields(target.config), draft_vocab_size=size))
-        if size:
-            draft.set_draft_vocab(draft_vocabulary(train_data.token_batches(), vocab, size))
-        return draft
+        return EagleDraft(heads_config(cfg, target, "eagle", num_layers=cfg.num_layers, fc_bias=cfg.fc_bias,
+                                       layer=layer_fields(target.config), draft_vocab_size=size))
     text = target.config.get_text_config()
     layers = cfg.feature_layers or default_feature_layers(text.num_hidden_layers)
     if max(layers) >= text.num_hidden_layers or min(layers) < 0:
         raise ConfigError(f"--feature_layers must be hidden_states indices in [0, {text.num_hidden_layers - 1}] "
                           f"(the last, {text.num_hidden_layers}, is already normed), got {layers}")
-    draft = Eagle3Draft(heads_config(cfg, target, "eagle3", num_layers=1, fc_bias=False,
-                                     layer=layer_fields(target.config), feature_layers=layers,
-                                     draft_vocab_size=size,
-                                     norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.norm_before_fc))
+    return Eagle3Draft(heads_config(cfg, target, "eagle3", num_layers=1, fc_bias=False,
+                                    layer=layer_fields(target.config), feature_layers=layers, draft_vocab_size=size,
+                                    norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.norm_before_fc))
+
+
+def build_drafter(cfg: EagleConfig, target, train_data: Examples) -> EagleDraft | Eagle3Draft:
+    """An EAGLE-1 drafter, or (version 3) an EAGLE-3 drafter initialised from the target; either's draft
+    vocabulary is the most frequent loss-bearing tokens of the training data."""
+    draft = new_draft(cfg, target)
+    size = draft.config.draft_vocab_size
     if size:
-        draft.set_draft_vocab(draft_vocabulary(train_data.token_batches(), vocab, size))
-    init_from_target(draft, target)
+        draft.set_draft_vocab(draft_vocabulary(train_data.token_batches(), draft.config.vocab_size, size))
+    if cfg.version == 3:
+        init_from_target(draft, target)
     return draft
 
 

@@ -11,6 +11,7 @@ are saved with a default tree fitted to how often each path of their top-k candi
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from selfspec.heads.errors import run_main
 from selfspec.heads.medusa import MedusaHeads
@@ -30,6 +31,8 @@ MEDUSA2_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "head_lr_multiplier",
 @dataclasses.dataclass
 class MedusaConfig(TrainConfig):
     """Train Medusa heads on a frozen causal LM (defaults: the demo target on CPU, under 10 minutes)."""
+
+    kind: ClassVar[str] = "medusa"  # the drafter family this recipe trains (heads/families)
 
     output_dir: str = "outputs/medusa-demo"
     max_steps: int = 400
@@ -96,6 +99,13 @@ class MedusaConfig(TrainConfig):
 
 
 
+def new_heads(cfg: MedusaConfig, target) -> MedusaHeads:
+    """The recipe's heads for this target, freshly initialised (training starts from them after copying the
+    target's lm_head in; the memory planner builds them on the meta device)."""
+    return MedusaHeads(heads_config(cfg, target, "medusa", num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+                                    share_lm_head=cfg.share_lm_head))
+
+
 def run(cfg: MedusaConfig) -> dict:
     """Set up, train and save; returns the target, the trained heads and the validation history."""
     accelerator = start_run(cfg)
@@ -103,10 +113,8 @@ def run(cfg: MedusaConfig) -> dict:
         raise ConfigError("Medusa-2 trains a LoRA inside the target, which stays whole on every rank: use DDP "
                           "or DeepSpeed ZeRO-2 (configs/accelerate/ddp.yaml, deepspeed-zero2.yaml), not ZeRO-3/FSDP")
     target, tokenizer = load_training_target(cfg, accelerator)
-    heads_cfg = heads_config(cfg, target, "medusa", num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-                             share_lm_head=cfg.share_lm_head)
     with unpartitioned(accelerator, cfg.seed):  # built whole and alike on every rank; prepare() shards it
-        heads = MedusaHeads(heads_cfg)
+        heads = new_heads(cfg, target)
         heads.init_from_lm_head(target.get_output_embeddings())
         heads.to(accelerator.device)
     initial = {k: v.detach().clone() for k, v in heads.state_dict().items()}

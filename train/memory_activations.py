@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from selfspec.heads.families import family
 from selfspec.train.medusa_method import chunk_rows
 
 F32 = 4
@@ -110,10 +111,9 @@ def medusa_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, lengt
 
 def activation_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, length: int) -> int:
     """Peak activation bytes of one micro-batch of `rows` sequences of `length` tokens (the drafter's side)."""
-    kind = draft.config.kind
-    if kind == "eagle3":
-        return eagle3_bytes(cfg, target, draft, rows, length)
-    if kind == "medusa" and not getattr(cfg, "medusa2", False):
-        return medusa_bytes(cfg, target, draft, rows, length)
-    raise ValueError(f"no activation model for {kind} drafters yet: Medusa-1 and EAGLE-3 are modelled "
-                     "(docs/memory.md)")
+    drafter_family = family(draft.config.kind)
+    title = "Medusa-2 (a LoRA trained inside the target)" if getattr(cfg, "medusa2", False) else drafter_family.title
+    if drafter_family.activation_bytes is None or getattr(cfg, "medusa2", False):
+        raise ValueError(f"no activation model for {title} drafters yet: Medusa-1 and EAGLE-3 are modelled "
+                         "(docs/memory.md)")
+    return drafter_family.load("activation_bytes")(cfg, target, draft, rows, length)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from selfspec.heads.families import FAMILIES, family, recipe_families
 from selfspec.shipped.recipes import RECIPES
 from selfspec.train.config import ConfigError, load_config, recipe_path
 from selfspec.train.memory_activations import activation_bytes, target_forward_bytes
@@ -60,18 +61,13 @@ INITIAL_COPY = 4  # the run keeps the drafter's initial float32 state dict (trai
 
 
 def recipe_class(path: str | Path) -> type:
-    """The config class of a recipe YAML, from its folder (configs/eagle, configs/medusa, configs/dflash)."""
-    kind = recipe_path(str(path)).resolve().parent.name
-    if kind == "eagle":
-        from selfspec.train.eagle import EagleConfig
-        return EagleConfig
-    if kind == "medusa":
-        from selfspec.train.medusa import MedusaConfig
-        return MedusaConfig
-    if kind == "dflash":
-        from selfspec.train.dflash import DFlashConfig
-        return DFlashConfig
-    raise ConfigError(f"{path} is not a drafter recipe (configs/eagle, configs/medusa or configs/dflash)")
+    """The config class of a recipe YAML, from its folder (configs/<recipe>/, the families that recipe trains)."""
+    recipe = recipe_path(str(path)).resolve().parent.name
+    trained = recipe_families(recipe)
+    if not trained:
+        folders = sorted({f.recipe for f in FAMILIES.values() if f.recipe})
+        raise ConfigError(f"{path} is not a drafter recipe (one under configs/{{{','.join(folders)}}}/)")
+    return trained[0].load("recipe_config")
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None):
@@ -101,31 +97,11 @@ def meta_target(config: Any) -> nn.Module:
 def meta_drafter(cfg: Any, target: nn.Module) -> nn.Module:
     """The recipe's drafter on the meta device, built as its training script builds it (without the data: the
     draft vocabulary's size, not its tokens, decides the shapes)."""
-    from selfspec.heads.eagle import EagleDraft, layer_fields
-    from selfspec.train.loop import heads_config
-
+    drafter_family = family(cfg.kind)
+    if drafter_family.meta_drafter is None:
+        raise ValueError(f"no memory model for {drafter_family.title} recipes yet (docs/memory.md)")
     with torch.device("meta"):
-        if type(cfg).__name__ == "MedusaConfig":
-            from selfspec.heads.medusa import MedusaHeads
-
-            return MedusaHeads(heads_config(cfg, target, "medusa", num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-                                            share_lm_head=cfg.share_lm_head))
-        if type(cfg).__name__ == "EagleConfig":
-            from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
-            from selfspec.train.eagle import draft_vocab_size
-
-            text = target.config.get_text_config()
-            size = draft_vocab_size(cfg, target.get_output_embeddings().weight.shape[0])
-            if cfg.version == 1:
-                return EagleDraft(heads_config(cfg, target, "eagle", num_layers=cfg.num_layers, fc_bias=cfg.fc_bias,
-                                               layer=layer_fields(target.config), draft_vocab_size=size))
-            layers = cfg.feature_layers or default_feature_layers(text.num_hidden_layers)
-            return Eagle3Draft(heads_config(cfg, target, "eagle3", num_layers=1, fc_bias=False,
-                                            layer=layer_fields(target.config), feature_layers=layers,
-                                            draft_vocab_size=size, norm_before_residual=cfg.norm_before_residual,
-                                            norm_before_fc=cfg.norm_before_fc))
-    raise ValueError(f"no memory model for {type(cfg).__name__} yet: Medusa and EAGLE-3 recipes are modelled "
-                     "(docs/memory.md)")
+        return drafter_family.load("meta_drafter")(cfg, target)
 
 
 def parameter_bytes(module: nn.Module, dtype: torch.dtype | None = None) -> int:

@@ -82,3 +82,12 @@ def export_dflash(
         state[LM_HEAD_KEY] = target_tensor(target.get_output_embeddings().weight, LM_HEAD_KEY, draft, dtype)
         base = verifier_name(base_model or cfg.base_model)
     write_checkpoint(out_dir, state, weights, dflash_config_json(draft, fmt, base, num_layers, archs))
+
+
+def export_as(draft: DFlashDraft, fmt: str, out_dir: str | Path, target: nn.Module | None = None,
+              base_model: str | None = None, weights: str | None = None) -> None:
+    """`export_heads` for the DFlash layouts (z-lab's names no target; speculators' names the verifier)."""
+    if base_model and fmt == "dflash":
+        raise ValueError(f"{fmt}'s config.json names no base model (its engines are given the target "
+                         "separately): leave out --base-model")
+    export_dflash(draft, fmt, out_dir, weights=weights or "safetensors", base_model=base_model, target=target)

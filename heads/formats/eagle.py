@@ -351,3 +351,13 @@ def export_eagle(
         atomic_write(Path(out_dir) / TOKEN_MAP, lambda tmp: torch.save(hot, tmp))
     text = json.dumps(eagle_config_json(draft, fmt), indent=2) + "\n"
     atomic_write(Path(out_dir) / "config.json", lambda tmp: Path(tmp).write_text(text))
+
+
+def export_as(draft: EagleDraft, fmt: str, out_dir: str | Path, target: nn.Module | None = None,
+              base_model: str | None = None, weights: str | None = None) -> None:
+    """`export_heads` for the EAGLE-1 layouts: they carry the target's embedding and name no target."""
+    if base_model:
+        raise ValueError(f"{fmt}'s config.json names no base model (its engines are given the target "
+                         "separately): leave out --base-model")
+    embed = target.get_input_embeddings().weight if target is not None else None
+    export_eagle(draft, fmt, out_dir, embed_weight=embed, weights=weights or "safetensors")

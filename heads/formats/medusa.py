@@ -389,3 +389,12 @@ def export_medusa(heads: MedusaHeads, fmt: str, out_dir: str | Path, lm_head_wei
         else:
             atomic_write(out / name, lambda tmp: torch.save(tensors, tmp))
     atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+
+
+def export_as(heads: MedusaHeads, fmt: str, out_dir: str | Path, target: torch.nn.Module | None = None,
+              base_model: str | None = None, weights: str | None = None) -> None:
+    """`export_heads` for the Medusa layouts: heads that share the lm_head get the target's."""
+    if weights is not None:
+        raise ValueError(f"{fmt} has fixed weight files; choosing them (weights={weights!r}) is for EAGLE layouts")
+    lm_head = target.get_output_embeddings().weight if target is not None else None
+    export_medusa(heads, fmt, out_dir, lm_head_weight=lm_head, base_model=base_model)
