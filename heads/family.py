@@ -31,6 +31,7 @@ class Family:
     settings: frozenset[str] = frozenset()  # the family-specific HeadsConfig fields it reads (others stay default)
     check: Callable[[Any], None] | None = None  # its own config checks (ValueError naming the field and the fix)
     dynamic_tree: bool = False  # depth / top_k / total_tokens shape its tree (else a static tree of paths)
+    tune_grid: str | None = None  # "module:function" (config) -> the (depth, top_k, total_tokens) `selfspec tune` tries
     # the published layouts it reads and writes (heads/formats/): names, and "module:function" of each step
     formats: tuple[str, ...] = ()
     detect: str | None = None  # (Checkpoint) -> a format name or None

@@ -51,7 +51,10 @@ model = SpeculativeModel.from_pretrained("path/to/this/folder")
 def resolve_heads(name_or_path: str | Path, revision: str | None = None, token: str | bool | None = None) -> Path:
     """A drafter the repository ships, by its short name (`smollm2-eagle3`); a local heads directory as is; otherwise a Hub repo id, downloaded (or found in the HF cache) at `revision`
     with the files either selfspec's layout or a published checkpoint's needs."""
-    if (shipped := shipped_drafter(str(name_or_path))) is not None and not Path(name_or_path).exists():
+    if (shipped := shipped_drafter(str(name_or_path))) is not None and not Path(name_or_path).is_dir():
+        if not (shipped / "config.json").is_file():
+            raise FileNotFoundError(f"the shipped drafter '{name_or_path}' is expected at {shipped}, which is missing: "
+                                    "use a clone of the selfspec repository (or a wheel built from one)")
         return shipped
     path = Path(name_or_path)
     if path.is_dir() or path.exists() or str(name_or_path).startswith((".", "/")) or str(name_or_path).count("/") != 1:

@@ -249,10 +249,10 @@ def calibration_prompts(tokenizer, texts: list[Any], length: int | None = 32) ->
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
-    from selfspec.heads.families import dynamic_tree
+    from selfspec.heads.families import dynamic_tree, family
     from selfspec.heads.io import atomic_write
     from selfspec.heads.registry import is_published
-    from selfspec.infer.tune import eagle_grid, format_rows, format_tree_rows, tune_eagle, tune_medusa
+    from selfspec.infer.tune import format_rows, format_tree_rows, tune_eagle, tune_medusa
 
     if not Path(args.heads, "config.json").is_file():
         raise ValueError(f"--heads {args.heads}: tune stores its result in a local heads directory; "
@@ -269,10 +269,12 @@ def cmd_tune(args: argparse.Namespace) -> None:
     print(f"measuring on {len(prompts)} calibration prompts, batch size {args.batch_size}, {args.dtype}, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     if dynamic_tree(config.kind):
-        best, rows = tune_eagle(model, drafter, prompts, eagle_grid(), args.max_new_tokens, args.batch_size)
-        print("EAGLE dynamic tree, measured by greedy decoding (tau, 20th-percentile step time):")
+        grid = family(config.kind).load("tune_grid")(config)
+        best, rows = tune_eagle(model, drafter, prompts, grid, args.max_new_tokens, args.batch_size)
+        print(f"{family(config.kind).title} dynamic tree, measured by greedy decoding (tau, 20th-percentile step time):")
         print(format_rows(rows, best))
         config.depth, config.top_k, config.total_tokens = best["depth"], best["top_k"], best["total_tokens"]
+        config.tree = None  # a static tree would win over the dynamic one measured here
         chosen = f"depth {config.depth}, top_k {config.top_k}, total_tokens {config.total_tokens}"
     else:
         choices, rows, accuracy = tune_medusa(model, drafter, prompts, batch_size=args.batch_size)

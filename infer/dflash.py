@@ -168,10 +168,11 @@ class DFlashProposer:
         return [Draft(*row) if on else None for row, on in zip(drafts, active)]
 
 
-def dflash_proposer(draft: DFlashDraft, model: nn.Module, tree: list[list[int]] | None = None,
+def dflash_proposer(draft: DFlashDraft, model: nn.Module, tree: list[list[int]] | None = None, dynamic: bool = True,
                     **tree_options: int | None) -> DFlashProposer:
     """The DFlash family's proposer: its tree is built from each block position's top_k, shaped by
-    `tree_options` (depth, top_k, total_tokens; top_k 1 is the block's chain), never a static `tree`."""
+    `tree_options` (depth, top_k, total_tokens; top_k 1 is the block's chain), never a static `tree`: it is always
+    `dynamic`."""
     if tree is not None:
         raise ValueError("a DFlash drafter builds its tree from each block position's top_k: shape it with "
                          f"{', '.join(TREE_OPTIONS)} (draft_top_k=1: a chain), not `tree`")

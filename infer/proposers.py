@@ -149,9 +149,9 @@ class MedusaProposer:
 
 
 def medusa_proposer(heads: MedusaHeads, model: torch.nn.Module, tree: list[list[int]] | None = None,
-                    **tree_options: int | None) -> MedusaProposer:
+                    dynamic: bool = False, **tree_options: int | None) -> MedusaProposer:
     """The Medusa family's proposer (heads/families/medusa.py): a static tree, `tree` or the heads' own."""
-    if any(v is not None for v in tree_options.values()):
+    if dynamic or any(v is not None for v in tree_options.values()):
         raise ValueError(f"{', '.join(TREE_OPTIONS)} shape EAGLE's and DFlash's trees; medusa heads take `tree`")
     return MedusaProposer(heads, model.get_output_embeddings(), tree)
 

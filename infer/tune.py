@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -90,6 +91,18 @@ def eagle_grid(depths: Sequence[int] = (3, 4, 5, 6, 8), top_ks: Sequence[int] = 
     return list(itertools.product(depths, top_ks, totals))
 
 
+def dynamic_grid(config: Any) -> list[tuple[int, int, int]]:
+    """`selfspec tune`'s grid for an EAGLE drafter's dynamic tree (its config does not bound it)."""
+    return eagle_grid()
+
+
+def block_grid(config: Any) -> list[tuple[int, int, int]]:
+    """`selfspec tune`'s grid for a DFlash drafter, as its training fits it: at half the block and the whole block,
+    the chain (top_k 1, what its exports decode) and trees of top_k 2 and 4 of 16 and 32 nodes."""
+    depths = sorted({max(1, config.block_size // 2 - 1), config.block_size - 1})
+    return [(d, 1, d) for d in depths] + [(d, k, t) for d in depths for k in (2, 4) for t in (16, 32) if t > d]
+
+
 @torch.no_grad()
 def tune_eagle(
     model: torch.nn.Module,
@@ -109,7 +122,7 @@ def tune_eagle(
     from selfspec.infer.bench import left_pad
 
     build = family(draft.config.kind).load("proposer")
-    proposers = [build(draft, model, None, depth=depth, top_k=top_k, total_tokens=total)
+    proposers = [build(draft, model, None, dynamic=True, depth=depth, top_k=top_k, total_tokens=total)
                  for depth, top_k, total in grid]
     device = prompts[0].device
     filled = cycled(prompts, batch_size)

@@ -13,7 +13,7 @@ from selfspec.heads.family import resolve
 from selfspec.heads.io import PretrainedHeads
 
 REFERENCES = ("drafter", "proposer", "detect", "importer", "exporter", "recipe_config", "meta_drafter",
-              "activation_bytes")
+              "activation_bytes", "tune_grid")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -62,3 +62,29 @@ def test_a_family_setting_is_refused_for_the_others():
         with pytest.raises(ValueError, match=f"{name} is for .* drafters \\(medusa drafters do not read it\\)"):
             HeadsConfig(kind="medusa", hidden_size=8, vocab_size=8, **{name: values[name]})
         assert "medusa" not in kinds
+
+
+def test_every_dynamic_family_has_a_tune_grid_its_proposer_accepts():
+    """`selfspec tune` fits what the family can build: DFlash's grid stays inside its block and tries the chain
+    its exports decode (the EAGLE grid went 8 deep and never tried top_k 1)."""
+    from types import SimpleNamespace
+
+    for f in FAMILIES.values():
+        assert (f.tune_grid is not None) == f.dynamic_tree, f.kind
+    grid = family("dflash").load("tune_grid")(SimpleNamespace(block_size=8))
+    assert max(d for d, _, _ in grid) == 7 and (7, 1, 7) in grid and (3, 1, 3) in grid
+    assert all(t >= d for d, _, t in grid)
+
+
+def test_a_dynamic_proposer_ignores_the_drafters_static_tree():
+    """tune measures EAGLE-2's dynamic tree even when the drafter's config stores a static one."""
+    from test_eagle import random_draft
+
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    draft = random_draft(model)
+    draft.config.tree = [[0], [0, 0]]
+    build = family("eagle").load("proposer")
+    assert build(draft, model, None).static is not None  # the stored static tree, as decoding uses it
+    assert build(draft, model, None, dynamic=True, depth=2, top_k=2, total_tokens=4).static is None

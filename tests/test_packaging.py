@@ -31,7 +31,8 @@ def test_the_wheel_installs_one_namespace_with_the_recipes_and_demo_models(wheel
     tops = {n.split("/")[0] for n in names}
     assert tops == {"selfspec", wheel.name.split("-py")[0] + ".dist-info"}, tops
     for want in ["selfspec/__init__.py", "selfspec/__main__.py", "selfspec/heads/config.py",
-                 "selfspec/infer/generate.py", "selfspec/heads/formats/eagle3.py", "selfspec/train/eagle.py", "selfspec/shipped/models.py",
+                 "selfspec/infer/generate.py", "selfspec/heads/formats/eagle3.py", "selfspec/heads/families/eagle3.py",
+                 "selfspec/shipped/drafters/smollm2-eagle3/model.safetensors", "selfspec/train/eagle.py", "selfspec/shipped/models.py",
                  "selfspec/shipped/chat/smollm2-heldout.jsonl", "selfspec/configs/eagle/llama3.1-8b-eagle3.yaml",
                  "selfspec/configs/accelerate/deepspeed-zero3.json", "selfspec/models/demo-target/model.safetensors",
                  "selfspec/models/demo-draft/tokenizer.json"]:

@@ -152,7 +152,7 @@ STEP = {WIDE: 0.010, NARROW: 0.008}  # 300 vs 250 tokens/s: WIDE is faster
 
 def fake_tune(monkeypatch, step_time, batch_size=1):
     monkeypatch.setattr(tune_module, "SpeculativeModel", FakeSpec)
-    settings = SimpleNamespace(load=lambda name: lambda draft, model, tree, **setting: tuple(setting.values()))
+    settings = SimpleNamespace(load=lambda name: lambda draft, model, tree, dynamic, **setting: tuple(setting.values()))
     monkeypatch.setattr(tune_module, "family", lambda kind: settings)  # each "proposer" is its (depth, top_k, total)
     monkeypatch.setattr(FakeSpec, "log", [])
     monkeypatch.setattr(FakeSpec, "rows", [])

@@ -35,7 +35,7 @@ def decoded_as_chain(config: Any) -> bool:
 FAMILY = Family(
     kind="dflash", title="DFlash", drafter="selfspec.heads.dflash:DFlashDraft",
     proposer="selfspec.infer.dflash:dflash_proposer", describe=describe, check=check,
-    settings=frozenset({"feature_layers", "qk_norm", "mask_token_id"}), dynamic_tree=True,
+    settings=frozenset({"feature_layers", "qk_norm", "mask_token_id"}), dynamic_tree=True, tune_grid="selfspec.infer.tune:block_grid",
     formats=("dflash", "speculators-dflash"), detect="selfspec.heads.formats.dflash:detect_dflash_format",
     importer="selfspec.heads.formats.dflash:import_dflash", exporter="selfspec.heads.formats.dflash_export:export_as",
     carried={"dflash": frozenset(), "speculators-dflash": frozenset({"base_model"})}, detect_first=True,

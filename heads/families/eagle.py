@@ -21,7 +21,7 @@ def check(config: Any) -> None:
 FAMILY = Family(
     kind="eagle", title="EAGLE-1/2", drafter="selfspec.heads.eagle:EagleDraft",
     proposer="selfspec.infer.eagle:eagle_proposer", describe=describe, check=check,
-    settings=frozenset({"draft_vocab_size"}), dynamic_tree=True,
+    settings=frozenset({"draft_vocab_size"}), dynamic_tree=True, tune_grid="selfspec.infer.tune:dynamic_grid",
     formats=("eagle1", "sglang-eagle"), detect="selfspec.heads.formats.eagle:detect_eagle_format",
     importer="selfspec.heads.formats.eagle:import_eagle", exporter="selfspec.heads.formats.eagle:export_as",
     carried={"eagle1": frozenset(), "sglang-eagle": frozenset()},
