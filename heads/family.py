@@ -56,10 +56,15 @@ class Family:
         return resolve(reference)
 
 
-def check_fused(config: Any) -> None:
-    """A drafter fusing target layers needs its decoder layer's fields and the hidden_states it reads."""
+def check_layer(config: Any) -> None:
+    """A drafter with decoder layers of its own needs their LlamaConfig fields."""
     if not config.layer:
         raise ValueError(f"an {config.kind} config needs `layer`: the decoder layer's LlamaConfig fields")
+
+
+def check_fused(config: Any) -> None:
+    """A drafter fusing target layers needs its decoder layer's fields and the hidden_states it reads."""
+    check_layer(config)
     if not config.feature_layers or min(config.feature_layers) < 0:
         raise ValueError(f"an {config.kind} config needs `feature_layers`: the target hidden_states indices its fc "
                          f"fuses (e.g. [2, L // 2, L - 3]), got {config.feature_layers}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from selfspec.heads.family import Family
+from selfspec.heads.family import Family, check_layer
 
 
 def describe(config: Any) -> str:
@@ -13,14 +13,9 @@ def describe(config: Any) -> str:
     return f"EAGLE draft model: fc (2H -> H) + {config.num_layers} Llama decoder layer(s) on the target's features{vocab}"
 
 
-def check(config: Any) -> None:
-    if not config.layer:
-        raise ValueError("an eagle config needs `layer`: the decoder layer's LlamaConfig fields")
-
-
 FAMILY = Family(
     kind="eagle", title="EAGLE-1/2", drafter="selfspec.heads.eagle:EagleDraft",
-    proposer="selfspec.infer.eagle:eagle_proposer", describe=describe, check=check,
+    proposer="selfspec.infer.eagle:eagle_proposer", describe=describe, check=check_layer,
     settings=frozenset({"draft_vocab_size"}), dynamic_tree=True, tune_grid="selfspec.infer.tune:dynamic_grid",
     formats=("eagle1", "sglang-eagle"), detect="selfspec.heads.formats.eagle:detect_eagle_format",
     importer="selfspec.heads.formats.eagle:import_eagle", exporter="selfspec.heads.formats.eagle:export_as",

@@ -80,6 +80,9 @@ def export_heads(heads: PretrainedHeads, fmt: str, out_dir: str | Path, target: 
         theirs = family(heads.config.kind).formats
         raise ValueError(f"{fmt} is a layout of {layout.title} drafters but these heads are {heads.config.kind}"
                          + (f": choose one of {', '.join(theirs)}" if theirs else ""))
+    if base_model and "base_model" not in CARRIED[fmt]:
+        raise ValueError(f"{fmt}'s config.json names no base model (its engines are given the target "
+                         "separately): leave out --base-model")
     layout.load("exporter")(heads, fmt, out_dir, target=target, base_model=base_model, weights=weights)
     if lost := left_behind(heads, fmt, base_model):
         warnings.warn(f"{fmt} has no room for {', '.join(lost)}: importing the export gives the defaults there; keep "

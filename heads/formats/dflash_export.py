@@ -87,7 +87,4 @@ def export_dflash(
 def export_as(draft: DFlashDraft, fmt: str, out_dir: str | Path, target: nn.Module | None = None,
               base_model: str | None = None, weights: str | None = None) -> None:
     """`export_heads` for the DFlash layouts (z-lab's names no target; speculators' names the verifier)."""
-    if base_model and fmt == "dflash":
-        raise ValueError(f"{fmt}'s config.json names no base model (its engines are given the target "
-                         "separately): leave out --base-model")
     export_dflash(draft, fmt, out_dir, weights=weights or "safetensors", base_model=base_model, target=target)

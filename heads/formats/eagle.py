@@ -356,8 +356,5 @@ def export_eagle(
 def export_as(draft: EagleDraft, fmt: str, out_dir: str | Path, target: nn.Module | None = None,
               base_model: str | None = None, weights: str | None = None) -> None:
     """`export_heads` for the EAGLE-1 layouts: they carry the target's embedding and name no target."""
-    if base_model:
-        raise ValueError(f"{fmt}'s config.json names no base model (its engines are given the target "
-                         "separately): leave out --base-model")
     embed = target.get_input_embeddings().weight if target is not None else None
     export_eagle(draft, fmt, out_dir, embed_weight=embed, weights=weights or "safetensors")

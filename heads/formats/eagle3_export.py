@@ -170,7 +170,4 @@ def export_eagle3(
 def export_as(draft: Eagle3Draft, fmt: str, out_dir: str | Path, target: nn.Module | None = None,
               base_model: str | None = None, weights: str | None = None) -> None:
     """`export_heads` for the EAGLE-3 layouts (SafeAILab's names no target; speculators' names the verifier)."""
-    if base_model and fmt == "eagle3":
-        raise ValueError(f"{fmt}'s config.json names no base model (its engines are given the target "
-                         "separately): leave out --base-model")
     export_eagle3(draft, fmt, out_dir, weights=weights or "safetensors", base_model=base_model, target=target)
