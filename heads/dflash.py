@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.eagle import DraftCache, Float32RotaryEmbedding, llama_config
+from selfspec.heads.draft_layers import DraftCache, Float32RotaryEmbedding, llama_config
 from selfspec.heads.gqa import grouped_sdpa
 from selfspec.heads.io import PretrainedHeads
 from selfspec.heads.projection import apply_head

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from selfspec.heads.dflash import DFlashDraft
-from selfspec.heads.eagle import DraftCache
+from selfspec.heads.draft_layers import DraftCache
+from selfspec.infer.parallel_tree import ParallelTree
 from selfspec.infer.proposers import TREE_OPTIONS, Draft, embedding_for
-from selfspec.infer.tree import Tree, descend, select_tree, tree_from_choices
+from selfspec.infer.tree import Tree
 from selfspec.infer.verify import SamplingParams
 
 
@@ -56,13 +57,8 @@ class DFlashProposer:
         vocab = lm_head.weight.shape[0]
         if self.top_k > vocab:
             raise ValueError(f"top_k {self.top_k} is above the vocabulary of {vocab} tokens")
-        self.depth = min(depth, total)
-        if self.top_k == 1:  # the chain: one node per drafted position
-            self.chain = tree_from_choices([[0] * d for d in range(1, self.depth + 1)]).to(self.device)
-            self.max_nodes = self.depth + 1
-        else:
-            self.max_nodes = min(total, self.top_k + (self.depth - 1) * self.top_k**2) + 1
-        self.slots = torch.arange(self.top_k, device=self.device)
+        self.trees = ParallelTree(depth, self.top_k, total, self.device)
+        self.depth, self.max_nodes = self.trees.depth, self.trees.max_nodes
         self.reset(0)
 
     # ---------------------------------------------------------------- one sequence
@@ -85,38 +81,7 @@ class DFlashProposer:
 
     def _draft(self, roots: torch.Tensor, out: torch.Tensor) -> list[tuple[torch.Tensor, Tree]]:
         """Block outputs at the drafted positions (B, D, H) -> each row's tree tokens (root first) and tree."""
-        logits = self.draft.logits(out, self.lm_head)  # (B, D, V)
-        if self.top_k == 1:
-            tokens = torch.cat([roots[:, None], logits.argmax(-1)], dim=1)
-            return [(row, self.chain) for row in tokens]
-        scores, drafted, parents, ranks = self._candidates(logits)
-        rows = []
-        for b in range(logits.shape[0]):
-            chosen, tree = select_tree(scores[b], parents[b], ranks[b], self.max_nodes - 1, self.depth, self.top_k)
-            rows.append((torch.cat([roots[b : b + 1], drafted[b][chosen]]), tree))
-        return rows
-
-    def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """EAGLE-2's candidates from per-position distributions (B, D, V): depth 1 is position 1's top_k; a depth-d
-        frontier (its k best candidates) each gets position d's top_k as children. Scores, target tokens, parent
-        candidates (-1: the root) and sibling ranks (B, C) each, in depth order (tree.select_tree's input)."""
-        B, k = logits.shape[0], self.top_k
-        logp = torch.log_softmax(logits.float(), dim=-1).nan_to_num(nan=-1e4, neginf=-1e4)
-        top = logp.topk(k, dim=-1)  # (B, D, k)
-        scores, tokens = [top.values[:, 0]], [top.indices[:, 0]]
-        parents = [torch.full((B, k), -1, dtype=torch.long, device=logits.device)]
-        ranks = [self.slots.expand(B, k)]
-        front_scores, front_index, offset = top.values[:, 0], self.slots.expand(B, k), k
-        for d in range(1, self.depth):
-            child = descend(front_scores, top.values[:, d, None, :].expand(B, k, k)).flatten(1)  # (B, k·k)
-            scores.append(child)
-            tokens.append(top.indices[:, d].repeat(1, k))
-            parents.append(front_index.repeat_interleave(k, dim=1))
-            ranks.append(self.slots.repeat(k).expand(B, -1))
-            best = child.topk(k).indices
-            front_scores, front_index = child.gather(1, best), offset + best
-            offset += k * k
-        return tuple(torch.cat(x, dim=1) for x in (scores, tokens, parents, ranks))
+        return self.trees.rows(roots, self.draft.logits(out, self.lm_head))
 
     # ---------------------------------------------------------------- a batch of rows
 

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from selfspec.heads.eagle import DraftCache, EagleDraft
+from selfspec.heads.draft_layers import DraftCache
+from selfspec.heads.eagle import EagleDraft
 from selfspec.infer.mask import PrefixMask, RowMask
 from selfspec.infer.proposers import Draft, embedding_for
 from selfspec.infer.rows import upload

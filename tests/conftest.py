@@ -173,7 +173,8 @@ def eagle_dir(tiny_model_dir, tmp_path):
     from transformers import AutoConfig
 
     from selfspec.heads.config import HeadsConfig
-    from selfspec.heads.eagle import EagleDraft, layer_fields
+    from selfspec.heads.draft_layers import layer_fields
+    from selfspec.heads.eagle import EagleDraft
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)

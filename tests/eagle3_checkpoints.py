@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import randomized, write_checkpoint
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.eagle import layer_fields
-from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
+from selfspec.heads.draft_layers import layer_fields
+from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.formats.eagle3_config import FLAGS
+from selfspec.heads.fused_draft import default_feature_layers
 from selfspec.infer.eagle import EagleProposer
 from selfspec.infer.generate import SpeculativeModel
 

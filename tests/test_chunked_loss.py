@@ -10,12 +10,14 @@ from torch.profiler import ProfilerActivity, profile
 
 from conftest import VOCAB, tiny_model
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.eagle import EagleDraft, layer_fields
+from selfspec.heads.draft_layers import layer_fields
+from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.train.eagle import Eagle3Method, EagleConfig, EagleMethod
-from selfspec.train.eagle3 import STEP_DECAY, draft_vocabulary
 from selfspec.train.medusa import MedusaConfig
 from selfspec.train.medusa_method import MedusaMethod, medusa_labels
+from selfspec.train.step_loss import STEP_DECAY
+from selfspec.train.vocabulary import draft_vocabulary
 
 KINDS = ("medusa", "medusa-own-heads", "eagle", "eagle3")
 

@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 
 from conftest import VOCAB, tiny_model
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.eagle import layer_fields
+from selfspec.heads.draft_layers import layer_fields
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.infer.eagle import EagleProposer
 from selfspec.infer.generate import SpeculativeModel

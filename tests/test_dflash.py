@@ -10,7 +10,7 @@ from test_sampling import RUNS, V, chi_square, critical, exact_joint, run_sampli
 from conftest import tiny_model
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.dflash import DFlashDraft, default_target_layer_ids
-from selfspec.heads.eagle import DraftCache, layer_fields
+from selfspec.heads.draft_layers import DraftCache, layer_fields
 from selfspec.heads.registry import load_heads
 from selfspec.infer.dflash import DFlashProposer
 from selfspec.infer.generate import SpeculativeModel

@@ -207,6 +207,7 @@ def test_exports_the_engines_cannot_serve_are_refused(tmp_path, target):
         export_heads(random_draft(target), "dflash", tmp_path, base_model="org/x")
     with pytest.raises(ValueError, match="layout of DFlash drafters but these heads are eagle"):
         from selfspec.heads.config import HeadsConfig
-        from selfspec.heads.eagle import EagleDraft, layer_fields
+        from selfspec.heads.draft_layers import layer_fields
+        from selfspec.heads.eagle import EagleDraft
         export_heads(EagleDraft(HeadsConfig(kind="eagle", hidden_size=48, vocab_size=96, layer=layer_fields(
             target.config))), "dflash", tmp_path)

@@ -5,7 +5,8 @@ import torch
 
 from conftest import VOCAB, fit_on_own_continuations, tiny_model
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.eagle import DraftCache, EagleDraft, layer_fields
+from selfspec.heads.draft_layers import DraftCache, layer_fields
+from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.registry import load_heads
 from selfspec.infer.eagle import EagleProposer
 from selfspec.infer.generate import SpeculativeModel

@@ -8,8 +8,10 @@ from test_sampling import RUNS, V, chi_square, critical, exact_joint, run_sampli
 
 from conftest import fit_on_own_continuations, tiny_model
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.eagle import DraftCache, EagleDraft, layer_fields
-from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
+from selfspec.heads.draft_layers import DraftCache, layer_fields
+from selfspec.heads.eagle import EagleDraft
+from selfspec.heads.eagle3 import Eagle3Draft
+from selfspec.heads.fused_draft import default_feature_layers
 from selfspec.heads.registry import load_heads
 from selfspec.infer.cache import new_cache
 from selfspec.infer.eagle import EagleProposer
@@ -154,7 +156,7 @@ def test_draft_vocabulary_maps_every_draft_id_to_its_target_id():
 
 def test_draft_vocabulary_counted_a_batch_at_a_time_equals_counting_the_whole_corpus():
     from selfspec.train.data import examples_from_lists
-    from selfspec.train.eagle3 import draft_vocabulary
+    from selfspec.train.vocabulary import draft_vocabulary
 
     gen = torch.Generator().manual_seed(2)
     rows = [torch.randint(0, 40, (n,), generator=gen) for n in (5, 9, 3, 12, 7)]
@@ -374,7 +376,8 @@ def reference_loss_and_agreement(draft, outputs, target_logits, batch):
 
 
 def test_training_loss_and_agreement_equal_the_position_by_position_formula():
-    from selfspec.train.eagle3 import Eagle3Loss, draft_vocabulary
+    from selfspec.train.step_loss import StepLoss as Eagle3Loss
+    from selfspec.train.vocabulary import draft_vocabulary
 
     model = tiny_model("llama")
     V = model.config.vocab_size

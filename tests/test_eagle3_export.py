@@ -20,7 +20,8 @@ from eagle3_checkpoints import (
     speculators_checkpoint,
 )
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.eagle import EagleDraft, layer_fields
+from selfspec.heads.draft_layers import layer_fields
+from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.formats import export_heads
 from selfspec.heads.formats.eagle import detect_eagle_format
 from selfspec.heads.formats.eagle3 import EAGLE3_FORMATS, detect_eagle3_format, import_eagle3, layout_keys

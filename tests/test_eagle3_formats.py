@@ -28,7 +28,8 @@ from eagle3_checkpoints import (
     speculators_checkpoint,
 )
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.eagle import EagleDraft, layer_fields
+from selfspec.heads.draft_layers import layer_fields
+from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.formats import import_heads
 from selfspec.heads.formats.eagle import detect_eagle_format, export_eagle

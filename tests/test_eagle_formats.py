@@ -12,7 +12,8 @@ from transformers import AutoConfig, LlamaConfig
 
 from conftest import VOCAB, tiny_model, write_checkpoint
 from selfspec.heads.config import HeadsConfig, check_compatible
-from selfspec.heads.eagle import EagleDraft, layer_fields
+from selfspec.heads.draft_layers import layer_fields
+from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.formats.eagle import (
     EAGLE_FORMATS,
     EMBED_KEY,

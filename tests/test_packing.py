@@ -16,15 +16,16 @@ import torch
 from test_chunked_loss import make_method
 from test_dflash import random_draft as random_dflash_draft
 
-import selfspec.train.eagle3 as eagle3_module
+import selfspec.train.step_loss as eagle3_module
 from conftest import TOKENIZER_TEXT, VOCAB, tiny_model
 from selfspec.train.data import examples_from_lists, pad_batch
 from selfspec.train.dflash import DFlashConfig, DFlashMethod
 from selfspec.train.dflash_loss import anchor_carries, block_labels, decay_weights, sample_anchors
-from selfspec.train.eagle3 import Labels, draft_vocabulary
 from selfspec.train.eagle_features import target_features
 from selfspec.train.medusa_method import medusa_labels
 from selfspec.train.packing import PackedExamples, check_packed_target, pack_rows
+from selfspec.train.step_loss import Labels
+from selfspec.train.vocabulary import draft_vocabulary
 
 LENGTHS = [9, 6, 11, 4, 7, 5, 8]
 MAX_LENGTH = 20

@@ -13,7 +13,8 @@ from test_cli import greedy_reference, user_error
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.eagle import EagleDraft, layer_fields
+from selfspec.heads.draft_layers import layer_fields
+from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.formats import export_heads
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.heads.registry import load_heads
@@ -150,7 +151,8 @@ def test_tune_refuses_to_overwrite_a_published_config(tiny_model_dir, tmp_path, 
 
 def test_a_published_eagle3_checkpoint_takes_its_fused_layers_from_the_target_it_is_loaded_for(tmp_path, capsys):
     from conftest import tiny_config, tiny_tokenizer
-    from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
+    from selfspec.heads.eagle3 import Eagle3Draft
+    from selfspec.heads.fused_draft import default_feature_layers
 
     config = tiny_config("llama")
     config.num_hidden_layers = 8  # deep enough for the engines' default [2, L // 2, L - 3]

@@ -14,9 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.eagle import layer_fields
-from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
+from selfspec.heads.draft_layers import layer_fields
+from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.formats.medusa import base_model_field
+from selfspec.heads.fused_draft import default_feature_layers
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.infer.bench import encode_prompt
 from selfspec.infer.eagle import EagleProposer

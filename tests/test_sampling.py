@@ -8,7 +8,8 @@ import torch
 import selfspec.infer.verify as verify
 from conftest import tiny_model
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.eagle import EagleDraft, layer_fields
+from selfspec.heads.draft_layers import layer_fields
+from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.infer.draft_model import DraftModelProposer
 from selfspec.infer.eagle import EagleProposer

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.eagle import layer_fields
+from selfspec.heads.draft_layers import layer_fields
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.formats import export_heads
 from selfspec.shipped.models import resolve_model

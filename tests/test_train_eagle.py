@@ -11,9 +11,9 @@ from selfspec.infer.tune import tune_eagle
 from selfspec.train.config import ConfigError, load_config
 from selfspec.train.data import examples_from_lists, pad_batch
 from selfspec.train.eagle import EagleConfig, run
-from selfspec.train.eagle3 import draft_vocabulary
 from selfspec.train.eagle_features import cached_features, target_features, write_features
 from selfspec.train.features import FeatureShards, shard_path, write_safetensors
+from selfspec.train.vocabulary import draft_vocabulary
 
 
 def _args(model_dir, data, out, **extra):

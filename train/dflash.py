@@ -14,7 +14,6 @@ machine by decoding validation prompts.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +22,8 @@ from typing import ClassVar
 import torch
 
 from selfspec.heads.dflash import DEFAULT_FEATURES, DFlashDraft, block_embeds, default_target_layer_ids
-from selfspec.heads.eagle import layer_fields
+from selfspec.heads.draft_layers import layer_fields
 from selfspec.heads.errors import run_main
-from selfspec.infer.tune import format_rows, tune_eagle
 from selfspec.train.config import ConfigError, check_at_least, load_config
 from selfspec.train.data import Examples
 from selfspec.train.dflash_loss import (
@@ -36,7 +34,6 @@ from selfspec.train.dflash_loss import (
     decode_walk,
     sample_anchors,
 )
-from selfspec.train.eagle3 import token_counts
 from selfspec.train.eagle_features import batch_features
 from selfspec.train.feature_run import run_feature_drafter
 from selfspec.train.loop import heads_config
@@ -44,6 +41,8 @@ from selfspec.train.medusa_method import chunk_rows
 from selfspec.train.packing import positions, segments
 from selfspec.train.step_timer import OFF
 from selfspec.train.train_config import TrainConfig
+from selfspec.train.tree_fit import fit_dynamic_tree, save_with_tree
+from selfspec.train.vocabulary import choose_mask_token
 
 
 @dataclasses.dataclass
@@ -203,56 +202,18 @@ class DFlashMethod:
         metrics = {"loss": loss / max(batches_seen, 1), "top1": float(top[0]), "sim_accept": tokens / max(steps, 1)}
         return metrics | {f"pos{j + 1}_top1": float(top[j]) for j in range(D)}
 
-    def fit_tree(self, draft: DFlashDraft) -> dict:
-        """Decode validation prompts with each chain/tree setting here and keep the fastest."""
-        param = next(self.target.parameters())
-        draft = copy.deepcopy(draft).to(dtype=param.dtype).eval()  # as decoding runs it
-        best, rows = tune_eagle(self.target, draft, self.tune_prompts, self.cfg.grid(), self.cfg.tune_new_tokens)
-        print("DFlash chain/tree fitted to this machine (greedy decoding of validation prompts):")
-        print(format_rows(rows, best))
-        return best
-
     def save(self, draft: DFlashDraft, output_dir: Path, metrics: dict[str, float]) -> None:
+        """Fit the chain or tree here (unless the recipe sets it; without prompts: the block's chain) and save."""
         cfg = self.cfg
-        if cfg.depth and cfg.top_k and cfg.total_tokens:
-            best = {"depth": cfg.depth, "top_k": cfg.top_k, "total_tokens": cfg.total_tokens}
-        elif self.tune_prompts:
-            best = self.fit_tree(draft)
-        else:
-            best = {"depth": self.block - 1, "top_k": 1, "total_tokens": self.block - 1}  # the chain
-        draft.config.depth, draft.config.top_k, draft.config.total_tokens = (
-            best["depth"], best["top_k"], best["total_tokens"])
-        if not metrics:
-            raise ValueError("no validation metrics for the model card: evaluate before saving")
-        shape = "chain" if draft.config.top_k == 1 else f"tree of top_k {draft.config.top_k}"
-        card = (f"\n## Validation (best evaluation)\n\n{self.summary(metrics)}; decoding: {shape}, depth "
-                f"{draft.config.depth}, total_tokens {draft.config.total_tokens}\n")
-        draft.save_pretrained(output_dir, card_extra=card)
+        fit = (lambda: fit_dynamic_tree(self.target, draft, self.tune_prompts, cfg.grid(), cfg.tune_new_tokens,
+                                        "DFlash chain/tree")) if self.tune_prompts else None
+        chain = {"depth": self.block - 1, "top_k": 1, "total_tokens": self.block - 1}
+        save_with_tree(draft, output_dir, cfg, metrics, self.summary(metrics), fit, chain)
 
     def summary(self, metrics: dict[str, float]) -> str:
         per = " / ".join(f"{metrics[f'pos{j}_top1']:.3f}" for j in range(1, self.block))
         return (f"top-1 agreement with the target per block position {per}; simulated acceptance length "
                 f"{metrics['sim_accept']:.2f} (tokens per step of a teacher-forced chain decoding)")
-
-
-def choose_mask_token(cfg: DFlashConfig, tokenizer, train_data: Examples, vocab: int) -> int:
-    """The mask embedding row: --mask_token_id; the tokenizer's mask token; a row past the tokenizer's vocabulary;
-    else its highest special token (not BOS or EOS) that no training answer contains, the pad token last."""
-    if cfg.mask_token_id is not None:
-        if not 0 <= cfg.mask_token_id < vocab:
-            raise ConfigError(f"--mask_token_id {cfg.mask_token_id} is not a row of the target's embedding (0..{vocab - 1})")
-        return cfg.mask_token_id
-    if getattr(tokenizer, "mask_token_id", None) is not None and tokenizer.mask_token_id < vocab:
-        return tokenizer.mask_token_id
-    if len(tokenizer) < vocab:
-        return len(tokenizer)  # an embedding row no text token maps to
-    used = token_counts(train_data.token_batches(), vocab) > 0
-    taken = {tokenizer.bos_token_id, tokenizer.eos_token_id}
-    free = [i for i in tokenizer.all_special_ids if i not in taken and i < vocab and not used[i]]
-    if not free:
-        raise ConfigError("the tokenizer has no mask token, no spare embedding row and no unused special token: pass "
-                          "--mask_token_id, a token id the target never writes")
-    return max(free, key=lambda i: (i != tokenizer.pad_token_id, i))
 
 
 def build_drafter(cfg: DFlashConfig, target, tokenizer, train_data: Examples) -> DFlashDraft:

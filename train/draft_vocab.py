@@ -1,7 +1,7 @@
 """`selfspec draft-vocab`: restrict an EAGLE-1/2 drafter to a dataset's most frequent trained-on tokens, or to a
 published FR-Spec token map, without training.
 
-It counts a dataset's tokens as training reads them (train.data, train.eagle3, train.eagle's default size), so it
+It counts a dataset's tokens as training reads them (train.data, train.vocabulary, train.eagle's default size), so it
 lives in train/, not infer/ (which never imports train); selfspec/cli.py adds it to the `selfspec` command.
 """
 
@@ -90,8 +90,8 @@ def _frequent_ids(args: argparse.Namespace, config: HeadsConfig, widest: int) ->
     from selfspec.shipped.models import resolve_model
     from selfspec.train.data import load_examples
     from selfspec.train.eagle import default_draft_vocab_size
-    from selfspec.train.eagle3 import most_frequent, token_counts
     from selfspec.train.records import DataError
+    from selfspec.train.vocabulary import most_frequent, token_counts
 
     if not args.dataset:
         raise ValueError("give --dataset (data like the target's traffic, whose most frequent tokens are kept) or "

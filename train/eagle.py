@@ -1,7 +1,7 @@
 """Train an EAGLE draft model (EAGLE-1/2, or EAGLE-3 with --version 3) on a frozen causal LM.
 
     accelerate launch train/eagle.py                        # demo target, stdlib corpus, CPU, < 15 min
-    accelerate launch train/eagle.py --version 3            # EAGLE-3 on the demo, about 20 min (train/eagle3.py)
+    accelerate launch train/eagle.py --version 3            # EAGLE-3 on the demo, about 20 min (heads/eagle3.py, train/step_loss.py)
     accelerate launch train/eagle.py --config configs/eagle/llama3-8b-sharegpt.yaml
 
 The frozen target computes features f (its last hidden states, what its lm_head reads) online,
@@ -13,7 +13,6 @@ target's distribution at t+1 (soft labels), on loss-mask positions. At the end t
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -21,21 +20,25 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from selfspec.heads.eagle import EagleDraft, layer_fields
-from selfspec.heads.eagle3 import Eagle3Draft, default_feature_layers
+from selfspec.heads.draft_layers import layer_fields
+from selfspec.heads.eagle import EagleDraft
+from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.errors import run_main
 from selfspec.heads.families import family
-from selfspec.infer.tune import eagle_grid, format_rows, tune_eagle
+from selfspec.heads.fused_draft import default_feature_layers
+from selfspec.infer.tune import eagle_grid
 from selfspec.train.config import ConfigError, check_at_least, load_config
 from selfspec.train.data import Examples
-from selfspec.train.eagle3 import Eagle3Loss, draft_vocabulary, init_from_target
 from selfspec.train.eagle_features import batch_features
 from selfspec.train.feature_run import run_feature_drafter
 from selfspec.train.loop import heads_config
 from selfspec.train.medusa_method import chunk_rows, chunked_sum, medusa_labels
 from selfspec.train.packing import block_causal_mask, pair_segments, positions, segments
+from selfspec.train.step_loss import StepLoss
 from selfspec.train.step_timer import OFF
 from selfspec.train.train_config import TrainConfig
+from selfspec.train.tree_fit import fit_dynamic_tree, save_with_tree
+from selfspec.train.vocabulary import draft_vocabulary, init_from_target
 
 RANKS = 10  # validation reports how often the target's token is in the drafter's top-r, r < RANKS
 
@@ -218,36 +221,20 @@ class EagleMethod:
             metrics[f"rank_acc/{r}"] = float(hits[r] / count)
         return metrics
 
-    def fit_tree(self, draft: EagleDraft) -> dict:
-        """Decode validation prompts with each tree setting here and keep the fastest."""
-        param = next(self.target.parameters())
-        draft = copy.deepcopy(draft).to(dtype=param.dtype).eval()  # as decoding runs it
-        grid = eagle_grid(self.cfg.tune_depths, self.cfg.tune_top_ks, self.cfg.tune_totals)
-        best, rows = tune_eagle(self.target, draft, self.tune_prompts, grid, self.cfg.tune_new_tokens)
-        print("dynamic tree fitted to this machine (greedy decoding of validation prompts):")
-        print(format_rows(rows, best))
-        return best
-
     def save(self, draft: EagleDraft, output_dir: Path, metrics: dict[str, float]) -> None:
+        """Fit the dynamic tree here (unless the recipe sets it) and save the drafter with its validation."""
         cfg = self.cfg
-        if cfg.depth and cfg.top_k and cfg.total_tokens:
-            draft.config.depth, draft.config.top_k, draft.config.total_tokens = cfg.depth, cfg.top_k, cfg.total_tokens
-        elif self.tune_prompts:
-            best = self.fit_tree(draft)
-            draft.config.depth, draft.config.top_k, draft.config.total_tokens = (
-                best["depth"], best["top_k"], best["total_tokens"])
-        if not metrics:  # the loop always evaluates before saving; never write a card of zeros
-            raise ValueError("no validation metrics for the model card: evaluate before saving")
-        card = (f"\n## Validation (last evaluation)\n\n{self.summary(metrics)}; dynamic tree: depth "
-                f"{draft.config.depth}, top_k {draft.config.top_k}, total_tokens {draft.config.total_tokens}\n")
-        draft.save_pretrained(output_dir, card_extra=card)
+        grid = eagle_grid(cfg.tune_depths, cfg.tune_top_ks, cfg.tune_totals)
+        fit = (lambda: fit_dynamic_tree(self.target, draft, self.tune_prompts, grid, cfg.tune_new_tokens,
+                                        "dynamic tree")) if self.tune_prompts else None
+        save_with_tree(draft, output_dir, cfg, metrics, self.summary(metrics), fit)
 
     def summary(self, metrics: dict[str, float]) -> str:
         return f"top-1 agreement with the target {metrics['top1']:.3f}, top-5 {metrics['top5']:.3f}"
 
 
 class Eagle3Method(EagleMethod):
-    """EAGLE-3: the training-time test over fused features (train/eagle3.py); tree fitting and saving as EAGLE."""
+    """EAGLE-3: the training-time test over fused features (heads/eagle3.py, train/step_loss.py); tree fitting and saving as EAGLE."""
 
     label = "the EAGLE-3 drafter"
     agree = None  # the loop sets it under ZeRO-3/FSDP: every rank projects as many chunks (train.distributed)
@@ -258,12 +245,12 @@ class Eagle3Method(EagleMethod):
 
     def _unroll(self, batch: dict[str, torch.Tensor]):
         """The drafter's outputs per step and the target's last hidden states (B, T, H), from online or cached
-        features; the target's lm_head projects only the positions that carry a label (in Eagle3Loss)."""
+        features; the target's lm_head projects only the positions that carry a label (in StepLoss)."""
         feats = batch_features(self.target, batch, self.layers, self.timer)
         hidden = self.lm_head.weight.shape[1]
         draft = getattr(self.trainable, "module", self.trainable)  # DDP and DeepSpeed wrap it; FSDP2 does not
-        ttt = Eagle3Loss(draft, self.cfg.ttt_steps, self.lm_head, self.chunk, runner=self.trainable, agree=self.agree)
-        return ttt, ttt.unroll(feats[..., :-hidden], batch, self.embed), feats[..., -hidden:]
+        ttt = StepLoss(draft, self.cfg.ttt_steps, self.lm_head, self.chunk, runner=self.trainable, agree=self.agree)
+        return ttt, ttt.unroll(feats[..., :-hidden], batch, self.embed, unroll=self.cfg.ttt_steps), feats[..., -hidden:]
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ttt, outputs, target = self._unroll(batch)

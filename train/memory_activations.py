@@ -57,7 +57,7 @@ def _norm(n: int, H: int, a: int, cast: bool, grad: bool) -> int:
 
 
 def eagle3_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, length: int) -> int:
-    """The peak of an EAGLE-3 step (train/eagle3.py): `ttt_steps` unrolled draft steps over length - 1 positions."""
+    """The peak of an EAGLE-3 step (heads/eagle3.py, train/step_loss.py): `ttt_steps` unrolled draft steps over length - 1 positions."""
     a, cast = _width(cfg)
     at = _target_width(cfg)
     H, _, _, V = _shape(target)

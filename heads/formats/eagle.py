@@ -62,7 +62,8 @@ from torch import nn
 from transformers import LlamaConfig
 
 from selfspec.heads.config import DTYPES, HeadsConfig, check_compatible
-from selfspec.heads.eagle import EagleDraft, layer_fields, llama_config
+from selfspec.heads.draft_layers import layer_fields, llama_config
+from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.formats.checkpoint import WEIGHTS, Checkpoint
 from selfspec.heads.formats.medusa import load_strict
 from selfspec.heads.io import atomic_write

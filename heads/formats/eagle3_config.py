@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from selfspec.heads.eagle import draft_targets
+from selfspec.heads.draft_layers import draft_targets
 from selfspec.shipped.models import resolve_model
 
 

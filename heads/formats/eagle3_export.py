@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from selfspec.heads.eagle import llama_config
+from selfspec.heads.draft_layers import llama_config
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.formats.checkpoint import WEIGHTS
 from selfspec.heads.formats.eagle import CONFIG_FIELDS, rope_scaling_json, write_weights

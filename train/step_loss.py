@@ -1,62 +1,27 @@
-"""EAGLE-3 training: fused target features, the training-time test, a draft vocabulary.
-
-Used by `accelerate launch train/eagle.py --version 3`. The drafter unrolls `ttt_steps` draft steps over
-each sequence (heads.eagle3.Eagle3Draft.unrolled): step 0 reads the target's fused features, step i its
-own step-(i-1) outputs, with the true tokens as inputs. Step i at position t predicts x_{t+2+i}; its
-label is the target's distribution there, restricted to the draft vocabulary and renormalised:
+"""The per-step soft-label loss of drafters whose step (or depth) i at position t predicts x_{t+2+i} over a draft
+vocabulary: EAGLE-3's training-time test (train/eagle.py --version 3) and P-EAGLE's parallel depths (train/peagle.py).
 
     tokens      x0   x1   x2   x3   x4   x5
     step 0, t=0 reads (F0, x1)       -> predicts x2   label p(. | x0..x1) = target logits at 1
-    step 1, t=0 reads (o0_0, x2)     -> predicts x3   label target logits at 2
-    step i, t   reads (o(i-1)_t, x_{t+1+i}) -> x_{t+2+i}, label target logits at t+1+i
+    step 1, t=0                      -> predicts x3   label target logits at 2
+    step i, t                        -> x_{t+2+i},    label target logits at t+1+i
 
-Loss = sum_i 0.8^i * soft cross-entropy; positions whose label token is outside the loss mask, or whose
-target argmax is outside the draft vocabulary, are left out. No feature-regression loss. In packed rows
-(train.packing) the unrolled steps attend within their example only, at its positions, and step i at t counts
-only where x_{t+2+i} is in t's example: no draft path runs into the next example.
+Loss = sum_i 0.8^i * soft cross-entropy against the target's distribution restricted to the draft vocabulary and
+renormalised; positions whose label token is outside the loss mask, or whose target argmax is outside the draft
+vocabulary, are left out. In packed rows (train.packing) step i at t counts only where x_{t+2+i} is in t's example.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.train.medusa_method import agreed_calls, chunk_rows, chunked_sum, chunks
 from selfspec.train.packing import block_causal_mask, pair_segments, positions, segments
 
 STEP_DECAY = 0.8  # weight of step i's loss is STEP_DECAY ** i
-
-
-def token_counts(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int) -> torch.Tensor:
-    """How often each target token is loss-bearing (vocab_size,), counted over (input_ids, loss_mask) batches of any
-    equal shapes one at a time, never the whole corpus at once."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for input_ids, loss_mask in batches:
-        counts += torch.bincount(input_ids[loss_mask.bool()].flatten().cpu(), minlength=vocab_size)[:vocab_size]
-    return counts
-
-
-def draft_vocabulary(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` most frequent target tokens among the loss-bearing tokens (ties: the lower id), as ids (size,)
-    (see `token_counts`). Tokens never seen fill the rest, lowest ids first, so the vocabulary always has `size`
-    entries."""
-    return most_frequent(token_counts(batches, vocab_size), size)
-
-
-def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
-    """The ids of the `size` largest counts, ties to the lower id."""
-    return torch.sort(counts, descending=True, stable=True).indices[:size]
-
-
-@torch.no_grad()
-def init_from_target(draft: Eagle3Draft, target) -> None:
-    """Start the drafter's lm_head as the target's rows of the draft vocabulary: it then learns to produce
-    features the target's own head reads, instead of a vocabulary projection from scratch as well."""
-    head = target.get_output_embeddings().weight
-    draft.lm_head.weight.copy_(head[draft.draft_ids.to(head.device)].to(draft.lm_head.weight.dtype))
 
 
 class Labels:
@@ -89,8 +54,8 @@ class Labels:
         return rows[inside], b[inside], t[inside]
 
 
-class Eagle3Loss:
-    """The training-time-test loss and validation metrics for an Eagle3Draft (the recipe's method uses it).
+class StepLoss:
+    """The per-step loss and validation metrics of a fused-feature drafter (an Eagle3Draft or a PEagleDraft).
 
     `target` arguments are the target's last hidden states (B, T, H), read through its frozen `lm_head`;
     without an lm_head they are the target's logits (B, T, V) already. Positions are projected onto a
@@ -99,7 +64,7 @@ class Eagle3Loss:
     `draft` (the module itself) answers attribute reads.
     """
 
-    def __init__(self, draft: Eagle3Draft, steps: int, lm_head: torch.nn.Module | None = None,
+    def __init__(self, draft: torch.nn.Module, steps: int, lm_head: torch.nn.Module | None = None,
                  chunk: int | None = None, runner: torch.nn.Module | None = None,
                  agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.draft, self.steps, self.lm_head, self.agree = draft, steps, lm_head, agree
@@ -129,13 +94,14 @@ class Eagle3Loss:
             return states.float().index_select(-1, self.draft_ids)
         return F.linear(states.to(self.label_weight.dtype), self.label_weight, self.label_bias).float()
 
-    def unroll(self, features: torch.Tensor, batch: dict[str, torch.Tensor], embed) -> list[torch.Tensor]:
+    def unroll(self, features: torch.Tensor, batch: dict[str, torch.Tensor], embed, **options) -> list[torch.Tensor]:
         """The drafter's outputs per step (B, T-1, H) each over the pairs (F_t, x_{t+1}); in packed rows each pair
-        attends within its example (train.packing.block_causal_mask), at its position there."""
+        attends within its example (train.packing.block_causal_mask), at its position there. `options` go to the
+        drafter's forward (EAGLE-3: unroll=steps; P-EAGLE: depths and anchors)."""
         context = block_causal_mask(pair_segments(segments(batch)))  # (B, 1, T-1, T-1)
         dtype = next(self.draft.parameters()).dtype
         return self.runner(features[:, :-1].to(dtype), batch["input_ids"][:, 1:], embed, context,
-                           positions(batch)[:, :-1], unroll=self.steps)
+                           positions(batch)[:, :-1], **options)
 
     def _calls(self, rows: list[int]) -> list[int]:
         return agreed_calls(rows, self.chunk, self.agree)
@@ -148,7 +114,10 @@ class Eagle3Loss:
         logq = torch.log_softmax(self.draft.logits(outputs).float(), dim=-1)  # (C, N)
         return -(probs * logq).sum()
 
-    def loss(self, outputs: list[torch.Tensor], target: torch.Tensor, batch: dict[str, torch.Tensor]):
+    def loss(self, outputs: list[torch.Tensor], target: torch.Tensor, batch: dict[str, torch.Tensor],
+             keep: list[torch.Tensor | None] | None = None):
+        """The weighted sum of the steps' soft cross-entropies and each step's, for logging; `keep` (B, T) bool per
+        step (None: every position) limits a step to the positions its outputs were computed at."""
         total = outputs[0].sum() * 0.0
         logs = {}
         labels = Labels(target, batch, self.target_logits, self.chunk)
@@ -156,6 +125,8 @@ class Eagle3Loss:
         for i in range(len(outputs)):
             rows, b, t = labels.step(i)
             draftable = self.draft.t2d[labels.argmax[rows]]  # the target's choice must be draftable
+            if keep is not None and keep[i] is not None:
+                draftable &= keep[i][b, t]
             steps.append((rows[draftable], b[draftable], t[draftable]))
         calls = self._calls([rows.numel() for rows, _, _ in steps])
         for i, (out, (rows, b, t)) in enumerate(zip(outputs, steps)):
