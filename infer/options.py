@@ -22,7 +22,7 @@ from selfspec.infer.verify import SamplingParams
 PROG = "selfspec"
 DESCRIPTION = """Speculative decoding from the command line: generate, bench, tune, import, export, push.
 
-Drafters: trained drafter directories (--heads: Medusa, EAGLE, EAGLE-3, DFlash), a separate small draft model
+Drafters: trained drafter directories (--heads: Medusa, EAGLE, EAGLE-3, P-EAGLE, DFlash), a separate small draft model
 (--draft-model, the seed paper's algorithm) or prompt lookup (--prompt-lookup)."""
 NUM_DRAFT_TOKENS = 4  # a draft model's proposal length when --num-draft-tokens is not given
 PROMPT_LOOKUP_TOKENS = 10  # prompt lookup's longest proposal when --prompt-lookup-tokens is not given
@@ -134,10 +134,10 @@ def drafter_options(p: argparse.ArgumentParser, several: bool) -> None:
     """generate's and bench's options: the drafters (`several`: --heads repeats), the target, the run."""
     if several:
         p.add_argument("--heads", action="append",
-                       help="a trained drafter directory (Medusa, EAGLE, EAGLE-3 or DFlash); repeat it to compare "
+                       help="a trained drafter directory (Medusa, EAGLE, EAGLE-3, P-EAGLE or DFlash); repeat it to compare "
                             "several drafters of one target in the same run")
     else:
-        p.add_argument("--heads", help="a trained drafter directory (Medusa, EAGLE, EAGLE-3 or DFlash)")
+        p.add_argument("--heads", help="a trained drafter directory (Medusa, EAGLE, EAGLE-3, P-EAGLE or DFlash)")
     p.add_argument("--draft-model", help="a small causal LM with the target's tokenizer drafts chains (the seed "
                                          "paper's algorithm); `demo-draft` is the shipped one")
     p.add_argument("--num-draft-tokens", type=at_least(1), default=None,
@@ -173,7 +173,7 @@ def refused(why: str) -> Callable[[str], NoReturn]:
 
 def eagle_tree_options(p: argparse.ArgumentParser, top_k_flags: list[str], note: str) -> None:
     """The EAGLE dynamic tree's options, `top_k_flags` naming its width."""
-    g = p.add_argument_group("dynamic tree (EAGLE, DFlash)", "override the drafter's defaults (from its config.json); "
+    g = p.add_argument_group("dynamic tree (EAGLE, P-EAGLE, DFlash)", "override the drafter's defaults (from its config.json); "
                              f"not with --tree; {note}")
     g.add_argument("--depth", type=at_least(1), help="draft steps (the tree's maximum depth)")
     g.add_argument(*top_k_flags, dest="draft_top_k", type=at_least(1),
@@ -203,7 +203,7 @@ def generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="compare drafters with model.generate and plain decoding on the same prompts")
     drafter_options(bench, several=True)
-    eagle_tree_options(bench, ["--draft-top-k"], "applied to the EAGLE and DFlash drafters only, an error when none "
+    eagle_tree_options(bench, ["--draft-top-k"], "applied to the EAGLE, P-EAGLE and DFlash drafters only, an error when none "
                        "is one")
     bench.add_argument("--top-k", type=refused("--top-k is sampling's top-k in selfspec generate; bench decodes "
                                                "greedily, and the tree's width is --draft-top-k"),
@@ -226,7 +226,7 @@ def bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="fit the heads' default tree to this machine and store it in their config.json")
-    tune.add_argument("--heads", required=True, help="a trained drafter directory (Medusa, EAGLE, EAGLE-3 or DFlash)")
+    tune.add_argument("--heads", required=True, help="a trained drafter directory (Medusa, EAGLE, EAGLE-3, P-EAGLE or DFlash)")
     tune.add_argument("--model", help="target model name or path (default: the heads' base_model)")
     tune.add_argument("--dtype", choices=list(DTYPES), help="default: the dtype the heads were trained with")
     tune.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
@@ -265,10 +265,10 @@ def export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     exp.add_argument("--format", required=True, choices=EXPORT_FORMATS,
                      help="fastdecoding-medusa (FasterDecoding, TGI, TensorRT-LLM), vllm-medusa, eagle1 (SafeAILab, "
                           "vLLM), sglang-eagle, eagle3 (EAGLE-3: SafeAILab, SGLang, vLLM), speculators-eagle3 "
-                          "(vllm-project/speculators, vLLM), dflash (z-lab's DFlashDraftModel: vLLM, SGLang) or "
-                          "speculators-dflash")
+                          "(vllm-project/speculators, vLLM), peagle and speculators-peagle (P-EAGLE: vLLM with "
+                          "parallel_drafting), dflash (z-lab's DFlashDraftModel: vLLM, SGLang) or speculators-dflash")
     exp.add_argument("--model", help="the target whose weights a layout carries: the lm_head copied into heads that "
-                                     "share it, the EAGLE embedding, the speculators layouts' embedding and lm_head (default: --base-model, else the heads' "
+                                     "share it, the EAGLE and P-EAGLE embedding, the speculators layouts' embedding and lm_head (default: --base-model, else the heads' "
                                      "base_model)")
     exp.add_argument("--base-model", help="Medusa and speculators layouts: the target config.json names, "
                                           "which FasterDecoding, TGI and vLLM load (default: the heads' "

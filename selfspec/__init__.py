@@ -1,4 +1,4 @@
-"""selfspec: train Medusa / EAGLE-1/2/3 / DFlash drafters on a frozen Hugging Face causal LM and decode with them
+"""selfspec: train Medusa / EAGLE-1/2/3 / P-EAGLE / DFlash drafters on a frozen Hugging Face causal LM and decode with them
 losslessly (a draft model and prompt lookup run in the same loop).
 
     from selfspec import SpeculativeModel
@@ -31,6 +31,7 @@ PUBLIC = {
     "EagleDraft": "selfspec.heads.eagle",
     "Eagle3Draft": "selfspec.heads.eagle3",
     "DFlashDraft": "selfspec.heads.dflash",
+    "PEagleDraft": "selfspec.heads.peagle",
     "load_heads": "selfspec.heads.registry",
     "import_heads": "selfspec.heads.formats",
     "export_heads": "selfspec.heads.formats",

@@ -40,10 +40,11 @@ def test_recipe_configs_name_the_family_they_train():
     from selfspec.train.dflash import DFlashConfig
     from selfspec.train.eagle import EagleConfig
     from selfspec.train.medusa import MedusaConfig
+    from selfspec.train.peagle import PEagleConfig
 
-    named = {MedusaConfig.kind, DFlashConfig.kind, EagleConfig().kind, EagleConfig(version=3).kind}
+    named = {MedusaConfig.kind, DFlashConfig.kind, EagleConfig().kind, EagleConfig(version=3).kind, PEagleConfig.kind}
     assert named == {f.kind for f in FAMILIES.values() if f.recipe}
-    for cfg in (MedusaConfig(), EagleConfig(), EagleConfig(version=3), DFlashConfig()):
+    for cfg in (MedusaConfig(), EagleConfig(), EagleConfig(version=3), DFlashConfig(), PEagleConfig()):
         assert family(cfg.kind).load("recipe_config") is type(cfg)
 
 

