@@ -13,6 +13,7 @@ from selfspec.heads.config import HeadsConfig
 from selfspec.heads.formats import EXPORT_FORMATS, detect_format, export_heads
 from selfspec.heads.formats.dflash import DFLASH_FORMATS
 from selfspec.heads.formats.eagle3 import EAGLE3_FORMATS
+from selfspec.heads.formats.peagle import LAYOUTS as PEAGLE_LAYOUTS
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.heads.registry import load_heads
 from selfspec.infer.cli import main as cli
@@ -43,7 +44,7 @@ def outputs(heads, model):
 
 # EAGLE-3 layouts: tests/test_eagle3_formats.py, on a target deep enough for three fused layers; DFlash:
 # tests/test_dflash_formats.py
-@pytest.mark.parametrize("fmt", [f for f in EXPORT_FORMATS if f not in EAGLE3_FORMATS + DFLASH_FORMATS])
+@pytest.mark.parametrize("fmt", [f for f in EXPORT_FORMATS if f not in EAGLE3_FORMATS + DFLASH_FORMATS + tuple(PEAGLE_LAYOUTS)])
 def test_export_then_import_keeps_every_tensor_and_output(
     fmt, medusa_dir, eagle_dir, tiny_model_dir, tmp_path, capsys
 ):

@@ -308,7 +308,7 @@ def test_a_draft_vocabulary_round_trips_and_is_left_out_of_published_layouts(tmp
         assert back.config.draft_vocab_size == VOCAB // 4 and torch.equal(back.draft_ids, draft.draft_ids)
         (tmp_path / fmt / "token_map.pt").unlink()
         assert load_heads(tmp_path / fmt, base_model=None).config.draft_vocab_size == 0  # as published: all tokens
-    with pytest.raises(ValueError, match="draft_vocab_size is for EAGLE-1/2 and EAGLE-3 drafters"):
+    with pytest.raises(ValueError, match="draft_vocab_size is for EAGLE-1/2 and EAGLE-3 and P-EAGLE drafters"):
         HeadsConfig(kind="medusa", hidden_size=8, vocab_size=VOCAB, draft_vocab_size=4)
     with pytest.raises(ValueError, match="draft_vocab_size must be in"):
         random_draft(model, draft_vocab_size=VOCAB + 1)

@@ -115,7 +115,7 @@ def test_training_builds_the_variant_and_trains_its_norm():
 
 
 def test_variant_flags_are_eagle3_only_and_typed():
-    with pytest.raises(ValueError, match=r"norm_before_fc is for EAGLE-3 drafters \(medusa drafters"):
+    with pytest.raises(ValueError, match=r"norm_before_fc is for EAGLE-3 and P-EAGLE drafters \(medusa drafters"):
         HeadsConfig(kind="medusa", norm_before_fc=True)
     with pytest.raises(ValueError, match=r"norm_before_residual must be bool, got 'true'"):
         HeadsConfig(kind="eagle3", layer={"x": 1}, feature_layers=[1], norm_before_residual="true")

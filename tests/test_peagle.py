@@ -299,3 +299,20 @@ def test_export_needs_the_target_for_its_embedding(tmp_path):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="give the target"):
         export_heads(random_draft(model), "peagle", tmp_path / "x", None)
+
+
+def test_the_cli_exports_and_imports_a_peagle_drafter(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.infer.cli import main as cli
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    draft = random_draft(model, size=40)
+    draft.config.base_model = str(tiny_model_dir)
+    draft.save_pretrained(tmp_path / "d")
+    cli(["export", "--heads", str(tmp_path / "d"), "--format", "peagle", "--out", str(tmp_path / "e")])
+    cli(["import", "--src", str(tmp_path / "e"), "--out", str(tmp_path / "back"), "--base-model", str(tiny_model_dir)])
+    back = load_heads(tmp_path / "back")
+    assert type(back) is PEagleDraft
+    for name, tensor in draft.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
