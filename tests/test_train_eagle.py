@@ -10,6 +10,7 @@ from selfspec.heads.registry import load_heads
 from selfspec.infer.tune import tune_eagle
 from selfspec.train.config import ConfigError, load_config
 from selfspec.train.data import examples_from_lists, pad_batch
+from selfspec.train.draft_shape import draft_vocab_size
 from selfspec.train.eagle import EagleConfig, run
 from selfspec.train.eagle_features import cached_features, target_features, write_features
 from selfspec.train.features import FeatureShards, shard_path, write_safetensors
@@ -147,15 +148,15 @@ def test_an_eagle1_drafter_drafts_among_the_most_frequent_tokens_when_asked():
     assert draft.config.draft_vocab_size == V // 4
     assert torch.equal(draft.draft_ids, draft_vocabulary([(ids, torch.ones_like(ids))], V, V // 4).sort().values)
     assert eagle_recipe.build_drafter(EagleConfig(), model, data).config.draft_vocab_size == 0
-    sizes = {v: eagle_recipe.draft_vocab_size(EagleConfig(version=3), v) for v in (1000, 8192, 128256, 200000)}
+    sizes = {v: draft_vocab_size(EagleConfig(version=3).draft_vocab_size, v) for v in (1000, 8192, 128256, 200000)}
     assert sizes == {1000: 0, 8192: 2048, 128256: 32064, 200000: 32768}
-    assert eagle_recipe.draft_vocab_size(EagleConfig(version=3, draft_vocab_size=0), 8192) == 0
+    assert draft_vocab_size(EagleConfig(version=3, draft_vocab_size=0).draft_vocab_size, 8192) == 0
     with pytest.raises(ConfigError, match="--draft_vocab_size must be >= 0"):
         EagleConfig(draft_vocab_size=-1)
     with pytest.raises(ConfigError, match="--draft_vocab_size 4 is below top_k 8"):
         EagleConfig(draft_vocab_size=4)  # the tree fit tries top_k 2, 4 and 8
     with pytest.raises(ConfigError, match=f"--draft_vocab_size {V + 1} is above the target's vocabulary of {V}"):
-        eagle_recipe.draft_vocab_size(EagleConfig(draft_vocab_size=V + 1), V)  # not silently the whole vocabulary
+        eagle_recipe.new_draft(EagleConfig(draft_vocab_size=V + 1), model)  # not silently the whole vocabulary
 
 
 @pytest.mark.parametrize("options, message", [

@@ -89,7 +89,7 @@ def _frequent_ids(args: argparse.Namespace, config: HeadsConfig, widest: int) ->
 
     from selfspec.shipped.models import resolve_model
     from selfspec.train.data import load_examples
-    from selfspec.train.eagle import default_draft_vocab_size
+    from selfspec.train.draft_shape import default_draft_vocab_size
     from selfspec.train.records import DataError
     from selfspec.train.vocabulary import most_frequent, token_counts
 

@@ -25,10 +25,10 @@ from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.errors import run_main
 from selfspec.heads.families import family
-from selfspec.heads.fused_draft import default_feature_layers
 from selfspec.infer.tune import eagle_grid
 from selfspec.train.config import ConfigError, check_at_least, load_config
 from selfspec.train.data import Examples
+from selfspec.train.draft_shape import draft_vocab_size, fused_layers
 from selfspec.train.eagle_features import batch_features
 from selfspec.train.feature_run import run_feature_drafter
 from selfspec.train.loop import heads_config
@@ -282,35 +282,15 @@ class Eagle3Method(EagleMethod):
                 f"{metrics['sim_accept']:.2f} (chain, teacher-forced)")
 
 
-def default_draft_vocab_size(vocab: int) -> int:
-    """A quarter of the target's vocabulary, clamped to 2048..32768 (2048 on the demo, 32064 for Llama-3)."""
-    return min(max(2048, vocab // 4), 32768)
-
-
-def draft_vocab_size(cfg: EagleConfig, vocab: int) -> int:
-    """The drafter's vocabulary size for a target of `vocab` tokens, 0 when it is the whole vocabulary."""
-    size = cfg.draft_vocab_size
-    if size is not None and size > vocab:
-        raise ConfigError(f"--draft_vocab_size {size} is above the target's vocabulary of {vocab} tokens: use at most "
-                          f"{vocab}, or 0 for the whole vocabulary")
-    if size is None:
-        size = default_draft_vocab_size(vocab) if cfg.version == 3 else 0
-    return size if 0 < size < vocab else 0
-
-
 def new_draft(cfg: EagleConfig, target) -> EagleDraft | Eagle3Draft:
     """The recipe's drafter for this target, freshly initialised, its draft vocabulary sized but not chosen:
     what training starts from and what the memory planner builds on the meta device."""
     vocab = target.get_output_embeddings().weight.shape[0]
-    size = draft_vocab_size(cfg, vocab)
+    size = draft_vocab_size(cfg.draft_vocab_size, vocab, default=cfg.version == 3)
     if cfg.version == 1:
         return EagleDraft(heads_config(cfg, target, "eagle", num_layers=cfg.num_layers, fc_bias=cfg.fc_bias,
                                        layer=layer_fields(target.config), draft_vocab_size=size))
-    text = target.config.get_text_config()
-    layers = cfg.feature_layers or default_feature_layers(text.num_hidden_layers)
-    if max(layers) >= text.num_hidden_layers or min(layers) < 0:
-        raise ConfigError(f"--feature_layers must be hidden_states indices in [0, {text.num_hidden_layers - 1}] "
-                          f"(the last, {text.num_hidden_layers}, is already normed), got {layers}")
+    layers = fused_layers(cfg.feature_layers, target)
     return Eagle3Draft(heads_config(cfg, target, "eagle3", num_layers=1, fc_bias=False,
                                     layer=layer_fields(target.config), feature_layers=layers, draft_vocab_size=size,
                                     norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.norm_before_fc))

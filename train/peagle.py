@@ -23,10 +23,10 @@ import torch
 
 from selfspec.heads.draft_layers import layer_fields
 from selfspec.heads.errors import run_main
-from selfspec.heads.fused_draft import default_feature_layers
 from selfspec.heads.peagle import PEagleDraft
 from selfspec.train.config import ConfigError, check_at_least, load_config
 from selfspec.train.data import Examples
+from selfspec.train.draft_shape import draft_vocab_size, fused_layers
 from selfspec.train.eagle_features import batch_features
 from selfspec.train.feature_run import run_feature_drafter
 from selfspec.train.loop import heads_config
@@ -184,18 +184,11 @@ class PEagleMethod:
 
 def new_draft(cfg: PEagleConfig, target, mask_token_id: int) -> PEagleDraft:
     """The recipe's drafter for this target, freshly initialised, its draft vocabulary sized but not chosen."""
-    text = target.config.get_text_config()
-    vocab = target.get_output_embeddings().weight.shape[0]
-    size = cfg.draft_vocab_size if cfg.draft_vocab_size is not None else min(max(2048, vocab // 4), 32768, vocab)
-    if size > vocab:
-        raise ConfigError(f"--draft_vocab_size {size} is above the target's vocabulary of {vocab} tokens")
-    layers = cfg.feature_layers or default_feature_layers(text.num_hidden_layers)
-    if max(layers) >= text.num_hidden_layers or min(layers) < 0:
-        raise ConfigError(f"--feature_layers must be hidden_states indices in [0, {text.num_hidden_layers - 1}] "
-                          f"(the last, {text.num_hidden_layers}, is already normed), got {layers}")
+    size = draft_vocab_size(cfg.draft_vocab_size, target.get_output_embeddings().weight.shape[0])
+    layers = fused_layers(cfg.feature_layers, target)
     return PEagleDraft(heads_config(
         cfg, target, "peagle", num_layers=1, fc_bias=False, layer=layer_fields(target.config), feature_layers=layers,
-        draft_vocab_size=size if 0 < size < vocab else 0, norm_before_residual=cfg.norm_before_residual,
+        draft_vocab_size=size, norm_before_residual=cfg.norm_before_residual,
         norm_before_fc=cfg.norm_before_fc, mask_token_id=mask_token_id, depth=cfg.depths, top_k=1,
         total_tokens=cfg.depths))
 
