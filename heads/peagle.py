@@ -23,7 +23,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.draft_layers import DraftCache, project
+from selfspec.heads.draft_layers import DraftCache, project, version
 from selfspec.heads.fused_draft import FusedDraft, attend_with_own
 
 
@@ -37,10 +37,19 @@ class PEagleDraft(FusedDraft):
         fused = len(config.feature_layers) * config.hidden_size
         self.mask_hidden = nn.Parameter(torch.empty(fused).normal_(0.0, 0.02))  # vLLM's `mask_hidden`, before fc
         self.mask_embedding = nn.Parameter(torch.empty(config.hidden_size).normal_(0.0, 0.02))
+        self._slots: tuple | None = None  # (weights' key, fc(mask_hidden), mask_embedding) for decoding
 
     def slot_inputs(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The parallel slots' hidden state (after fc) and token embedding, (H,) each."""
-        return self.fuse(self.mask_hidden.to(dtype)), self.mask_embedding.to(dtype)
+        """The parallel slots' hidden state (after fc) and token embedding, (H,) each. Without grad (decoding) they
+        are computed once per weight version and dtype, not at every step."""
+        if torch.is_grad_enabled():
+            return self.fuse(self.mask_hidden.to(dtype)), self.mask_embedding.to(dtype)
+        reads = (self.mask_hidden, self.mask_embedding, *self.fc.parameters(),
+                 *(() if self.input_norm is None else self.input_norm.parameters()))
+        key = (dtype, *((t.data_ptr(), t.device, version(t)) for t in reads))
+        if self._slots is None or self._slots[0] != key:
+            self._slots = (key, self.fuse(self.mask_hidden.to(dtype)), self.mask_embedding.to(dtype))
+        return self._slots[1], self._slots[2]
 
     def forward(
         self,

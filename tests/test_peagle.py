@@ -140,6 +140,20 @@ def test_drafter_cache_holds_exactly_the_confirmed_context():
     torch.testing.assert_close(prop.cache.values[:, :, :, :n], plain.values, atol=1e-5, rtol=1e-5)
 
 
+def test_slot_inputs_follow_edited_weights_while_decoding():
+    """Decoding reuses fc(mask_hidden) between steps, but never after the weights change in place."""
+    draft = random_draft(tiny_model("llama"))
+    with torch.no_grad():
+        first, _ = draft.slot_inputs(torch.float32)
+        assert draft.slot_inputs(torch.float32)[0] is first  # reused
+        draft.mask_hidden.add_(1.0)
+        again, _ = draft.slot_inputs(torch.float32)
+        torch.testing.assert_close(again, draft.fc(draft.mask_hidden))
+        draft.fc.weight.mul_(2.0)
+        torch.testing.assert_close(draft.slot_inputs(torch.float32)[0], draft.fc(draft.mask_hidden))
+    assert draft.slot_inputs(torch.float32)[0].requires_grad  # training: through autograd, never the cached one
+
+
 @pytest.mark.parametrize("shape", [dict(), dict(top_k=3, total_tokens=6, depth=3)], ids=["chain", "tree"])
 def test_peagle_sampling_matches_the_target_distribution(shape):
     model = tiny_model("llama", vocab=V, seed=5, scale=0.08)
