@@ -116,7 +116,15 @@ def export_eagle3(
     base_model: str | None = None,
     target: nn.Module | None = None,
 ) -> None:
-    """Write `draft` as an `eagle3` or `speculators-eagle3` checkpoint: config.json + weights.
+    """Write `draft` as an `eagle3` or `speculators-eagle3` checkpoint: config.json + weights (see
+    `eagle3_checkpoint`)."""
+    state, config = eagle3_checkpoint(draft, fmt, base_model, target)
+    write_checkpoint(out_dir, state, weights, config)
+
+
+def eagle3_checkpoint(draft: Eagle3Draft, fmt: str, base_model: str | None = None, target: nn.Module | None = None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """`draft` as an `eagle3` or `speculators-eagle3` checkpoint's tensors and config.json, not yet written.
 
     `weights` picks `model.safetensors` or `pytorch_model.bin` (what SafeAILab's loader tries first).
     `base_model` (speculators-eagle3) is the verifier config.json names, default the drafter's own; `target`,
@@ -164,7 +172,7 @@ def export_eagle3(
         state[EMBED_KEY] = target_tensor(target.get_input_embeddings().weight, "input embedding", draft,
                                          state["fc.weight"].dtype)
         base = verifier_name(base_model or cfg.base_model)
-    write_checkpoint(out_dir, state, weights, eagle3_config_json(draft, fmt, base, archs))
+    return state, eagle3_config_json(draft, fmt, base, archs)
 
 
 def export_as(draft: Eagle3Draft, fmt: str, out_dir: str | Path, target: nn.Module | None = None,

@@ -14,9 +14,7 @@ The EAGLE-3 part is written and read by the EAGLE-3 layouts' own code, so the tw
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -24,10 +22,8 @@ from torch import nn
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.formats.checkpoint import Checkpoint
-from selfspec.heads.formats.eagle import write_weights
 from selfspec.heads.formats.eagle3 import EMBED_KEY, detect_eagle3_format, import_eagle3
-from selfspec.heads.formats.eagle3_export import export_eagle3, target_tensor
-from selfspec.heads.io import atomic_write, read_state_dict
+from selfspec.heads.formats.eagle3_export import eagle3_checkpoint, target_tensor, write_checkpoint
 from selfspec.heads.peagle import PEagleDraft
 
 LAYOUTS = {"peagle": "eagle3", "speculators-peagle": "speculators-eagle3"}  # each layout's EAGLE-3 part
@@ -116,17 +112,12 @@ def export_as(draft: PEagleDraft, fmt: str, out_dir: str | Path, target: nn.Modu
     body = Eagle3Draft(HeadsConfig.from_dict(cfg.to_dict() | {"kind": "eagle3", "mask_token_id": None}))
     dtype = draft.fc.weight.dtype
     body.to(dtype).load_state_dict({k: v for k, v in draft.state_dict().items() if not k.startswith("mask_")})
-    weights = weights or "safetensors"
-    export_eagle3(body, LAYOUTS[fmt], out_dir, weights=weights, base_model=base_model, target=target)
-    out = Path(out_dir)
+    state, config = eagle3_checkpoint(body, LAYOUTS[fmt], base_model, target)
     embed = target_tensor(target.get_input_embeddings().weight, "input embedding", draft, dtype)
     embed[cfg.mask_token_id] = draft.mask_embedding.detach().cpu().to(dtype)
-    (path,) = Checkpoint.read(out).weight_files  # export_eagle3 writes one file
-    state = read_state_dict(path) | {EMBED_KEY: embed, MASK_HIDDEN: draft.mask_hidden.detach().cpu()[None].to(dtype)}
-    write_weights(state, out, weights)
-    config: dict[str, Any] = json.loads((out / "config.json").read_text()) | {"mask_token_id": cfg.mask_token_id}
+    state |= {EMBED_KEY: embed, MASK_HIDDEN: draft.mask_hidden.detach().cpu()[None].to(dtype)}
+    config["mask_token_id"] = cfg.mask_token_id
     if fmt == "speculators-peagle":
         config |= {"speculators_model_type": "peagle", "architectures": ["PEagleSpeculator"]}
         config["speculators_config"]["algorithm"] = "peagle"
-    text = json.dumps(config, indent=2) + "\n"
-    atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(text))
+    write_checkpoint(out_dir, state, weights or "safetensors", config)
