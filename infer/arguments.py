@@ -47,16 +47,13 @@ def fit_budget(prompt_len: int, max_new_tokens: int, limit: int | None) -> int:
     return min(max_new_tokens, limit - prompt_len)
 
 
-def check_drafter_device(proposer: Any, device: torch.device) -> None:
+def check_drafter_device(drafter: Any, device: torch.device) -> None:
     """A drafter reading the target's hidden states must sit where they come out (the device of the target's
     last layer, also under device_map="auto"); a clear error now instead of a device mismatch mid-generation."""
-    module = getattr(proposer, "heads", None) or getattr(proposer, "draft", None)
-    if not isinstance(module, torch.nn.Module):  # a draft model (its own Target) runs where it was put
-        return
-    param = next(module.parameters(), None)
-    if param is not None and param.device != device:
-        raise ValueError(f"the drafter's weights are on {param.device} but the target's last layer is on {device}: "
-                         f"move the drafter there (SpeculativeModel.from_pretrained(..., device_map='{device}'))")
+    if drafter.weights_device is not None and drafter.weights_device != device:
+        raise ValueError(f"the drafter's weights are on {drafter.weights_device} but the target's last layer is on "
+                         f"{device}: move the drafter there (SpeculativeModel.from_pretrained(..., device_map="
+                         f"'{device}'))")
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

@@ -363,7 +363,7 @@ def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int
     (tree.LatencyCurve); its `spread` says how disturbed the timings were.
     """
     from selfspec.infer.cache import new_cache
-    from selfspec.infer.mask import PrefixMask
+    from selfspec.infer.mask import RowMask
     from selfspec.infer.target import Target
 
     target = Target(model)
@@ -375,7 +375,8 @@ def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int
     tokens = {n: torch.randint(0, vocab, (B, n), generator=gen).to(target.device) for n in sizes}
     cache = new_cache(model, prefix_len + largest)
     target.prefill_rows(prefix, cache, hidden=False)  # once: every timed forward starts from this prefix
-    mask = PrefixMask(largest, prefix_len + largest, target.dtype, target.device)
+    mask = RowMask(B, largest, prefix_len + largest, target.dtype, target.device)
+    mask.open(torch.zeros(B, dtype=torch.long, device=target.device), prefix_len)  # every row sees its prefix
     positions = {n: (prefix_len + trees[n].depths)[None].expand(B, -1) for n in sizes}
     sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
     samples: dict[int, list[float]] = {n: [] for n in sizes}
@@ -383,7 +384,7 @@ def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int
         for n in sizes:
             sync()
             start = timer()
-            target.verify_rows(tokens[n], positions[n], mask.at(prefix_len, trees[n].ancestors).expand(B, -1, -1, -1),
+            target.verify_rows(tokens[n], positions[n], mask.at(prefix_len, trees[n].ancestors.expand(B, -1, -1)),
                                cache)
             sync()
             if round_:

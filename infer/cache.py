@@ -249,24 +249,6 @@ def new_cache(model: torch.nn.Module, max_length: int) -> PreallocatedCache:
     return PreallocatedCache(-(-max_length // WIDTH_STEP) * WIDTH_STEP, layers)
 
 
-def keep_accepted(cache: PreallocatedCache, prefix_len: int, path: torch.Tensor, length: int) -> None:
-    """After verifying a tree written at `prefix_len`, keep only the nodes `path[:length]` (root first).
-
-    Positions in `path` are tree node indices; node i sits at cache position prefix_len + i. The
-    accepted entries move to prefix_len .. prefix_len + length in place, the rest is dropped. The
-    prefix is never touched or recomputed.
-    """
-    src = prefix_len + path[:length]  # (L,) increasing, src[j] >= prefix_len + j
-    dst = torch.arange(prefix_len, prefix_len + length, device=src.device)
-    keep_accepted_rows(cache, src[None], dst[None], prefix_len + length)
-
-
-def keep_accepted_rows(cache: PreallocatedCache, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
-    """Batched `keep_accepted`: row b's accepted entries at cache positions src[b] (B, W) move to dst[b]; every
-    layer then counts `length` filled positions (the longest row; shorter rows mask their gap)."""
-    cache.keep_rows(src, dst, length)
-
-
 def truncate(cache: PreallocatedCache, length: int) -> None:
     """Keep the first `length` positions of every layer."""
     for layer in cache.layers:

@@ -44,13 +44,11 @@ if TYPE_CHECKING:
 
 
 def method_names(specs: list[SpeculativeModel]) -> list[str]:
-    """Each drafter's method name: its proposer's name (`medusa2` for Medusa-2 heads, which decode an adapted
-    target), numbered from the second of a kind (medusa, medusa#2)."""
+    """Each drafter's method name (`medusa2` for Medusa-2 heads, which decode an adapted target), numbered from
+    the second of a kind (medusa, medusa#2)."""
     names, seen = [], {}
     for spec in specs:
-        config = getattr(getattr(spec.proposer, "heads", None), "config", None)
-        adapted = config is not None and (config.adapter or config.merged_target)
-        base = "medusa2" if adapted else spec.proposer.name
+        base = spec.drafter.name
         seen[base] = seen.get(base, 0) + 1
         names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
     return names
@@ -179,7 +177,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runners = {
         "hf_generate": hf_runner(model, n, eos, pad),
-        "plain": speculative_runner(SpeculativeModel(model, NoDraft(args.device), compile=args.compile), n, eos, pad),
+        "plain": speculative_runner(SpeculativeModel(model, NoDraft(), compile=args.compile), n, eos, pad),
     }
     # transformers' own speculative decoding next to ours, with the same draft model / lookup length
     draft = next((s.proposer.draft.model for s in specs if s.proposer.name == "draft_model"), None)

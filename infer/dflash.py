@@ -17,13 +17,14 @@ from torch import nn
 
 from selfspec.heads.dflash import DFlashDraft
 from selfspec.heads.draft_layers import DraftCache
+from selfspec.infer.drafter import Draft, Drafter, newest_pairs
 from selfspec.infer.parallel_tree import ParallelTree
-from selfspec.infer.proposers import TREE_OPTIONS, Draft, embedding_for
+from selfspec.infer.proposers import TREE_OPTIONS, embedding_for
 from selfspec.infer.tree import Tree
 from selfspec.infer.verify import SamplingParams
 
 
-class DFlashProposer:
+class DFlashProposer(Drafter):
     """Drafts with a `DFlashDraft` on the target's fused layers; a chain when top_k is 1, else a tree.
 
     It holds the drafter's cache for the sequence (or batch) being decoded: one generation at a time per proposer.
@@ -42,7 +43,7 @@ class DFlashProposer:
         self.draft = draft.eval()
         self.feature_layers = cfg.feature_layers  # the hidden_states indices the target hands over
         self.block = cfg.block_size
-        self.device = next(draft.parameters()).device  # the drafter's own (by the lm_head); what it reads moves here
+        self.device = self.weights_device = next(draft.parameters()).device  # by the lm_head; what it reads moves here
         self.embed, self.lm_head = embedding_for(embed, self.device), lm_head
         self.dtype = next(draft.parameters()).dtype
         depth = depth if depth is not None else cfg.depth
@@ -59,66 +60,41 @@ class DFlashProposer:
             raise ValueError(f"top_k {self.top_k} is above the vocabulary of {vocab} tokens")
         self.trees = ParallelTree(depth, self.top_k, total, self.device)
         self.depth, self.max_nodes = self.trees.depth, self.trees.max_nodes
-        self.reset(0)
-
-    # ---------------------------------------------------------------- one sequence
-
-    def reset(self, max_length: int, params: SamplingParams | None = None, generator=None) -> None:
-        self.length = 0  # confirmed positions in the drafter's cache
-        self.cache = DraftCache.for_drafter(self.draft, max_length + self.block)
-
-    @torch.no_grad()
-    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
-        m, start = hiddens.shape[0], context.shape[0] - 1  # the root sits at position `start`
-        self.cache.length = self.length
-        positions = torch.arange(start - m, start + self.block, device=self.device)[None]
-        block = self.draft.block_embeds(context[-1:], self.embed, self.dtype)  # (1, Bk, H)
-        out = self.draft(hiddens.to(self.device, self.dtype)[None], block, positions[:, :m], positions[:, m:], self.cache)
-        self.length += m
-        self.cache.length = self.length  # the block's keys are dropped (overwritten next step)
-        tokens, tree = self._draft(context[-1:], out[:, 1 : 1 + self.depth])[0]
-        return Draft(tokens, tree)
 
     def _draft(self, roots: torch.Tensor, out: torch.Tensor) -> list[tuple[torch.Tensor, Tree]]:
         """Block outputs at the drafted positions (B, D, H) -> each row's tree tokens (root first) and tree."""
         return self.trees.rows(roots, self.draft.logits(out, self.lm_head))
 
-    # ---------------------------------------------------------------- a batch of rows
-
-    drafts_rows = True  # propose_rows drafts a whole batch in one drafter call
-
-    def reset_rows(self, rows: int, max_length: int) -> None:
+    def start(self, rows: int, max_length: int, params: SamplingParams,
+              generators: list[torch.Generator | None]) -> None:
         """A batch of `rows` sequences starts: one drafter cache, row b's confirmed columns 0 .. lengths[b] − 1.
         A call writes each row's new context after its own, the block after that, and padding past both."""
-        self.row_cache = DraftCache.for_drafter(self.draft, 2 * max_length + self.block, batch=rows)
-        self.row_lengths = [0] * rows
+        self.cache = DraftCache.for_drafter(self.draft, 2 * max_length + self.block, batch=rows)
+        self.lengths = [0] * rows
 
-    def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
+    def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """Go on with rows `keep` only, in that order (`index`: the same on the device)."""
-        self.row_cache.length = max(self.row_lengths)
-        self.row_cache.select_rows(keep, index)
-        self.row_lengths = [self.row_lengths[i] for i in keep]
+        self.cache.length = max(self.lengths)
+        self.cache.select_rows(keep, index)
+        self.lengths = [self.lengths[i] for i in keep]
 
     @torch.no_grad()
-    def propose_rows(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
-                     ) -> list[Draft | None]:
-        """`propose` for every row at once, in one drafter forward; rows not `active` feed nothing, get None."""
+    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+                ) -> list[Draft | None]:
+        """Every row's draft from one drafter forward; rows not `active` feed nothing and get None."""
         if not any(active):
             return [None] * len(contexts)
         counts = [h.shape[0] if on else 0 for h, on in zip(hiddens, active)]
         M, Bk = max(counts), self.block
         starts = [c.shape[0] - 1 for c in contexts]
-        feats = torch.zeros(len(contexts), M, hiddens[0].shape[-1], dtype=self.dtype, device=self.device)
-        for b, m in enumerate(counts):
-            if m:
-                feats[b, :m] = hiddens[b]
+        feats, _ = newest_pairs(contexts, hiddens, counts, self.dtype, self.device)
         # host-side layout (no device sync): context j of row b at column n_b + j, the block after it, the
         # padding (j >= m_b) after the block, where no row ever looks
-        n = torch.tensor(self.row_lengths)[:, None]
+        n = torch.tensor(self.lengths)[:, None]
         m = torch.tensor(counts)[:, None]
         j = torch.arange(M)[None]
         columns = torch.cat([torch.where(j < m, n + j, n + Bk + j), n + m + torch.arange(Bk)[None]], dim=1)
-        width = max(a + b for a, b in zip(self.row_lengths, counts)) + Bk
+        width = max(a + b for a, b in zip(self.lengths, counts)) + Bk
         visible = torch.arange(width)[None] < n + m + Bk  # (B, width)
         start = torch.tensor(starts)[:, None]
         ctx_pos = (start - m + j).clamp(min=0)
@@ -126,9 +102,9 @@ class DFlashProposer:
         to = dict(device=self.device, non_blocking=True)
         roots = torch.stack([c[-1] for c in contexts])
         block = self.draft.block_embeds(roots, self.embed, self.dtype)  # (B, Bk, H)
-        out = self.draft(feats, block, ctx_pos.to(**to), blk_pos.to(**to), self.row_cache, columns.to(**to),
+        out = self.draft(feats, block, ctx_pos.to(**to), blk_pos.to(**to), self.cache, columns.to(**to),
                          visible.to(**to)[:, None, None, :])
-        self.row_lengths = [a + b for a, b in zip(self.row_lengths, counts)]
+        self.lengths = [a + b for a, b in zip(self.lengths, counts)]
         drafts = self._draft(roots, out[:, 1 : 1 + self.depth])
         return [Draft(*row) if on else None for row, on in zip(drafts, active)]
 

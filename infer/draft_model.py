@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from selfspec.infer.cache import new_cache, truncate
-from selfspec.infer.proposers import Draft
+from selfspec.infer.drafter import Draft
 from selfspec.infer.target import Target
 from selfspec.infer.tree import chain_choices, tree_from_choices
 from selfspec.infer.verify import SamplingParams, draw, target_probs
@@ -41,6 +41,13 @@ class DraftModelProposer:
         self.params, self.generator = params, generator
         self.cache = new_cache(self.draft.model, max_length + self.max_nodes)
 
+    def observe(self, new: list[int]) -> None:
+        pass  # it reads the device context: what its cache lacks of it
+
+    def _next(self, ids: torch.Tensor) -> torch.Tensor:
+        """Feed `ids` (n,) after the draft model's cache -> its logits (V,) for the next token."""
+        return self.draft.prefill_rows(ids[None].to(self.draft.device), self.cache, hidden=False)[0][0]
+
     def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.params.greedy:
             return logits.argmax().view(1), None
@@ -53,14 +60,14 @@ class DraftModelProposer:
         # is a prefix of that chain, so keep it and feed only the rest (at least the new root)
         keep = min(self.cache.get_seq_length(), context.shape[0] - 1)
         truncate(self.cache, keep)
-        logits, _ = self.draft.prefill(context[keep:][None].to(self.draft.device), self.cache, hidden=False)
+        logits = self._next(context[keep:])
         drafted, probs = [], []
         for i in range(self.num_tokens):
             token, q = self._pick(logits)
             drafted.append(token)
             probs.append(q)
             if i + 1 < self.num_tokens:
-                logits, _ = self.draft.prefill(token[None].to(self.draft.device), self.cache, hidden=False)
+                logits = self._next(token)
         # what it hands back sits where the context is (the target's drafts), wherever the draft model runs
         device = context.device
         tokens = torch.cat([context[-1:], torch.cat(drafted).to(device)])

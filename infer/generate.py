@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
 
 from selfspec.heads.io import PretrainedHeads
 from selfspec.infer.arguments import (
@@ -26,23 +25,20 @@ from selfspec.infer.arguments import (
     max_positions,
     prompt_starts,
 )
-from selfspec.infer.cache import PreallocatedCache, keep_accepted_rows, new_cache
+from selfspec.infer.cache import PreallocatedCache, new_cache
+from selfspec.infer.decode_step import DecodeState, FixedShapes, Shapes
+from selfspec.infer.drafter import Drafter, SequenceDrafter, as_drafter
 from selfspec.infer.generation_config import Settings, resolve
 from selfspec.infer.loading import load_parts, refuse_unknown, target_placement
-from selfspec.infer.mask import RowMask
-from selfspec.infer.proposers import Draft, Proposer, row_copy
-from selfspec.infer.rows import Rows, first_tokens, upload
 from selfspec.infer.stats import GenerateOutput, GenerationStats
 from selfspec.infer.target import Target
 from selfspec.infer.text_stream import text_pieces
-from selfspec.infer.timing import Clock
-from selfspec.infer.tree import stack_trees, tree_from_choices
-from selfspec.infer.verify import SamplingParams, accept, accept_greedy_rows
+from selfspec.infer.tree import tree_from_choices
+from selfspec.infer.verify import SamplingParams
 
 __all__ = ["GenerateOutput", "GenerationStats", "SpeculativeModel"]
 
 Item = TypeVar("Item")
-COMPILED_CACHE_STEP = 256  # a compiled verify attends over the whole cache, whose size is a multiple of this
 
 
 def without_grad(steps: Iterator[Item]) -> Iterator[Item]:
@@ -62,11 +58,6 @@ def without_grad(steps: Iterator[Item]) -> Iterator[Item]:
         steps.close()
 
 
-def ends_root(device: torch.device) -> torch.Tensor:
-    """The end node of a row that accepted nothing (its root), as `accept` returns it."""
-    return torch.zeros(1, dtype=torch.long, device=device)
-
-
 class SpeculativeModel:
     """A frozen target plus a proposer; `generate` takes what `model.generate` takes, batches included.
 
@@ -74,14 +65,17 @@ class SpeculativeModel:
     its decoding statistics: `tau` (tokens per target forward), `new_tokens`, `target_forwards`, the per-step
     `accept_lengths`, the time split `draft_s` / `verify_s` / `bookkeeping_s`."""
 
-    def __init__(self, model: torch.nn.Module, proposer: Proposer, compile: bool | str = False) -> None:
-        """`compile`: verify trees through torch.compile (fixed shapes: every step verifies the largest tree
-        over the whole cache; the first steps pay the compilation); True is torch.compile's default mode, a
-        string names the mode ("reduce-overhead": CUDA graphs on CUDA)."""
-        self.target = Target(model, getattr(proposer, "feature_layers", None))
+    def __init__(self, model: torch.nn.Module, proposer: Drafter | SequenceDrafter, compile: bool | str = False
+                 ) -> None:
+        """`proposer`: a drafter of a whole batch (selfspec.infer.drafter.Drafter), or of one sequence at a time
+        (then each row gets its own copy). `compile`: verify trees through torch.compile (fixed shapes: every
+        step verifies the largest tree over the whole cache; the first steps pay the compilation); True is
+        torch.compile's default mode, a string names the mode ("reduce-overhead": CUDA graphs on CUDA)."""
+        self.drafter = as_drafter(proposer)  # what the loop drives
+        self.target = Target(model, self.drafter.feature_layers)
         if compile:
             self.target.compile(compile if isinstance(compile, str) else "default")
-        check_drafter_device(proposer, self.target.lm_head.weight.device)
+        check_drafter_device(self.drafter, self.target.lm_head.weight.device)
         self.proposer = proposer
         self.model = model
         self.last_stats = GenerationStats()
@@ -201,16 +195,18 @@ class SpeculativeModel:
         if min(budgets) < max_new_tokens:
             warnings.warn(f"prompt ({T - min(starts)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
                           f"model's {limit} positions: generating at most {min(budgets)} new tokens", stacklevel=3)
-        return self._decode(input_ids.to(self.model.get_input_embeddings().weight.device), starts, budgets, settings.params, settings.eos,
+        feed = self.model.get_input_embeddings().weight.device
+        return self._decode(input_ids.to(feed), input_ids.tolist(), starts, budgets, settings.params, settings.eos,
                             list(generators), limit)
 
-    def _decode(self, input_ids: torch.Tensor, starts: list[int], budgets: list[int], params: SamplingParams,
-                eos: set[int], generators: list[torch.Generator | None], limit: int | None) -> Iterator[list[list[int]]]:
+    def _decode(self, input_ids: torch.Tensor, prompts: list[list[int]], starts: list[int], budgets: list[int],
+                params: SamplingParams, eos: set[int], generators: list[torch.Generator | None], limit: int | None
+                ) -> Iterator[list[list[int]]]:
         """The decode loop with a KV cache of its own: taken from the last finished generation when it is big
         enough (its buffers are reused), else new; handed back when this one ends, also when abandoned. A
         drafter that holds one generation's state (all but Medusa's and NoDraft) makes a second decode started
         while another is unfinished (two streams advanced in turn) an error instead of corrupting both."""
-        stateful = not getattr(self.proposer, "stateless", False)
+        stateful = self.drafter.holds_state
         if stateful and self._decoding:
             raise ValueError("this SpeculativeModel is still decoding another generation (an unfinished stream), and "
                              "its drafter holds that one's state: finish or close() the first, decode the prompts "
@@ -221,13 +217,14 @@ class SpeculativeModel:
         for module in training:
             module.eval()
         try:
-            max_len = input_ids.shape[1] + max(budgets) + self.proposer.max_nodes
-            if self.target.compiled is not None:  # sizes in steps of COMPILED_CACHE_STEP: one compilation serves many
-                max_len = -(-max_len // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP
+            shapes = FixedShapes() if self.target.compiled is not None else Shapes()
+            max_len = shapes.cache_length(input_ids.shape[1] + max(budgets) + self.drafter.max_nodes)
             if cache is None or cache.max_length < max_len:
                 cache = new_cache(self.model, max_len)
             cache.reset()
-            yield from without_grad(self._decode_with(cache, input_ids, starts, budgets, params, eos, generators, limit))
+            state = DecodeState(self.target, self.drafter, shapes, params, cache,
+                                self.model.get_input_embeddings().weight.device, limit, self.root_only)
+            yield from without_grad(self._decode_with(state, input_ids, prompts, starts, budgets, eos, generators))
         finally:
             for module in training:
                 module.train()
@@ -236,133 +233,29 @@ class SpeculativeModel:
             if cache is not None:
                 self._cache = cache
 
-    def _row_proposers(self, rows: int) -> list[Proposer]:
-        """One proposer per row: the drafter's weights are shared, its per-sequence state (EAGLE's cache, a draft
-        model's cache, prompt lookup's index) is each row's own. The copies are made per generation, so they
-        follow any change to `self.proposer`'s settings."""
-        return [self.proposer, *(row_copy(self.proposer) for _ in range(rows - 1))]
-
-    def _decode_with(self, cache: PreallocatedCache, input_ids: torch.Tensor, starts: list[int], budgets: list[int],
-                     params: SamplingParams, eos: set[int], generators: list[torch.Generator | None],
-                     limit: int | None) -> Iterator[list[list[int]]]:
-        """The decode loop on checked arguments (see `decode_batch`), in an emptied cache: prefill, then per step
-        propose -> verify -> accept -> commit. Every row's tree is written at one shared column and each row's
-        accepted path moves down to its own end (`infer.rows`). Rows that stop leave the batch at the next step:
-        the running ones move down to the first slots of the cache, the mask and the drafter's state (once per
-        stop, never per step), so later forwards carry only them (a compiled verify keeps its fixed shapes
-        instead: its stopped rows stay as padding)."""
-        # devices by where things meet: tokens, trees and the rows' state where drafts are made (the drafter sits by
-        # the lm_head), what the model reads (ids, positions, mask) where its input embedding is; the outputs are
-        # used where they come out (under accelerate's device_map the logits return to the input's device)
-        target = self.target
-        device, feed = target.lm_head.weight.device, self.model.get_input_embeddings().weight.device
-        B, T = input_ids.shape
-        together = B > 1 and getattr(self.proposer, "drafts_rows", False)  # the drafter batches rows itself
-        fixed = target.compiled is not None
-        proposers = [self.proposer] if together else self._row_proposers(B)
-        max_nodes = self.proposer.max_nodes
+    def _decode_with(self, state: DecodeState, input_ids: torch.Tensor, prompts: list[list[int]], starts: list[int],
+                     budgets: list[int], eos: set[int], generators: list[torch.Generator | None]
+                     ) -> Iterator[list[list[int]]]:
+        """The decode loop on checked arguments (see `decode_batch`): prefill, then per step propose -> verify ->
+        accept -> commit (`infer.decode_step`). Rows that stop leave the batch at the next step (unless the
+        shapes are fixed for a compiled verify)."""
         stats = self.last_stats = GenerationStats()
-        max_len = T + max(budgets) + max_nodes
-        last_tree_at = None if limit is None else limit - max_nodes  # the latest root position a tree fits after
-        # as wide as the cache's buffers (a reused cache may be larger): a compiled verify keeps one shape
-        mask = RowMask(B, max_nodes, cache.max_length, target.dtype, feed)
-        context = torch.empty(B, max_len + 1, dtype=torch.long, device=device)  # each row's tokens, then its root
-        context[:, :T] = input_ids
-        for proposer, generator in zip(proposers, generators):
-            proposer.reset(max_len, params, generator)
-        if together:
-            self.proposer.reset_rows(B, max_len)
-        clock = Clock(device)
-        columns = torch.arange(max_nodes, device=device)
-
-        # 0. prefill: the prompts once; their last logits give each row's first token (its first tree root)
         t0 = time.perf_counter()
-        start_t = upload(starts, feed)
-        logits, features = target.prefill_rows(input_ids.to(feed), cache, start_t if any(starts) else None)
-        roots = first_tokens(logits, params, generators)
-        context[:, T] = roots
-        mask.open(start_t, T)
-        first = roots.tolist()
-        observers = [getattr(p, "observe", None) for p in proposers] if not together else []
-        if any(observers):  # drafters that keep the context on the host (prompt lookup) get it once, then each
-            prompts = input_ids.tolist()  # step's new tokens from the step's one read
-            for see, prompt, start, tok in zip(observers, prompts, starts, first):
-                if see is not None:
-                    see(prompt[start:] + [tok])
-        stats.record_prefill(time.perf_counter() - t0, B)
-        rows = Rows(starts, budgets, T, first, eos, generators, [features[b, s:] for b, s in enumerate(starts)], device)
-        self.last_rows = rows.emitted
+        first = state.prefill(input_ids, prompts, starts, budgets, eos, generators)
+        stats.record_prefill(time.perf_counter() - t0, len(first))
+        self.last_rows = state.rows.emitted
         yield [[tok] for tok in first]
-
-        while not rows.finished:
-            began, m1 = time.perf_counter(), clock.mark()
-            if not fixed and any(rows.done):  # rows that stopped leave the batch: no target or drafter work on them
-                width = max(rows.filled)
-                keep, index = rows.drop_stopped()
-                cache.select_rows(keep, index.to(feed))
-                mask.select_rows(keep, index.to(feed), width)
-                if together:
-                    proposers[0].select_rows(keep, index)
-                else:
-                    proposers = [proposers[s] for s in keep]
-                    observers = [observers[s] for s in keep] if observers else []
-                context[: len(keep), : width + 1] = context[:, : width + 1].index_select(0, index)
-                context = context[: len(keep)]
-            # 1. propose: each row's drafter builds a tree below its root (near the position limit, or once the
-            # row has stopped: the root alone, padding)
-            drafting = rows.drafting(last_tree_at)
-            contexts = [context[b, s : f + 1] for b, (s, f) in enumerate(zip(rows.starts, rows.filled))]
-            if together:  # one set of drafter calls for the whole batch
-                drafts = proposers[0].propose_rows(drafting, contexts, rows.hiddens)
-            else:
-                drafts = [p.propose(c, h) if on else None
-                          for p, c, h, on in zip(proposers, contexts, rows.hiddens, drafting)]
-            drafts = [d if d is not None else Draft(c[-1:], self.root_only) for d, c in zip(drafts, contexts)]
-            trees = stack_trees([d.tree for d in drafts], max_nodes if fixed else 0)
-            N = trees.parents.shape[1]
-            tokens = torch.stack([d.tokens if d.tokens.numel() == N else nn.functional.pad(d.tokens, (0, N - d.tokens.numel()))
-                                  for d in drafts])  # (B, N)
-            # 2. verify: one target forward over every row's tree, all written at column `at`
-            m2 = clock.mark()
-            at = rows.tree_column()
-            positions = rows.positions(trees.depths).to(feed)
-            tree_mask = mask.at(at, trees.ancestors.to(feed), full=fixed)  # compiled: the whole cache, every step
-            logits, node_features = target.verify_rows(tokens.to(feed), positions, tree_mask, cache,
-                                                       at=rows.filled_t.max().to(feed) if fixed else None)
-            # 3. accept: per row the deepest node whose path the target agrees with, plus a bonus token (on the
-            # logits' device: the drafts move there, not the logits)
-            on = logits.device
-            if params.greedy:
-                ends, bonus = accept_greedy_rows(logits, tokens.to(on), trees.to(on))
-            else:  # each row on its own tree and generator: its draws never depend on the other rows
-                picks = [accept(logits[b, : d.tree.size], d.tokens.to(on), d.tree.to(on), params, rows.generators[b],
-                                None if d.probs is None else d.probs.to(on))
-                         if not rows.done[b] else (ends_root(on), tokens[b, :1].to(on)[0]) for b, d in enumerate(drafts)]
-                ends, bonus = torch.cat([e for e, _ in picks]), torch.stack([t for _, t in picks])
-            ends, bonus = ends.to(device), bonus.to(device)
-            m3 = clock.mark()
-            W = trees.paths.shape[-1]
-            paths = trees.paths.gather(1, ends[:, None, None].expand(len(rows), 1, W))[:, 0]  # (B, D+1) root first
-            path_tokens = tokens.gather(1, paths)
-            end_depths = trees.depths.gather(1, ends[:, None])  # (B, 1)
-            host = torch.cat([end_depths, path_tokens, bonus[:, None]], 1).tolist()  # the one sync
-            # 4. commit: each row keeps its prefix + accepted path (cut at EOS or its budget); its bonus is its
-            # next root
-            new_rows, lengths, counts = rows.take(host, [d.tree.size for d in drafts])
-            for see, new in zip(observers, new_rows):
-                if see is not None:
-                    see(new)
-            dst, kept = rows.advance(lengths, end_depths, columns[:W])
-            keep_accepted_rows(cache, at + paths, dst, rows.cache_end())
-            mask.commit(at, N, dst.to(feed), kept.to(feed))
-            context.scatter_(1, dst, path_tokens)
-            context.scatter_(1, rows.filled_t[:, None], bonus[:, None])
-            rows.end_step()
-            path_features = node_features.gather(1, paths.to(node_features.device)[:, :, None].expand(
-                -1, -1, node_features.shape[-1]))  # where the features came out: each drafter moves its own
-            rows.hiddens = [path_features[b, :n] for b, n in enumerate(lengths)]
-            stats.record_step(counts["drafted"], counts["accepted"], counts["made"], began, (m1, m2, m3), clock)
-            yield rows.in_caller_order(new_rows)
+        while not state.rows.finished:
+            began, m1 = time.perf_counter(), state.clock.mark()
+            state.shapes.leave_stopped(state)
+            proposal = state.propose()
+            m2 = state.clock.mark()
+            verified = state.verify(proposal)
+            accepted = state.accept(proposal, verified)
+            new_rows, counts = state.commit(proposal, verified, accepted)
+            stats.record_step(counts["drafted"], counts["accepted"], counts["made"], began, (m1, m2, accepted.verified),
+                              state.clock)
+            yield state.rows.in_caller_order(new_rows)
 
     @property
     def last_tokens(self) -> list[int]:

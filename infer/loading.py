@@ -14,7 +14,8 @@ from selfspec.heads.io import PretrainedHeads
 from selfspec.heads.registry import load_heads
 from selfspec.heads.target import check_adapted, load_target
 from selfspec.infer.arguments import same_device, unavailable_device
-from selfspec.infer.proposers import TREE_OPTIONS, Proposer
+from selfspec.infer.drafter import Drafter
+from selfspec.infer.proposers import TREE_OPTIONS
 
 
 def as_dtype(value: torch.dtype | str | None) -> torch.dtype | str | None:
@@ -78,7 +79,7 @@ def check_given_model(model: torch.nn.Module, device_map: Any, dtype: torch.dtyp
 
 
 def proposer_for(heads: torch.nn.Module, model: torch.nn.Module, tree: list[list[int]] | None = None,
-                 **tree_options: int | None) -> Proposer:
+                 **tree_options: int | None) -> Drafter:
     """The proposer that drafts with these heads on this target; `tree_options` (depth, top_k, total_tokens)
     shape EAGLE's dynamic tree and DFlash's tree (top_k 1: its chain)."""
     return family(heads.config.kind).load("proposer")(heads, model, tree, **tree_options)
@@ -86,7 +87,7 @@ def proposer_for(heads: torch.nn.Module, model: torch.nn.Module, tree: list[list
 
 def load_parts(drafter: str | Path | PretrainedHeads, model: torch.nn.Module | None, device_map: Any,
                dtype: torch.dtype | str | None, target_options: dict[str, Any], draft_options: dict[str, Any],
-               tree: list[list[int]] | None, tree_options: dict[str, int | None]) -> tuple[torch.nn.Module, Proposer]:
+               tree: list[list[int]] | None, tree_options: dict[str, int | None]) -> tuple[torch.nn.Module, Drafter]:
     """The target and the proposer of `SpeculativeModel.from_pretrained` (see there)."""
     if model is not None:
         check_given_model(model, device_map, dtype)

@@ -10,27 +10,6 @@ from __future__ import annotations
 import torch
 
 
-class PrefixMask:
-    """(1, 1, rows, max_len) buffer; `at` returns the view for one call."""
-
-    def __init__(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.buffer = torch.zeros(1, 1, rows, max_len, dtype=dtype, device=device)
-        self.low = torch.finfo(dtype).min
-        self.placed: tuple[int, int] | None = None  # columns the last block occupied
-
-    def at(self, prefix_len: int, block: torch.Tensor) -> torch.Tensor:
-        """block (q, n) bool, True = visible -> mask (1, 1, q, prefix_len + n): prefix visible, then `block`."""
-        q, n = block.shape
-        if prefix_len + n > self.buffer.shape[-1] or q > self.buffer.shape[-2]:
-            raise ValueError(f"a {q}x{n} block after {prefix_len} columns does not fit the mask {tuple(self.buffer.shape)}")
-        if self.placed is not None:
-            start, width = self.placed
-            self.buffer[..., start : start + width] = 0
-        self.buffer[0, 0, :q, prefix_len : prefix_len + n].masked_fill_(~block, self.low)
-        self.placed = (prefix_len, n)
-        return self.buffer[..., :q, : prefix_len + n]
-
-
 class RowMask:
     """The target's additive mask for a batch of rows with ragged prefixes, (B, 1, rows, max_len), kept up to date
     in place. Row b sees its own filled columns (its prompt without left padding, then what it accepted); every
@@ -61,9 +40,13 @@ class RowMask:
         """block (B, q, n) bool (True = visible), written at columns at .. at + n -> the mask (B, 1, q, at + n),
         or over every column with `full` (B, 1, q, max_len): the same shape at every step."""
         q, n = block.shape[1:]
-        if at + n > self.buffer.shape[-1] or q > self.buffer.shape[-2]:
+        if at + n > self.buffer.shape[-1] or (full and q > self.buffer.shape[-2]):
             raise ValueError(f"a {q}x{n} block after {at} columns does not fit the mask {tuple(self.buffer.shape)}")
-        self.buffer[:, 0, :q, at : at + n] = torch.where(block, 0.0, self.low).to(self.buffer.dtype)
+        values = torch.where(block, 0.0, self.low).to(self.buffer.dtype)
+        if q > self.buffer.shape[-2]:  # more queries than rows (a drafter fed many confirmed pairs at
+            # once): a new mask, the prefix columns from row 0 (every row's prefix is the same between calls)
+            return torch.cat([self.buffer[:, :, :1, :at].expand(-1, -1, q, -1), values[:, None]], dim=-1)
+        self.buffer[:, 0, :q, at : at + n] = values
         return self.buffer[:, :, :q] if full else self.buffer[:, :, :q, : at + n]
 
     def hide(self, at: int, n: int) -> None:

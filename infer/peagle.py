@@ -18,28 +18,28 @@ from torch import nn
 
 from selfspec.heads.draft_layers import DraftCache
 from selfspec.heads.peagle import PEagleDraft
+from selfspec.infer.drafter import Draft, Drafter, newest_pairs
 from selfspec.infer.mask import RowMask
 from selfspec.infer.parallel_tree import ParallelTree
-from selfspec.infer.proposers import TREE_OPTIONS, Draft, embedding_for
+from selfspec.infer.proposers import TREE_OPTIONS, embedding_for
 from selfspec.infer.rows import upload
 from selfspec.infer.verify import SamplingParams
 
 
-class PEagleProposer:
+class PEagleProposer(Drafter):
     """Drafts with a `PEagleDraft` on the target's fused layers, a whole batch in one drafter forward per step.
 
     It holds the drafter's cache for the sequence (or batch) being decoded: one generation at a time per proposer.
     """
 
     name = "peagle"
-    drafts_rows = True  # propose_rows drafts a whole batch in one drafter call
 
     def __init__(self, draft: PEagleDraft, embed: nn.Module, depth: int | None = None, top_k: int | None = None,
                  total_tokens: int | None = None) -> None:
         cfg = draft.config
         self.draft = draft.eval()
         self.feature_layers = cfg.feature_layers  # the hidden_states indices the target hands over
-        self.device = next(draft.parameters()).device  # the drafter's own; what it reads moves here
+        self.device = self.weights_device = next(draft.parameters()).device  # the drafter's own; what it reads moves here
         self.embed = embedding_for(embed, self.device)
         self.dtype = next(draft.parameters()).dtype
         depth = depth if depth is not None else cfg.depth
@@ -56,22 +56,14 @@ class PEagleProposer:
         self.trees = ParallelTree(depth, top_k, total, self.device, draft.to_target)
         self.depth, self.top_k, self.max_nodes = self.trees.depth, top_k, self.trees.max_nodes
         self.slots = self.depth - 1
-        self.reset(0)
 
     @property
     def drafter(self) -> torch.nn.Module:
         """The trained module this proposer drafts with (what `selfspec tune` fits a tree for)."""
         return self.draft
 
-    def reset(self, max_length: int, params: SamplingParams | None = None, generator=None) -> None:
-        """One sequence: a batch of one row."""
-        self.reset_rows(1, max_length)
-
-    @torch.no_grad()
-    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
-        return self.propose_rows([True], [context], [hiddens])[0]
-
-    def reset_rows(self, rows: int, max_length: int) -> None:
+    def start(self, rows: int, max_length: int, params: SamplingParams,
+              generators: list[torch.Generator | None]) -> None:
         """A batch of `rows` sequences of at most `max_length` tokens starts: row b's confirmed pairs sit in columns
         0 .. lengths[b] - 1; a call writes at the shared column max(lengths), at most depth + 1 pairs and the slots."""
         queries = self.depth + 1 + self.slots  # the most a step after the prompt writes
@@ -80,27 +72,22 @@ class PEagleProposer:
         self.mask = RowMask(rows, queries, capacity, self.dtype, self.device)
         self.lengths = [0] * rows
 
-    def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
+    def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """Go on with rows `keep` only, in that order (`index`: the same on the device)."""
         self.cache.select_rows(keep, index)
         self.mask.select_rows(keep, index, self.cache.length)
         self.lengths = [self.lengths[i] for i in keep]
 
     @torch.no_grad()
-    def propose_rows(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
-                     ) -> list[Draft | None]:
+    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+                ) -> list[Draft | None]:
         """Every row's draft from one drafter forward; rows not `active` feed nothing and get None."""
         B, S, device = len(contexts), self.slots, self.device
         if not any(active):
             return [None] * B
         counts = [h.shape[0] if on else 0 for h, on in zip(hiddens, active)]
         M = max(counts)
-        feats = torch.zeros(B, M, hiddens[0].shape[-1], dtype=self.dtype, device=device)
-        tokens = torch.zeros(B, M, dtype=torch.long, device=device)
-        for b, m in enumerate(counts):
-            if m:
-                feats[b, :m] = hiddens[b]
-                tokens[b, :m] = contexts[b][-m:]
+        feats, tokens = newest_pairs(contexts, hiddens, counts, self.dtype, device)  # the rows' features move here
         lengths, count_t = upload(self.lengths, device), upload(counts, device)
         cols = torch.arange(M, device=device)
         valid = cols < count_t[:, None]  # (B, M): the row's pairs; the rest is padding no query sees
@@ -114,7 +101,8 @@ class PEagleProposer:
         logits = self.draft.logits(torch.cat([newest, out[:, M:]], dim=1))  # (B, depth, N)
         # each row's pairs move down to its own end; the slots are dropped (overwritten next step)
         dst = lengths[:, None] + cols
-        self.cache.keep_rows(at + cols.expand(B, M), dst)
+        if any(n != at for n in self.lengths):  # else every row already ends at the shared column
+            self.cache.keep_rows(at + cols.expand(B, M), dst)
         self.mask.commit(at, M + S, dst, valid)
         self.lengths = [n + m for n, m in zip(self.lengths, counts)]
         self.cache.length = max(self.lengths)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.infer.proposers import Draft
+from selfspec.infer.drafter import Draft, Drafter, PerRow
 from selfspec.infer.rows import upload
 from selfspec.infer.tree import chain_choices, tree_from_choices
 from selfspec.infer.verify import SamplingParams
@@ -73,7 +73,7 @@ class PromptLookupProposer:
         return Draft(upload([self.tokens[-1], *guess], self.device), self.chains[len(guess)])
 
 
-class LookupFirst:
+class LookupFirst(Drafter):
     """Prompt lookup where it finds at least `min_tokens` to propose, another drafter elsewhere.
 
     Repetitive stretches (code, quoting, loops) then cost no draft work at all. The other drafter
@@ -81,30 +81,42 @@ class LookupFirst:
     step; drafters that assume they drafted the previous step themselves (a draft model) are refused.
     """
 
-    parts = ("primary", "lookup")  # the proposers inside it: each row gets its own copy of both (row_copy)
-
-    def __init__(self, primary, lookup: PromptLookupProposer, min_tokens: int = 3) -> None:
-        if primary.name.startswith("draft_model"):
-            raise ValueError("lookup-first needs a drafter that reads the target's hidden states (Medusa, EAGLE)")
-        self.primary, self.lookup, self.min_tokens = primary, lookup, min_tokens
+    def __init__(self, primary: Drafter, lookup: PromptLookupProposer, min_tokens: int = 3) -> None:
+        if not isinstance(primary, Drafter):
+            raise ValueError("lookup-first needs a drafter that reads the target's hidden states (Medusa, EAGLE, "
+                             f"DFlash, P-EAGLE), not {primary.name}")
+        self.primary, self.lookup, self.min_tokens = primary, PerRow(lookup), min_tokens
         self.name = f"{primary.name}+lookup"
         self.max_nodes = max(primary.max_nodes, lookup.max_nodes)
-        self.feature_layers = getattr(primary, "feature_layers", None)  # the target hands the primary its features
-        self.pending: list[torch.Tensor] = []
+        self.feature_layers = primary.feature_layers  # the target hands the primary its features
+        self.weights_device = primary.weights_device
+        self.pending: list[list[torch.Tensor]] = []  # per row: the features the primary has not been fed yet
 
-    def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
-        self.primary.reset(max_length, params, generator)
-        self.lookup.reset(max_length, params, generator)
-        self.pending = []
+    def start(self, rows: int, max_length: int, params: SamplingParams,
+              generators: list[torch.Generator | None]) -> None:
+        # the primary may be fed a row's whole context at once after lookup steps: room for twice the length
+        self.primary.start(rows, 2 * max_length, params, generators)
+        self.lookup.start(rows, max_length, params, generators)
+        self.pending = [[] for _ in range(rows)]
 
-    def observe(self, new: list[int]) -> None:
-        """See `PromptLookupProposer.observe` (the other drafter reads the device context)."""
-        self.lookup.observe(new)
+    def observe(self, new: list[list[int]]) -> None:
+        self.lookup.observe(new)  # the primary reads the device context
 
-    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
-        self.pending.append(hiddens)
-        draft = self.lookup.propose(context, hiddens)
-        if draft.tokens.numel() - 1 >= self.min_tokens:
-            return draft
-        hiddens, self.pending = torch.cat(self.pending), []
-        return self.primary.propose(context, hiddens)
+    def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:
+        self.primary.keep_rows(keep, index)
+        self.lookup.keep_rows(keep, index)
+        self.pending = [self.pending[i] for i in keep]
+
+    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+                ) -> list[Draft | None]:
+        found = self.lookup.propose(active, contexts, hiddens)
+        for b, on in enumerate(active):
+            if on:
+                self.pending[b].append(hiddens[b])
+        drafting = [d is not None and d.tokens.numel() - 1 < self.min_tokens for d in found]
+        feeds = [torch.cat(self.pending[b]) if on else h for b, (h, on) in enumerate(zip(hiddens, drafting))]
+        for b, on in enumerate(drafting):
+            if on:
+                self.pending[b] = []
+        drafted = self.primary.propose(drafting, contexts, feeds) if any(drafting) else found
+        return [d if on else f for d, f, on in zip(drafted, found, drafting)]

@@ -1,56 +1,17 @@
-"""Proposers: given the context and the target's newest hidden states, draft a tree of tokens.
-
-A proposer never calls the target; the decode loop verifies what it drafts.
-"""
+"""Medusa's drafter, the drafter that drafts nothing, and what every drafter needs from the target (its input
+embedding where the drafter sits; the tree options' names)."""
 
 from __future__ import annotations
-
-import copy
-import dataclasses
-from typing import Protocol
 
 import torch
 
 from selfspec.heads.medusa import MedusaHeads
-from selfspec.infer.tree import Tree, best_choices, tree_from_choices
+from selfspec.infer.drafter import Draft, Drafter
+from selfspec.infer.tree import best_choices, tree_from_choices
 from selfspec.infer.verify import SamplingParams
 
 # from_pretrained's names for the dynamic tree's shape (EAGLE, DFlash), and the proposers' own
 TREE_OPTIONS = {"draft_depth": "depth", "draft_top_k": "top_k", "draft_total_tokens": "total_tokens"}
-
-
-@dataclasses.dataclass
-class Draft:
-    """What a proposer drafts for one step."""
-
-    tokens: torch.Tensor  # (N,) the tree's tokens, root first
-    tree: Tree
-    # (N, V) the distribution each node's token was sampled from (row 0 unused), for rejection
-    # sampling with min(1, p/q); None when tokens were picked deterministically (point proposals)
-    probs: torch.Tensor | None = None
-
-
-class Proposer(Protocol):
-    name: str
-    max_nodes: int  # the largest tree it drafts, root included: sizes the target's cache and mask
-
-    def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
-        """A new sequence of at most `max_length` tokens starts (decoded with `params`): drop old state."""
-        ...
-
-    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
-        """Draft the next tree.
-
-        context (L,): every token so far, ending with the root (the target's newest token, not yet
-        in its cache); it only ever grows at the end. hiddens (m, H): the target's last hidden
-        states that produced the newest m tokens of the context (the prompt's at the first call,
-        the accepted path's after that).
-        """
-        ...
-
-    # A proposer that drafts a whole batch in one call sets `drafts_rows = True` and has `reset_rows(rows,
-    # max_length)`, `propose_rows(active, contexts, hiddens)` and `select_rows(keep, index)` (the batch goes on
-    # with rows `keep` only, in that order: rows that stopped leave it); see MedusaProposer and EagleProposer.
 
 
 class Embedding(torch.nn.Module):
@@ -79,11 +40,10 @@ def default_medusa_choices(num_heads: int, num_nodes: int = 24) -> list[list[int
     return best_choices(accuracy, num_nodes)
 
 
-class MedusaProposer:
+class MedusaProposer(Drafter):
     """Medusa: all heads read the one hidden state the root came from; the tree picks their top-k ranks."""
 
-    name = "medusa"
-    stateless = True  # nothing kept between calls: streams may interleave on one SpeculativeModel
+    holds_state = False  # nothing kept between calls: streams may interleave on one SpeculativeModel
 
     @property
     def drafter(self) -> torch.nn.Module:
@@ -101,6 +61,7 @@ class MedusaProposer:
             )
         device = next(heads.parameters()).device
         self.max_nodes = tree.size
+        self.name = "medusa2" if heads.config.adapter or heads.config.merged_target else "medusa"  # adapted target
         self.heads = heads.eval()
         self.lm_head = lm_head
         self.tree = tree.to(device)
@@ -112,29 +73,24 @@ class MedusaProposer:
             raise ValueError(f"the tree takes rank {self.top_k - 1} of a head's guesses, but the heads guess among "
                              f"{vocab} tokens: use ranks below {vocab} (--tree)")
         self.dtype = next(heads.parameters()).dtype
-        self.device = device  # the heads' (by the lm_head: where tokens and logits are); hidden states move here
+        self.device = self.weights_device = device  # the heads' (by the lm_head); hidden states move here
 
-    def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
+    def start(self, rows: int, max_length: int, params: SamplingParams,
+              generators: list[torch.Generator | None]) -> None:
         pass  # stateless: every step reads only the newest hidden state
 
     @torch.no_grad()
-    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
-        return Draft(self.propose_batch(context[-1:], hiddens[-1:])[0], self.tree)
-
-    drafts_rows = True  # propose_rows drafts a whole batch in one call
-
-    def reset_rows(self, rows: int, max_length: int) -> None:
-        pass  # stateless
-
-    def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
-        pass  # stateless: the rows' hidden states come with each call
-
-    @torch.no_grad()
-    def propose_rows(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
-                     ) -> list[Draft | None]:
-        """`propose` for every row of a batch in one heads call; rows not `active` get None."""
-        last = torch.stack([h[-1] if on else h.new_zeros(h.shape[-1]) for h, on in zip(hiddens, active)])
-        rows = self.propose_batch(torch.stack([c[-1] for c in contexts]), last)
+    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+                ) -> list[Draft | None]:
+        """Every row's tree in one heads call; rows not `active` get None."""
+        if not any(active):
+            return [None] * len(contexts)
+        if len(contexts) == 1:  # views, no copies
+            last, roots = hiddens[0][-1:], contexts[0][-1:]
+        else:
+            last = torch.stack([h[-1] if on else h.new_zeros(h.shape[-1]) for h, on in zip(hiddens, active)])
+            roots = torch.stack([c[-1] for c in contexts])
+        rows = self.propose_batch(roots, last)
         return [Draft(row, self.tree) if on else None for row, on in zip(rows, active)]
 
     @torch.no_grad()
@@ -156,31 +112,17 @@ def medusa_proposer(heads: MedusaHeads, model: torch.nn.Module, tree: list[list[
     return MedusaProposer(heads, model.get_output_embeddings(), tree)
 
 
-class NoDraft:
-    """Drafts nothing: the tree is the root alone, so the loop becomes plain one-token decoding."""
+class NoDraft(Drafter):
+    """Drafts nothing: every row verifies its root alone, so the loop becomes plain one-token decoding."""
 
     name = "plain"
-    stateless = True
-
+    holds_state = False
     max_nodes = 1
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        self.host_tree = tree_from_choices([])
-        self.tree = self.host_tree.to(device or "cpu")
-
-    def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
+    def start(self, rows: int, max_length: int, params: SamplingParams,
+              generators: list[torch.Generator | None]) -> None:
         pass
 
-    def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
-        if self.tree.depths.device != context.device:  # the target's device, whatever the constructor said
-            self.tree = self.host_tree.to(context.device)
-        return Draft(context[-1:], self.tree)
-
-
-def row_copy(proposer: Proposer) -> Proposer:
-    """A proposer for one more row: the same weights and settings, its own per-sequence state (set by `reset`);
-    a composite (lookup-first) copies the proposers it names in `parts`."""
-    twin = copy.copy(proposer)
-    for part in getattr(proposer, "parts", ()):
-        setattr(twin, part, row_copy(getattr(proposer, part)))
-    return twin
+    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+                ) -> list[Draft | None]:
+        return [None] * len(contexts)

@@ -14,8 +14,7 @@ from selfspec.heads.projection import is_plain_linear, vocab_logits
 from selfspec.infer.attention import ATTENTION, model_configs, using_grouped_attention
 from selfspec.infer.cache import PreallocatedCache
 from selfspec.infer.exactness import check_architecture
-from selfspec.infer.mask import PrefixMask, padding_mask
-from selfspec.infer.tree import Tree
+from selfspec.infer.mask import padding_mask
 
 LAYOUT_ROWS = 64  # the most rows vocab_layout projects through vocab_logits (the range it was measured on)
 
@@ -53,15 +52,6 @@ class Target:
                                  f" (what layer i reads); this model has {len(self.layers)} layers")
 
     @torch.no_grad()
-    def prefill(
-        self, input_ids: torch.Tensor, cache: PreallocatedCache, hidden: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids (1, T) after the cached tokens -> logits (V,) at the last position and the drafter's features
-        (T, H or nH) at every position (None without `hidden`)."""
-        logits, features = self.prefill_rows(input_ids, cache, hidden=hidden)
-        return logits[0], features[0] if hidden else None
-
-    @torch.no_grad()
     def prefill_rows(
         self, input_ids: torch.Tensor, cache: PreallocatedCache, start: torch.Tensor | None = None, hidden: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -79,15 +69,6 @@ class Target:
         with self.capture(hidden) as features, self.vocab_layout(), using_grouped_attention(self.configs):
             out = self.model(input_ids=input_ids, **kwargs)
         return out.logits[:, -1], features() if hidden else None
-
-    @torch.no_grad()
-    def verify(
-        self, tokens: torch.Tensor, tree: Tree, mask: PrefixMask, prefix_len: int, cache: PreallocatedCache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ONE forward over all tree nodes on top of the cache -> logits (N, V), the drafter's features (N, H or nH)."""
-        logits, features = self.verify_rows(tokens[None], (prefix_len + tree.depths)[None],
-                                            mask.at(prefix_len, tree.ancestors), cache)
-        return logits[0], features[0]
 
     def compile(self, mode: str = "default") -> None:
         """Run tree verification through torch.compile from now on (`verify_rows(..., at=...)`), with shapes that

@@ -70,6 +70,33 @@ def write_checkpoint(path, config: dict, state: dict, weights: str) -> None:
         save_file(state, str(path / WEIGHT_FILES["safetensors"]))
 
 
+def prefill_one(target, prompt: torch.Tensor, cache, hidden: bool = True):
+    """One prompt (1, T) through a `Target` -> its last logits (V,) and features (T, ·) (None without `hidden`)."""
+    logits, features = target.prefill_rows(prompt, cache, hidden=hidden)
+    return logits[0], features[0] if hidden else None
+
+
+def verify_one(target, tokens: torch.Tensor, tree, prefix_len: int, cache):
+    """One tree's tokens (N,) through a `Target` after a cached prefix -> logits (N, V) and features (N, ·)."""
+    from selfspec.infer.mask import RowMask
+
+    mask = RowMask(1, tree.size, prefix_len + tree.size, target.dtype, target.device)
+    mask.open(torch.zeros(1, dtype=torch.long, device=target.device), prefix_len)
+    logits, features = target.verify_rows(tokens[None], (prefix_len + tree.depths)[None],
+                                          mask.at(prefix_len, tree.ancestors[None]), cache)
+    return logits[0], features[0]
+
+
+def propose_one(drafter, context: torch.Tensor, hiddens: torch.Tensor, max_length: int = 64):
+    """A drafter's first draft for one sequence: a batch of one row, started afresh."""
+    from selfspec.infer.drafter import as_drafter
+    from selfspec.infer.verify import SamplingParams
+
+    drafter = as_drafter(drafter)
+    drafter.start(1, max_length, SamplingParams(), [None])
+    return drafter.propose([True], [context], [hiddens])[0]
+
+
 def tiny_model(arch: str, vocab: int = VOCAB, seed: int = 0, attn: str = "sdpa", scale: float = 0.3) -> torch.nn.Module:
     """A 2-layer, 48-wide random model; weights of std `scale` so its greedy output is not one repeated token."""
     torch.manual_seed(seed)

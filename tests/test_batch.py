@@ -148,7 +148,7 @@ def test_each_rows_cache_after_acceptance_equals_a_plain_run_of_it(monkeypatch):
                 continue
             tokens = torch.cat([p, torch.tensor(rows[b][:-1], dtype=torch.long)])  # the newest is a root, not cached
             reference = PreallocatedCache(64)
-            Target(model).prefill(tokens[None], reference, hidden=False)
+            Target(model).prefill_rows(tokens[None], reference, hidden=False)
             start, slot = T - p.numel(), slots.index(b)
             for layer, ref in zip(live[-1].layers, reference.layers):
                 assert layer.key_buffer.shape[0] == len(slots)

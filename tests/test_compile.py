@@ -51,9 +51,9 @@ def test_compiled_verification_reads_eagle3_features():
         spec = SpeculativeModel(model, EagleProposer(Eagle3Draft(config).eval(), embed, lm_head), compile=compiled)
         propose, seen[compiled] = spec.proposer.propose, []
 
-        def recording(context, hiddens, propose=propose, record=seen[compiled]):
-            record.append(hiddens.clone())
-            return propose(context, hiddens)
+        def recording(active, contexts, hiddens, propose=propose, record=seen[compiled]):
+            record.append(hiddens[0].clone())
+            return propose(active, contexts, hiddens)
 
         spec.proposer.propose = recording
         out = spec.generate(prompt[None], max_new_tokens=12, eos_token_id=[])

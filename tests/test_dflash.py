@@ -159,18 +159,17 @@ def test_drafter_cache_holds_exactly_the_confirmed_context():
     spec = SpeculativeModel(model, prop)
     out = spec.generate(prompts[:1], max_new_tokens=30, eos_token_id=[])
     assert spec.last_stats.decode_steps > 1 and max(spec.last_stats.accepted_drafts) > 1
-    confirmed = out[:, : prop.length + 1]
+    n = prop.lengths[0]
+    confirmed = out[:, : n + 1]
     with torch.no_grad():
         hs = model(confirmed, output_hidden_states=True).hidden_states
         fused = torch.cat([hs[i] for i in draft.config.feature_layers], dim=-1)[:, :-1]
-        plain = DraftCache.for_drafter(draft, prop.length + 6)
-        positions = torch.arange(prop.length + 6)[None]
+        plain = DraftCache.for_drafter(draft, n + 6)
+        positions = torch.arange(n + 6)[None]
         draft(fused, draft.block_embeds(confirmed[:, -1], model.get_input_embeddings(), torch.float32),
-              positions[:, : prop.length], positions[:, prop.length :], plain)
-    keys = plain.keys[:, :, :, : prop.length]
-    torch.testing.assert_close(prop.cache.keys[:, :, :, : prop.length], keys, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(prop.cache.values[:, :, :, : prop.length], plain.values[:, :, :, : prop.length],
-                               atol=1e-5, rtol=1e-5)
+              positions[:, :n], positions[:, n:], plain)
+    torch.testing.assert_close(prop.cache.keys[:, :, :, :n], plain.keys[:, :, :, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(prop.cache.values[:, :, :, :n], plain.values[:, :, :, :n], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [dict(), dict(top_k=3, total_tokens=6, depth=3)], ids=["chain", "tree"])
@@ -287,7 +286,7 @@ def test_validation_walk_takes_the_steps_decoding_takes():
     prop = proposer(model, draft)
     starts = []
     propose = prop.propose
-    prop.propose = lambda context, hiddens: starts.append(context.shape[0] - 1) or propose(context, hiddens)
+    prop.propose = lambda active, contexts, hiddens: starts.append(contexts[0].shape[0] - 1) or propose(active, contexts, hiddens)
     spec = SpeculativeModel(model, prop)
     out = spec.generate(prompts[:1], max_new_tokens=40, eos_token_id=[])
     accepted = spec.last_stats.accepted_drafts

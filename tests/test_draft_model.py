@@ -50,7 +50,7 @@ def test_draft_model_keeps_its_cache_in_step_with_the_context():
     confirmed = prop.cache.get_seq_length() - (prop.num_tokens - 1)
     assert spec.last_stats.decode_steps > 1 and 6 < confirmed <= out.shape[1]
     plain = DynamicCache()
-    Target(draft).prefill(out[:, :confirmed], plain, hidden=False)
+    Target(draft).prefill_rows(out[:, :confirmed], plain, hidden=False)
     assert len(prop.cache.layers) == len(plain.layers) > 0
     for mine, ref in zip(prop.cache.layers, plain.layers, strict=True):
         torch.testing.assert_close(mine.keys[:, :, :confirmed], ref.keys, atol=1e-5, rtol=1e-5)
@@ -99,17 +99,21 @@ def test_prompt_lookup_greedy_identical_and_accepts_repeats(model):
     assert spec.last_stats.accepted_drafts[0] > 0
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "peagle"])
 def test_lookup_first_is_lossless_and_uses_both_drafters(model, kind):
     from test_eagle import proposer as eagle_proposer
     from test_eagle import random_draft
     from test_generate import CHOICES, random_heads
+    from test_peagle import random_draft as peagle_draft
 
+    from selfspec.infer.peagle import peagle_proposer
     from selfspec.infer.prompt_lookup import LookupFirst
     from selfspec.infer.proposers import MedusaProposer
 
     if kind == "eagle":
         primary = eagle_proposer(model, random_draft(model))
+    elif kind == "peagle":
+        primary = peagle_proposer(peagle_draft(model), model)
     else:
         primary = MedusaProposer(random_heads(model), model.get_output_embeddings(), CHOICES)
     calls = {"primary": 0}

@@ -59,7 +59,7 @@ def test_the_drafter_drafts_among_the_answers_tokens_only_and_decodes_exactly(ea
     spec = SpeculativeModel.from_pretrained(out, model=model)
     drafted = []
     propose = spec.proposer.propose
-    spec.proposer.propose = lambda *a: (d := propose(*a), drafted.extend(d.tokens[1:].tolist()))[0]
+    spec.proposer.propose = lambda *a: (ds := propose(*a), drafted.extend(t for d in ds if d for t in d.tokens[1:].tolist()))[0]
     prompt = torch.tensor([tokenizer("def add(a, b):\n    return").input_ids])
     want = model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=[])
     assert torch.equal(spec.generate(prompt, max_new_tokens=20, eos_token_id=[]), want)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import VOCAB, fit_on_own_continuations, tiny_model
+from conftest import VOCAB, fit_on_own_continuations, prefill_one, propose_one, tiny_model
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.draft_layers import DraftCache, layer_fields
 from selfspec.heads.eagle import EagleDraft
@@ -100,7 +100,7 @@ def _prefill(model, prompt):
     target = Target(model)
     from selfspec.infer.cache import new_cache
 
-    logits, hiddens = target.prefill(prompt, new_cache(model, 64))
+    logits, hiddens = prefill_one(target, prompt, new_cache(model, 64))
     return logits.argmax().view(1), hiddens
 
 
@@ -114,8 +114,7 @@ def test_drafted_tokens_equal_plain_drafter_runs_along_each_path(choices):
     prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
     root, hiddens = _prefill(model, prompt)
     context = torch.cat([prompt[0], root])
-    prop.reset(64)
-    draft_out = prop.propose(context, hiddens)
+    draft_out = propose_one(prop, context, hiddens)
     tokens, tree = draft_out.tokens, draft_out.tree
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     assert int(tree.depths.max()) > 1  # nodes below depth 1, whose ancestors the drafter must run along
@@ -141,14 +140,15 @@ def test_drafter_cache_holds_exactly_the_confirmed_pairs():
     out = spec.generate(prompts[:1], max_new_tokens=30)
     assert spec.last_stats.decode_steps > 1 and max(spec.last_stats.accepted_drafts) > 1  # multi-pair updates
     # the confirmed pairs at the last step: (f_t, x_{t+1}) for every token up to that step's root
-    confirmed = out[:, : prop.length + 1]
+    n = prop.lengths[0]
+    confirmed = out[:, : n + 1]
     with torch.no_grad():
         features = model(confirmed, output_hidden_states=True).hidden_states[-1]
-        plain = DraftCache.for_drafter(draft, prop.length)  # one call over every confirmed pair
+        plain = DraftCache.for_drafter(draft, n)  # one call over every confirmed pair
         draft(features[:, :-1], confirmed[:, 1:], model.get_input_embeddings(), cache=plain)
-    assert prop.cache.keys.shape[0] == plain.keys.shape[0] > 0 and plain.length == prop.length
-    torch.testing.assert_close(prop.cache.keys[:, :, :, : prop.length], plain.keys, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(prop.cache.values[:, :, :, : prop.length], plain.values, atol=1e-5, rtol=1e-5)
+    assert prop.cache.keys.shape[0] == plain.keys.shape[0] > 0 and plain.length == n
+    torch.testing.assert_close(prop.cache.keys[:, :, :, :n], plain.keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(prop.cache.values[:, :, :, :n], plain.values, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- lossless decoding
@@ -233,7 +233,7 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(model, cho
 
     def recording(*args):
         out = propose(*args)
-        drafted.append(out.tokens[1:].tolist())
+        drafted.extend(d.tokens[1:].tolist() for d in out if d is not None)
         return out
 
     prop.propose = recording

@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_sampling import RUNS, V, chi_square, critical, exact_joint, run_sampling
 
-from conftest import fit_on_own_continuations, tiny_model
+from conftest import fit_on_own_continuations, prefill_one, propose_one, tiny_model
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.draft_layers import DraftCache, layer_fields
 from selfspec.heads.eagle import EagleDraft
@@ -254,11 +254,10 @@ def test_drafted_tokens_are_target_ids_of_plain_drafter_runs_along_each_path(cho
     prop = eagle3_proposer(model, draft, choices=choices)
     prompt = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(4))
     target = Target(model, draft.config.feature_layers)
-    logits, features = target.prefill(prompt, new_cache(model, 64))
+    logits, features = prefill_one(target, prompt, new_cache(model, 64))
     assert features.shape == (6, len(draft.config.feature_layers) * 48)
     context = torch.cat([prompt[0], logits.argmax().view(1)])
-    prop.reset(64)
-    drafted = prop.propose(context, features)
+    drafted = propose_one(prop, context, features)
     tokens, tree = drafted.tokens, drafted.tree
     assert bool(draft.t2d[tokens[1:]].all())  # every drafted token is in the draft vocabulary
     embed = model.get_input_embeddings()
@@ -309,15 +308,16 @@ def test_drafter_cache_holds_exactly_the_fused_confirmed_pairs():
     spec = SpeculativeModel(model, prop)
     out = spec.generate(prompts[:1], max_new_tokens=30)
     assert spec.last_stats.decode_steps > 1 and max(spec.last_stats.accepted_drafts) > 1
-    confirmed = out[:, : prop.length + 1]
+    n = prop.lengths[0]
+    confirmed = out[:, : n + 1]
     with torch.no_grad():
         hs = model(confirmed, output_hidden_states=True).hidden_states
         fused = torch.cat([hs[i] for i in draft.config.feature_layers], dim=-1)
-        plain = DraftCache.for_drafter(draft, prop.length)  # one call over every confirmed pair
+        plain = DraftCache.for_drafter(draft, n)  # one call over every confirmed pair
         draft(draft.fuse(fused[:, :-1]), confirmed[:, 1:], model.get_input_embeddings(), cache=plain)
-    assert plain.length == prop.length
-    torch.testing.assert_close(prop.cache.keys[:, :, :, : prop.length], plain.keys, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(prop.cache.values[:, :, :, : prop.length], plain.values, atol=1e-5, rtol=1e-5)
+    assert plain.length == n
+    torch.testing.assert_close(prop.cache.keys[:, :, :, :n], plain.keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(prop.cache.values[:, :, :, :n], plain.values, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("params", [(1.0, 0, 1.0), (0.7, 6, 0.9)])

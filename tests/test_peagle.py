@@ -140,6 +140,28 @@ def test_drafter_cache_holds_exactly_the_confirmed_context():
     torch.testing.assert_close(prop.cache.values[:, :, :, :n], plain.values, atol=1e-5, rtol=1e-5)
 
 
+def test_many_confirmed_pairs_at_once_fill_the_cache_as_one_plain_call():
+    """Fed more confirmed pairs in one call than its mask has query rows (lookup-first feeds every token confirmed
+    while prompt lookup drafted), the drafter's cache still equals one plain call over all of them."""
+    from selfspec.infer.verify import SamplingParams
+
+    model = tiny_model("llama")
+    draft = random_draft(model)
+    prop = peagle_proposer(draft, model)
+    ids = torch.randint(4, 96, (1, 31), generator=torch.Generator().manual_seed(3))
+    fused = fused_features(model, ids, draft.config.feature_layers)[0]  # (31, nH)
+    prop.start(1, 64, SamplingParams(), [None])
+    prop.propose([True], [ids[0, :6]], [fused[:5]])  # the prompt's 5 pairs
+    assert 25 > prop.mask.buffer.shape[-2]
+    prop.propose([True], [ids[0]], [fused[5:30]])  # 25 pairs at once
+    with torch.no_grad():
+        plain = DraftCache.for_drafter(draft, 30)
+        draft(draft.fuse(fused[None, :30]), ids[:, 1:], model.get_input_embeddings(), None, None, plain)
+    assert prop.lengths == [30]
+    torch.testing.assert_close(prop.cache.keys[:, :, :, :30], plain.keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(prop.cache.values[:, :, :, :30], plain.values, atol=1e-5, rtol=1e-5)
+
+
 def test_slot_inputs_follow_edited_weights_while_decoding():
     """Decoding reuses fc(mask_hidden) between steps, but never after the weights change in place."""
     draft = random_draft(tiny_model("llama"))

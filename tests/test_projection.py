@@ -84,8 +84,8 @@ def test_verification_projects_through_the_cpu_layout_and_keeps_the_models_logit
     """Prefill and tree verification run the target's lm_head matmul through vocab_logits, while the model's own
     code around it (here Gemma-2's softcapping) still runs; the model is left unchanged afterwards."""
     import selfspec.infer.target as target_module
+    from conftest import verify_one
     from selfspec.infer.cache import new_cache
-    from selfspec.infer.mask import PrefixMask
     from selfspec.infer.target import Target
     from selfspec.infer.tree import tree_from_choices
 
@@ -99,8 +99,8 @@ def test_verification_projects_through_the_cpu_layout_and_keeps_the_models_logit
     target, cache = Target(model), new_cache(model, 16)
     last, _ = target.prefill_rows(ids[:, :9], cache, hidden=False)
     chain = tree_from_choices([[0], [0, 0]])
-    mask = PrefixMask(3, 12, target.dtype, target.device).at(9, chain.ancestors)
-    logits, _ = target.verify_rows(ids[:, 9:], (9 + chain.depths)[None], mask, cache)
+    logits, _ = verify_one(target, ids[0, 9:], chain, 9, cache)
+    logits = logits[None]
     assert len(seen) == 2 and all(w is model.lm_head.weight for w in seen)
     torch.testing.assert_close(last, expected[:, 8])
     torch.testing.assert_close(logits, expected[:, 9:])

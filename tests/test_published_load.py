@@ -63,7 +63,7 @@ def publish(fmt, tiny_model_dir, tmp_path, weights=None):
 
 
 def drafter(spec):
-    return spec.proposer.heads if spec.proposer.name == "medusa" else spec.proposer.draft
+    return spec.proposer.drafter
 
 
 def assert_same_drafter(loaded, heads):

@@ -8,13 +8,12 @@ import pytest
 import torch
 from test_generate import CHOICES, random_heads
 
-import selfspec.infer.generate as generate_module
 from conftest import VOCAB, tiny_model
-from selfspec.infer.cache import PreallocatedLayer, new_cache
+from selfspec.infer.cache import PreallocatedCache, PreallocatedLayer, new_cache
 from selfspec.infer.generate import SpeculativeModel
 from selfspec.infer.mask import RowMask
 from selfspec.infer.prompt_lookup import PromptLookupProposer
-from selfspec.infer.proposers import MedusaProposer, NoDraft
+from selfspec.infer.proposers import MedusaProposer
 
 
 def spec_model(model) -> SpeculativeModel:
@@ -24,14 +23,14 @@ def spec_model(model) -> SpeculativeModel:
 def watch_cache(monkeypatch) -> list[list[tuple[int, int, int]]]:
     """Record, after every acceptance, each layer's (key storage, value storage, filled length)."""
     seen = []
-    keep = generate_module.keep_accepted_rows
+    keep = PreallocatedCache.keep_rows
 
     def recording(cache, src, dst, length):
         keep(cache, src, dst, length)
         seen.append([(layer.key_buffer.data_ptr(), layer.value_buffer.data_ptr(), layer.length)
                      for layer in cache.layers])
 
-    monkeypatch.setattr(generate_module, "keep_accepted_rows", recording)
+    monkeypatch.setattr(PreallocatedCache, "keep_rows", recording)
     return seen
 
 
@@ -133,16 +132,14 @@ def test_a_generator_for_another_device_is_a_clear_error():
         spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=True, temperature=1.0, generator=cuda_generator)
 
 
-def test_proposers_without_weights_follow_the_context_device():
-    """Prompt lookup and the no-draft proposer make their tensors where the context is (the target's device),
-    whatever device they were built for."""
+def test_prompt_lookup_follows_the_context_device():
+    """Prompt lookup makes its tensors where the context is (the target's device), whatever device it was built
+    for."""
     lookup = PromptLookupProposer(num_tokens=3, device="meta")
     context = torch.tensor([4, 5, 6, 4, 5])
     draft = lookup.propose(context, torch.zeros(5, 8))
     assert draft.tokens.device == context.device and draft.tree.depths.device == context.device
     assert draft.tokens.tolist() == [5, 6, 4, 5]
-    nodraft = NoDraft("meta")
-    assert nodraft.propose(context, torch.zeros(5, 8)).tree.depths.device == context.device
 
 
 def test_two_streams_decoding_at_once_do_not_share_a_cache():

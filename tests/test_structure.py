@@ -130,3 +130,30 @@ def test_no_drafter_family_switch_outside_the_registry():
     found = {str(p.relative_to(ROOT)): hits for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
              if not str(p.relative_to(ROOT)).startswith(REGISTRY) and (hits := _family_switches(p.read_text()))}
     assert not found, found
+
+
+LOOP = ("selfspec.infer.generate", "selfspec.infer.decode_step")  # the decode loop and its step
+DRAFTERS = ("selfspec.infer.drafter", "selfspec.infer.proposers", "selfspec.infer.eagle", "selfspec.infer.dflash",
+            "selfspec.infer.peagle", "selfspec.infer.prompt_lookup", "selfspec.infer.draft_model")
+
+
+def test_drafters_never_import_the_decode_loop():
+    graph = _graph()
+    assert set(DRAFTERS) <= set(graph)
+    reached = sorted(f"{name} imports {dep}" for name in DRAFTERS for dep in graph[name] if dep in LOOP)
+    assert not reached, reached
+
+
+def _probes(source: str) -> list[str]:
+    """getattr/hasattr calls in the loop's source: the loop reads a drafter only through its interface."""
+    return [line.strip() for line in source.splitlines() if re.search(r"\b(getattr|hasattr)\(\s*self\.(proposer|"
+                                                                       r"drafter)|\b(getattr|hasattr)\(\s*(state\.)?"
+                                                                       r"(proposer|drafter)\b", line)]
+
+
+def test_the_loop_never_probes_a_drafter():
+    assert _probes('together = getattr(self.proposer, "drafts_rows", False)')
+    assert _probes('if hasattr(drafter, "observe"):')
+    modules = _modules()
+    found = {name: hits for name in LOOP if (hits := _probes(modules[name].read_text()))}
+    assert not found, found

@@ -4,9 +4,8 @@ exactly what output_hidden_states gives: the last hidden states, or EAGLE-3's ch
 import pytest
 import torch
 
-from conftest import VOCAB, tiny_model
+from conftest import VOCAB, prefill_one, tiny_model, verify_one
 from selfspec.infer.cache import new_cache
-from selfspec.infer.mask import PrefixMask
 from selfspec.infer.target import Target
 from selfspec.infer.tree import tree_from_choices
 
@@ -20,11 +19,10 @@ def test_features_equal_output_hidden_states_without_asking_for_them(arch, layer
     monkeypatch.setattr(model, "forward", lambda *a, **k: asked.append(k.get("output_hidden_states")) or forward(*a, **k))
     prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
     cache = new_cache(model, 32)
-    logits, features = target.prefill(prompt, cache)
+    logits, features = prefill_one(target, prompt, cache)
     tree = tree_from_choices([[0], [1], [0, 0]])
     tokens = torch.tensor([5, 6, 7, 8])
-    node_logits, node_features = target.verify(tokens, tree, PrefixMask(tree.size, 9 + tree.size, target.dtype,
-                                                                        target.device), 9, cache)
+    node_logits, node_features = verify_one(target, tokens, tree, 9, cache)
     assert asked == [None, None]  # the model never builds every layer's hidden states
 
     with torch.no_grad():

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from selfspec.infer.cache import keep_accepted, new_cache
-from selfspec.infer.mask import PrefixMask
+from conftest import prefill_one, verify_one
+from selfspec.infer.cache import new_cache
 from selfspec.infer.target import Target
 from selfspec.infer.tree import (
     LatencyCurve,
@@ -142,8 +142,8 @@ def test_tree_logits_equal_each_path_run_plainly(arch, attn):
     prompt = torch.randint(3, 90, (1, 7), generator=gen)
     tokens = _tree_tokens(tree, gen)
     cache = new_cache(model, 64)
-    target.prefill(prompt, cache)
-    logits, hidden = target.verify(tokens, tree, PrefixMask(tree.size, 7 + tree.size, target.dtype, target.device), 7, cache)
+    prefill_one(target, prompt, cache)
+    logits, hidden = verify_one(target, tokens, tree, 7, cache)
     for node in range(tree.size):
         path = tree.paths[node][: int(tree.depths[node]) + 1]
         seq = torch.cat([prompt[0], tokens[path]])[None]
@@ -163,13 +163,13 @@ def test_cache_after_acceptance_equals_plain_cache(arch):
     prompt = torch.randint(3, 90, (1, 6), generator=gen)
     tokens = _tree_tokens(tree, gen)
     cache = new_cache(model, 64)
-    target.prefill(prompt, cache)
-    target.verify(tokens, tree, PrefixMask(tree.size, 6 + tree.size, target.dtype, target.device), 6, cache)
+    prefill_one(target, prompt, cache)
+    verify_one(target, tokens, tree, 6, cache)
     end = 9  # choice [0, 1, 0]: root -> 1 -> 5 -> 9
-    path = tree.paths[end]
-    keep_accepted(cache, 6, path, 4)
+    path = tree.paths[end][:4]
+    cache.keep_rows(6 + path[None], torch.arange(6, 10)[None], 10)
     plain = new_cache(model, 64)
-    target.prefill(torch.cat([prompt[0], tokens[path]])[None], plain)
+    prefill_one(target, torch.cat([prompt[0], tokens[path]])[None], plain)
     assert cache.get_seq_length() == plain.get_seq_length() == 10
     assert len(cache.layers) == len(plain.layers) > 0
     for mine, ref in zip(cache.layers, plain.layers, strict=True):
