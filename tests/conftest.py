@@ -221,11 +221,11 @@ def check_resume(monkeypatch, method_cls, run_to, out_root, key: str) -> None:
     original_loss = method_cls.loss
     calls = {"n": 0}
 
-    def crashing_loss(self, batch):
+    def crashing_loss(self, batch, step):
         calls["n"] += 1
         if calls["n"] == 4:
             raise RuntimeError("simulated crash")
-        return original_loss(self, batch)
+        return original_loss(self, batch, step)
 
     monkeypatch.setattr(method_cls, "loss", crashing_loss)
     with pytest.raises(RuntimeError, match="simulated crash"):

@@ -34,11 +34,11 @@ def _crash_at_loss_call(monkeypatch, n):
     original = MedusaMethod.loss
     calls = {"n": 0}
 
-    def crashing(self, batch):
+    def crashing(self, batch, step):
         calls["n"] += 1
         if calls["n"] == n:
             raise RuntimeError("simulated crash")
-        return original(self, batch)
+        return original(self, batch, step)
 
     monkeypatch.setattr(MedusaMethod, "loss", crashing)
     return lambda: monkeypatch.setattr(MedusaMethod, "loss", original)

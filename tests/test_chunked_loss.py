@@ -167,8 +167,10 @@ def test_evaluation_without_autocast_reads_a_bf16_target(kind):
     forward accelerate runs under autocast (as it prepares it for mixed precision)."""
     from accelerate import Accelerator
 
+    from selfspec.train.method import RunContext
+
     method = make_method(kind, target_dtype=torch.bfloat16)
-    method.trainable = Accelerator(mixed_precision="bf16", cpu=True).prepare_model(method.trainable)
+    method.start(RunContext(Accelerator(mixed_precision="bf16", cpu=True).prepare_model(method.trainable)))
     method.chunk = 5
     with torch.no_grad():
         metrics = method.evaluate([make_batch(VOCAB, 3, 24)])

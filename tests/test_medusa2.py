@@ -20,6 +20,7 @@ from selfspec.infer.generate import SpeculativeModel
 from selfspec.train.config import ConfigError, load_config
 from selfspec.train.medusa import MedusaConfig, run
 from selfspec.train.medusa2 import Medusa2Method, add_lora, heads_weight, lora_targets
+from selfspec.train.method import StepContext
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
 
@@ -81,13 +82,13 @@ def test_backbone_ce_weight_adds_the_cross_entropy_of_the_targets_own_tokens(wei
     loss_mask = torch.ones_like(ids).bool()
     loss_mask[:, :5] = False  # a prompt: neither term is taken there
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
-    method.step, method.total_steps = 10, 10
+    method.stage = StepContext(10, 10)
     with torch.no_grad():
         adapted = backbone(input_ids=ids).logits[:, 4:-1].flatten(0, 1).log_softmax(-1)
         frozen = reference(input_ids=ids).logits[:, 4:-1].flatten(0, 1).log_softmax(-1)
         kl = (frozen.exp() * (frozen - adapted)).sum(-1).mean()
         ce = -adapted.gather(-1, ids[:, 5:].reshape(-1, 1)).mean()
-        _, logs = method.loss(batch)
+        _, logs = method.loss(batch, method.stage)
     assert logs["backbone_kl"].item() == pytest.approx(kl.item(), rel=1e-4)
     assert logs["backbone_ce"].item() == pytest.approx(ce.item(), rel=1e-4)
     assert logs["loss"].item() == pytest.approx((kl + weight * ce + heads_weight(
@@ -254,16 +255,16 @@ def test_heads_only_stage_leaves_the_lora_alone_then_the_joint_loss_adds_l0():
                                                                   share_lm_head=True)), kl=False)
     ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids).bool()}
-    method.step, method.total_steps = 2, 7
-    loss, logs = method.loss(batch)
+    method.stage = StepContext(2, 7)
+    loss, logs = method.loss(batch, method.stage)
     loss.backward()
     # zero gradients (DDP needs one for every trained tensor), so AdamW leaves the adapter as it is
     assert all(p.grad is not None and not p.grad.any() for p in lora_tensors(backbone).values())
     assert "backbone_ce" not in logs and all(p.grad is not None for p in method.trainable.heads.parameters())
     for p in lora_tensors(backbone).values():
         p.grad = None
-    method.step = 5  # joint: lambda = 0.5 * (5 - 3) / (7 - 3)
-    loss, logs = method.loss(batch)
+    method.stage = StepContext(5, 7)  # joint: lambda = 0.5 * (5 - 3) / (7 - 3)
+    loss, logs = method.loss(batch, method.stage)
     assert logs["loss"].item() == pytest.approx(logs["backbone_ce"].item() + 0.25 * logs["heads_loss"].item(),
                                                 rel=1e-5)
     loss.backward()
@@ -284,7 +285,7 @@ def test_lambda_scales_what_reaches_the_adapters_not_the_heads_own_gradient(shar
         cfg = load_config(MedusaConfig, ["--medusa2", "true", "--num_heads", "2", "--heads_schedule", schedule,
                                          "--heads_coefficient", str(coefficient)])
         method = Medusa2Method(cfg, backbone, heads, kl=False)
-        method.step, method.total_steps = 3, 7
+        method.stage = StepContext(3, 7)
         return method, list(lora_tensors(backbone).values()), list(heads.parameters())
 
     ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -297,7 +298,7 @@ def test_lambda_scales_what_reaches_the_adapters_not_the_heads_own_gradient(shar
                   for g, p in zip(torch.autograd.grad(heads_loss, lora + heads, allow_unused=True), lora + heads)]
     lam = 0.5 * math.sin(3 / 7 * math.pi / 2)
     method, lora, heads = method_at("sine", 0.5)
-    method.loss(batch)[0].backward()
+    method.loss(batch, method.stage)[0].backward()
     lm_head_grads = 0
     for (name, p), a, b in zip(lora_tensors(method.backbone).items(), l0_lora, heads_grads):
         expected = (a if a is not None else 0) + lam * b
@@ -335,7 +336,7 @@ def test_the_heads_lm_head_path_computes_what_the_adapted_lm_head_does(dtype):
     cfg = load_config(MedusaConfig, ["--medusa2", "true", "--num_heads", "2"])
     method = Medusa2Method(cfg, backbone, MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=2,
                                                                   share_lm_head=True)), kl=True)
-    method.step, method.total_steps = 1, 7
+    method.stage = StepContext(1, 7)
     x = torch.randn(5, 48, dtype=dtype)
     for train in (True, False):
         backbone.train(train)

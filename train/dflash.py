@@ -38,8 +38,8 @@ from selfspec.train.eagle_features import batch_features
 from selfspec.train.feature_run import run_feature_drafter
 from selfspec.train.loop import heads_config
 from selfspec.train.medusa_method import chunk_rows
+from selfspec.train.method import FIRST_STEP, MethodBase, StepContext, StepOutput
 from selfspec.train.packing import positions, segments
-from selfspec.train.step_timer import OFF
 from selfspec.train.train_config import TrainConfig
 from selfspec.train.tree_fit import fit_dynamic_tree, save_with_tree
 from selfspec.train.vocabulary import choose_mask_token
@@ -129,11 +129,9 @@ class DFlashConfig(TrainConfig):
         return settings
 
 
-class DFlashMethod:
+class DFlashMethod(MethodBase):
     label = "the DFlash drafter"
-    agree = None  # set by the loop under ZeRO-3/FSDP (the loss projects through the frozen head only)
     best_metric = "sim_accept"  # the loop saves the weights of the best validation by this
-    timer = OFF  # the loop sets its StepTimer: the target's forward is timed apart (train.step_timer)
 
     def __init__(self, cfg: DFlashConfig, target, draft: DFlashDraft, tune_prompts: list[torch.Tensor]) -> None:
         self.cfg, self.target, self.trainable, self.tune_prompts = cfg, target, draft, tune_prompts
@@ -152,15 +150,15 @@ class DFlashMethod:
         dtype = next(self.trainable.parameters()).dtype
         with torch.no_grad():
             block = block_embeds(batch["input_ids"].gather(1, anchors), self.draft_config, self.embed, dtype)
-        return self.trainable(feats[..., :-hidden].to(dtype), block.flatten(1, 2), context_positions=positions(batch),
+        return self.module(feats[..., :-hidden].to(dtype), block.flatten(1, 2), context_positions=positions(batch),
                               anchors=anchors, segments=segments(batch))
 
     def _features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch_features(self.target, batch, self.layers, self.timer)
 
-    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, batch: dict[str, torch.Tensor], step: StepContext = FIRST_STEP) -> StepOutput:
         anchors, real = sample_anchors(anchor_carries(batch), self.cfg.anchors)
-        return self.block_loss(batch, anchors, real)
+        return StepOutput(*self.block_loss(batch, anchors, real))
 
     def block_loss(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor, real: torch.Tensor
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

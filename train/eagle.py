@@ -33,9 +33,9 @@ from selfspec.train.eagle_features import batch_features
 from selfspec.train.feature_run import run_feature_drafter
 from selfspec.train.loop import heads_config
 from selfspec.train.medusa_method import chunk_rows, chunked_sum, medusa_labels
+from selfspec.train.method import FIRST_STEP, MethodBase, StepContext, StepOutput
 from selfspec.train.packing import block_causal_mask, pair_segments, positions, segments
 from selfspec.train.step_loss import StepLoss
-from selfspec.train.step_timer import OFF
 from selfspec.train.train_config import TrainConfig
 from selfspec.train.tree_fit import fit_dynamic_tree, save_with_tree
 from selfspec.train.vocabulary import draft_vocabulary, init_from_target
@@ -131,9 +131,8 @@ class EagleConfig(TrainConfig):
             raise ConfigError("set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)")
 
 
-class EagleMethod:
+class EagleMethod(MethodBase):
     label = "the EAGLE drafter"
-    timer = OFF  # the loop sets its StepTimer: the target's forward is timed apart (train.step_timer)
 
     def __init__(self, cfg: EagleConfig, target, draft: EagleDraft, tune_prompts: list[torch.Tensor]) -> None:
         self.cfg, self.target, self.trainable, self.tune_prompts = cfg, target, draft, tune_prompts
@@ -162,7 +161,7 @@ class EagleMethod:
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
         seq = segments(batch)
         pairs = pair_segments(seq)  # (B, T-1): the example of each pair, -1 where x_{t+1} is not in it
-        pred = self.trainable(inputs, batch["input_ids"][:, 1:], self.embed, attention_mask=block_causal_mask(pairs),
+        pred = self.module(inputs, batch["input_ids"][:, 1:], self.embed, attention_mask=block_causal_mask(pairs),
                               position_ids=positions(batch)[:, :-1])
         keep = medusa_labels(batch["input_ids"], batch["loss_mask"], 0, seq)[1][:, :-1] & (pairs >= 0)
         return pred[keep], feats[:, 1:][keep]
@@ -197,15 +196,15 @@ class EagleMethod:
         return torch.cat([torch.stack([reg, cls]).double(), reg.new_tensor([pred.shape[0]], dtype=torch.float64),
                           hits.double()])
 
-    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, batch: dict[str, torch.Tensor], step: StepContext = FIRST_STEP) -> StepOutput:
         pred, true = self._predict(batch, self.cfg.noise)
         if pred.shape[0] == 0:
             zero = pred.sum() * 0.0
-            return zero, {"loss": zero.detach(), "reg_loss": zero.detach(), "cls_loss": zero.detach()}
+            return StepOutput(zero, {"loss": zero.detach(), "reg_loss": zero.detach(), "cls_loss": zero.detach()})
         reg = F.smooth_l1_loss(pred.float(), true.float())
         cls = chunked_sum(self._cls_sum, (pred, true), self.chunk) / pred.shape[0]
         total = reg + self.cfg.w_cls * cls
-        return total, {"loss": total.detach(), "reg_loss": reg.detach(), "cls_loss": cls.detach()}
+        return StepOutput(total, {"loss": total.detach(), "reg_loss": reg.detach(), "cls_loss": cls.detach()})
 
     def evaluate(self, batches: list[dict[str, torch.Tensor]],
                  total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
@@ -237,7 +236,6 @@ class Eagle3Method(EagleMethod):
     """EAGLE-3: the training-time test over fused features (heads/eagle3.py, train/step_loss.py); tree fitting and saving as EAGLE."""
 
     label = "the EAGLE-3 drafter"
-    agree = None  # the loop sets it under ZeRO-3/FSDP: every rank projects as many chunks (train.distributed)
 
     def __init__(self, cfg: EagleConfig, target, draft: Eagle3Draft, tune_prompts: list[torch.Tensor]) -> None:
         super().__init__(cfg, target, draft, tune_prompts)
@@ -248,13 +246,13 @@ class Eagle3Method(EagleMethod):
         features; the target's lm_head projects only the positions that carry a label (in StepLoss)."""
         feats = batch_features(self.target, batch, self.layers, self.timer)
         hidden = self.lm_head.weight.shape[1]
-        draft = getattr(self.trainable, "module", self.trainable)  # DDP and DeepSpeed wrap it; FSDP2 does not
-        ttt = StepLoss(draft, self.cfg.ttt_steps, self.lm_head, self.chunk, runner=self.trainable, agree=self.agree)
+        ttt = StepLoss(self.trainable, self.cfg.ttt_steps, self.lm_head, self.chunk, runner=self.module,
+                       agree=self.agree)
         return ttt, ttt.unroll(feats[..., :-hidden], batch, self.embed, unroll=self.cfg.ttt_steps), feats[..., -hidden:]
 
-    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, batch: dict[str, torch.Tensor], step: StepContext = FIRST_STEP) -> StepOutput:
         ttt, outputs, target = self._unroll(batch)
-        return ttt.loss(outputs, target, batch)
+        return StepOutput(*ttt.loss(outputs, target, batch))
 
     def evaluate(self, batches: list[dict[str, torch.Tensor]],
                  total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:

@@ -56,5 +56,5 @@ def run_feature_drafter(cfg: TrainConfig, build: Callable[[Any, Any, Examples], 
                           f"Fit it afterwards on one copy of the target: selfspec tune --heads {cfg.output_dir}")
         prompts = []
     method = make_method(target, draft, prompts)
-    history = train(cfg, accelerator, method, train_data, eval_data)
-    return {"target": target, "draft": method.trainable, "initial": initial, "history": history}
+    history, trained = train(cfg, accelerator, method, train_data, eval_data)
+    return {"target": target, "draft": trained, "initial": initial, "history": history}

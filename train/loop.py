@@ -1,9 +1,10 @@
 """The one accelerate training loop every drafter recipe shares: setup -> train -> save.
 
-A recipe supplies a `Method`: the trainable module, its loss on a batch (the frozen target runs
-inside, without gradients), its evaluation, and how to save. This loop owns the accelerator,
-optimizer, cosine schedule, gradient accumulation and clipping, mixed precision, atomic
-checkpoints, exact resume (step, optimizer, scheduler, RNG and data position) and logging.
+A recipe supplies a `Method` (train/method.py): the trainable module, its loss on a batch at a step (the
+frozen target runs inside, without gradients), its evaluation, and how to save. This loop owns the
+accelerator, optimizer, cosine schedule, gradient accumulation and clipping, mixed precision, atomic
+checkpoints, exact resume (step, optimizer, scheduler, RNG and data position) and logging; `train` is
+set-up, resume, steps, finish.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
@@ -56,31 +58,12 @@ from selfspec.train.distributed import (
     scheduler_steps_per_update,
 )
 from selfspec.train.fingerprints import run_fingerprint, weights_fingerprint
+from selfspec.train.method import Method, RunContext, StepContext
 from selfspec.train.packing import PackedExamples, check_packed_target
 from selfspec.train.precision import precision_line
 from selfspec.train.records import check_source
-from selfspec.train.step_timer import StepTimer, padding, step_report
+from selfspec.train.step_timer import Pace, StepTimer, padding, step_report
 from selfspec.train.train_config import TrainConfig
-
-
-class Method(Protocol):
-    """What a recipe gives the loop."""
-
-    trainable: torch.nn.Module
-    target: torch.nn.Module  # the frozen target (checked unchanged at the end)
-    label: str  # what is saved, for the closing message ("Medusa heads")
-    agree: Any  # set by the loop: train.distributed.max_over_ranks (None unless ZeRO-3/FSDP)
-
-    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss to backpropagate (its gradient is the objective's; Medusa-2 weighs parts of it on the way
-        back) and detached scalars to log (read only at logging steps: no sync per step)."""
-        ...
-
-    def evaluate(self, batches: list[dict[str, torch.Tensor]], total=None) -> dict[str, float]:
-        """Metrics over `batches`; every accumulated sum goes through `total` (a sum across ranks) once."""
-        ...
-
-    def save(self, module: torch.nn.Module, output_dir: Path, metrics: dict[str, float]) -> None: ...
 
 
 def load_frozen_target(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
@@ -133,20 +116,50 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
 # ---------------------------------------------------------------- the loop
 
 
+@dataclasses.dataclass
+class Run:
+    """One training run as the loop's parts share it: what `set_up` prepared, and where the run is."""
+
+    cfg: TrainConfig
+    accelerator: Accelerator
+    method: Method
+    module: torch.nn.Module  # the trainable module as the engine wrapped it
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+    eval_loader: DataLoader
+    total: int  # optimizer steps planned
+    fingerprint: dict
+    best: BestWeights
+    timer: StepTimer
+    step: int = 0
+    epoch: int = 0
+    batches_done: int = 0
+    history: list[tuple[int, dict[str, float]]] = dataclasses.field(default_factory=list)
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+
+
 def train(
     cfg: TrainConfig, accelerator: Accelerator, method: Method, train_data: Examples, eval_data: Examples
-) -> list[tuple[int, dict[str, float]]]:
-    """Run the loop; returns the validation history [(step, metrics)]. `method.save` writes the result, and
-    `method.trainable` is the trained module again afterwards (unwrapped from accelerate)."""
-    output_dir = Path(cfg.output_dir)
-    main = accelerator.is_main_process
-    trainable = method.trainable
-    params = [p for p in trainable.parameters() if p.requires_grad]
+) -> tuple[list[tuple[int, dict[str, float]]], torch.nn.Module]:
+    """Run the loop: set up, resume, take the steps, finish. Returns the validation history [(step, metrics)] and
+    the trained module (unwrapped from accelerate); `method.save` has written the result."""
+    run = set_up(cfg, accelerator, method, train_data, eval_data)
+    resume(run)
+    take_steps(run)
+    return run.history, finish(run)
+
+
+def set_up(cfg: TrainConfig, accelerator: Accelerator, method: Method, train_data: Examples, eval_data: Examples
+           ) -> Run:
+    """The optimizer, schedule and loaders, prepared by accelerate with the trainable module; the run's
+    fingerprint (what a resume must match) taken before ZeRO-3/FSDP shard the shapes."""
+    params = [p for p in method.trainable.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the drafter has no trainable parameters")
-    groups = method.param_groups(cfg.learning_rate) if hasattr(method, "param_groups") else params
-    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(method.param_groups(cfg.learning_rate), lr=cfg.learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     # packed rows (train/packing.py) for training; validation reads one example per row, so its numbers stay
     # comparable between packed and unpacked runs
     rows = PackedExamples(train_data, cfg.max_length, cfg.seed) if cfg.packing else train_data
@@ -165,37 +178,13 @@ def train(
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(per_epoch * cfg.num_epochs)
     ticks = scheduler_steps_per_update(accelerator)  # the prepared scheduler's steps per optimizer step
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total) * ticks, total * ticks)
-    fingerprint = run_fingerprint(cfg, accelerator, trainable, train_data)  # before ZeRO-3/FSDP shard the shapes
+    fingerprint = run_fingerprint(cfg, accelerator, method.trainable, train_data)
     fingerprint["target_weights"] = weights_fingerprint(method.target)
     configure_deepspeed(accelerator, cfg.max_grad_norm)
-    trainable, optimizer, loader, scheduler = accelerator.prepare(trainable, optimizer, loader, scheduler)
-    method.trainable = trainable
-    method.agree = max_over_ranks(accelerator)  # None unless the engine gathers weights per call
-    expose_methods(accelerator, trainable)
-
-    step, epoch, batches_done = 0, 0, 0
-    history: list[tuple[int, dict[str, float]]] = []
-    metrics: dict[str, float] = {}
-    run_id = uuid.uuid4().hex
-    resume_from = find_resume(cfg.resume, output_dir)
-    best = BestWeights(getattr(method, "best_metric", None), output_dir)
-    if resume_from is not None:
-        state = read_state(resume_from)
-        check_same_run(resume_from, state.get("fingerprint", {}), fingerprint, cfg.resume_allow_changes)
-        check_rng_files(resume_from, accelerator.process_index)
-        accelerator.load_state(str(resume_from))
-        step, epoch, batches_done = state["step"], state["epoch"], state["batches_done"]
-        if state.get("total_steps", total) != total and accelerator.is_main_process:
-            print(f"note: resuming a run of {state['total_steps']} steps as one of {total}: the learning-rate "
-                  "schedule (and Medusa-2's heads weight) follows the new length from here", file=sys.stderr)
-        run_id = state.get("run_id", run_id)
-        metrics = state.get("metrics") or {}  # a final checkpoint's metrics decide the tree and the card
-        history = [(step, metrics)] if metrics else []
-        best.resume(state.get("best"))
-        accelerator.print(f"resumed from {resume_from} at step {step} (epoch {epoch}, batch {batches_done})")
-
-    if cfg.report_to != "none":
-        accelerator.init_trackers(cfg.run_name or output_dir.name, config=dataclasses.asdict(cfg))
+    module, optimizer, loader, scheduler = accelerator.prepare(method.trainable, optimizer, loader, scheduler)
+    expose_methods(accelerator, module)
+    timer = StepTimer(accelerator.device)  # target forward / drafter forward+backward / optimizer (train.step_timer)
+    method.start(RunContext(module, max_over_ranks(accelerator), timer))
     global_batch = cfg.per_device_train_batch_size * accelerator.num_processes * cfg.gradient_accumulation_steps
     accelerator.print(
         f"training {sum(p.numel() for p in params) / 1e6:.2f} M parameters for {total} steps "
@@ -204,100 +193,143 @@ def train(
         f"global batch {global_batch} = {cfg.per_device_train_batch_size} per device x {accelerator.num_processes} "
         f"processes x {cfg.gradient_accumulation_steps} accumulation; {engine_name(accelerator)}"
     )
-    bar = tqdm(total=total, initial=step, disable=not main, desc="train", dynamic_ncols=True)
-    if step == 0 and total > 0:
-        metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator)
-        history.append((0, metrics))
-        best.offer(accelerator, trainable, 0, metrics)
-        bar.write("step 0: " + format_metrics(metrics))
-    start, paused, first_step = time.time(), 0.0, step  # paused: seconds spent validating and saving
-    tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)  # this rank's real tokens since start
-    slots = 0  # this rank's positions trained (rows x row length), padding included
-    timer = StepTimer(accelerator.device)  # target forward / drafter forward+backward / optimizer (train.step_timer)
-    method.timer = timer
-    stop = step >= total
+    return Run(cfg, accelerator, method, module, optimizer, scheduler, loader, eval_loader, total, fingerprint,
+               BestWeights(method.best_metric, Path(cfg.output_dir)), timer)
+
+
+def resume(run: Run) -> None:
+    """Continue from `--resume`'s checkpoint (the same run: checked) with its weights, optimizer, schedule, RNG
+    and data position; a fresh run validates once first (step 0)."""
+    cfg, accelerator = run.cfg, run.accelerator
+    resume_from = find_resume(cfg.resume, Path(cfg.output_dir))
+    if resume_from is not None:
+        state = read_state(resume_from)
+        check_same_run(resume_from, state.get("fingerprint", {}), run.fingerprint, cfg.resume_allow_changes)
+        check_rng_files(resume_from, accelerator.process_index)
+        accelerator.load_state(str(resume_from))
+        run.step, run.epoch, run.batches_done = state["step"], state["epoch"], state["batches_done"]
+        if state.get("total_steps", run.total) != run.total and accelerator.is_main_process:
+            print(f"note: resuming a run of {state['total_steps']} steps as one of {run.total}: the learning-rate "
+                  "schedule (and Medusa-2's heads weight) follows the new length from here", file=sys.stderr)
+        run.run_id = state.get("run_id", run.run_id)
+        run.metrics = state.get("metrics") or {}  # a final checkpoint's metrics decide the tree and the card
+        run.history = [(run.step, run.metrics)] if run.metrics else []
+        run.best.resume(state.get("best"))
+        accelerator.print(f"resumed from {resume_from} at step {run.step} (epoch {run.epoch}, batch "
+                          f"{run.batches_done})")
+    if cfg.report_to != "none":
+        accelerator.init_trackers(cfg.run_name or Path(cfg.output_dir).name, config=dataclasses.asdict(cfg))
+    if run.step == 0 and run.total > 0:
+        validate(run, tqdm.write)
+
+
+def take_steps(run: Run) -> None:
+    """Optimizer steps up to the planned total (or the time budget), validating and saving on schedule."""
+    cfg, accelerator, module, timer = run.cfg, run.accelerator, run.module, run.timer
+    bar = tqdm(total=run.total, initial=run.step, disable=not accelerator.is_main_process, desc="train",
+               dynamic_ncols=True)
+    pace = Pace(time.time(), run.step, accelerator.device)
+    stop = run.step >= run.total
     while not stop:
-        loader.set_epoch(epoch)
-        batches = accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
+        run.loader.set_epoch(run.epoch)
+        batches = accelerator.skip_first_batches(run.loader, run.batches_done) if run.batches_done else run.loader
         for batch in batches_keeping_rng(batches):
-            trainable.train()
-            method.step, method.total_steps = step, total  # for losses that change over the run (Medusa-2)
-            with accelerator.accumulate(trainable), accelerator.autocast():
+            module.train()
+            with accelerator.accumulate(module), accelerator.autocast():
                 with timer.section("forward_backward"):  # the method times its target forward inside
-                    loss, logs = method.loss(batch)
-                    accelerator.backward(loss)
+                    out = run.method.loss(batch, StepContext(run.step, run.total))
+                    accelerator.backward(out.loss)
                 with timer.section("optimizer"):
                     if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                        accelerator.clip_grad_norm_(trainable.parameters(), cfg.max_grad_norm)
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-            batches_done += 1
-            tokens += batch["attention_mask"].sum()
-            slots += batch["attention_mask"].numel()
+                        accelerator.clip_grad_norm_(module.parameters(), cfg.max_grad_norm)
+                    run.optimizer.step()
+                    run.scheduler.step()
+                    run.optimizer.zero_grad(set_to_none=True)
+            run.batches_done += 1
+            pace.count(batch)
             if not accelerator.sync_gradients:
                 continue
-            step += 1
+            run.step += 1
             bar.update(1)
-            out_of_time = cfg.max_minutes > 0 and step % cfg.logging_steps == 0 and ranks_agree(
-                accelerator, time.time() - start > cfg.max_minutes * 60
-            )
-            stop = step >= total or out_of_time
-            if step % cfg.logging_steps == 0:
-                logs = {"train/" + k: float(v) for k, v in logs.items()} | {"lr": scheduler.get_last_lr()[0]}
-                rate = float(tokens) * accelerator.num_processes / max(time.time() - start - paused, 1e-9)
-                bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{rate:,.0f}",
-                                pad=f"{padding(float(tokens), slots):.1%}")
-                accelerator.log(logs, step=step)
-            pause = time.time()
-            if step % cfg.eval_steps == 0 or stop:
-                with timer.paused():  # the step split counts training steps only
-                    metrics = run_eval(method, eval_loader, cfg.eval_batches, accelerator)
-                history.append((step, metrics))
-                best.offer(accelerator, trainable, step, metrics)
-                accelerator.log({"eval/" + k: v for k, v in metrics.items() if not k.startswith("path/")}, step=step)
-                bar.write(f"step {step}: " + format_metrics(metrics))
-            if step % cfg.save_steps == 0 or stop:
-                state = {"step": step, "epoch": epoch, "batches_done": batches_done, "metrics": metrics,
-                         "run_id": run_id, "fingerprint": fingerprint, "total_steps": total, "best": best.record}
-                save_checkpoint(accelerator, output_dir, state, cfg.save_total_limit)
-                if main:
-                    best.prune()
-            paused += time.time() - pause
+            stop = after_step(run, out.logs, pace, bar)
             if stop:
-                if out_of_time:
-                    accelerator.print(cut_short(step, total, cfg.max_minutes))
                 break
         else:
-            epoch, batches_done = epoch + 1, 0
+            run.epoch, run.batches_done = run.epoch + 1, 0
     bar.close()
-    if step > first_step:
+    if run.step > pace.first_step:
         n = accelerator.num_processes
-        accelerator.print(step_report(timer.seconds(), step - first_step, int(tokens) * n, slots * n,
-                                      time.time() - start - paused))
-    if weights_fingerprint(method.target) != fingerprint["target_weights"]:
+        accelerator.print(step_report(timer.seconds(), run.step - pace.first_step, int(pace.tokens) * n,
+                                      pace.slots * n, pace.training_seconds()))
+
+
+def after_step(run: Run, logs: dict[str, torch.Tensor], pace: Pace, bar: tqdm) -> bool:
+    """Log, validate and save as scheduled after an optimizer step; whether the run stops here."""
+    cfg, accelerator, step = run.cfg, run.accelerator, run.step
+    out_of_time = cfg.max_minutes > 0 and step % cfg.logging_steps == 0 and ranks_agree(
+        accelerator, time.time() - pace.start > cfg.max_minutes * 60)
+    stop = step >= run.total or out_of_time
+    if step % cfg.logging_steps == 0:
+        logs = {"train/" + k: float(v) for k, v in logs.items()} | {"lr": run.scheduler.get_last_lr()[0]}
+        rate = float(pace.tokens) * accelerator.num_processes / max(pace.training_seconds(), 1e-9)
+        bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{rate:,.0f}",
+                        pad=f"{padding(float(pace.tokens), pace.slots):.1%}")
+        accelerator.log(logs, step=step)
+    with pace.paused():
+        if step % cfg.eval_steps == 0 or stop:
+            with run.timer.paused():  # the step split counts training steps only
+                validate(run, bar.write)
+        if step % cfg.save_steps == 0 or stop:
+            state = {"step": step, "epoch": run.epoch, "batches_done": run.batches_done, "metrics": run.metrics,
+                     "run_id": run.run_id, "fingerprint": run.fingerprint, "total_steps": run.total,
+                     "best": run.best.record}
+            save_checkpoint(accelerator, Path(cfg.output_dir), state, cfg.save_total_limit)
+            if accelerator.is_main_process:
+                run.best.prune()
+    if out_of_time:
+        accelerator.print(cut_short(step, run.total, cfg.max_minutes))
+    return stop
+
+
+def validate(run: Run, write: Callable[[str], None]) -> None:
+    """Validation metrics at the current step: logged, kept in the history, offered as the best weights."""
+    run.metrics = run_eval(run.method, run.module, run.eval_loader, run.cfg.eval_batches, run.accelerator)
+    run.history.append((run.step, run.metrics))
+    run.best.offer(run.accelerator, run.module, run.step, run.metrics)
+    if run.step:
+        run.accelerator.log({"eval/" + k: v for k, v in run.metrics.items() if not k.startswith("path/")},
+                            step=run.step)
+    write(f"step {run.step}: " + format_metrics(run.metrics))
+
+
+def finish(run: Run) -> torch.nn.Module:
+    """Check the target stayed frozen, then save the trained module (the best validation's weights where the
+    method names a metric) with its card and recipe; returns it, unwrapped."""
+    accelerator, method, cfg = run.accelerator, run.method, run.cfg
+    if weights_fingerprint(method.target) != run.fingerprint["target_weights"]:
         raise RuntimeError("the frozen target's weights changed during training: a drafter trained on a moving "
                            "target is wrong; check that no optimizer or engine received the target's parameters")
     accelerator.wait_for_everyone()
     # every rank helps gather the weights (ZeRO-3 / FSDP shard them); rank 0 fits the tree and writes once. A
     # sharded target needs every rank in each of its forwards: then every rank fits the same tree in step (the
     # same drafter, prompts and greedy decoding make the same calls) and the others' copies are thrown away.
-    in_step = is_sharded(method.target)
-    full = gathered_module(accelerator, trainable, everywhere=in_step)
-    method.trainable = full if main or in_step else accelerator.unwrap_model(trainable, keep_fp32_wrapper=False)
+    main, in_step = accelerator.is_main_process, is_sharded(method.target)
+    full = gathered_module(accelerator, run.module, everywhere=in_step)
+    trained = full if main or in_step else accelerator.unwrap_model(run.module, keep_fp32_wrapper=False)
+    metrics = run.metrics
     if main:
-        metrics = best.restore(method.trainable, step) or metrics
-        method.save(method.trainable, output_dir, metrics)
-        save_recipe(cfg, output_dir)
-        if history:
-            report_saved(cfg, history, method.label)
+        metrics = run.best.restore(trained, run.step) or metrics
+        method.save(trained, Path(cfg.output_dir), metrics)
+        save_recipe(cfg, Path(cfg.output_dir))
+        if run.history:
+            report_saved(cfg, run.history, method.label)
     elif in_step:
-        metrics = best.restore(method.trainable, step) or metrics
+        metrics = run.best.restore(trained, run.step) or metrics
         with tempfile.TemporaryDirectory() as scratch, contextlib.redirect_stdout(io.StringIO()):
-            method.save(method.trainable, Path(scratch), metrics)
+            method.save(trained, Path(scratch), metrics)
     accelerator.wait_for_everyone()  # the others wait for the save (ddp_timeout_minutes bounds it)
     accelerator.end_training()
-    return history
+    return trained
 
 
 def cut_short(step: int, total: int, minutes: float) -> str:
@@ -342,10 +374,11 @@ def ranks_agree(accelerator: Accelerator, flag: bool) -> bool:
 
 
 @torch.no_grad()
-def run_eval(method: Method, loader: DataLoader, max_batches: int, accelerator: Accelerator) -> dict[str, float]:
+def run_eval(method: Method, module: torch.nn.Module, loader: DataLoader, max_batches: int,
+             accelerator: Accelerator) -> dict[str, float]:
     """The first `max_batches` validation batches, split across ranks (rank r takes r, r + n, ...) and the
     sums reduced, so n ranks compute what one would, n times faster."""
-    method.trainable.eval()
+    module.eval()
     n, device = accelerator.num_processes, accelerator.device
     mine = itertools.islice(loader, accelerator.process_index, max_batches, n)
     batches = [{k: v.to(device) for k, v in b.items()} for b in mine]

@@ -125,8 +125,8 @@ def run(cfg: MedusaConfig) -> dict:
         method = medusa2_method(cfg, target, heads, tokenizer)
     else:
         method = MedusaMethod(cfg, target, heads)
-    history = train(cfg, accelerator, method, train_data, eval_data)
-    trained = method.trainable.heads if cfg.medusa2 else method.trainable
+    history, trained = train(cfg, accelerator, method, train_data, eval_data)
+    trained = trained.heads if cfg.medusa2 else trained
     return {"target": method.target, "heads": trained, "initial": initial, "history": history}
 
 

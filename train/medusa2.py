@@ -28,6 +28,7 @@ from selfspec.heads.medusa import MedusaHeads
 from selfspec.heads.target import ADAPTED
 from selfspec.infer.target import decoder_layers
 from selfspec.train.medusa_method import MedusaMethod, agreed_calls, chunked_sum
+from selfspec.train.method import FIRST_STEP, StepContext, StepOutput
 from selfspec.train.packing import reaches, segments, target_inputs
 from selfspec.train.regenerate import written_by
 
@@ -134,35 +135,34 @@ class Medusa2Method(MedusaMethod):
         self.backbone, self.kl, self.tokenizer = backbone, kl, tokenizer
         self.label = "Medusa-2 heads and merged target" if cfg.merge else "Medusa-2 heads and LoRA adapter"
         self.trainable = JointMedusa(backbone, heads)
-        self.step, self.total_steps = 0, 1  # set by the loop before each loss
+        self.stage = FIRST_STEP  # the step of the newest loss: it decides the stage and the heads' weight
         self._l0_sums = None
 
     def _heads_weight(self) -> float:
         """lambda(t) at the current step (0 in the heads-only stage)."""
         if not self._joint_stage():
             return 0.0
-        joint_steps = max(self.total_steps - self.cfg.heads_only_steps, 1)
+        joint_steps = max(self.stage.total_steps - self.cfg.heads_only_steps, 1)
         return heads_weight(self.cfg.heads_schedule, self.cfg.heads_coefficient,
-                            (self.step - self.cfg.heads_only_steps) / joint_steps)
+                            (self.stage.step - self.cfg.heads_only_steps) / joint_steps)
 
     def param_groups(self, lr: float) -> list[dict]:
         """The adapters at the run's learning rate, the heads at head_lr_multiplier times it."""
-        joint = getattr(self.trainable, "module", self.trainable)
-        lora = [p for p in joint.backbone.parameters() if p.requires_grad]
-        heads = [p for p in joint.heads.parameters() if p.requires_grad]
+        lora = [p for p in self.trainable.backbone.parameters() if p.requires_grad]
+        heads = [p for p in self.trainable.heads.parameters() if p.requires_grad]
         return [{"params": lora, "lr": lr}, {"params": heads, "lr": lr * self.cfg.head_lr_multiplier}]
 
     def _joint_stage(self) -> bool:
-        return self.step >= self.cfg.heads_only_steps
+        return self.stage.step >= self.cfg.heads_only_steps
 
     def _features(self, batch, some):
         with self.timer.section("target"):  # the adapted target's forward (its backward: the drafter's part)
-            return self.trainable(batch["input_ids"], some=some, joint=self._joint_stage() and torch.is_grad_enabled(),
+            return self.module(batch["input_ids"], some=some, joint=self._joint_stage() and torch.is_grad_enabled(),
                                   push=self._heads_weight(), **target_inputs(batch))
 
     def _logits(self, k: int, outputs: torch.Tensor) -> torch.Tensor:
         if not self.shared:  # the heads' own projection, inside the joint module (DDP and DeepSpeed wrap it)
-            heads = getattr(self.trainable, "module", self.trainable).heads
+            heads = self.trainable.heads
             return heads.project_head(k, outputs.to(heads.heads[k][-1].weight.dtype)).float()
         if not self._joint_stage():  # heads alone: the lm_head's frozen weights (its LoRA is still 0)
             frozen = getattr(self.lm_head, "base_layer", self.lm_head)
@@ -230,21 +230,21 @@ class Medusa2Method(MedusaMethod):
     def _l0(self, batch, hidden) -> torch.Tensor:
         return self._combine(*self._l0_parts(batch, hidden))
 
-    def loss(self, batch):
+    def loss(self, batch, step: StepContext = FIRST_STEP) -> StepOutput:
+        self.stage = step
         hidden, heads = self._per_head(batch)
         heads_loss, logs = self._heads_loss(heads)
         if not self._joint_stage():
             # every adapter tensor still gets a (zero) gradient: DDP expects each trained tensor's every step
-            untouched = sum(p.sum() for p in getattr(self.trainable, "module", self.trainable).backbone.parameters()
-                            if p.requires_grad)
+            untouched = sum(p.sum() for p in self.trainable.backbone.parameters() if p.requires_grad)
             logs["loss"] = heads_loss.detach()
-            return heads_loss + 0.0 * untouched, logs
+            return StepOutput(heads_loss + 0.0 * untouched, logs)
         kl, ce = self._l0_parts(batch, hidden)
         l0 = self._combine(kl, ce)
         # the objective is l0 + lambda * heads_loss: lambda is applied on the way back into the target
         logs |= self._l0_logs(kl.detach(), ce.detach()) | {"heads_loss": heads_loss.detach(),
                  "loss": (l0 + self._heads_weight() * heads_loss).detach()}
-        return l0 + heads_loss, logs
+        return StepOutput(l0 + heads_loss, logs)
 
     def _eval_extra(self, batch, hidden) -> None:
         total, count = self._l0_total(batch, hidden)

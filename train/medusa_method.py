@@ -23,8 +23,8 @@ from selfspec.infer.tree import (
     path_frequencies,
 )
 from selfspec.infer.tune import format_tree_rows
+from selfspec.train.method import FIRST_STEP, MethodBase, StepContext, StepOutput
 from selfspec.train.packing import reaches, segments, target_inputs
-from selfspec.train.step_timer import OFF
 
 if TYPE_CHECKING:
     from selfspec.train.medusa import MedusaConfig
@@ -116,10 +116,8 @@ def chunked_sum(fn: Callable[..., torch.Tensor], rows: tuple[torch.Tensor, ...],
     return total
 
 
-class MedusaMethod:
+class MedusaMethod(MethodBase):
     label = "Medusa heads"
-    agree = None  # the loop sets it under ZeRO-3/FSDP: every rank projects as many chunks (train.distributed)
-    timer = OFF  # the loop sets its StepTimer: the target's forward is timed apart (train.step_timer)
 
     def __init__(self, cfg: MedusaConfig, target, heads: MedusaHeads) -> None:
         self.cfg, self.target, self.trainable = cfg, target, heads
@@ -131,7 +129,7 @@ class MedusaMethod:
                   some: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The target's last hidden states (B, T, H) and the K heads' features at the `some` positions (M, H)."""
         hidden = self._hidden(batch)
-        return hidden, self.trainable(hidden[some], project=False)  # one call through the (wrapped) heads
+        return hidden, self.module(hidden[some], project=False)  # one call through the (wrapped) heads
 
     def _hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad(), self.timer.section("target"):  # the frozen target; base_model skips its lm_head
@@ -156,7 +154,7 @@ class MedusaMethod:
         head's own. Validation runs without autocast: features meet the projection in its dtype."""
         if self.shared:
             return self.lm_head(outputs.to(self.lm_head.weight.dtype)).float()
-        heads = getattr(self.trainable, "module", self.trainable)  # DDP and DeepSpeed wrap it; FSDP2 does not
+        heads = self.trainable
         return heads.project_head(k, outputs.to(heads.heads[k][-1].weight.dtype)).float()
 
     def _ce_sum(self, k: int, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -172,11 +170,11 @@ class MedusaMethod:
             ranks.append(label_ranks(logits, lab, RANKS))
         return ce, torch.cat(ranks)
 
-    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, batch: dict[str, torch.Tensor], step: StepContext = FIRST_STEP) -> StepOutput:
         _, heads = self._per_head(batch)
         total, logs = self._heads_loss(heads)
         logs["loss"] = total.detach()
-        return total, logs
+        return StepOutput(total, logs)
 
     def _heads_loss(self, heads: list[tuple[int, torch.Tensor, torch.Tensor, int]]
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

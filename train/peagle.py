@@ -31,8 +31,8 @@ from selfspec.train.eagle_features import batch_features
 from selfspec.train.feature_run import run_feature_drafter
 from selfspec.train.loop import heads_config
 from selfspec.train.medusa_method import chunk_rows
+from selfspec.train.method import FIRST_STEP, MethodBase, StepContext, StepOutput
 from selfspec.train.step_loss import StepLoss
-from selfspec.train.step_timer import OFF
 from selfspec.train.train_config import TrainConfig
 from selfspec.train.tree_fit import fit_dynamic_tree, save_with_tree
 from selfspec.train.vocabulary import choose_mask_token, draft_vocabulary, init_from_target
@@ -118,12 +118,10 @@ def subsampled(valid: torch.Tensor, depths: int, ratio: float, min_ratio: float,
     return anchors
 
 
-class PEagleMethod:
+class PEagleMethod(MethodBase):
     """P-EAGLE's loss, validation and save for the shared training loop (train/loop.py)."""
 
     label = "the P-EAGLE drafter"
-    timer = OFF  # the loop sets its StepTimer: the target's forward is timed apart (train.step_timer)
-    agree = None  # the loop sets it under ZeRO-3/FSDP: every rank projects as many chunks (train.distributed)
     best_metric = "sim_accept"  # the loop saves the weights of the best validation by this
 
     def __init__(self, cfg: PEagleConfig, target, draft: PEagleDraft, tune_prompts: list[torch.Tensor]) -> None:
@@ -137,8 +135,8 @@ class PEagleMethod:
         """The loss object, every depth's outputs (B, T-1, H) and the target's last hidden states (B, T, H)."""
         feats = batch_features(self.target, batch, self.layers, self.timer)
         hidden = self.lm_head.weight.shape[1]
-        draft = getattr(self.trainable, "module", self.trainable)  # DDP and DeepSpeed wrap it; FSDP2 does not
-        loss = StepLoss(draft, self.cfg.depths, self.lm_head, self.chunk, runner=self.trainable, agree=self.agree)
+        loss = StepLoss(self.trainable, self.cfg.depths, self.lm_head, self.chunk, runner=self.module,
+                        agree=self.agree)
         anchors = None
         if subsample:
             valid = batch["attention_mask"][:, 1:].bool()
@@ -146,9 +144,9 @@ class PEagleMethod:
         outputs = loss.unroll(feats[..., :-hidden], batch, self.embed, depths=self.cfg.depths, anchors=anchors)
         return loss, outputs, feats[..., -hidden:], anchors
 
-    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, batch: dict[str, torch.Tensor], step: StepContext = FIRST_STEP) -> StepOutput:
         loss, outputs, target, anchors = self._depths(batch, subsample=True)
-        return loss.loss(outputs, target, batch, keep=anchors)
+        return StepOutput(*loss.loss(outputs, target, batch, keep=anchors))
 
     def evaluate(self, batches: list[dict[str, torch.Tensor]],
                  total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:

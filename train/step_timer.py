@@ -76,3 +76,28 @@ def step_report(seconds: dict[str, float], steps: int, tokens: int, slots: int, 
 def padding(tokens: int, slots: int) -> float:
     """The fraction of the trained batches' positions (rows x row length) that were padding."""
     return 1 - tokens / slots if slots else 0.0
+
+
+class Pace:
+    """This rank's training throughput: real tokens and positions (padding included) since the start, and the
+    seconds spent training (validation and saving paused)."""
+
+    def __init__(self, start: float, first_step: int, device: torch.device) -> None:
+        self.start, self.first_step, self.paused_s = start, first_step, 0.0
+        self.tokens = torch.zeros((), dtype=torch.long, device=device)  # summed on the device: no sync per step
+        self.slots = 0
+
+    def count(self, batch: dict[str, torch.Tensor]) -> None:
+        self.tokens += batch["attention_mask"].sum()
+        self.slots += batch["attention_mask"].numel()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        began = time.time()
+        try:
+            yield
+        finally:
+            self.paused_s += time.time() - began
+
+    def training_seconds(self) -> float:
+        return time.time() - self.start - self.paused_s
