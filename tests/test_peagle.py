@@ -152,7 +152,7 @@ def test_many_confirmed_pairs_at_once_fill_the_cache_as_one_plain_call():
     fused = fused_features(model, ids, draft.config.feature_layers)[0]  # (31, nH)
     prop.start(1, 64, SamplingParams(), [None])
     prop.propose([True], [ids[0, :6]], [fused[:5]])  # the prompt's 5 pairs
-    assert 25 > prop.mask.buffer.shape[-2]
+    assert prop.mask.buffer.shape[-2] < 25
     prop.propose([True], [ids[0]], [fused[5:30]])  # 25 pairs at once
     with torch.no_grad():
         plain = DraftCache.for_drafter(draft, 30)
