@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from selfspec.heads.config import HeadsConfig, read_json_object
+from selfspec.heads.config import HeadsConfig
 from selfspec.heads.errors import disk_full_instead
 from selfspec.heads.hub import WEIGHTS_NAME, model_card, push_to_hub, resolve_heads
 
@@ -29,14 +29,6 @@ def saved_model_files(directory: Path) -> list[str]:
     writing another one there would overwrite them, or leave a mix that loads as neither."""
     return sorted(p.name for p in directory.glob("*")
                   if p.name in ("config.json", "README.md") or p.suffix in WEIGHT_SUFFIXES)
-
-
-def read_config_json(directory: Path) -> dict[str, Any]:
-    """A checkpoint directory's config.json as a dict, or a ValueError saying what is wrong with it."""
-    path = directory / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{directory} has no config.json: a Medusa or EAGLE checkpoint needs one")
-    return read_json_object(path)
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:

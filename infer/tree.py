@@ -94,11 +94,6 @@ def stack_trees(trees: Sequence[Tree], size: int = 0) -> Tree:
     return Tree(**{f.name: torch.stack([getattr(t, f.name) for t in padded]) for f in dataclasses.fields(first)})
 
 
-def row_tree(trees: Tree, b: int) -> Tree:
-    """Row b of a batched tree."""
-    return Tree(**{f.name: getattr(trees, f.name)[b] for f in dataclasses.fields(trees)})
-
-
 def build_tree(parents: torch.Tensor, ranks: torch.Tensor, max_depth: int, width: int) -> Tree:
     """Tree fields from a valid parent vector, with tensor ops only (no host sync), so a drafter can
     build its tree on the device every step. `max_depth` bounds the depth (paths are that wide) and
