@@ -20,8 +20,9 @@ from typing import Any
 
 from accelerate import Accelerator
 
+from selfspec.heads.config import read_json_object
 from selfspec.heads.errors import disk_full_instead
-from selfspec.heads.io import file_mode, read_json_object, saved_model_files, sha256_of
+from selfspec.heads.io import file_mode, saved_model_files, sha256_of
 
 STATE_NAME = "trainer_state.json"
 MANIFEST_NAME = "manifest.json"
