@@ -76,9 +76,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from selfspec.infer.generation_config import resolve
 
     check_drafter_options(args)
-    given = sum(map(bool, (args.heads, args.draft_model, args.prompt_lookup)))
+    given = sum(map(bool, (args.heads, args.mtp, args.draft_model, args.prompt_lookup)))
     if given != 1:
-        raise ValueError("generate takes exactly one drafter: --heads DIR, --draft-model PATH or --prompt-lookup")
+        raise ValueError("generate takes exactly one drafter: --heads DIR, --mtp, --draft-model PATH or "
+                         "--prompt-lookup")
     output_file("--json", args.json)
 
     def fit(tokenizer: Any, config: Any) -> None:
@@ -185,6 +186,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         runners["hf_assisted"] = hf_runner(model, n, eos, pad, assistant_model=draft)
     if args.prompt_lookup:
         runners["hf_prompt_lookup"] = hf_runner(model, n, eos, pad, prompt_lookup_num_tokens=args.prompt_lookup_tokens)
+    if args.mtp:  # transformers' MTP chain (MTPCandidateGenerator: one token per MTP layer a step)
+        from selfspec.heads.formats.mtp import own_mtp_keys
+
+        runners["hf_mtp"] = own_mtp_keys(model, hf_runner(model, n, eos, pad, use_mtp=True))
     tree_nodes = {}
     for name, spec in zip(method_names(specs), specs):
         runners[name] = speculative_runner(spec, n, eos, pad)
@@ -193,7 +198,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     batches = f"batch size{'s' if len(sizes) > 1 else ''} {', '.join(map(str, sizes))}"
     print(f"benchmarking {len(prompts)} prompts x {n} new tokens, {batches}, {args.dtype}, {torch.get_num_threads()} "
           f"threads, trees of at most {trees or 'no'} nodes", file=sys.stderr)
-    batch_one = [name for name in ("hf_assisted", "hf_prompt_lookup") if name in runners]
+    batch_one = [name for name in ("hf_assisted", "hf_prompt_lookup", "hf_mtp") if name in runners]
     larger = [size for size in sizes if size > 1]
     if batch_one and larger:
         sizes_s = f"size{'s' if len(larger) > 1 else ''} {', '.join(map(str, larger))}"

@@ -67,7 +67,7 @@ def _eagle_options(args: argparse.Namespace, configs: list[HeadsConfig]) -> dict
     if given and args.tree is not None:
         raise ValueError(f"{', '.join(given)} shape EAGLE's dynamic tree and --tree fixes a static one: "
                          "give one or the other")
-    if given and not any(dynamic_tree(c.kind) for c in configs):
+    if given and not any(dynamic_tree(c.kind) for c in configs) and not getattr(args, "mtp", False):
         kinds = sorted({c.kind for c in configs})
         raise ValueError(f"{', '.join(given)} shape EAGLE's and DFlash's dynamic trees, but the heads are "
                          f"{'/'.join(kinds)} heads; use --tree for a static tree")
@@ -137,6 +137,8 @@ def load_models(
                 again = SpeculativeModel.from_pretrained(drafter, model=model, device=args.device, tree=tree,
                                                          **kwargs)
                 specs.append(SpeculativeModel(model, LookupFirst(again.proposer, lookup)))
+    if getattr(args, "mtp", False):
+        specs.append(SpeculativeModel(model, _mtp_proposer(args, model, name, tree, options)))
     if args.draft_model:
         specs.append(SpeculativeModel(model, _draft_proposer(args, model)))
     if args.prompt_lookup:
@@ -147,6 +149,20 @@ def load_models(
         for spec in specs:
             spec.target.compile(args.compile)
     return model, tokenizer, specs
+
+
+def _mtp_proposer(args: argparse.Namespace, model: Any, name: str, tree: Any, options: dict[str, int | None]):
+    """The target's own MTP layers (--mtp), read from its checkpoint, drafting the dynamic tree of --draft-depth /
+    --draft-top-k / --total-tokens (default: a chain of 3)."""
+    from selfspec.heads.formats.mtp import load_target_mtp
+    from selfspec.infer.loading import proposer_for
+    from selfspec.infer.proposers import TREE_OPTIONS
+
+    try:
+        draft = load_target_mtp(model, name, args.device)
+    except ValueError as e:
+        raise ValueError(f"--mtp: {e}") from None
+    return proposer_for(draft, model, tree, **{TREE_OPTIONS[k]: v for k, v in options.items()})
 
 
 def _draft_proposer(args: argparse.Namespace, model: Any):

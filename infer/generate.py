@@ -29,7 +29,7 @@ from selfspec.infer.cache import PreallocatedCache, new_cache
 from selfspec.infer.decode_step import DecodeState, FixedShapes, Shapes
 from selfspec.infer.drafter import Drafter, SequenceDrafter, as_drafter
 from selfspec.infer.generation_config import Settings, resolve
-from selfspec.infer.loading import load_parts, refuse_unknown, target_placement
+from selfspec.infer.loading import load_mtp_parts, load_parts, refuse_unknown, target_placement
 from selfspec.infer.stats import GenerateOutput, GenerationStats
 from selfspec.infer.target import Target
 from selfspec.infer.text_stream import text_pieces
@@ -103,6 +103,7 @@ class SpeculativeModel:
         draft_depth: int | None = None,
         draft_top_k: int | None = None,
         draft_total_tokens: int | None = None,
+        mtp: bool = False,
         compile: bool | str = False,
         device: str | torch.device | None = None,
         **kwargs: Any,
@@ -118,6 +119,8 @@ class SpeculativeModel:
         `device_map` or `dtype` it does not match is an error). `device` is a single-device `device_map`.
         `tree` fixes a static tree (Medusa choices; EAGLE-1 style for EAGLE); `draft_depth`, `draft_top_k`
         and `draft_total_tokens` shape EAGLE's dynamic tree (default: the drafter's fitted tree);
+        `mtp=True` drafts with the target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.5, ... ; read
+        from its checkpoint): `pretrained_model_name_or_path` (or `model`) is then the target itself.
         `compile` verifies through torch.compile (see __init__).
         """
         refuse_unknown(kwargs)
@@ -126,8 +129,12 @@ class SpeculativeModel:
                           "trust_remote_code": trust_remote_code}
         draft_options = {"revision": draft_revision, "token": token}
         tree_options = {"draft_depth": draft_depth, "draft_top_k": draft_top_k, "draft_total_tokens": draft_total_tokens}
-        model, proposer = load_parts(pretrained_model_name_or_path, model, device_map, dtype, target_options,
-                                     draft_options, tree, tree_options)
+        if mtp:
+            model, proposer = load_mtp_parts(pretrained_model_name_or_path, model, device_map, dtype, target_options,
+                                             tree, tree_options)
+        else:
+            model, proposer = load_parts(pretrained_model_name_or_path, model, device_map, dtype, target_options,
+                                         draft_options, tree, tree_options)
         return cls(model, proposer, compile=compile)
 
     def _settings(self, generation_config: Any, kwargs: dict[str, Any]) -> Settings:

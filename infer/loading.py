@@ -111,3 +111,27 @@ def load_parts(drafter: str | Path | PretrainedHeads, model: torch.nn.Module | N
     weight = model.get_output_embeddings().weight
     heads = heads.to(device=weight.device, dtype=weight.dtype)
     return model, proposer_for(heads, model, tree, **{TREE_OPTIONS[k]: v for k, v in tree_options.items()})
+
+
+def load_mtp_parts(name: str | Path | PretrainedHeads, model: torch.nn.Module | None, device_map: Any,
+                   dtype: torch.dtype | str | None, target_options: dict[str, Any], tree: list[list[int]] | None,
+                   tree_options: dict[str, int | None]) -> tuple[torch.nn.Module, Drafter]:
+    """The target and the proposer of `SpeculativeModel.from_pretrained(target, mtp=True)`: its own MTP layers."""
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.heads.formats.mtp import load_target_mtp
+    from selfspec.shipped.models import resolve_model
+
+    if isinstance(name, PretrainedHeads):
+        raise ValueError("mtp=True drafts with the target's own MTP layers: give the target's name or path (a "
+                         "trained drafter, fine-tuned MTP layers included, is loaded without mtp=True)")
+    if model is not None:
+        check_given_model(model, device_map, dtype)
+    else:
+        options = {k: v for k, v in target_options.items() if v is not None}
+        if device_map is not None:
+            options["device_map"] = device_map
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(str(name)), dtype=dtype or "auto", **options)
+    weight = model.get_output_embeddings().weight
+    heads = load_target_mtp(model, str(name), weight.device)
+    return model, proposer_for(heads, model, tree, **{TREE_OPTIONS[k]: v for k, v in tree_options.items()})

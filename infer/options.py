@@ -22,8 +22,9 @@ from selfspec.infer.verify import SamplingParams
 PROG = "selfspec"
 DESCRIPTION = """Speculative decoding from the command line: generate, bench, tune, import, export, push.
 
-Drafters: trained drafter directories (--heads: Medusa, EAGLE, EAGLE-3, P-EAGLE, DFlash), a separate small draft model
-(--draft-model, the seed paper's algorithm) or prompt lookup (--prompt-lookup)."""
+Drafters: trained drafter directories (--heads: Medusa, EAGLE, EAGLE-3, P-EAGLE, DFlash, fine-tuned MTP layers), the
+target's own MTP layers (--mtp), a separate small draft model (--draft-model, the seed paper's algorithm) or prompt
+lookup (--prompt-lookup)."""
 NUM_DRAFT_TOKENS = 4  # a draft model's proposal length when --num-draft-tokens is not given
 PROMPT_LOOKUP_TOKENS = 10  # prompt lookup's longest proposal when --prompt-lookup-tokens is not given
 BENCH_PROMPTS = 16  # built-in prompts bench decodes when neither --num-prompts nor --prompts is given
@@ -134,10 +135,14 @@ def drafter_options(p: argparse.ArgumentParser, several: bool) -> None:
     """generate's and bench's options: the drafters (`several`: --heads repeats), the target, the run."""
     if several:
         p.add_argument("--heads", action="append",
-                       help="a trained drafter directory (Medusa, EAGLE, EAGLE-3, P-EAGLE or DFlash); repeat it to compare "
+                       help="a trained drafter directory (Medusa, EAGLE, EAGLE-3, P-EAGLE, DFlash or MTP); repeat it to compare "
                             "several drafters of one target in the same run")
     else:
-        p.add_argument("--heads", help="a trained drafter directory (Medusa, EAGLE, EAGLE-3, P-EAGLE or DFlash)")
+        p.add_argument("--heads", help="a trained drafter directory (Medusa, EAGLE, EAGLE-3, P-EAGLE, DFlash or MTP)")
+    p.add_argument("--mtp", action="store_true",
+                   help="draft with the target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.5 and the "
+                        "other configs with num_mtp_layers), read from its checkpoint; fine-tuned ones are a --heads "
+                        "folder (train/mtp.py)")
     p.add_argument("--draft-model", help="a small causal LM with the target's tokenizer drafts chains (the seed "
                                          "paper's algorithm); `demo-draft` is the shipped one")
     p.add_argument("--num-draft-tokens", type=at_least(1), default=None,
@@ -173,7 +178,7 @@ def refused(why: str) -> Callable[[str], NoReturn]:
 
 def eagle_tree_options(p: argparse.ArgumentParser, top_k_flags: list[str], note: str) -> None:
     """The EAGLE dynamic tree's options, `top_k_flags` naming its width."""
-    g = p.add_argument_group("dynamic tree (EAGLE, P-EAGLE, DFlash)", "override the drafter's defaults (from its config.json); "
+    g = p.add_argument_group("dynamic tree (EAGLE, P-EAGLE, DFlash, MTP)", "override the drafter's defaults (from its config.json); "
                              f"not with --tree; {note}")
     g.add_argument("--depth", type=at_least(1), help="draft steps (the tree's maximum depth)")
     g.add_argument(*top_k_flags, dest="draft_top_k", type=at_least(1),
@@ -203,7 +208,7 @@ def generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="compare drafters with model.generate and plain decoding on the same prompts")
     drafter_options(bench, several=True)
-    eagle_tree_options(bench, ["--draft-top-k"], "applied to the EAGLE, P-EAGLE and DFlash drafters only, an error when none "
+    eagle_tree_options(bench, ["--draft-top-k"], "applied to the EAGLE, P-EAGLE, DFlash and MTP drafters only, an error when none "
                        "is one")
     bench.add_argument("--top-k", type=refused("--top-k is sampling's top-k in selfspec generate; bench decodes "
                                                "greedily, and the tree's width is --draft-top-k"),

@@ -1,5 +1,5 @@
-"""selfspec: train Medusa / EAGLE-1/2/3 / P-EAGLE / DFlash drafters on a frozen Hugging Face causal LM and decode with them
-losslessly (a draft model and prompt lookup run in the same loop).
+"""selfspec: train Medusa / EAGLE-1/2/3 / P-EAGLE / DFlash drafters on a frozen Hugging Face causal LM, or fine-tune its
+own MTP layers, and decode with them losslessly (a draft model and prompt lookup run in the same loop).
 
     from selfspec import SpeculativeModel
     spec = SpeculativeModel.from_pretrained("outputs/eagle3-llama3.1-8b", device_map="cuda", dtype="bfloat16")
@@ -32,6 +32,7 @@ PUBLIC = {
     "Eagle3Draft": "selfspec.heads.eagle3",
     "DFlashDraft": "selfspec.heads.dflash",
     "PEagleDraft": "selfspec.heads.peagle",
+    "MtpDraft": "selfspec.heads.mtp",
     "load_heads": "selfspec.heads.registry",
     "import_heads": "selfspec.heads.formats",
     "export_heads": "selfspec.heads.formats",

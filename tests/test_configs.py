@@ -9,6 +9,7 @@ from selfspec.train.config import load_config
 from selfspec.train.dflash import DFlashConfig
 from selfspec.train.eagle import EagleConfig
 from selfspec.train.medusa import MedusaConfig
+from selfspec.train.mtp import MtpConfig
 from selfspec.train.peagle import PEagleConfig
 from selfspec.train.regen_config import RegenerateConfig
 from selfspec.train.target import TargetConfig
@@ -18,7 +19,7 @@ ACCELERATE = [p for p in CONFIGS if p.parent.name == "accelerate"]  # `accelerat
 RUN_CONFIGS = [p for p in CONFIGS if p.parent.name != "accelerate"]  # a recipe's `--config`
 RECIPES = {"train/medusa.py": MedusaConfig, "train/eagle.py": EagleConfig, "train/target.py": TargetConfig,
            "train/regenerate.py": RegenerateConfig, "train/dflash.py": DFlashConfig,
-           "train/peagle.py": PEagleConfig}
+           "train/peagle.py": PEagleConfig, "train/mtp.py": MtpConfig}
 
 
 def relative(path: Path) -> str:
@@ -47,7 +48,8 @@ def test_run_config_is_valid_for_its_recipe(path):
     load_config(RECIPES[recipes[0]], ["--config", str(path)])
 
 
-@pytest.mark.parametrize("recipe, cls", [("medusa", MedusaConfig), ("eagle", EagleConfig), ("peagle", PEagleConfig)])
+@pytest.mark.parametrize("recipe, cls", [("medusa", MedusaConfig), ("eagle", EagleConfig), ("peagle", PEagleConfig),
+                                         ("mtp", MtpConfig)])
 def test_demo_yaml_equals_the_no_argument_defaults(recipe, cls):
     path = next(p for p in CONFIGS if p.name == "demo.yaml" and p.parent.name == recipe)
     assert load_config(cls, ["--config", str(path)]) == cls()

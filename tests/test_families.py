@@ -29,7 +29,7 @@ def test_every_reference_resolves(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_declared_formats_are_the_format_modules_layouts(kind):
     f = family(kind)
-    module = f.detect.partition(":")[0]
+    module = (f.detect or f.exporter).partition(":")[0]
     assert f.formats == tuple(resolve(f"{module}:LAYOUTS")), kind
     assert set(f.carried) == set(f.formats)
     assert all(format_family(fmt) is f for fmt in f.formats)
@@ -40,11 +40,13 @@ def test_recipe_configs_name_the_family_they_train():
     from selfspec.train.dflash import DFlashConfig
     from selfspec.train.eagle import EagleConfig
     from selfspec.train.medusa import MedusaConfig
+    from selfspec.train.mtp import MtpConfig
     from selfspec.train.peagle import PEagleConfig
 
-    named = {MedusaConfig.kind, DFlashConfig.kind, EagleConfig().kind, EagleConfig(version=3).kind, PEagleConfig.kind}
+    named = {MedusaConfig.kind, DFlashConfig.kind, EagleConfig().kind, EagleConfig(version=3).kind, PEagleConfig.kind,
+             MtpConfig.kind}
     assert named == {f.kind for f in FAMILIES.values() if f.recipe}
-    for cfg in (MedusaConfig(), EagleConfig(), EagleConfig(version=3), DFlashConfig(), PEagleConfig()):
+    for cfg in (MedusaConfig(), EagleConfig(), EagleConfig(version=3), DFlashConfig(), PEagleConfig(), MtpConfig()):
         assert family(cfg.kind).load("recipe_config") is type(cfg)
 
 

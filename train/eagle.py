@@ -35,7 +35,7 @@ from selfspec.train.loop import heads_config
 from selfspec.train.medusa_method import chunk_rows, chunked_sum, medusa_labels
 from selfspec.train.method import FIRST_STEP, MethodBase, StepContext, StepOutput
 from selfspec.train.packing import block_causal_mask, pair_segments, positions, segments
-from selfspec.train.step_loss import StepLoss
+from selfspec.train.step_loss import StepLoss, step_metrics
 from selfspec.train.train_config import TrainConfig
 from selfspec.train.tree_fit import fit_dynamic_tree, save_with_tree
 from selfspec.train.vocabulary import draft_vocabulary, init_from_target
@@ -258,21 +258,8 @@ class Eagle3Method(EagleMethod):
                  total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
         """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share).
         "loss" is the mean of the batch losses over batches with trained tokens."""
-        steps = self.cfg.ttt_steps
-        # [summed batch losses, batches, accepted, positions, hits per step, counted positions per step]
-        sums = torch.zeros(4 + 2 * steps, dtype=torch.float64, device=self.lm_head.weight.device)
-        for batch in batches:
-            ttt, outputs, target = self._unroll(batch)
-            loss = ttt.loss(outputs, target, batch)[0].detach().double()
-            hits, counts, accepted, positions = ttt.agreement(outputs, target, batch)
-            counted = (positions > 0).double()  # a batch without trained tokens (a rank's filler) counts for nothing
-            sums += torch.cat([torch.stack([loss, counted, accepted, positions]), hits, counts])
-        sums = (total(sums) if total else sums).cpu()
-        loss, batches_seen, accepted, positions = sums[:4].tolist()
-        top = sums[4 : 4 + steps] / sums[4 + steps :].clamp(min=1)
-        metrics = {"loss": loss / max(batches_seen, 1), "top1": float(top[0]), "sim_accept": accepted / max(positions, 1)}
-        metrics |= {f"step{i}_top1": float(top[i]) for i in range(steps)}
-        return metrics
+        return step_metrics(batches, self._unroll, self.cfg.ttt_steps, self.lm_head.weight.device, total,
+                            lambda i: f"step{i}_top1")
 
     def summary(self, metrics: dict[str, float]) -> str:
         steps = " / ".join(f"{metrics[f'step{i}_top1']:.3f}" for i in range(self.cfg.ttt_steps))

@@ -32,7 +32,7 @@ from selfspec.train.feature_run import run_feature_drafter
 from selfspec.train.loop import heads_config
 from selfspec.train.medusa_method import chunk_rows
 from selfspec.train.method import FIRST_STEP, MethodBase, StepContext, StepOutput
-from selfspec.train.step_loss import StepLoss
+from selfspec.train.step_loss import StepLoss, step_metrics
 from selfspec.train.train_config import TrainConfig
 from selfspec.train.tree_fit import fit_dynamic_tree, save_with_tree
 from selfspec.train.vocabulary import choose_mask_token, draft_vocabulary, init_from_target
@@ -152,19 +152,8 @@ class PEagleMethod(MethodBase):
                  total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
         """Validation at every position and depth; `total` sums over processes. "sim_accept" is the chain's
         teacher-forced acceptance length: 1 + the leading depths whose top-1 is the target's argmax."""
-        depths = self.cfg.depths
-        sums = torch.zeros(4 + 2 * depths, dtype=torch.float64, device=self.lm_head.weight.device)
-        for batch in batches:
-            loss, outputs, target, _ = self._depths(batch, subsample=False)
-            value = loss.loss(outputs, target, batch)[0].detach().double()
-            hits, counts, accepted, positions = loss.agreement(outputs, target, batch)
-            counted = (positions > 0).double()
-            sums += torch.cat([torch.stack([value, counted, accepted, positions]), hits, counts])
-        sums = (total(sums) if total else sums).cpu()
-        value, seen, accepted, positions = sums[:4].tolist()
-        top = sums[4 : 4 + depths] / sums[4 + depths :].clamp(min=1)
-        metrics = {"loss": value / max(seen, 1), "top1": float(top[0]), "sim_accept": accepted / max(positions, 1)}
-        return metrics | {f"depth{d + 1}_top1": float(top[d]) for d in range(depths)}
+        return step_metrics(batches, lambda batch: self._depths(batch, subsample=False)[:3], self.cfg.depths,
+                            self.lm_head.weight.device, total, lambda d: f"depth{d + 1}_top1")
 
     def save(self, draft: PEagleDraft, output_dir: Path, metrics: dict[str, float]) -> None:
         """Fit the chain or tree here (unless the recipe sets it; without prompts: the chain of every depth)."""

@@ -163,3 +163,25 @@ class StepLoss:
             streak &= agreed
             accepted += streak.sum()
         return hits, counts, accepted, positions
+
+
+def step_metrics(batches: list[dict[str, torch.Tensor]], unroll: Callable[[dict], tuple[StepLoss, list, torch.Tensor]],
+                 steps: int, device: torch.device, total: Callable[[torch.Tensor], torch.Tensor] | None,
+                 name: Callable[[int], str]) -> dict[str, float]:
+    """Validation of a per-step drafter over `batches`, each unrolled by `unroll(batch)` -> (loss, outputs, target
+    states); `total` sums over processes (each evaluating its share). "loss" is the mean batch loss over batches
+    with trained tokens, "sim_accept" the chain's teacher-forced acceptance length (1 + the leading steps whose
+    top-1 is the target's argmax), and `name(i)` names step i's top-1 agreement."""
+    # [summed batch losses, batches, accepted, positions, hits per step, counted positions per step]
+    sums = torch.zeros(4 + 2 * steps, dtype=torch.float64, device=device)
+    for batch in batches:
+        loss, outputs, target = unroll(batch)
+        value = loss.loss(outputs, target, batch)[0].detach().double()
+        hits, counts, accepted, positions = loss.agreement(outputs, target, batch)
+        counted = (positions > 0).double()  # a batch without trained tokens (a rank's filler) counts for nothing
+        sums += torch.cat([torch.stack([value, counted, accepted, positions]), hits, counts])
+    sums = (total(sums) if total else sums).cpu()
+    value, seen, accepted, positions = sums[:4].tolist()
+    top = sums[4 : 4 + steps] / sums[4 + steps :].clamp(min=1)
+    metrics = {"loss": value / max(seen, 1), "top1": float(top[0]), "sim_accept": accepted / max(positions, 1)}
+    return metrics | {name(i): float(top[i]) for i in range(steps)}

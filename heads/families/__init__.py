@@ -3,7 +3,7 @@ its line here (docs/adding-a-drafter.md)."""
 
 from __future__ import annotations
 
-from selfspec.heads.families import dflash, eagle, eagle3, medusa, peagle
+from selfspec.heads.families import dflash, eagle, eagle3, medusa, mtp, peagle
 from selfspec.heads.family import Family
 
 FAMILIES: dict[str, Family] = {f.kind: f for f in (
@@ -12,6 +12,7 @@ FAMILIES: dict[str, Family] = {f.kind: f for f in (
     eagle3.FAMILY,
     dflash.FAMILY,
     peagle.FAMILY,
+    mtp.FAMILY,
 )}
 KINDS = tuple(FAMILIES)
 # every family-specific HeadsConfig field, and the families that read it (a field set for another is refused)
