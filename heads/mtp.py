@@ -107,11 +107,28 @@ class MtpDraft(PretrainedHeads):
     def step(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module, attention_mask: torch.Tensor | None,
              position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """One pass of MTP layer 0: hidden (B, T, H) at t, the tokens x_{t+1} (B, T), a 4D mask over `cache`'s
-        keys then these (additive or boolean), positions (B, T) -> outputs (B, T, H), each predicting x_{t+2}."""
-        embeds = embed(input_ids).to(hidden.dtype)
+        keys then these (additive or boolean), positions (B, T) -> outputs (B, T, H), each predicting x_{t+2}.
+
+        The outputs are the decoder block's, before the layer's output norm: what the next MTP step reads as its
+        hidden state (DeepSeek-V3's sequential modules; vLLM's and SGLang's MTP drafting), while `logits` applies
+        the norm (MtpLayer.forward would apply it before handing the state on). The layer's own parts are called
+        in MtpLayer.forward's order. The pair at position 0 reads a zero embedding (the engines' convention)."""
+        layer = self.mtp.layers[0]
+        # the pair at position 0 reads no token embedding, as vLLM's and SGLang's MTP layers have it (measured: with
+        # it, vLLM 0.32 accepts exactly our drafts; without, a few later drafts differ)
+        embeds = embed(input_ids).to(hidden.dtype).masked_fill(position_ids[..., None] == 0, 0)
         rope = self.rotary(embeds, position_ids=position_ids) if self.rotary is not None else None
-        out = self.mtp.layers[0](embeds, hidden, position_embeddings=rope, attention_mask=attention_mask,
-                                 position_ids=position_ids, cache=cache)
+        parts = [layer.enorm(embeds), layer.hnorm(hidden)]
+        if getattr(layer.config, "mtp_hidden_states_first", False):
+            parts.reverse()
+        return layer.mtp_block(layer.eh_proj(torch.cat(parts, dim=-1)), attention_mask=attention_mask,
+                               position_embeddings=rope, position_ids=position_ids, cache=cache)
+
+    def output_norm(self, out: torch.Tensor) -> torch.Tensor:
+        """The norm MTP layer 0 applies to its output before the lm_head."""
+        layer = self.mtp.layers[0]
+        if layer.post_norm is not None:
+            out = layer.post_norm(out)
         return self.shared_post_norm(out) if self.shared_post_norm is not None else out
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
@@ -148,9 +165,9 @@ class MtpDraft(PretrainedHeads):
         return outputs
 
     def logits(self, out: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """Logits over the target's vocabulary through its lm_head (the MTP layers share it)."""
+        """Logits over the target's vocabulary: the layer's output norm, then the target's lm_head (shared)."""
         head = lm_head if lm_head is not None else self.lm_head
-        return head(out.to(head.weight.dtype))
+        return head(self.output_norm(out).to(head.weight.dtype))
 
     # the target's whole vocabulary: draft ids are target ids
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

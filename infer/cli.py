@@ -257,15 +257,19 @@ def cmd_tune(args: argparse.Namespace) -> None:
     from selfspec.heads.registry import is_published
     from selfspec.infer.tune import format_rows, format_tree_rows, tune_eagle, tune_medusa
 
-    if not Path(args.heads, "config.json").is_file():
+    if bool(args.heads) == bool(args.mtp):
+        raise ValueError("tune fits one drafter: give --heads DIR, or --mtp with --model TARGET")
+    if args.mtp and not args.model:
+        raise ValueError("--mtp drafts with the target's own MTP layers: name the target with --model")
+    if args.heads and not Path(args.heads, "config.json").is_file():
         raise ValueError(f"--heads {args.heads}: tune stores its result in a local heads directory; "
                          "download Hub heads first (hf download ID --local-dir DIR)")
-    if is_published(args.heads):
+    if args.heads and is_published(args.heads):
         raise ValueError(f"--heads {args.heads}: tune stores its result in the heads' config.json, and this one is "
                          f"a published checkpoint's: write it in selfspec's layout first (selfspec import "
                          f"--src {args.heads} --out DIR)")
     texts = calibration_texts(args.prompts, args.num_prompts)  # a bad --prompts file fails before the model loads
-    model, tokenizer, (spec,) = load_models(args, [args.heads])
+    model, tokenizer, (spec,) = load_models(args, [args.heads] if args.heads else [])
     prompts = [p.to(args.device) for p in calibration_prompts(tokenizer, texts, None if args.prompts else 32)]
     drafter = spec.proposer.drafter
     config = drafter.config
@@ -288,6 +292,10 @@ def cmd_tune(args: argparse.Namespace) -> None:
         print(format_tree_rows(rows, choices))
         config.tree = choices
         chosen = f"a {len(choices) + 1}-node tree"
+    if args.mtp:
+        print(f"the fastest here: --draft-depth {config.depth} --draft-top-k {config.top_k} --total-tokens "
+              f"{config.total_tokens} (with --mtp; train/mtp.py saves fine-tuned layers with a tree of their own)")
+        return
     atomic_write(Path(args.heads, "config.json"), lambda tmp: Path(tmp).write_text(config.to_json()))
     print(f"stored {chosen} as the default in {args.heads}/config.json (the most tokens per second measured here, "
           f"at batch size {args.batch_size})")

@@ -44,3 +44,8 @@ def mtp_proposer(draft: MtpDraft, model: nn.Module, tree: list[list[int]] | None
     choices = None if dynamic else tree if tree is not None else draft.config.tree
     return MtpProposer(draft, model.get_input_embeddings(), model.get_output_embeddings(), choices=choices,
                        **tree_options)
+
+
+def mtp_grid(config: object) -> list[tuple[int, int, int]]:
+    """`selfspec tune`'s grid for MTP layers: chains of 1 to 4 (what the engines draft) and narrow trees."""
+    return [(d, 1, d) for d in (1, 2, 3, 4)] + [(d, k, t) for d in (2, 3, 4) for k in (2, 4) for t in (8, 16)]

@@ -231,7 +231,10 @@ def bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="fit the heads' default tree to this machine and store it in their config.json")
-    tune.add_argument("--heads", required=True, help="a trained drafter directory (Medusa, EAGLE, EAGLE-3, P-EAGLE or DFlash)")
+    tune.add_argument("--heads", help="a trained drafter directory (Medusa, EAGLE, EAGLE-3, P-EAGLE, DFlash or MTP)")
+    tune.add_argument("--mtp", action="store_true",
+                      help="instead of --heads: measure the trees of the target's own MTP layers (--model) and print "
+                           "the best as options for generate and bench (nothing is stored)")
     tune.add_argument("--model", help="target model name or path (default: the heads' base_model)")
     tune.add_argument("--dtype", choices=list(DTYPES), help="default: the dtype the heads were trained with")
     tune.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")

@@ -31,10 +31,14 @@ ARCHITECTURES = {
 }
 
 
-def write_mtp_target(out: Path, arch: str = "glm4_moe", layers: int = 1, seed: int = 0) -> Path:
-    """A random `arch` target with `layers` random MTP layers, saved to `out` with them in its checkpoint."""
+def write_mtp_target(out: Path, arch: str = "glm4_moe", layers: int = 1, seed: int = 0, **overrides) -> Path:
+    """A random `arch` target with `layers` random MTP layers (config fields `overrides`), saved to `out` with them
+    in its checkpoint."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(ARCHITECTURES[arch](layers)).eval()
+    config = ARCHITECTURES[arch](layers)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    model = AutoModelForCausalLM.from_config(config).eval()
     draft = MtpDraft(mtp_config_for(model, str(out)))
     model.save_pretrained(out)
     state = load_file(str(out / "model.safetensors")) | published_tensors(draft, model)

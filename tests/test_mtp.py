@@ -54,7 +54,7 @@ def test_greedy_identical_to_generate_with_left_padded_rows(targets, arch, shape
 
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
 def test_the_first_draft_is_transformers_mtp_models_own_prediction(targets, arch):
-    """Our MTP step over the prompt's pairs gives the logits transformers' MtpModel gives for the same tokens
+    """Our MTP step over the prompt's pairs gives the logits transformers' MtpModel layer gives for the same pairs
     (the hidden states it reads, the pairing and the positions are the same)."""
     from transformers.cache_utils import MtpCache
 
@@ -69,8 +69,12 @@ def test_the_first_draft_is_transformers_mtp_models_own_prediction(targets, arch
         tokens = torch.cat([ids[:, 1:], root], dim=1)  # x_{t+1} for t = 0 .. T-1
         hidden = out.hidden_states[-1]
         T = ids.shape[1]
-        _, logits, _ = theirs(input_ids=tokens, last_hidden_states=hidden, attention_mask=None,
-                              position_ids=torch.arange(1, T + 1)[None], mtp_cache=MtpCache(config=theirs.config))
+        # their layer over the same pairs, the first one's embedding zeroed as the engines (and we) do
+        embeds = model.get_input_embeddings()(tokens)
+        embeds[:, 0] = 0
+        out = theirs.forward_layer(0, hidden, torch.arange(1, T + 1)[None], MtpCache(config=theirs.config),
+                                   inputs_embeds=embeds)
+        logits = theirs._project_to_logits(out)
         causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
         ours = draft.logits(draft(hidden, tokens, model.get_input_embeddings(), causal, torch.arange(T)[None],
                                   unroll=1)[0])
@@ -221,8 +225,12 @@ def test_the_cli_generates_and_benches_with_the_targets_own_layers(targets, caps
     main(["bench", "--model", src, "--mtp", "--num-prompts", "2", "--max-new-tokens", "8"])
     out = capsys.readouterr().out
     assert "hf_mtp" in out and "\nmtp " in out
-    with pytest.raises(SystemExit):
-        main(["generate", "--model", src, "--mtp", "--prompt-lookup", "--prompt", "x"])
+    main(["tune", "--model", src, "--mtp", "--num-prompts", "1", "--max-new-tokens", "8"])
+    assert "the fastest here: --draft-depth" in capsys.readouterr().out  # printed, as there is no folder to store it in
+    for argv in (["generate", "--model", src, "--mtp", "--prompt-lookup", "--prompt", "x"], ["tune", "--model", src]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    assert "exactly one drafter" in capsys.readouterr().err
 
 
 def test_mtp_sampling_matches_the_target_distribution():

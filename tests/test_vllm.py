@@ -256,3 +256,32 @@ def test_vllm_serves_an_exported_fused_layer_drafter_with_the_acceptance_we_pred
     # the ids vLLM hands the target (gpu_model_runner._setup_eagle3_aux_hidden_state_outputs, which the CPU runner runs)
     assert f"Using auxiliary layers from speculative config: {tuple(FEATURE_LAYERS)}" in served["log"]
     assert_same_counters(fmt, served, counts)
+
+
+def test_vllm_serves_exported_mtp_layers_with_the_acceptance_we_predict(prompts, tmp_path):
+    """A GLM-4.5-shaped target (vLLM's CPU attention takes head_dim 32) whose MTP layer is fitted to the prompts'
+    continuations, exported as the target with the layer under its checkpoint's own names, served with
+    method "mtp" drafting DRAFT_TOKENS tokens (the one layer reused, as ours): vLLM's plain and speculative outputs
+    are transformers' greedy ones and its counters are ours."""
+    from mtp_targets import write_mtp_target
+    from selfspec.heads.formats.mtp import export_as, load_target_mtp
+    from selfspec.infer.mtp import mtp_proposer
+    from selfspec.train.mtp import MtpConfig, MtpMethod
+
+    source = write_mtp_target(tmp_path / "glm", "glm4_moe", hidden_size=128, head_dim=32)
+    target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    draft = load_target_mtp(target, str(source))
+    fit(MtpMethod(MtpConfig(ttt_steps=DRAFT_TOKENS), target, draft.train(), []), draft, continuations(target, prompts),
+        steps=120)
+    export_as(draft.eval(), "mtp", tmp_path / "export", target=target, base_model=str(source))
+    greedy = [target.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                              pad_token_id=2)[0, len(p):].tolist() for p in prompts]
+    ours, counts = our_counts(target, mtp_proposer(draft, target, depth=DRAFT_TOKENS, top_k=1,
+                                                   total_tokens=DRAFT_TOKENS), prompts)
+    assert ours == greedy
+    python = vllm_python()
+    assert serve(python, None, prompts, model=str(tmp_path / "export"))["outputs"] == greedy
+    served = serve(python, {"method": "mtp", "num_speculative_tokens": DRAFT_TOKENS}, prompts,
+                   model=str(tmp_path / "export"))
+    assert served["outputs"] == greedy
+    assert_same_counters("mtp", served, counts)

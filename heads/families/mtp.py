@@ -21,7 +21,7 @@ def check(config: Any) -> None:
 
 FAMILY = Family(
     kind="mtp", title="MTP", drafter="selfspec.heads.mtp:MtpDraft", proposer="selfspec.infer.mtp:mtp_proposer",
-    describe=describe, check=check, dynamic_tree=True, tune_grid="selfspec.infer.tune:dynamic_grid",
+    describe=describe, check=check, dynamic_tree=True, tune_grid="selfspec.infer.mtp:mtp_grid",
     formats=("mtp",), exporter="selfspec.heads.formats.mtp:export_as", carried={"mtp": frozenset({"base_model"})},
     recipe="mtp", recipe_config="selfspec.train.mtp:MtpConfig",
 )

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from selfspec.heads.mtp import MtpDraft, mtp_config_for, mtp_layer_count, mtp_model_class
+from selfspec.shipped.models import resolve_model
 
 LAYOUTS = ("mtp",)
 MTP_WEIGHTS = "model-mtp.safetensors"
@@ -145,7 +146,7 @@ def export_as(draft: MtpDraft, fmt: str, out_dir: str | Path, target: nn.Module 
     else:  # one file (which loaders read without looking for an index): the MTP tensors go into it
         single = out / "model.safetensors"
         save_file(load_file(str(single)) | tensors, str(single), metadata={"format": "pt"})
-    source = Path(base_model or draft.config.base_model or "")
+    source = Path(resolve_model(base_model or draft.config.base_model or ""))
     if source.is_dir():  # the tokenizer and chat template travel with the model
         for f in source.iterdir():
             if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges"))
