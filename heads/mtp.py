@@ -54,6 +54,18 @@ def target_config(config: HeadsConfig) -> PretrainedConfig:
     return AutoConfig.for_model(model_type, **fields)
 
 
+def check_supported(config: PretrainedConfig) -> None:
+    """Refuse, in one line, the MTP variants this drafter would run differently from the target's own code."""
+    kinds = set(getattr(config, "mtp_layer_types", None) or []) - {"full_attention"}
+    unsupported = [f"{name} {getattr(config, name)}" for name in ("logits_mup_width_multiplier", "unpadded_vocab_size")
+                   if getattr(config, name, None) is not None]
+    if kinds:
+        unsupported.append(f"MTP layers of type {', '.join(sorted(kinds))}")
+    if unsupported:
+        raise ValueError(f"selfspec drafts with full-attention MTP layers projected by the plain lm_head; this "
+                         f"{config.model_type} target has {'; '.join(unsupported)}: not supported yet")
+
+
 class MtpDraft(PretrainedHeads):
     """The MTP layers of a target (transformers' MtpModel without the embedding and lm_head it shares)."""
 
@@ -65,6 +77,7 @@ class MtpDraft(PretrainedHeads):
         self.config = config
         main_config = target_config(config)
         main_config.num_mtp_layers = config.num_layers
+        check_supported(main_config)
         with torch.device("meta"):  # only the layer classes and the config are read from it
             skeleton = AutoModelForCausalLM.from_config(main_config)
         mtp = mtp_model_class()(skeleton, config.num_layers)
@@ -77,8 +90,18 @@ class MtpDraft(PretrainedHeads):
         self.mtp = mtp
         # RoPE (non-persistent buffers only): the skeleton's lives on the meta device, so a real one of its class
         self.rotary = type(rotary)(config=mtp.config) if rotary is not None else None
-        self.shared_post_norm = getattr(mtp, "shared_post_norm", None)
         self._bound: tuple[nn.Module, ...] = ()
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        """Moves and casts (`.to`, `.cuda`, `.half`) leave RoPE's frequencies in float32, as the target keeps its
+        own: in bf16 the draft's angles would drift from the target's at long positions."""
+        frequencies = dict(self.rotary.named_buffers()) if self.rotary is not None else {}
+        super()._apply(fn, recurse)
+        if frequencies:
+            device = next(self.parameters()).device
+            for name, value in frequencies.items():
+                setattr(self.rotary, name, value.to(device))
+        return self
 
     def bind(self, lm_head: nn.Module) -> MtpDraft:
         """Project through the target's `lm_head` (shared with the MTP layers, never stored with them)."""
@@ -129,7 +152,8 @@ class MtpDraft(PretrainedHeads):
         layer = self.mtp.layers[0]
         if layer.post_norm is not None:
             out = layer.post_norm(out)
-        return self.shared_post_norm(out) if self.shared_post_norm is not None else out
+        shared = getattr(self.mtp, "shared_post_norm", None)
+        return shared(out) if shared is not None else out
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -192,7 +216,12 @@ def mtp_config_for(target: nn.Module, base_model: str, layers: int | None = None
     text = target.config.get_text_config()
     fields = text.to_dict()
     fields["model_type"] = text.model_type
+    count = layers or mtp_layer_count(target.config)
+    # new layers for a target whose config types each layer (Qwen3, ...): full attention and its MLP
+    for kinds, mtp_kinds in (("layer_types", "mtp_layer_types"), ("mlp_layer_types", "mtp_mlp_layer_types")):
+        if fields.get(kinds) is not None and fields.get(mtp_kinds) is None:
+            fields[mtp_kinds] = ["full_attention" if kinds == "layer_types" else fields[kinds][-1]] * count
     return HeadsConfig(kind="mtp", base_model=base_model, hidden_size=text.hidden_size,
                        vocab_size=target.get_output_embeddings().weight.shape[0],
-                       num_layers=layers or mtp_layer_count(target.config), layer=fields, dtype=dtype,
+                       num_layers=count, layer=fields, dtype=dtype,
                        **(DEFAULT_TREE | tree))

@@ -57,6 +57,8 @@ def method_names(specs: list[SpeculativeModel]) -> list[str]:
 def check_drafter_options(args: argparse.Namespace) -> None:
     """Refuse a drafter's option without that drafter (it would be silently ignored), then fill the defaults:
     --lookup-first runs prompt lookup in front of heads, --num-draft-tokens is the draft model's."""
+    if getattr(args, "mtp", False) and not args.model:
+        raise ValueError("--mtp drafts with the target's own MTP layers: name the target with --model")
     if args.lookup_first and not args.heads:
         raise ValueError("--lookup-first puts prompt lookup in front of heads: give --heads DIR as well, or use "
                          "--prompt-lookup alone")
@@ -293,7 +295,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
         config.tree = choices
         chosen = f"a {len(choices) + 1}-node tree"
     if args.mtp:
-        print(f"the fastest here: --draft-depth {config.depth} --draft-top-k {config.top_k} --total-tokens "
+        print(f"the fastest here: --depth {config.depth} --draft-top-k {config.top_k} --total-tokens "
               f"{config.total_tokens} (with --mtp; train/mtp.py saves fine-tuned layers with a tree of their own)")
         return
     atomic_write(Path(args.heads, "config.json"), lambda tmp: Path(tmp).write_text(config.to_json()))

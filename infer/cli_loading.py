@@ -152,7 +152,7 @@ def load_models(
 
 
 def _mtp_proposer(args: argparse.Namespace, model: Any, name: str, tree: Any, options: dict[str, int | None]):
-    """The target's own MTP layers (--mtp), read from its checkpoint, drafting the dynamic tree of --draft-depth /
+    """The target's own MTP layers (--mtp), read from its checkpoint, drafting the dynamic tree of --depth /
     --draft-top-k / --total-tokens (default: a chain of 3)."""
     from selfspec.heads.formats.mtp import load_target_mtp
     from selfspec.infer.loading import proposer_for

@@ -13,6 +13,8 @@ class EagleProposer(FeatureDrafter):
     """Drafts with an `EagleDraft` (or `Eagle3Draft`) on the target's features. EAGLE-3 reads fused target layers
     and drafts in its own vocabulary."""
 
+    label = "EAGLE"
+
 
 def eagle_proposer(draft: EagleDraft, model: nn.Module, tree: list[list[int]] | None = None, dynamic: bool = False,
                    **tree_options: int | None) -> EagleProposer:

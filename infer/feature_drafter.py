@@ -39,6 +39,8 @@ class FeatureDrafter(Drafter):
     It holds the drafter's cache for the batch being decoded: one generation at a time per proposer.
     """
 
+    label = "feature"  # how messages name the drafter
+
     @property
     def drafter(self) -> torch.nn.Module:
         """The trained module this proposer drafts with (what `selfspec tune` fits a tree for)."""
@@ -56,7 +58,7 @@ class FeatureDrafter(Drafter):
     ) -> None:
         cfg = draft.config
         self.draft = draft.eval()
-        self.name = cfg.kind  # eagle | eagle3
+        self.name = cfg.kind  # eagle | eagle3 | mtp
         self.feature_layers = cfg.feature_layers  # what the target hands over (EAGLE-3's fused layers; EAGLE-1: none)
         self.device = self.weights_device = next(draft.parameters()).device  # by the lm_head; what it reads moves here
         self.embed, self.lm_head = embedding_for(embed, self.device), lm_head
@@ -68,7 +70,7 @@ class FeatureDrafter(Drafter):
             if getattr(self, name) < 1:
                 raise ValueError(f"the tree's {name} must be >= 1, got {getattr(self, name)}")
         self.depth = min(self.depth, self.total_tokens)  # a kept tree is never deeper than its node count
-        draft.check_draft_vocab(f"this {self.name} drafter")  # an in-memory d2t too: siblings must be distinct tokens
+        draft.check_draft_vocab(f"this {self.label} drafter")  # an in-memory d2t too: siblings must be distinct tokens
         drafted = cfg.draft_vocab_size or cfg.vocab_size
         width = choices_width(choices)
         for wanted, what in ((self.top_k, "top_k"), (width, "children per node in the static tree")):

@@ -32,6 +32,8 @@ class MtpCache(PreallocatedCache):
 class MtpProposer(FeatureDrafter):
     """Drafts with a target's MTP layers on its last hidden states, every depth through MTP layer 0."""
 
+    label = "MTP"
+
     def new_cache(self, capacity: int, rows: int) -> MtpCache:
         return MtpCache(capacity)
 

@@ -226,7 +226,7 @@ def test_the_cli_generates_and_benches_with_the_targets_own_layers(targets, caps
     out = capsys.readouterr().out
     assert "hf_mtp" in out and "\nmtp " in out
     main(["tune", "--model", src, "--mtp", "--num-prompts", "1", "--max-new-tokens", "8"])
-    assert "the fastest here: --draft-depth" in capsys.readouterr().out  # printed, as there is no folder to store it in
+    assert "the fastest here: --depth" in capsys.readouterr().out  # printed, as there is no folder to store it in
     for argv in (["generate", "--model", src, "--mtp", "--prompt-lookup", "--prompt", "x"], ["tune", "--model", src]):
         with pytest.raises(SystemExit):
             main(argv)

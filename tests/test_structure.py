@@ -134,7 +134,8 @@ def test_no_drafter_family_switch_outside_the_registry():
 
 LOOP = ("selfspec.infer.generate", "selfspec.infer.decode_step")  # the decode loop and its step
 DRAFTERS = ("selfspec.infer.drafter", "selfspec.infer.proposers", "selfspec.infer.eagle", "selfspec.infer.dflash",
-            "selfspec.infer.peagle", "selfspec.infer.prompt_lookup", "selfspec.infer.draft_model")
+            "selfspec.infer.peagle", "selfspec.infer.prompt_lookup", "selfspec.infer.draft_model",
+            "selfspec.infer.feature_drafter", "selfspec.infer.mtp")
 
 
 def test_drafters_never_import_the_decode_loop():

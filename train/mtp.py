@@ -76,6 +76,9 @@ class MtpConfig(TrainConfig):
         for name in ("tune_depths", "tune_top_ks", "tune_totals"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name} must list positive numbers (e.g. 2,4,8), got {getattr(self, name)}")
+        if self.new_layers > 1:
+            raise ConfigError("--new_layers above 1: drafting runs MTP layer 0 at every depth (docs/mtp.md), so "
+                              "further new layers would stay untrained; use --new_layers 1")
         given = [self.depth > 0, self.top_k > 0, self.total_tokens > 0]
         if any(given) and not all(given):
             raise ConfigError("set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)")
@@ -157,7 +160,8 @@ def build_drafter(cfg: MtpConfig, target) -> MtpDraft:
         draft = new_layers(cfg, target, count)
     else:
         draft = load_target_mtp(target, cfg.model)
-        draft.config.base_model = cfg.model
+    for later in draft.mtp.layers[1:]:  # kept as the checkpoint has them: drafting runs layer 0 at every depth
+        later.requires_grad_(False)
     return draft.to(torch.float32).bind(target.get_output_embeddings())
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -73,22 +72,23 @@ def own_mtp_keys(target: nn.Module, call: Callable | None = None) -> Any:
 def load_target_mtp(target: nn.Module, base_model: str, device: str | torch.device = "cpu") -> MtpDraft:
     """The target's own MTP layers, read from its checkpoint (config.name_or_path) by transformers' MtpModel loader;
     a target without them is a one-line error."""
+    mtp_model = mtp_model_class()  # an older transformers is named first
     layers = mtp_layer_count(target.config)
     if not layers:
         raise ValueError(f"{base_model} has no MTP layers (its config declares no num_mtp_layers): use another "
                          "drafter, or give it new ones with `accelerate launch train/mtp.py --new_layers 1`")
-    mtp_model = mtp_model_class()
+    dtype = target.get_output_embeddings().weight.dtype
+    draft = MtpDraft(mtp_config_for(target, base_model, dtype=str(dtype).removeprefix("torch.")))
+    draft = draft.to(device=device, dtype=dtype)
+    shared = ("embed_tokens.", "shared_head.", "rotary_emb.")
     try:
         with own_mtp_keys(target):
             loaded = mtp_model.from_pretrained(target, device_map={"": torch.device(device)})
+        draft.mtp.load_state_dict({k: v for k, v in loaded.state_dict().items() if not k.startswith(shared)})
     except (RuntimeError, OSError, ValueError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{base_model}: its MTP weights could not be read ({first[:300]})") from None
-    dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
-    draft = MtpDraft(mtp_config_for(target, base_model, dtype=dtype)).to(device)
-    shared = ("embed_tokens.", "shared_head.", "rotary_emb.")
-    draft.mtp.load_state_dict({k: v for k, v in loaded.state_dict().items() if not k.startswith(shared)})
-    return draft.to(next(target.parameters()).dtype).bind(target.get_output_embeddings())
+    return draft.bind(target.get_output_embeddings())
 
 
 def published_tensors(draft: MtpDraft, target: nn.Module) -> dict[str, torch.Tensor]:
@@ -127,16 +127,19 @@ def export_as(draft: MtpDraft, fmt: str, out_dir: str | Path, target: nn.Module 
     if not layers_layout(target):
         raise ValueError(f"{target.config.model_type} stores its MTP layers in a layout selfspec does not write yet "
                          "(only num_hidden_layers + k, as DeepSeek-V3 and GLM-4.5 do)")
+    tensors = published_tensors(draft, target)  # before anything is written: a layout error leaves no folder
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = target.config
-    previous = getattr(config.get_text_config(), "num_mtp_layers", None)
-    config.get_text_config().num_mtp_layers = draft.config.num_layers
+    text = target.config.get_text_config()
+    previous = getattr(text, "num_mtp_layers", None)
+    text.num_mtp_layers = draft.config.num_layers
     try:
         target.save_pretrained(out)
     finally:
-        config.get_text_config().num_mtp_layers = previous
-    tensors = published_tensors(draft, target)
+        if previous is None:
+            del text.num_mtp_layers
+        else:
+            text.num_mtp_layers = previous
     index_path = out / INDEX
     if index_path.is_file():  # a sharded checkpoint: one more shard, listed in the index
         save_file(tensors, str(out / MTP_WEIGHTS), metadata={"format": "pt"})
@@ -146,9 +149,18 @@ def export_as(draft: MtpDraft, fmt: str, out_dir: str | Path, target: nn.Module 
     else:  # one file (which loaders read without looking for an index): the MTP tensors go into it
         single = out / "model.safetensors"
         save_file(load_file(str(single)) | tensors, str(single), metadata={"format": "pt"})
-    source = Path(resolve_model(base_model or draft.config.base_model or ""))
-    if source.is_dir():  # the tokenizer and chat template travel with the model
-        for f in source.iterdir():
-            if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges"))
-                                or f.name == "generation_config.json") and not (out / f.name).exists():
-                shutil.copy2(f, out / f.name)
+    save_tokenizer(target, out)
+
+
+def save_tokenizer(target: nn.Module, out: Path) -> None:
+    """The target's tokenizer (and chat template) beside it, as the engines load it; a warning where it cannot be
+    read (a Hub target offline)."""
+    import warnings
+
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(resolve_model(target.config.name_or_path)).save_pretrained(out)
+    except (OSError, ValueError) as e:
+        warnings.warn(f"the export has no tokenizer ({str(e).splitlines()[0][:200]}): copy the target's tokenizer "
+                      f"files into {out} before serving it", UserWarning, stacklevel=2)
