@@ -13,6 +13,7 @@ from selfspec.heads.config import HeadsConfig
 from selfspec.heads.formats import EXPORT_FORMATS, detect_format, export_heads
 from selfspec.heads.formats.dflash import DFLASH_FORMATS
 from selfspec.heads.formats.eagle3 import EAGLE3_FORMATS
+from selfspec.heads.formats.mtp import LAYOUTS as MTP_LAYOUTS
 from selfspec.heads.formats.peagle import LAYOUTS as PEAGLE_LAYOUTS
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.heads.registry import load_heads
@@ -44,7 +45,9 @@ def outputs(heads, model):
 
 # EAGLE-3 layouts: tests/test_eagle3_formats.py, on a target deep enough for three fused layers; DFlash:
 # tests/test_dflash_formats.py
-@pytest.mark.parametrize("fmt", [f for f in EXPORT_FORMATS if f not in EAGLE3_FORMATS + DFLASH_FORMATS + tuple(PEAGLE_LAYOUTS)])
+# MTP: tests/test_mtp.py (its export is the whole target, read back by transformers' MTP loader, not by import)
+@pytest.mark.parametrize("fmt", [f for f in EXPORT_FORMATS
+                                 if f not in EAGLE3_FORMATS + DFLASH_FORMATS + tuple(PEAGLE_LAYOUTS) + MTP_LAYOUTS])
 def test_export_then_import_keeps_every_tensor_and_output(
     fmt, medusa_dir, eagle_dir, tiny_model_dir, tmp_path, capsys
 ):

@@ -13,12 +13,12 @@ from selfspec.infer.proposers import Embedding, embedding_for
 
 INFER = Path(__file__).resolve().parents[1] / "infer"
 DECODE_PATH = ["generate.py", "decode_step.py", "drafter.py", "rows.py", "verify.py", "tree.py", "proposers.py",
-               "eagle.py", "dflash.py", "peagle.py", "prompt_lookup.py", "draft_model.py"]
+               "eagle.py", "feature_drafter.py", "dflash.py", "peagle.py", "mtp.py", "prompt_lookup.py", "draft_model.py"]
 FIRST_PARAMETER = re.compile(r"next\(\s*[\w.]*parameters\(\)\s*\)\.device|\btarget\.device\b")
 # the only places a device is read off weights: each drafter's own (checked to be the lm_head's at construction),
 # and the generator check (sampling draws where the logits come out: the input's device under accelerate)
 ALLOWED = {("proposers.py", "device = next(heads.parameters()).device"),
-           ("eagle.py", "self.device = self.weights_device = next(draft.parameters()).device"),
+           ("feature_drafter.py", "self.device = self.weights_device = next(draft.parameters()).device"),
            ("dflash.py", "self.device = self.weights_device = next(draft.parameters()).device"),
            ("peagle.py", "self.device = self.weights_device = next(draft.parameters()).device"),
            ("generate.py", "check_generator(g, self.target.device)")}
