@@ -126,6 +126,10 @@ def test_our_chain_of_one_makes_as_many_forwards_as_transformers_mtp_generator(t
         out = spec.generate(ids[i : i + 1], max_new_tokens=40, eos_token_id=[])
         assert out.tolist() == ref.tolist()
         assert spec.last_stats.target_forwards == calls[0] < 35  # prefill included in both; drafts passed
+        tree = SpeculativeModel.from_pretrained(str(tmp_path / "tuned"), model=tuned, mtp=True, **{
+            f"draft_{k}": v for k, v in TREE.items()})
+        assert tree.generate(ids[i : i + 1], max_new_tokens=40, eos_token_id=[]).tolist() == ref.tolist()
+        assert tree.last_stats.target_forwards <= calls[0]  # our tree's tau is at least theirs
 
 
 def test_export_writes_the_published_layout_and_loads_back_identically(targets, tmp_path):
@@ -185,6 +189,8 @@ def test_the_recipe_fine_tunes_saves_and_resumes_like_an_uninterrupted_run(targe
     result = run(load_config(MtpConfig, _args(src, text_data, tmp_path / "m", max_steps=10)))
     history = result["history"]
     assert history[-1][1]["loss"] < history[0][1]["loss"]
+    for name, value in load(src).state_dict().items():  # the trunk is frozen: bit-identical after training
+        assert torch.equal(result["target"].state_dict()[name], value), name
     loaded = load_heads(tmp_path / "m")
     assert loaded.config.kind == "mtp" and loaded.config.num_layers == 1
     assert (loaded.config.depth, loaded.config.top_k, loaded.config.total_tokens) == (3, 1, 3)
