@@ -85,6 +85,14 @@ def proposer_for(heads: torch.nn.Module, model: torch.nn.Module, tree: list[list
     return family(heads.config.kind).load("proposer")(heads, model, tree, **tree_options)
 
 
+def given_options(target_options: dict[str, Any], device_map: Any) -> dict[str, Any]:
+    """The target's from_pretrained options the caller gave (None: left to transformers), with its device_map."""
+    options = {k: v for k, v in target_options.items() if v is not None}
+    if device_map is not None:
+        options["device_map"] = device_map
+    return options
+
+
 def load_parts(drafter: str | Path | PretrainedHeads, model: torch.nn.Module | None, device_map: Any,
                dtype: torch.dtype | str | None, target_options: dict[str, Any], draft_options: dict[str, Any],
                tree: list[list[int]] | None, tree_options: dict[str, int | None]) -> tuple[torch.nn.Module, Drafter]:
@@ -100,10 +108,7 @@ def load_parts(drafter: str | Path | PretrainedHeads, model: torch.nn.Module | N
             where = "" if isinstance(drafter, PretrainedHeads) else f" in {drafter}"
             raise ValueError(f"the drafter{where} names no target model (SafeAILab's EAGLE checkpoints never do): "
                              "pass model=..., the model it was trained for")
-        options = {k: v for k, v in target_options.items() if v is not None}
-        if device_map is not None:
-            options["device_map"] = device_map
-        model = load_target(heads, dtype=dtype or heads.config.dtype, **options)
+        model = load_target(heads, dtype=dtype or heads.config.dtype, **given_options(target_options, device_map))
     check_adapted(heads.config, model)
     check_compatible(heads.config, model)
     # the drafter reads the hidden states where the lm_head is (the last device under a device_map), in the
@@ -128,10 +133,8 @@ def load_mtp_parts(name: str | Path | PretrainedHeads, model: torch.nn.Module | 
     if model is not None:
         check_given_model(model, device_map, dtype)
     else:
-        options = {k: v for k, v in target_options.items() if v is not None}
-        if device_map is not None:
-            options["device_map"] = device_map
-        model = AutoModelForCausalLM.from_pretrained(resolve_model(str(name)), dtype=dtype or "auto", **options)
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(str(name)), dtype=dtype or "auto",
+                                                     **given_options(target_options, device_map))
     weight = model.get_output_embeddings().weight
     heads = load_target_mtp(model, str(name), weight.device)
     return model, proposer_for(heads, model, tree, **{TREE_OPTIONS[k]: v for k, v in tree_options.items()})
