@@ -62,13 +62,13 @@ test: $(VENV)/.installed
 # the KV bytes a verify forward copies. HEADS: the trained drafters (make demo writes these two).
 HEADS ?= --heads outputs/medusa-demo --heads outputs/eagle-demo
 bench-gpu: $(VENV)/.installed
-	$(PY) -m pytest -m cuda tests/test_cuda.py
+	$(PY) -m pytest -m cuda tests/decoding/test_cuda.py
 	$(PY) -m selfspec bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --json outputs/bench-gpu.json
 	$(PY) -m selfspec bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --compile \
 		--json outputs/bench-gpu-compile.json
 	$(PY) -m selfspec bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --compile reduce-overhead \
 		--json outputs/bench-gpu-graphs.json
-	$(PY) -m selfspec.infer.kv_bytes --device cuda --dtype bfloat16 --out outputs/kv-bytes-gpu.json
+	$(PY) -m selfspec.infer.measure.kv_bytes --device cuda --dtype bfloat16 --out outputs/kv-bytes-gpu.json
 
 clean-demo:
 	rm -rf outputs/medusa-demo outputs/eagle-demo outputs/eagle3-demo outputs/bench-demo.json outputs/bench-demo.png

@@ -42,7 +42,7 @@ tags: [speculative-decoding, {config.kind}, selfspec]
 target's own, sampled output has the target's distribution.
 
 ```python
-from selfspec.infer.generate import SpeculativeModel
+from selfspec import SpeculativeModel
 model = SpeculativeModel.from_pretrained("path/to/this/folder")
 ```
 {extra}"""

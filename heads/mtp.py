@@ -4,7 +4,7 @@ layers and the other architectures whose config has `num_mtp_layers`. The layers
 are the target's, bound at run time and never stored.
 
 One MTP step reads the target's last hidden state at t (what its lm_head reads) and the embedding of x_{t+1}, and
-predicts x_{t+2}: EAGLE-1's pair, so it decodes through the shared feature drafter (infer/feature_drafter.py).
+predicts x_{t+2}: EAGLE-1's pair, so it decodes through the shared feature drafter (infer/drafters/feature_drafter.py).
 Every tree depth runs MTP layer 0 on its own previous output, as serving engines reuse a checkpoint's one layer for
 several speculative tokens; the checkpoint's further layers (where it has them) are kept and exported unchanged.
 Training (train/mtp.py) unrolls the same reuse (EAGLE-3's training-time test).

@@ -13,19 +13,12 @@ The public names below load on first use, so `import selfspec` and the console s
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import Any
 
-# In a checkout the subpackages are the top-level folders heads/, infer/, train/, shipped/ beside this one;
-# an installed wheel holds them inside this package. The checkout's folders are found through __path__.
-_CHECKOUT = Path(__file__).resolve().parent.parent
-if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "heads" / "__init__.py").is_file():
-    __path__.append(str(_CHECKOUT))  # noqa: F821 (a package's __path__)
-
 PUBLIC = {
-    "SpeculativeModel": "selfspec.infer.generate",
-    "GenerationStats": "selfspec.infer.generate",
-    "GenerateOutput": "selfspec.infer.generate",
+    "SpeculativeModel": "selfspec.infer.core.generate",
+    "GenerationStats": "selfspec.infer.core.generate",
+    "GenerateOutput": "selfspec.infer.core.generate",
     "HeadsConfig": "selfspec.heads.config",
     "MedusaHeads": "selfspec.heads.medusa",
     "EagleDraft": "selfspec.heads.eagle",

@@ -5,9 +5,9 @@ The table is assembled here, above both packages, so that infer never imports tr
 
 from __future__ import annotations
 
-from selfspec.infer import cli as infer_cli
-from selfspec.infer.options import PROG, Command
-from selfspec.train.draft_vocab import DRAFT_VOCAB
+from selfspec.infer.cli import commands as infer_cli
+from selfspec.infer.cli.options import PROG, Command
+from selfspec.train.data.draft_vocab import DRAFT_VOCAB
 
 
 def insert_after(commands: dict[str, Command], after: str, name: str, command: Command) -> dict[str, Command]:

@@ -78,7 +78,7 @@ def prefill_one(target, prompt: torch.Tensor, cache, hidden: bool = True):
 
 def verify_one(target, tokens: torch.Tensor, tree, prefix_len: int, cache):
     """One tree's tokens (N,) through a `Target` after a cached prefix -> logits (N, V) and features (N, ·)."""
-    from selfspec.infer.mask import RowMask
+    from selfspec.infer.core.mask import RowMask
 
     mask = RowMask(1, tree.size, prefix_len + tree.size, target.dtype, target.device)
     mask.open(torch.zeros(1, dtype=torch.long, device=target.device), prefix_len)
@@ -89,8 +89,8 @@ def verify_one(target, tokens: torch.Tensor, tree, prefix_len: int, cache):
 
 def propose_one(drafter, context: torch.Tensor, hiddens: torch.Tensor, max_length: int = 64):
     """A drafter's first draft for one sequence: a batch of one row, started afresh."""
-    from selfspec.infer.drafter import as_drafter
-    from selfspec.infer.verify import SamplingParams
+    from selfspec.infer.core.verify import SamplingParams
+    from selfspec.infer.drafters.drafter import as_drafter
 
     drafter = as_drafter(drafter)
     drafter.start(1, max_length, SamplingParams(), [None])

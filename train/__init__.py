@@ -1,1 +1,1 @@
-"""Training recipes: the demo target, Medusa heads and EAGLE drafters, on one shared accelerate loop."""
+"""Training: the launch scripts (train/<recipe>.py) over the shared loop, data, methods and recipes below them."""

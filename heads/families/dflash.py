@@ -34,11 +34,11 @@ def decoded_as_chain(config: Any) -> bool:
 
 FAMILY = Family(
     kind="dflash", title="DFlash", drafter="selfspec.heads.dflash:DFlashDraft",
-    proposer="selfspec.infer.dflash:dflash_proposer", describe=describe, check=check,
-    settings=frozenset({"feature_layers", "qk_norm", "mask_token_id"}), dynamic_tree=True, tune_grid="selfspec.infer.tune:block_grid",
+    proposer="selfspec.infer.drafters.dflash:dflash_proposer", describe=describe, check=check,
+    settings=frozenset({"feature_layers", "qk_norm", "mask_token_id"}), dynamic_tree=True, tune_grid="selfspec.infer.measure.tune:block_grid",
     formats=("dflash", "speculators-dflash"), detect="selfspec.heads.formats.dflash:detect_dflash_format",
     importer="selfspec.heads.formats.dflash:import_dflash", exporter="selfspec.heads.formats.dflash_export:export_as",
     carried={"dflash": frozenset(), "speculators-dflash": frozenset({"base_model"})}, detect_first=True,
     exported_tree=decoded_as_chain,
-    recipe="dflash", recipe_config="selfspec.train.dflash:DFlashConfig",
+    recipe="dflash", recipe_config="selfspec.train.recipes.dflash:DFlashConfig",
 )

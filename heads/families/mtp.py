@@ -20,8 +20,8 @@ def check(config: Any) -> None:
 
 
 FAMILY = Family(
-    kind="mtp", title="MTP", drafter="selfspec.heads.mtp:MtpDraft", proposer="selfspec.infer.mtp:mtp_proposer",
-    describe=describe, check=check, dynamic_tree=True, tune_grid="selfspec.infer.mtp:mtp_grid",
+    kind="mtp", title="MTP", drafter="selfspec.heads.mtp:MtpDraft", proposer="selfspec.infer.drafters.mtp:mtp_proposer",
+    describe=describe, check=check, dynamic_tree=True, tune_grid="selfspec.infer.drafters.mtp:mtp_grid",
     formats=("mtp",), exporter="selfspec.heads.formats.mtp:export_as", carried={"mtp": frozenset({"base_model"})},
-    recipe="mtp", recipe_config="selfspec.train.mtp:MtpConfig",
+    recipe="mtp", recipe_config="selfspec.train.recipes.mtp:MtpConfig",
 )

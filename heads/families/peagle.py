@@ -29,12 +29,12 @@ def decoded_as_chain(config: Any) -> bool:
 
 FAMILY = Family(
     kind="peagle", title="P-EAGLE", drafter="selfspec.heads.peagle:PEagleDraft",
-    proposer="selfspec.infer.peagle:peagle_proposer", describe=describe, check=check,
+    proposer="selfspec.infer.drafters.peagle:peagle_proposer", describe=describe, check=check,
     settings=frozenset({"feature_layers", "draft_vocab_size", "norm_before_residual", "norm_before_fc",
                         "mask_token_id"}),
-    dynamic_tree=True, tune_grid="selfspec.infer.peagle:peagle_grid", exported_tree=decoded_as_chain,
+    dynamic_tree=True, tune_grid="selfspec.infer.drafters.peagle:peagle_grid", exported_tree=decoded_as_chain,
     formats=("peagle", "speculators-peagle"), detect="selfspec.heads.formats.peagle:detect_peagle_format",
     importer="selfspec.heads.formats.peagle:import_peagle", exporter="selfspec.heads.formats.peagle:export_as",
     carried={"peagle": frozenset(), "speculators-peagle": frozenset({"base_model", "depth"})}, detect_first=True,
-    recipe="peagle", recipe_config="selfspec.train.peagle:PEagleConfig", vocabulary="learned",
+    recipe="peagle", recipe_config="selfspec.train.recipes.peagle:PEagleConfig", vocabulary="learned",
 )

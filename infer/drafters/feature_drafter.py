@@ -1,0 +1,239 @@
+"""Drafting by a module that autoregresses on the target's features to grow a token tree under the root: the
+shared machinery of EAGLE-1/2/3 (heads/eagle.py, heads/eagle3.py) and the target's own MTP layers (heads/mtp.py).
+
+Each step first feeds the drafter what the target just confirmed — (feature, next token) pairs of
+the accepted path — into its own KV cache, then expands a tree:
+  - EAGLE-2 (dynamic, the default): for `depth` steps, run the `top_k` frontier nodes with the best
+    cumulative draft log-probability, record their top_k children each, then keep the best
+    `total_tokens` candidates overall (ancestor-closed; see tree.select_tree);
+  - EAGLE-1 (static): the same expansion over a fixed tree of choices.
+Draft nodes go into the drafter's cache with a tree mask and are cropped off again before the
+next step, so its cache only ever holds confirmed positions plus the current draft. A batch of rows
+drafts together: depth + 1 drafter calls per step whatever the batch size.
+
+The drafter module answers: forward(features, tokens, embed, mask, positions, cache) -> its outputs, `fuse`,
+`logits(out, lm_head)`, `to_target(draft ids)`, `check_draft_vocab(what)` and `config` (kind, feature_layers,
+depth, top_k, total_tokens, draft_vocab_size, vocab_size).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from selfspec.heads.draft_layers import DraftCache
+from selfspec.infer.core.mask import RowMask
+from selfspec.infer.core.rows import upload
+from selfspec.infer.core.tree import Tree, choices_width, descend, select_tree, tree_from_choices
+from selfspec.infer.core.verify import SamplingParams
+from selfspec.infer.drafters.drafter import Draft, Drafter, newest_pairs
+from selfspec.infer.drafters.proposers import embedding_for
+
+
+class FeatureDrafter(Drafter):
+    """Drafts with a feature drafter (see the module's docstring) on the target's features; dynamic (EAGLE-2)
+    unless `choices` are given. A drafter with a vocabulary of its own (EAGLE-3) drafts in it, mapped to
+    target ids before anything leaves the proposer.
+
+    It holds the drafter's cache for the batch being decoded: one generation at a time per proposer.
+    """
+
+    label = "feature"  # how messages name the drafter
+
+    @property
+    def drafter(self) -> torch.nn.Module:
+        """The trained module this proposer drafts with (what `selfspec tune` fits a tree for)."""
+        return self.draft
+
+    def __init__(
+        self,
+        draft: nn.Module,
+        embed: nn.Module,
+        lm_head: nn.Module,
+        depth: int | None = None,
+        top_k: int | None = None,
+        total_tokens: int | None = None,
+        choices: list[list[int]] | None = None,
+    ) -> None:
+        cfg = draft.config
+        self.draft = draft.eval()
+        self.name = cfg.kind  # eagle | eagle3 | mtp
+        self.feature_layers = cfg.feature_layers  # what the target hands over (EAGLE-3's fused layers; EAGLE-1: none)
+        self.device = self.weights_device = next(draft.parameters()).device  # by the lm_head; what it reads moves here
+        self.embed, self.lm_head = embedding_for(embed, self.device), lm_head
+        self.dtype = next(draft.parameters()).dtype
+        self.depth = depth if depth is not None else cfg.depth
+        self.top_k = top_k if top_k is not None else cfg.top_k
+        self.total_tokens = total_tokens if total_tokens is not None else cfg.total_tokens
+        for name in ("depth", "top_k", "total_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"the tree's {name} must be >= 1, got {getattr(self, name)}")
+        self.depth = min(self.depth, self.total_tokens)  # a kept tree is never deeper than its node count
+        draft.check_draft_vocab(f"this {self.label} drafter")  # an in-memory d2t too: siblings must be distinct tokens
+        drafted = cfg.draft_vocab_size or cfg.vocab_size
+        width = choices_width(choices)
+        for wanted, what in ((self.top_k, "top_k"), (width, "children per node in the static tree")):
+            if wanted > drafted:
+                raise ValueError(f"this drafter drafts among {drafted} tokens, fewer than its {wanted} {what}: use "
+                                 f"at most {drafted}")
+        # per-step constants of the dynamic tree, made once: frontier slots, each child's rank among its
+        # parent's k, and the frontier's view of its own new cache columns
+        self.slots = torch.arange(self.top_k, device=self.device)
+        self.child_ranks = self.slots.repeat(self.top_k)
+        self.own = torch.eye(self.top_k, dtype=torch.bool, device=self.device)
+        self.static: Tree | None = None
+        if choices is not None:
+            self.static = tree_from_choices(choices).to(self.device)
+            self.max_nodes = self.static.size
+            # level d of the static tree: node indices [start_d, end_d), and which of them have children
+            depths = self.static.depths.tolist()
+            self.levels = [(depths.index(d), len(depths) - depths[::-1].index(d)) for d in range(max(depths) + 1)]
+            self.static_width = width
+        else:
+            self.max_nodes = min(self.total_tokens, self.top_k + (self.depth - 1) * self.top_k**2) + 1
+
+    def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
+        """Predicted features (..., H) -> log-probabilities over the draft vocabulary (..., V), float32, with a
+        finite floor that keeps scores strictly falling along paths (NaN would break the tree selection)."""
+        logp = torch.log_softmax(self.draft.logits(out, self.lm_head).float(), dim=-1)
+        return logp.nan_to_num(nan=-1e4, neginf=-1e4)
+
+    def start(self, rows: int, max_length: int, params: SamplingParams,
+              generators: list[torch.Generator | None]) -> None:
+        """A batch of `rows` sequences of at most `max_length` tokens starts: one drafter cache for all of them.
+        Row b's confirmed pairs sit in columns 0 .. lengths[b] - 1; each call writes at the shared column
+        max(lengths), then moves each row's pairs down to its own end, as the target's cache does."""
+        draft_columns = max(self.max_nodes, self.depth * self.top_k)
+        capacity = max_length + draft_columns + self.max_nodes
+        self.cache = self.new_cache(capacity, rows)
+        self.mask = RowMask(rows, max(self.top_k, self.max_nodes), capacity, self.dtype, self.device)
+        self.lengths = [0] * rows
+
+    def new_cache(self, capacity: int, rows: int) -> DraftCache:
+        """The drafter's KV cache for `rows` rows of `capacity` positions: `length`, `keep_rows(src, dst)` and
+        `select_rows(keep, index)`, written by the drafter's forward."""
+        return DraftCache.for_drafter(self.draft, capacity, batch=rows)
+
+    def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:
+        """The batch goes on with rows `keep` only, in that order (the others stopped; `index`: the same on the
+        device): their drafter cache and mask rows move down, and later calls draft for len(keep) rows."""
+        self.cache.select_rows(keep, index)
+        self.mask.select_rows(keep, index, self.cache.length)
+        self.lengths = [self.lengths[i] for i in keep]
+
+    @torch.no_grad()
+    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+                ) -> list[Draft | None]:
+        """Every row's tree from depth + 1 drafter calls for the whole batch (a static tree: one per level with
+        children). Rows not `active` (stopped, or verifying their root alone) feed nothing and get None."""
+        B, device, k = len(contexts), self.device, self.top_k
+        if not any(active):  # nothing to feed or draft (e.g. every row near the position limit)
+            return [None] * B
+        counts = [h.shape[0] if on else 0 for h, on in zip(hiddens, active)]
+        M = max(counts)
+        cache, mask = self.cache, self.mask
+        # 1. the confirmed pairs (f_t, x_{t+1}) of each row, right-padded to M and written at the shared column
+        feats, tokens = newest_pairs(contexts, hiddens, counts, self.dtype, device)  # the rows' features move here
+        at = cache.length
+        lengths = upload(self.lengths, device)
+        cols = torch.arange(M, device=device)
+        count_t = upload(counts, device)
+        positions = lengths[:, None] + cols
+        if at == 0:  # the prompts: right padding after causal pairs is never seen by them
+            block = None
+        else:
+            causal = torch.ones(M, M, dtype=torch.bool, device=device).tril()
+            block = mask.at(at, (causal[None] & (cols < count_t[:, None])[:, None, :]) | torch.eye(M, dtype=torch.bool, device=device))
+        out = self.draft(self.draft.fuse(feats.to(self.dtype)), tokens, self.embed, block, positions, cache)
+        last = out.gather(1, (count_t - 1).clamp(min=0)[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]  # (B, H)
+        root_logp = self._log_probs(last)
+        # each row's pairs move down to its own end; the shared column becomes the longest row's end
+        dst = lengths[:, None] + cols
+        if any(n != at for n in self.lengths):  # else every row already ends at the shared column
+            cache.keep_rows(at + cols.expand(B, M), dst)
+        mask.commit(at, M, dst, cols < count_t[:, None])
+        self.lengths = [n + m for n, m in zip(self.lengths, counts)]
+        cache.length = base = max(self.lengths)
+        lengths = lengths + count_t
+        # 2. the tree below each root: EAGLE-2's expansion or the static tree, every row in one call per depth
+        def run(features: torch.Tensor, tokens: torch.Tensor, visible: torch.Tensor, d: int):
+            q = tokens.shape[1]
+            out = self.draft(features, tokens, self.embed, mask.at(base, visible), (lengths - 1 + d)[:, None].expand(B, q),
+                             cache)
+            return out, self._log_probs(out)
+
+        roots = torch.stack([c[-1] for c in contexts])
+        if self.static is not None:
+            tokens = self._static(roots, last, root_logp, run)
+        else:
+            scores, drafted, parents, ranks = self._expand(last, root_logp, run)
+        mask.hide(base, cache.length - base)
+        cache.length = base  # the draft nodes are dropped (overwritten next time)
+        drafts: list[Draft | None] = []
+        for b in range(B):
+            if not active[b]:
+                drafts.append(None)
+            elif self.static is not None:
+                drafts.append(Draft(tokens[b], self.static))
+            else:
+                chosen, tree = select_tree(scores[b], parents[b], ranks[b], self.max_nodes - 1, self.depth, k)
+                drafts.append(Draft(torch.cat([roots[b : b + 1], drafted[b][chosen]]), tree))
+        return drafts
+
+    def _expand(self, root_feature: torch.Tensor, root_logp: torch.Tensor, run: Callable
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """EAGLE-2's candidates for a batch of rows (one row: B = 1): from each root's predicted feature (B, H) and
+        log-probabilities (B, V), `depth` levels, each running the `top_k` best frontier nodes through
+        `run(features (B, k, H), tokens (B, k), visible (B, k, n), depth)` -> (out (B, k, H), logp (B, k, V)).
+        Returns every candidate's cumulative score, target token, parent candidate (-1: the root) and rank among
+        its siblings, (B, C) each, in depth order (what tree.select_tree takes)."""
+        B, k = root_feature.shape[0], self.top_k
+        top = root_logp.topk(k)
+        scores, tokens = [top.values], [self.draft.to_target(top.indices)]
+        parents = [torch.full((B, k), -1, dtype=torch.long, device=self.device)]
+        ranks = [self.slots.expand(B, k)]
+        # the frontier: the k best nodes of the newest depth; each runs on its parent's predicted feature
+        front_scores, front_tokens, front_index = top.values, tokens[0], self.slots.expand(B, k)
+        front_features = root_feature[:, None].expand(B, k, root_feature.shape[-1])
+        visible = self.own.expand(B, k, k)  # frontier x draft columns so far
+        offset = k  # candidates recorded so far
+        for d in range(1, self.depth):
+            out, logp = run(front_features, front_tokens, visible, d)
+            top = logp.topk(k)  # (B, k, k) children of each frontier node
+            child_scores = descend(front_scores, top.values).flatten(1)
+            scores.append(child_scores)
+            tokens.append(self.draft.to_target(top.indices.flatten(1)))
+            parents.append(front_index.repeat_interleave(k, dim=1))
+            ranks.append(self.child_ranks.expand(B, -1))
+            best = child_scores.topk(k).indices  # (B, k)
+            parent_slot = best // k
+            front_scores, front_tokens = child_scores.gather(1, best), tokens[-1].gather(1, best)
+            front_index = offset + best
+            front_features = out.gather(1, parent_slot[..., None].expand(-1, -1, out.shape[-1]))
+            visible = torch.cat([visible.gather(1, parent_slot[..., None].expand(-1, -1, visible.shape[-1])),
+                                 self.own.expand(B, k, k)], dim=2)
+            offset += k * k
+        return tuple(torch.cat(x, dim=1) for x in (scores, tokens, parents, ranks))
+
+    def _static(self, roots: torch.Tensor, root_feature: torch.Tensor, root_logp: torch.Tensor, run: Callable
+                ) -> torch.Tensor:
+        """EAGLE-1's static tree for a batch of rows: roots (B,), each root's predicted feature (B, H) and
+        log-probabilities (B, V) -> tokens (B, N) of `self.static`, root first. Each level with children runs
+        through `run` (see `_expand`), every node on its parent's predicted feature, seeing its drafted ancestors."""
+        tree, width, B = self.static, self.static_width, roots.shape[0]
+        tokens = torch.empty(B, tree.size, dtype=torch.long, device=self.device)
+        tokens[:, 0] = roots
+        features = root_feature.new_empty(B, tree.size, root_feature.shape[-1])  # the drafter's output at each node
+        features[:, 0] = root_feature
+        kids = torch.empty(B, tree.size, width, dtype=torch.long, device=self.device)  # each node's top-`width`
+        kids[:, 0] = self.draft.to_target(root_logp.topk(width).indices)
+        for d, (start, end) in enumerate(self.levels[1:], start=1):
+            parents = tree.parents[start:end]
+            tokens[:, start:end] = kids[:, parents].gather(2, tree.ranks[start:end, None].expand(B, -1, 1))[..., 0]
+            if d == len(self.levels) - 1:
+                break  # the deepest level has no children to draft
+            visible = tree.ancestors[start:end, 1:end].expand(B, -1, -1)
+            features[:, start:end], logp = run(features[:, parents], tokens[:, start:end], visible, d)
+            kids[:, start:end] = self.draft.to_target(logp.topk(width).indices)
+        return tokens

@@ -1,0 +1,55 @@
+"""Kernel launches per decode step outside the target's forward (infer/launches.py): keeping the accepted path is one
+gather and one scatter over every layer's keys and values together, not four launches per layer, so the count does
+not grow with the number of layers."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from selfspec.infer.core.cache import PreallocatedCache, new_cache
+from selfspec.infer.core.generate import SpeculativeModel
+from selfspec.infer.drafters.prompt_lookup import PromptLookupProposer
+from selfspec.infer.measure.launches import LaunchCounter
+
+
+def llama(layers: int) -> LlamaForCausalLM:
+    """Llama-3.1-8B's attention structure (32 query / 8 key-value heads), narrow."""
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=8, vocab_size=256, max_position_embeddings=512)
+    return LlamaForCausalLM(config).eval()
+
+
+def outside_per_step(model, batch: int) -> float:
+    prompt = torch.randint(3, 256, (batch, 12), generator=torch.Generator().manual_seed(batch))
+    spec = SpeculativeModel(model, PromptLookupProposer(num_tokens=4, max_ngram=2))
+    with LaunchCounter(model).counting() as counter:
+        spec.generate(prompt, max_new_tokens=24, eos_token_id=[], pad_token_id=0)
+    return counter.outside / spec.last_stats.target_forwards
+
+
+def test_launches_outside_the_forward_do_not_grow_with_the_layers():
+    per_step = {layers: outside_per_step(llama(layers), 1) for layers in (4, 32)}
+    assert per_step[32] <= per_step[4] + 2, per_step  # was 4 launches a layer: +112 from 4 to 32 layers
+    assert per_step[32] <= 60, per_step
+
+
+def test_the_layers_share_one_storage_and_commit_together():
+    model = llama(4)
+    cache = new_cache(model, 32)
+    ids = torch.randint(3, 256, (2, 9))
+    model(ids, past_key_values=cache, use_cache=True)
+    assert cache.storage.holds(cache.layers) and cache.storage.keys.shape[:2] == (4, 2)
+    plain = PreallocatedCache(32)  # no layer count: each layer its own buffers, committed layer by layer
+    model(ids, past_key_values=plain, use_cache=True)
+    assert not plain.storage.holds(plain.layers)
+    src, dst = torch.tensor([[2, 5, 7], [1, 4, 8]]), torch.tensor([[2, 3, 4], [1, 2, 3]])
+    cache.keep_rows(src, dst, 5)
+    plain.keep_rows(src, dst, 5)
+    for a, b in zip(cache.layers, plain.layers):
+        assert a.length == b.length == 5
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    index = torch.tensor([1])
+    cache.select_rows([1], index)
+    plain.select_rows([1], index)
+    for a, b in zip(cache.layers, plain.layers):
+        assert torch.equal(a.keys, b.keys) and a.keys.shape[0] == 1

@@ -1,0 +1,196 @@
+"""Speculative sampling must reproduce the target's exact distribution (computed by enumeration)."""
+
+import itertools
+
+import pytest
+import torch
+
+import selfspec.infer.core.verify as verify
+from conftest import tiny_model
+from selfspec.heads.config import HeadsConfig
+from selfspec.heads.draft_layers import layer_fields
+from selfspec.heads.eagle import EagleDraft
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.infer.core.generate import SpeculativeModel
+from selfspec.infer.drafters.draft_model import DraftModelProposer
+from selfspec.infer.drafters.eagle import EagleProposer
+from selfspec.infer.drafters.prompt_lookup import PromptLookupProposer
+from selfspec.infer.drafters.proposers import MedusaProposer
+
+V = 8
+STEPS = 2  # the joint distribution of the first two tokens: 64 outcomes
+RUNS = 3000
+CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Plain sampling's distribution, written independently of infer.verify."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    order = probs.argsort(descending=True).tolist()
+    keep = order[:top_k] if top_k else order
+    kept = probs[keep] / probs[keep].sum()
+    mass, nucleus = 0.0, []
+    for tok, q in zip(keep, kept.tolist()):
+        nucleus.append(tok)
+        mass += q
+        if mass >= top_p:
+            break
+    out = torch.zeros_like(probs)
+    out[nucleus] = probs[nucleus]
+    return out / out.sum()
+
+
+def exact_joint(model, prompt, params) -> dict[tuple[int, ...], float]:
+    joint = {}
+    for seq in itertools.product(range(V), repeat=STEPS):
+        prob = 1.0
+        for i in range(STEPS):
+            ids = torch.cat([prompt[0], torch.tensor(seq[:i], dtype=torch.long)])[None]
+            with torch.no_grad():
+                logits = model(ids).logits[0, -1]
+            prob *= float(reference_probs(logits, *params)[seq[i]])
+        joint[seq] = prob
+    return joint
+
+
+def chi_square(counts: dict, expected: dict, runs: int) -> tuple[float, int]:
+    """Pearson chi-square over cells with expected count >= 5 (the rest pooled into one cell)."""
+    assert set(counts) <= set(expected) and sum(counts.values()) == runs  # every run is an enumerated outcome
+    stat, dof, pooled_obs, pooled_exp = 0.0, -1, 0.0, 0.0
+    for key, p in expected.items():
+        e, o = p * runs, counts.get(key, 0)
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            dof += 1
+        else:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-9)
+        dof += 1
+    return stat, dof
+
+
+def run_sampling(spec, prompt, params, accepted: list | None = None) -> dict:
+    gen = torch.Generator().manual_seed(1234)
+    counts = {}
+    for _ in range(RUNS):
+        out = spec.generate(prompt, max_new_tokens=STEPS, do_sample=True, temperature=params[0], top_k=params[1], top_p=params[2],
+                            eos_token_id=[], generator=gen)
+        key = tuple(out[0, prompt.shape[1]:].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        if accepted is not None:
+            accepted.extend(spec.last_stats.accepted_drafts)
+    return counts
+
+
+def make_spec(seed: int, kind: str = "medusa"):
+    model = tiny_model("llama", vocab=V, seed=seed, scale=0.08)  # a flat-ish p: many outcomes
+    if kind == "draft_model":  # another random model: q differs from p, so min(1, p/q) and (p - q)+ both matter
+        draft = tiny_model("gpt2", vocab=V, seed=seed + 1, scale=0.08)
+        return model, SpeculativeModel(model, DraftModelProposer(draft, num_tokens=3))
+    if kind == "prompt_lookup":
+        return model, SpeculativeModel(model, PromptLookupProposer(num_tokens=3, max_ngram=2))
+    if kind == "eagle":
+        torch.manual_seed(seed)
+        draft = EagleDraft(HeadsConfig(kind="eagle", hidden_size=48, vocab_size=V, layer=layer_fields(model.config),
+                                       depth=3, top_k=3, total_tokens=8))
+        with torch.no_grad():  # fc passes the feature through, so the drafter proposes the target's own top tokens
+            draft.fc.weight.zero_()
+            draft.fc.weight[:, 48:].copy_(torch.eye(48))
+            draft.fc.bias.zero_()
+        proposer = EagleProposer(draft, model.get_input_embeddings(), model.get_output_embeddings())
+        return model, SpeculativeModel(model, proposer)
+    heads = MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=V, num_heads=3))
+    heads.init_from_lm_head(model.get_output_embeddings())  # drafts the target's own top tokens: many accepts
+    return model, SpeculativeModel(model, MedusaProposer(heads, model.get_output_embeddings(), CHOICES))
+
+
+# Chi-square critical values at p = 0.001 are below dof + 3.3 * sqrt(2 dof) + 6 for these sizes.
+def critical(dof: int) -> float:
+    return dof + 3.3 * (2 * dof) ** 0.5 + 6
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "draft_model", "prompt_lookup"])
+@pytest.mark.parametrize("params", [(1.0, 0, 1.0), (0.7, 6, 0.9)])
+def test_speculative_sampling_matches_target_distribution(params, kind):
+    model, spec = make_spec(seed=5, kind=kind)
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 3, 1, 4, 1]])  # repeats, so prompt lookup has something to propose
+    expected = exact_joint(model, prompt, params)
+    accepted = []
+    counts = run_sampling(spec, prompt, params, accepted)
+    stat, dof = chi_square(counts, expected, RUNS)
+    assert stat < critical(dof), f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
+    # the drafts were really tried: drafted tokens (the first one decides the 2nd token) were accepted
+    assert sum(a > 0 for a in accepted) > RUNS // 100
+
+
+def test_the_distribution_check_catches_lossy_acceptance(monkeypatch):
+    """Accepting any drafted child whose p(x) >= 0.05 (a 'typical'-style rule) must fail the same check."""
+
+    def lossy(p, tokens, tree, generator):
+        kids = tree.children
+        valid = kids >= 0
+        p_kid = torch.gather(p, 1, tokens[kids.clamp(min=0)]) * valid
+        ok = (p_kid >= 0.05) & valid
+        first = ok.int().argmax(1)
+        has = ok.any(1)
+        chosen = torch.where(has, kids.gather(1, first[:, None])[:, 0], 0)
+        picked = torch.zeros(tokens.shape, dtype=torch.bool).scatter(0, chosen, has)
+        picked[0] = True
+        return picked
+
+    monkeypatch.setattr(verify, "sampled_children", lossy)
+    params = (1.0, 0, 1.0)
+    model, spec = make_spec(seed=5)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    stat, dof = chi_square(run_sampling(spec, prompt, params), exact_joint(model, prompt, params), RUNS)
+    assert stat > critical(dof)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 0.9), (0.7, 0, 0.5), (5.0, 0, 0.95), (1.0, 40, 0.8),
+                                                       (30.0, 0, 0.99), (1.0, 0, 1e-4)])
+def test_nucleus_without_a_full_sort_equals_transformers_warpers(temperature, top_k, top_p, monkeypatch):
+    """The warped distribution is model.generate's (transformers' own warpers), also where the nucleus holds
+    thousands of tokens (a flat distribution: the top-k search must grow), and no full sort is taken."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(5, 32000, generator=torch.Generator().manual_seed(3)) * 4
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+                                  + [TopPLogitsWarper(top_p)])
+    expected = warpers(None, logits.clone()).softmax(-1)
+    before_top_p = LogitsProcessorList(warpers[:-1])(None, logits.clone()).softmax(-1).double()
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: pytest.fail("a full-vocabulary sort"))
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **k: pytest.fail("a full-vocabulary sort"))
+    got = verify.target_probs(logits, verify.SamplingParams(temperature, top_k, top_p))
+    # the same tokens kept, except a token at the nucleus' edge whose preceding mass equals top_p to float32
+    # rounding (both sides sum in float32, in another order: which side of top_p it lands on is the CPU's)
+    for row, token in ((got > 0) != (expected > 0)).nonzero().tolist():
+        probs = before_top_p[row]
+        assert abs(float(probs[probs > probs[token]].sum()) - top_p) < 1e-6
+    same = ((got > 0) == (expected > 0)).all(-1)
+    assert same.sum() >= len(same) - 1
+    torch.testing.assert_close(got[same], expected[same], rtol=1e-5, atol=1e-7)
+
+
+def test_a_nucleus_of_thousands_of_tokens_grows_the_search():
+    logits = torch.randn(3, 32000, generator=torch.Generator().manual_seed(4)) * 4
+    got = verify.target_probs(logits, verify.SamplingParams(30.0, 0, 0.99))  # nearly flat: a huge nucleus
+    assert int((got > 0).sum(-1).min()) > 16 * verify.NUCLEUS_FIRST_K
+
+
+def test_nucleus_cuts_tied_tokens_by_position_like_a_sort():
+    """bf16 logits repeat exact values: the boundary cuts a run of ties, keeping as many tokens and as much mass
+    as the sort-based warper (which tokens of a tie is the sort's arbitrary order either way)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = (torch.randn(4, 4096, generator=torch.Generator().manual_seed(5)) * 2).bfloat16().float()
+    for top_p in (0.3, 0.7, 0.9):
+        expected = TopPLogitsWarper(top_p)(None, logits.clone()).softmax(-1)
+        got = verify.target_probs(logits, verify.SamplingParams(1.0, 0, top_p))
+        assert torch.equal((got > 0).sum(-1), (expected > 0).sum(-1))
+        torch.testing.assert_close(got.sort(-1).values, expected.sort(-1).values, rtol=1e-5, atol=1e-7)
