@@ -95,30 +95,31 @@ def stack_trees(trees: Sequence[Tree], size: int = 0) -> Tree:
 
 
 def build_tree(parents: torch.Tensor, ranks: torch.Tensor, max_depth: int, width: int) -> Tree:
-    """Tree fields from a valid parent vector, with tensor ops only (no host sync), so a drafter can
-    build its tree on the device every step. `max_depth` bounds the depth (paths are that wide) and
-    `width` the children per node; siblings are ordered by rank, ties by index."""
-    n, device = parents.shape[0], parents.device
-    idx = torch.arange(n, device=device)
-    ancestors = torch.eye(n, dtype=torch.bool, device=device)
-    depths = torch.zeros(n, dtype=torch.long, device=device)
-    chain = [idx]  # chain[j][i]: the j-th ancestor of node i (0: itself), -1 above the root
-    up = parents
+    """Tree fields from valid parent vectors, with tensor ops only (no host sync), so a drafter can build its
+    trees on the device every step: parents and ranks (N,) give one Tree, (B, N) a Tree of (B, ...) fields in
+    the same launches. `max_depth` bounds the depth (paths are that wide) and `width` the children per node;
+    siblings are ordered by rank, ties by index."""
+    if parents.dim() == 1:
+        tree = build_tree(parents[None], ranks[None], max_depth, width)
+        return Tree(**{f.name: getattr(tree, f.name)[0] for f in dataclasses.fields(tree)})
+    B, n = parents.shape
+    idx = torch.arange(n, device=parents.device)
+    # above the root is node n, its own parent: each level up is one gather
+    up_of = torch.cat([torch.where(parents >= 0, parents, n), parents.new_full((B, 1), n)], dim=1)  # (B, N + 1)
+    chain = [idx.expand(B, n)]  # chain[j][b, i]: the j-th ancestor of node i (0: itself), n above the root
     for _ in range(max_depth):
-        valid = up >= 0
-        ancestors |= (up[:, None] == idx[None, :]) & valid[:, None]  # one_hot would check its range: a host sync
-        depths += valid
-        chain.append(up)
-        up = torch.where(valid, parents[up.clamp(min=0)], -1)
-    chain_t = torch.stack(chain, dim=1)  # (N, D+1)
-    back = depths[:, None] - torch.arange(max_depth + 1, device=device)[None]  # ancestor at depth t is chain[d - t]
-    paths = torch.where(back >= 0, chain_t.gather(1, back.clamp(min=0)), idx[:, None])
-    before = (ranks[None, :] < ranks[:, None]) | ((ranks[None, :] == ranks[:, None]) & (idx[None, :] < idx[:, None]))
-    slot = ((parents[None, :] == parents[:, None]) & before).sum(1)  # (N,) place among its siblings
-    flat = torch.full((n * width + 1,), -1, dtype=torch.long, device=device)  # the extra slot takes the root
-    target = torch.where(idx > 0, parents.clamp(min=0) * width + slot, n * width)
-    children = flat.scatter(0, target, idx)[:-1].view(n, width)
-    return Tree(parents=parents, depths=depths, ranks=ranks, ancestors=ancestors, children=children, paths=paths)
+        chain.append(up_of.gather(1, chain[-1]))
+    chain_t = torch.stack(chain, dim=2)  # (B, N, D+1)
+    depths = (chain_t[..., 1:] < n).sum(2)
+    ancestors = (chain_t[..., None] == idx).any(2)  # one_hot would check its range: a host sync
+    back = depths[..., None] - torch.arange(max_depth + 1, device=parents.device)  # depth t is chain[d - t]
+    paths = torch.where(back >= 0, chain_t.gather(2, back.clamp(min=0)), idx[:, None])
+    before = (ranks[:, None, :] < ranks[..., None]) | ((ranks[:, None, :] == ranks[..., None]) & (idx < idx[:, None]))
+    slot = ((parents[:, None, :] == parents[..., None]) & before).sum(2)  # (B, N) place among its siblings
+    target = torch.where(idx > 0, parents.clamp(min=0) * width + slot, n * width)  # the extra slot takes the root
+    children = parents.new_full((B, n * width + 1), -1).scatter(1, target, idx.expand(B, n))[:, :-1]
+    return Tree(parents=parents, depths=depths, ranks=ranks, ancestors=ancestors, children=children.view(B, n, width),
+                paths=paths)
 
 
 def select_tree(
@@ -129,15 +130,29 @@ def select_tree(
 
     Candidates are in depth order; `parents[c]` is the candidate c extends (-1: the root) and
     `ranks[c]` its rank among its siblings. Scores must fall strictly along every path (see
-    `descend`), so any top-n set contains its ancestors: the result is always a tree.
+    `descend`), so any top-n set contains its ancestors: the result is always a tree. Inputs (C,) give one
+    row's; (B, C) every row's at once (chosen (B, n), a Tree of (B, ...) fields), in launches that do not
+    grow with B.
     """
-    chosen = scores.topk(min(total_tokens, scores.shape[0])).indices.sort().values  # depth order kept
-    up = parents[chosen]
+    if scores.dim() == 1:
+        chosen, tree = select_tree(scores[None], parents[None], ranks[None], total_tokens, max_depth, width)
+        return chosen[0], Tree(**{f.name: getattr(tree, f.name)[0] for f in dataclasses.fields(tree)})
+    chosen = scores.topk(min(total_tokens, scores.shape[1])).indices.sort().values  # depth order kept
+    up = parents.gather(1, chosen)
     # a chosen candidate's parent is chosen too: its tree index is its place in `chosen`, plus the root
     tree_parents = torch.where(up >= 0, torch.searchsorted(chosen, up.clamp(min=0)) + 1, 0)
-    root = torch.full((1,), -1, dtype=torch.long, device=scores.device)
-    tree = build_tree(torch.cat([root, tree_parents]), torch.cat([root.new_zeros(1), ranks[chosen]]), max_depth, width)
+    root = torch.full((scores.shape[0], 1), -1, dtype=torch.long, device=scores.device)
+    tree = build_tree(torch.cat([root, tree_parents], 1), torch.cat([root + 1, ranks.gather(1, chosen)], 1),
+                      max_depth, width)
     return chosen, tree
+
+
+def row_trees(roots: torch.Tensor, drafted: torch.Tensor, chosen: torch.Tensor, tree: Tree) -> list[tuple[torch.Tensor, Tree]]:
+    """Each row's tree tokens (root first) and Tree from `select_tree` over rows: roots (B,), drafted candidates
+    (B, C), chosen (B, n); one gather for all rows, then views."""
+    tokens = torch.cat([roots[:, None], drafted.gather(1, chosen)], dim=1)
+    fields = dataclasses.fields(tree)
+    return [(tokens[b], Tree(**{f.name: getattr(tree, f.name)[b] for f in fields})) for b in range(tokens.shape[0])]
 
 
 def descend(parent_scores: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch import nn
 from selfspec.heads.draft_layers import DraftCache
 from selfspec.infer.core.mask import RowMask
 from selfspec.infer.core.rows import upload
-from selfspec.infer.core.tree import Tree, choices_width, descend, select_tree, tree_from_choices
+from selfspec.infer.core.tree import Tree, choices_width, descend, row_trees, select_tree, tree_from_choices
 from selfspec.infer.core.verify import SamplingParams
 from selfspec.infer.drafters.drafter import Draft, Drafter, newest_pairs
 from selfspec.infer.drafters.proposers import embedding_for
@@ -170,16 +170,12 @@ class FeatureDrafter(Drafter):
             scores, drafted, parents, ranks = self._expand(last, root_logp, run)
         mask.hide(base, cache.length - base)
         cache.length = base  # the draft nodes are dropped (overwritten next time)
-        drafts: list[Draft | None] = []
-        for b in range(B):
-            if not active[b]:
-                drafts.append(None)
-            elif self.static is not None:
-                drafts.append(Draft(tokens[b], self.static))
-            else:
-                chosen, tree = select_tree(scores[b], parents[b], ranks[b], self.max_nodes - 1, self.depth, k)
-                drafts.append(Draft(torch.cat([roots[b : b + 1], drafted[b][chosen]]), tree))
-        return drafts
+        if self.static is not None:
+            rows = [(row, self.static) for row in tokens]
+        else:
+            chosen, tree = select_tree(scores, parents, ranks, self.max_nodes - 1, self.depth, k)
+            rows = row_trees(roots, drafted, chosen, tree)
+        return [Draft(*row) if on else None for row, on in zip(rows, active)]
 
     def _expand(self, root_feature: torch.Tensor, root_logp: torch.Tensor, run: Callable
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from selfspec.infer.core.tree import Tree, descend, select_tree, tree_from_choices
+from selfspec.infer.core.tree import Tree, descend, row_trees, select_tree, tree_from_choices
 
 
 class ParallelTree:
@@ -37,11 +37,8 @@ class ParallelTree:
             tokens = torch.cat([roots[:, None], self.to_target(logits.argmax(-1))], dim=1)
             return [(row, self.chain) for row in tokens]
         scores, drafted, parents, ranks = self.candidates(logits)
-        rows = []
-        for b in range(logits.shape[0]):
-            chosen, tree = select_tree(scores[b], parents[b], ranks[b], self.max_nodes - 1, self.depth, self.top_k)
-            rows.append((torch.cat([roots[b : b + 1], drafted[b][chosen]]), tree))
-        return rows
+        chosen, tree = select_tree(scores, parents, ranks, self.max_nodes - 1, self.depth, self.top_k)
+        return row_trees(roots, drafted, chosen, tree)
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """EAGLE-2's candidates from per-depth logits (B, D, V): depth 1 is depth 1's top_k; a depth-d frontier (its k
