@@ -45,7 +45,9 @@ def default_target_layer_ids(num_layers: int, count: int = DEFAULT_FEATURES) -> 
     return sorted({round(first + i * (last - first) / (count - 1)) for i in range(count)})
 
 
-def block_embeds(first: torch.Tensor, config: HeadsConfig, embed: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+def block_embeds(
+    first: torch.Tensor, config: HeadsConfig, embed: nn.Module, dtype: torch.dtype
+) -> torch.Tensor:
     """The blocks [embed(first), embed(MASK) × (B − 1)] (..., B, H) for first tokens (...,), through the target's
     own embedding module (which may scale its rows, as Gemma's does), in training and decoding alike."""
     ids = first[..., None].repeat_interleave(config.block_size, dim=-1)
@@ -166,8 +168,14 @@ class DFlashDraft(PretrainedHeads):
 
     # ---------------------------------------------------------------- training
 
-    def packed(self, features: torch.Tensor, block: torch.Tensor, anchors: torch.Tensor,
-               positions: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
+    def packed(
+        self,
+        features: torch.Tensor,
+        block: torch.Tensor,
+        anchors: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Training: N blocks per sequence in one attention pass per layer. features (B, T, K·H) the target's fused
         layers at every position, block (B, N·Bk, H) the embedded blocks (`block_embeds` of x at the anchors),
         anchors (B, N) positions a (1 <= a < T) -> block outputs (B, N, Bk, H), final norm applied; block n's
@@ -186,7 +194,9 @@ class DFlashDraft(PretrainedHeads):
         h = block.to(ctx.dtype)
         if positions is None:
             positions = torch.arange(T, device=ctx.device)[None].expand(B, T)
-        at = (positions.gather(1, anchors)[..., None] + torch.arange(Bk, device=anchors.device)).flatten(1)  # (B, N·Bk)
+        at = (positions.gather(1, anchors)[..., None] + torch.arange(Bk, device=anchors.device)).flatten(
+            1
+        )  # (B, N·Bk)
         cos_c, sin_c = self.rotary_emb.at(ctx, positions, T + Bk)
         cos_b, sin_b = self.rotary_emb.at(h, at, T + Bk)
         before = torch.arange(T, device=ctx.device) < anchors[..., None]  # (B, N, T)
@@ -196,7 +206,9 @@ class DFlashDraft(PretrainedHeads):
         for layer in self.layers:
             attn = layer.self_attn
             groups = attn.num_key_value_groups
-            k_ctx, v_ctx = (repeat_kv(t, groups)[:, :, None] for t in self._context_kv(attn, ctx, cos_c, sin_c))
+            k_ctx, v_ctx = (
+                repeat_kv(t, groups)[:, :, None] for t in self._context_kv(attn, ctx, cos_c, sin_c)
+            )
             q, k, v = self._project(attn, layer.input_layernorm(h), cos_b, sin_b)
             heads, d = q.shape[1], q.shape[-1]
             q, k, v = (t.reshape(B, heads, N, Bk, d) for t in (q, repeat_kv(k, groups), repeat_kv(v, groups)))

@@ -42,18 +42,27 @@ def layer_fields(target_config: Any) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": getattr(c, "num_key_value_heads", None) or heads,
         "head_dim": getattr(c, "head_dim", None) or hidden // heads,
-        "intermediate_size": getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden,
-        "rms_norm_eps": float(getattr(c, "rms_norm_eps", None) or getattr(c, "layer_norm_epsilon", None) or 1e-6),
+        "intermediate_size": getattr(c, "intermediate_size", None)
+        or getattr(c, "n_inner", None)
+        or 4 * hidden,
+        "rms_norm_eps": float(
+            getattr(c, "rms_norm_eps", None) or getattr(c, "layer_norm_epsilon", None) or 1e-6
+        ),
         "rope_parameters": _rope(c),
-        "max_position_embeddings": getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", 2048),
+        "max_position_embeddings": getattr(c, "max_position_embeddings", None)
+        or getattr(c, "n_positions", 2048),
         "hidden_act": act if isinstance(act, str) else "silu",
     }
 
 
 def llama_config(config: HeadsConfig) -> LlamaConfig:
     """The LlamaConfig the draft layers are built from (attention through SDPA with an explicit mask)."""
-    lc = LlamaConfig(hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                     num_hidden_layers=config.num_layers, **(config.layer or {}))
+    lc = LlamaConfig(
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        num_hidden_layers=config.num_layers,
+        **(config.layer or {}),
+    )
     lc._attn_implementation = "sdpa"
     return lc
 
@@ -65,8 +74,16 @@ class DraftCache:
     the draft nodes off again is setting `length` back: no copy, no reallocation, whatever the length.
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_length: int, dtype: torch.dtype,
-                 device: torch.device | str, batch: int = 1) -> None:
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        max_length: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        batch: int = 1,
+    ) -> None:
         self.keys = torch.zeros(layers, batch, kv_heads, max_length, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.storage = (self.keys, self.values)  # every row; keys/values: the rows in use (see `select_rows`)
@@ -77,9 +94,15 @@ class DraftCache:
         param = next(draft.parameters())
         layer = draft.config.layer or {}
         heads = layer.get("num_attention_heads") or 1
-        return cls(draft.config.num_layers, layer.get("num_key_value_heads") or heads,
-                   layer.get("head_dim") or draft.config.hidden_size // heads, max_length, param.dtype, param.device,
-                   batch)
+        return cls(
+            draft.config.num_layers,
+            layer.get("num_key_value_heads") or heads,
+            layer.get("head_dim") or draft.config.hidden_size // heads,
+            max_length,
+            param.dtype,
+            param.device,
+            batch,
+        )
 
     def keep_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Per row b, move the entries at positions src[b] (B, W) to dst[b] in every layer (all reads before
@@ -123,8 +146,13 @@ class DraftCache:
         self.length += T
 
 
-def continue_after(cache: DraftCache | None, T: int, device: torch.device, position_ids: torch.Tensor | None,
-                   attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def continue_after(
+    cache: DraftCache | None,
+    T: int,
+    device: torch.device,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Defaults for T new positions after what `cache` holds: the next position ids, and a causal mask
     over the cached columns and these T (either kept where given)."""
     past = cache.length if cache is not None else 0
@@ -143,15 +171,24 @@ def project(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch
     return q, k, v
 
 
-def attend(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-           cache: DraftCache | None, layer: int) -> torch.Tensor:
+def attend(
+    attn: LlamaAttention,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    cache: DraftCache | None,
+    layer: int,
+) -> torch.Tensor:
     """A Llama attention block's output for x (B, T, in) with RoPE (cos, sin) and a boolean or additive mask
     (B, 1, T, past + T), the keys and values going into `cache` (when given) after its valid positions."""
     B, T = x.shape[:2]
     q, k, v = project(attn, x, cos, sin)
     if cache is not None:
         k, v = cache.write(layer, k, v)
-    out = grouped_sdpa(q, k, v, mask, attn.scaling)  # a fused kernel under the mask, no KV copy for a few queries
+    out = grouped_sdpa(
+        q, k, v, mask, attn.scaling
+    )  # a fused kernel under the mask, no KV copy for a few queries
     return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -177,7 +214,9 @@ class Float32RotaryEmbedding(LlamaRotaryEmbedding):
         if bound is None:
             return self(x, position_ids)
         if self._table is None or self._table[0].shape[0] < bound:
-            cos, sin = self(self.inv_freq.new_zeros(1), torch.arange(bound, device=self.inv_freq.device)[None])
+            cos, sin = self(
+                self.inv_freq.new_zeros(1), torch.arange(bound, device=self.inv_freq.device)[None]
+            )
             self._table = (cos[0], sin[0])
         cos, sin = self._table
         return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
@@ -198,7 +237,9 @@ class DraftVocabulary:
         """Use these target ids (draft_vocab_size of them) as the draft vocabulary, in increasing id order."""
         ids = target_ids.unique().sort().values.to(self.d2t.device)
         if ids.numel() != self.d2t.numel():
-            raise ValueError(f"need {self.d2t.numel()} distinct target ids for the draft vocabulary, got {ids.numel()}")
+            raise ValueError(
+                f"need {self.d2t.numel()} distinct target ids for the draft vocabulary, got {ids.numel()}"
+            )
         self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
         t2d = getattr(self, "t2d", None)
         if t2d is not None:
@@ -228,6 +269,8 @@ def draft_targets(d2t: torch.Tensor, vocab: int, where: object) -> torch.Tensor:
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
         raise ValueError(f"{where}: d2t maps draft ids to target ids outside [0, {vocab})")
     if targets.unique().numel() != targets.numel():
-        raise ValueError(f"{where}: d2t maps two draft ids to one target id: the tree's siblings would repeat a "
-                         "token, which verification cannot accept exactly; rebuild the draft vocabulary")
+        raise ValueError(
+            f"{where}: d2t maps two draft ids to one target id: the tree's siblings would repeat a "
+            "token, which verification cannot accept exactly; rebuild the draft vocabulary"
+        )
     return targets

@@ -35,9 +35,15 @@ class Eagle3Draft(FusedDraft):
             return self.unrolled(hidden, input_ids, embed, attention_mask, unroll, position_ids)
         return super().forward(hidden, input_ids, embed, attention_mask, position_ids, cache)
 
-    def unrolled(self, features: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
-                 attention_mask: torch.Tensor, steps: int, position_ids: torch.Tensor | None = None
-                 ) -> list[torch.Tensor]:
+    def unrolled(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        embed: nn.Module,
+        attention_mask: torch.Tensor,
+        steps: int,
+        position_ids: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
         """The training-time test: `steps` draft steps over a whole sequence in one masked attention each.
 
             step 0  at t: hidden = fc(features_t),  token x_{t+1},   position t       -> o0_t  (predicts x_{t+2})
@@ -57,8 +63,13 @@ class Eagle3Draft(FusedDraft):
         if attention_mask.dim() == 4:
             context = attention_mask.bool()
         else:
-            context = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None] & attention_mask.bool()[:, None]
-            context = context | torch.eye(T, dtype=torch.bool, device=input_ids.device)  # (B, T, T): no empty rows
+            context = (
+                torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None]
+                & attention_mask.bool()[:, None]
+            )
+            context = context | torch.eye(
+                T, dtype=torch.bool, device=input_ids.device
+            )  # (B, T, T): no empty rows
             context = context[:, None]  # (B, 1, T, T)
         hidden, own_keys, own_values, outputs = self.fuse(features), [], [], []
         for i in range(steps):
@@ -72,8 +83,11 @@ class Eagle3Draft(FusedDraft):
             else:
                 own_keys.append(k)
                 own_values.append(v)
-            attended = attn.o_proj(attend_with_own(q, keys, values, context, own_keys, own_values, attn.scaling).transpose(1, 2)
-                                   .reshape(B, T, -1))
+            attended = attn.o_proj(
+                attend_with_own(q, keys, values, context, own_keys, own_values, attn.scaling)
+                .transpose(1, 2)
+                .reshape(B, T, -1)
+            )
             hidden = layer.finish(hidden, attended)
             outputs.append(hidden)
         return outputs

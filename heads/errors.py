@@ -30,7 +30,9 @@ def describe(error: BaseException) -> str:
         where = f" writing {error.filename}" if error.filename else ""
         return f"no space left on the device{where}: free some space or write somewhere else"
     if isinstance(error, PermissionError) and error.filename:
-        return f"permission denied: {error.filename}: choose a folder you can write to (or fix its permissions)"
+        return (
+            f"permission denied: {error.filename}: choose a folder you can write to (or fix its permissions)"
+        )
     if isinstance(error, FileNotFoundError) and error.filename:
         return f"no such file or folder: {error.filename}"
     text = str(error)

@@ -26,12 +26,20 @@ class Family:
     kind: str  # HeadsConfig.kind, the `kind` of its config.json
     title: str  # the name people know it by, in cards and messages ("EAGLE-3")
     drafter: str  # "module:Class" of its nn.Module (a PretrainedHeads built from a HeadsConfig)
-    proposer: str  # "module:function" (heads, target, tree, **tree_options) -> the proposer decoding drafts with
+    proposer: (
+        str  # "module:function" (heads, target, tree, **tree_options) -> the proposer decoding drafts with
+    )
     describe: Callable[[Any], str]  # the card's line on a drafter's shape, from its HeadsConfig
-    settings: frozenset[str] = frozenset()  # the family-specific HeadsConfig fields it reads (others stay default)
-    check: Callable[[Any], None] | None = None  # its own config checks (ValueError naming the field and the fix)
+    settings: frozenset[str] = (
+        frozenset()
+    )  # the family-specific HeadsConfig fields it reads (others stay default)
+    check: Callable[[Any], None] | None = (
+        None  # its own config checks (ValueError naming the field and the fix)
+    )
     dynamic_tree: bool = False  # depth / top_k / total_tokens shape its tree (else a static tree of paths)
-    tune_grid: str | None = None  # "module:function" (config) -> the (depth, top_k, total_tokens) `selfspec tune` tries
+    tune_grid: str | None = (
+        None  # "module:function" (config) -> the (depth, top_k, total_tokens) `selfspec tune` tries
+    )
     # the published layouts it reads and writes (heads/formats/): names, and "module:function" of each step
     formats: tuple[str, ...] = ()
     detect: str | None = None  # (Checkpoint) -> a format name or None
@@ -43,9 +51,15 @@ class Family:
     # training: the recipe folder (configs/<recipe>/, launched by train/<recipe>.py) whose config builds it
     recipe: str | None = None
     recipe_config: str | None = None  # "module:Class" of that recipe's config
-    meta_drafter: str | None = None  # "module:function" (recipe config, target) -> the drafter it trains (any device)
-    activation_bytes: str | None = None  # "module:function" (cfg, target, drafter, rows, length) -> peak bytes
-    vocabulary: str = "target"  # "target": drafts over the target's vocabulary; "rows": a subset of its lm_head's
+    meta_drafter: str | None = (
+        None  # "module:function" (recipe config, target) -> the drafter it trains (any device)
+    )
+    activation_bytes: str | None = (
+        None  # "module:function" (cfg, target, drafter, rows, length) -> peak bytes
+    )
+    vocabulary: str = (
+        "target"  # "target": drafts over the target's vocabulary; "rows": a subset of its lm_head's
+    )
     # rows (d2t, no training); "learned": an lm_head of its own over a draft vocabulary chosen at training
 
     def load(self, attribute: str) -> Any:
@@ -66,5 +80,7 @@ def check_fused(config: Any) -> None:
     """A drafter fusing target layers needs its decoder layer's fields and the hidden_states it reads."""
     check_layer(config)
     if not config.feature_layers or min(config.feature_layers) < 0:
-        raise ValueError(f"an {config.kind} config needs `feature_layers`: the target hidden_states indices its fc "
-                         f"fuses (e.g. [2, L // 2, L - 3]), got {config.feature_layers}")
+        raise ValueError(
+            f"an {config.kind} config needs `feature_layers`: the target hidden_states indices its fc "
+            f"fuses (e.g. [2, L // 2, L - 3]), got {config.feature_layers}"
+        )

@@ -51,8 +51,11 @@ class Eagle3Layer(nn.Module):
         self.norm_before_residual = norm_before_residual
         self.self_attn = LlamaAttention(config, layer_idx=0)
         attn = self.self_attn
-        for name, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.num_key_value_heads),
-                            ("v_proj", config.num_key_value_heads)):
+        for name, heads in (
+            ("q_proj", config.num_attention_heads),
+            ("k_proj", config.num_key_value_heads),
+            ("v_proj", config.num_key_value_heads),
+        ):
             setattr(attn, name, nn.Linear(2 * hidden, heads * attn.head_dim, bias=config.attention_bias))
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(hidden, eps)
@@ -120,21 +123,36 @@ class FusedDraft(DraftVocabulary, PretrainedHeads):
         continuing from the cached length."""
         return self.run_layer(hidden, embed(input_ids).to(hidden.dtype), attention_mask, position_ids, cache)
 
-    def run_layer(self, hidden: torch.Tensor, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
-                  position_ids: torch.Tensor | None, cache: DraftCache | None) -> torch.Tensor:
+    def run_layer(
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cache: DraftCache | None,
+    ) -> torch.Tensor:
         """The decoder layer on hidden states and input embeddings (B, T, H) each -> its outputs (B, T, H)."""
         T = hidden.shape[1]
         position_ids, attention_mask = continue_after(cache, T, hidden.device, position_ids, attention_mask)
         cos, sin = self.rotary_emb.at(hidden, position_ids, cache.capacity if cache is not None else None)
         layer = self.midlayer
-        attended = attend(layer.self_attn, layer.attention_input(embeds, hidden), cos, sin, attention_mask, cache, 0)
+        attended = attend(
+            layer.self_attn, layer.attention_input(embeds, hidden), cos, sin, attention_mask, cache, 0
+        )
         if cache is not None:
             cache.advance(T)
         return layer.finish(hidden, attended)
 
 
-def attend_with_own(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context: torch.Tensor,
-                    own_keys: list[torch.Tensor], own_values: list[torch.Tensor], scale: float) -> torch.Tensor:
+def attend_with_own(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    context: torch.Tensor,
+    own_keys: list[torch.Tensor],
+    own_values: list[torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
     """Training attention of draft steps over whole sequences: one softmax over the masked context keys (B, h, T, T)
     (`context` (B, 1, T, T) bool, True = visible) and, per position, its own keys of the later steps (B, h, T, d)
     each: the same as attention over all of them with the block mask, at O(T^2 + iT). q (B, h, T, d) -> (B, h, T, d)."""

@@ -53,8 +53,13 @@ def fused_backend(params: torch.backends.cuda.SDPAParams) -> SDPBackend | None:
     return None
 
 
-def grouped_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                   scale: float | None) -> torch.Tensor:
+def grouped_kernel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
     """SDPA with `enable_gqa`; on CUDA under the backend `gqa_backend` found, since SDPA ranks the math kernel
     above cuDNN and would otherwise take it for a masked grouped call."""
     backend = gqa_backend(query.device, query.dtype) if mask is not None else None
@@ -85,8 +90,14 @@ def folds_cheaper(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) ->
     return mask.shape[0] * groups * T * mask.element_size() < 2 * B * H * D * key.element_size()
 
 
-def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                 scale: float | None = None, fold: bool | None = None) -> torch.Tensor:
+def grouped_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+    fold: bool | None = None,
+) -> torch.Tensor:
     """query (B, Hkv*G, T, D), key and value (B, Hkv, S, D), mask (B or 1, 1, T, S) bool (True = visible) or
     additive -> (B, Hkv*G, T, Dv), query head i reading key head i // G (as repeat_kv pairs them), always on a
     fused kernel's inputs. `fold` True: fold the groups into the query length; False: `enable_gqa`; None: by the
@@ -96,11 +107,19 @@ def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     groups = H // key.shape[1]
     if groups == 1:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
-    if mask is None or fold is False or (fold is None and native_gqa(query.device, query.dtype)):  # no mask: flash takes groups
+    if (
+        mask is None or fold is False or (fold is None and native_gqa(query.device, query.dtype))
+    ):  # no mask: flash takes groups
         return grouped_kernel(query, key, value, mask, scale)
-    if mask.dim() != 4 or mask.shape[1] != 1 or (fold is None and not folds_cheaper(query, key, mask)):  # a long prompt's
+    if (
+        mask.dim() != 4 or mask.shape[1] != 1 or (fold is None and not folds_cheaper(query, key, mask))
+    ):  # a long prompt's
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
-    folded = query.reshape(B, key.shape[1], groups * T, D)  # (B, Hkv, G*T, D): a view when query is contiguous
-    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=fold_mask(mask, groups, T), scale=scale)
+    folded = query.reshape(
+        B, key.shape[1], groups * T, D
+    )  # (B, Hkv, G*T, D): a view when query is contiguous
+    out = F.scaled_dot_product_attention(
+        folded, key, value, attn_mask=fold_mask(mask, groups, T), scale=scale
+    )
     return out.reshape(B, H, T, value.shape[-1])  # (B, Hkv, G*T, Dv) -> (B, H, T, Dv), whatever its strides

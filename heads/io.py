@@ -27,8 +27,11 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # a model's or drafte
 def saved_model_files(directory: Path) -> list[str]:
     """The files in `directory` that a saved model or drafter consists of (config.json, weights, its card):
     writing another one there would overwrite them, or leave a mix that loads as neither."""
-    return sorted(p.name for p in directory.glob("*")
-                  if p.name in ("config.json", "README.md") or p.suffix in WEIGHT_SUFFIXES)
+    return sorted(
+        p.name
+        for p in directory.glob("*")
+        if p.name in ("config.json", "README.md") or p.suffix in WEIGHT_SUFFIXES
+    )
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -37,8 +40,9 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         try:
             state = load_file(str(path), device="cpu")
         except Exception as e:  # corrupt or truncated: one clear error, whatever the library raised
-            raise ValueError(f"cannot read the weights in {path}: not a readable safetensors file ({e}); "
-                             "re-download it") from None
+            raise ValueError(
+                f"cannot read the weights in {path}: not a readable safetensors file ({e}); re-download it"
+            ) from None
     else:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -48,8 +52,12 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
                 "It must be a plain state_dict of tensors; unpickling arbitrary objects is refused. Convert it "
                 "once, where you trust the file, to safetensors (safetensors.torch.save_file)"
             ) from None
-    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
-        raise ValueError(f"{path} is not a state dict (a dict of name -> tensor); found {type(state).__name__}")
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()
+    ):
+        raise ValueError(
+            f"{path} is not a state dict (a dict of name -> tensor); found {type(state).__name__}"
+        )
     return dict(state)
 
 
@@ -95,19 +103,28 @@ class PretrainedHeads(nn.Module):
 
     config: HeadsConfig
     kind: ClassVar[str]  # the family whose configs it builds (heads/families)
-    source_dir: Path | None = None  # the directory it was loaded from (a Medusa-2 checkpoint's adapter lives there)
+    source_dir: Path | None = (
+        None  # the directory it was loaded from (a Medusa-2 checkpoint's adapter lives there)
+    )
 
     def check_kind(self, config: HeadsConfig) -> None:
         """Refuse a config of another family (a drafter class built from the wrong config.json)."""
         if config.kind != self.kind:
-            raise ValueError(f"{type(self).__name__} needs a config of kind {self.kind!r}, got {config.kind!r}")
+            raise ValueError(
+                f"{type(self).__name__} needs a config of kind {self.kind!r}, got {config.kind!r}"
+            )
 
     def save_pretrained(self, directory: str | Path, card_extra: str = "") -> None:
         """config.json, model.safetensors and a card; a Medusa-2 checkpoint's adapted-target folder comes along."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         sub = self.config.adapter or self.config.merged_target
-        if sub and self.source_dir is not None and (self.source_dir / sub).is_dir() and out.resolve() != self.source_dir.resolve():
+        if (
+            sub
+            and self.source_dir is not None
+            and (self.source_dir / sub).is_dir()
+            and out.resolve() != self.source_dir.resolve()
+        ):
             shutil.copytree(self.source_dir / sub, out / sub, dirs_exist_ok=True)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         atomic_write(out / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))

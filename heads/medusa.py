@@ -53,8 +53,9 @@ class MedusaHeads(PretrainedHeads):
         for head in self.heads:
             head[-1].weight.data.copy_(weight.data.to(head[-1].weight.dtype))
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None,
-                project: bool = True) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, hidden: torch.Tensor, lm_head: nn.Module | None = None, project: bool = True
+    ) -> tuple[torch.Tensor, ...]:
         """hidden (..., H) -> K logits tensors (..., V), one per head. `lm_head` is the target's, needed when shared.
         With project=False: the K heads' features before any vocabulary projection (..., H), for a loss that
         projects them a chunk of positions at a time (`project_head`).
@@ -66,10 +67,14 @@ class MedusaHeads(PretrainedHeads):
                 f"hidden states have size {hidden.shape[-1]} but the heads expect {self.config.hidden_size}"
             )
         if not project:
-            return tuple(head(hidden) if self.config.share_lm_head else head[:-1](hidden) for head in self.heads)
+            return tuple(
+                head(hidden) if self.config.share_lm_head else head[:-1](hidden) for head in self.heads
+            )
         if self.config.share_lm_head:
             if lm_head is None:
-                raise ValueError("these heads share the target's lm_head: pass lm_head=model.get_output_embeddings()")
+                raise ValueError(
+                    "these heads share the target's lm_head: pass lm_head=model.get_output_embeddings()"
+                )
             # One lm_head call for all heads: the projection is read from memory once, not K times.
             return tuple(apply_head(lm_head, torch.stack([head(hidden) for head in self.heads])).unbind(0))
         return tuple(apply_head(head[-1], head[:-1](hidden)) for head in self.heads)

@@ -33,8 +33,10 @@ def mtp_model_class() -> type:
     except ImportError:
         import transformers
 
-        raise ValueError(f"MTP drafting builds on transformers' MtpModel (transformers >= {MIN_TRANSFORMERS}); this is "
-                         f"{transformers.__version__}: pip install -U 'transformers>={MIN_TRANSFORMERS}'") from None
+        raise ValueError(
+            f"MTP drafting builds on transformers' MtpModel (transformers >= {MIN_TRANSFORMERS}); this is "
+            f"{transformers.__version__}: pip install -U 'transformers>={MIN_TRANSFORMERS}'"
+        ) from None
     return MtpModel
 
 
@@ -57,13 +59,18 @@ def target_config(config: HeadsConfig) -> PretrainedConfig:
 def check_supported(config: PretrainedConfig) -> None:
     """Refuse, in one line, the MTP variants this drafter would run differently from the target's own code."""
     kinds = set(getattr(config, "mtp_layer_types", None) or []) - {"full_attention"}
-    unsupported = [f"{name} {getattr(config, name)}" for name in ("logits_mup_width_multiplier", "unpadded_vocab_size")
-                   if getattr(config, name, None) is not None]
+    unsupported = [
+        f"{name} {getattr(config, name)}"
+        for name in ("logits_mup_width_multiplier", "unpadded_vocab_size")
+        if getattr(config, name, None) is not None
+    ]
     if kinds:
         unsupported.append(f"MTP layers of type {', '.join(sorted(kinds))}")
     if unsupported:
-        raise ValueError(f"selfspec drafts with full-attention MTP layers projected by the plain lm_head; this "
-                         f"{config.model_type} target has {'; '.join(unsupported)}: not supported yet")
+        raise ValueError(
+            f"selfspec drafts with full-attention MTP layers projected by the plain lm_head; this "
+            f"{config.model_type} target has {'; '.join(unsupported)}: not supported yet"
+        )
 
 
 class MtpDraft(PretrainedHeads):
@@ -120,15 +127,24 @@ class MtpDraft(PretrainedHeads):
     @property
     def lm_head(self) -> nn.Module:
         if not self._bound:
-            raise ValueError("this MTP drafter is not bound to its target: call draft.bind(target.get_output_embeddings())")
+            raise ValueError(
+                "this MTP drafter is not bound to its target: call draft.bind(target.get_output_embeddings())"
+            )
         return self._bound[0]
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The features an MTP layer reads are the target's last hidden states as they are."""
         return features
 
-    def step(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module, attention_mask: torch.Tensor | None,
-             position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+    def step(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        embed: nn.Module,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        cache: Any,
+    ) -> torch.Tensor:
         """One pass of MTP layer 0: hidden (B, T, H) at t, the tokens x_{t+1} (B, T), a 4D mask over `cache`'s
         keys then these (additive or boolean), positions (B, T) -> outputs (B, T, H), each predicting x_{t+2}.
 
@@ -144,8 +160,13 @@ class MtpDraft(PretrainedHeads):
         parts = [layer.enorm(embeds), layer.hnorm(hidden)]
         if getattr(layer.config, "mtp_hidden_states_first", False):
             parts.reverse()
-        return layer.mtp_block(layer.eh_proj(torch.cat(parts, dim=-1)), attention_mask=attention_mask,
-                               position_embeddings=rope, position_ids=position_ids, cache=cache)
+        return layer.mtp_block(
+            layer.eh_proj(torch.cat(parts, dim=-1)),
+            attention_mask=attention_mask,
+            position_embeddings=rope,
+            position_ids=position_ids,
+            cache=cache,
+        )
 
     def output_norm(self, out: torch.Tensor) -> torch.Tensor:
         """The norm MTP layer 0 applies to its output before the lm_head."""
@@ -155,17 +176,31 @@ class MtpDraft(PretrainedHeads):
         shared = getattr(self.mtp, "shared_post_norm", None)
         return shared(out) if shared is not None else out
 
-    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
-                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cache: Any = None, unroll: int = 0) -> torch.Tensor | list[torch.Tensor]:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        embed: nn.Module,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        unroll: int = 0,
+    ) -> torch.Tensor | list[torch.Tensor]:
         """Decoding: one step over `cache` (a transformers Cache). Training (`unroll` > 0): `unroll` steps over whole
         sequences (`unrolled`); through forward so that DDP, DeepSpeed and FSDP see the call."""
         if unroll > 0:
             return self.unrolled(hidden, input_ids, embed, attention_mask, unroll, position_ids)
         return self.step(hidden, input_ids, embed, attention_mask, position_ids, cache)
 
-    def unrolled(self, features: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module, context: torch.Tensor,
-                 steps: int, position_ids: torch.Tensor) -> list[torch.Tensor]:
+    def unrolled(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        embed: nn.Module,
+        context: torch.Tensor,
+        steps: int,
+        position_ids: torch.Tensor,
+    ) -> list[torch.Tensor]:
         """The training-time test over whole sequences, as decoding reuses the layer:
 
             step 0 at t: the target's hidden state at t, token x_{t+1},   position t      -> o0_t (predicts x_{t+2})
@@ -209,8 +244,9 @@ class MtpDraft(PretrainedHeads):
         """Nothing to check: MTP drafts over the target's vocabulary."""
 
 
-def mtp_config_for(target: nn.Module, base_model: str, layers: int | None = None, dtype: str = "float32",
-                   **tree: int) -> HeadsConfig:
+def mtp_config_for(
+    target: nn.Module, base_model: str, layers: int | None = None, dtype: str = "float32", **tree: int
+) -> HeadsConfig:
     """The HeadsConfig of `target`'s MTP layers (its own count, or `layers` new ones); the tree by default a chain
     of 3 (DEFAULT_TREE), as engines draft with a checkpoint's one MTP layer."""
     text = target.config.get_text_config()
@@ -221,7 +257,13 @@ def mtp_config_for(target: nn.Module, base_model: str, layers: int | None = None
     for kinds, mtp_kinds in (("layer_types", "mtp_layer_types"), ("mlp_layer_types", "mtp_mlp_layer_types")):
         if fields.get(kinds) is not None and fields.get(mtp_kinds) is None:
             fields[mtp_kinds] = ["full_attention" if kinds == "layer_types" else fields[kinds][-1]] * count
-    return HeadsConfig(kind="mtp", base_model=base_model, hidden_size=text.hidden_size,
-                       vocab_size=target.get_output_embeddings().weight.shape[0],
-                       num_layers=count, layer=fields, dtype=dtype,
-                       **(DEFAULT_TREE | tree))
+    return HeadsConfig(
+        kind="mtp",
+        base_model=base_model,
+        hidden_size=text.hidden_size,
+        vocab_size=target.get_output_embeddings().weight.shape[0],
+        num_layers=count,
+        layer=fields,
+        dtype=dtype,
+        **(DEFAULT_TREE | tree),
+    )

@@ -35,7 +35,9 @@ class PEagleDraft(FusedDraft):
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__(config)
         fused = len(config.feature_layers) * config.hidden_size
-        self.mask_hidden = nn.Parameter(torch.empty(fused).normal_(0.0, 0.02))  # vLLM's `mask_hidden`, before fc
+        self.mask_hidden = nn.Parameter(
+            torch.empty(fused).normal_(0.0, 0.02)
+        )  # vLLM's `mask_hidden`, before fc
         self.mask_embedding = nn.Parameter(torch.empty(config.hidden_size).normal_(0.0, 0.02))
         self._slots: tuple | None = None  # (weights' key, fc(mask_hidden), mask_embedding) for decoding
 
@@ -44,8 +46,12 @@ class PEagleDraft(FusedDraft):
         are computed once per weight version and dtype, not at every step."""
         if torch.is_grad_enabled():
             return self.fuse(self.mask_hidden.to(dtype)), self.mask_embedding.to(dtype)
-        reads = (self.mask_hidden, self.mask_embedding, *self.fc.parameters(),
-                 *(() if self.input_norm is None else self.input_norm.parameters()))
+        reads = (
+            self.mask_hidden,
+            self.mask_embedding,
+            *self.fc.parameters(),
+            *(() if self.input_norm is None else self.input_norm.parameters()),
+        )
         key = (dtype, *((t.data_ptr(), t.device, version(t)) for t in reads))
         if self._slots is None or self._slots[0] != key:
             self._slots = (key, self.fuse(self.mask_hidden.to(dtype)), self.mask_embedding.to(dtype))
@@ -80,9 +86,16 @@ class PEagleDraft(FusedDraft):
             embeds = torch.cat([embeds, slot_embed.expand(B, slots, -1)], dim=1)
         return self.run_layer(hidden, embeds, attention_mask, position_ids, cache)
 
-    def parallel(self, features: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module, context: torch.Tensor,
-                 position_ids: torch.Tensor | None, depths: int, anchors: list[torch.Tensor | None] | None = None
-                 ) -> list[torch.Tensor]:
+    def parallel(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        embed: nn.Module,
+        context: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        depths: int,
+        anchors: list[torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor]:
         """Every depth over whole sequences, as decoding computes them:
 
             depth 0 at t: the pair (fc(features_t), x_{t+1}), position t, sees the pairs <= t     -> predicts x_{t+2}
@@ -105,8 +118,10 @@ class PEagleDraft(FusedDraft):
         # every slot has the same input: its query, key and value differ by the rotation of its position only
         slot_hidden, slot_embed = self.slot_inputs(hidden.dtype)
         slot_in = layer.attention_input(slot_embed[None, None], slot_hidden[None, None])  # (1, 1, 2H)
-        qc, kc, vc = (proj(slot_in).view(1, 1, -1, attn.head_dim).transpose(1, 2)
-                      for proj in (attn.q_proj, attn.k_proj, attn.v_proj))  # (1, heads, 1, d)
+        qc, kc, vc = (
+            proj(slot_in).view(1, 1, -1, attn.head_dim).transpose(1, 2)
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj)
+        )  # (1, heads, 1, d)
         own_keys, own_values = [], []
         for j in range(1, depths):
             cos_j, sin_j = self.rotary_emb.at(hidden, position_ids + j, T + depths)

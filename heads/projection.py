@@ -17,8 +17,13 @@ from torch import nn
 
 def vocab_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., H) -> x @ weight.T + bias (..., V), as `F.linear`; float32 on CPU without autograd uses W @ x.T."""
-    if (x.dtype != torch.float32 or x.device.type != "cpu" or weight.device != x.device or weight.dtype != x.dtype
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+    if (
+        x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or weight.device != x.device
+        or weight.dtype != x.dtype
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     out = torch.mm(weight, rows.T).T.contiguous()  # (M, V); top-k and softmax then read rows
@@ -30,9 +35,14 @@ def vocab_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def is_plain_linear(head: nn.Module) -> bool:
     """Whether `head(x)` is exactly x @ weight.T + bias: an `nn.Linear` itself, not a subclass (quantised
     layers), and without hooks (accelerate offload, weight_norm, pruning) that would change or move its weight."""
-    return (type(head) is nn.Linear and not getattr(head, "_hf_hook", None) and not head._forward_hooks
-            and not head._forward_pre_hooks and not nn.modules.module._global_forward_hooks
-            and not nn.modules.module._global_forward_pre_hooks)
+    return (
+        type(head) is nn.Linear
+        and not getattr(head, "_hf_hook", None)
+        and not head._forward_hooks
+        and not head._forward_pre_hooks
+        and not nn.modules.module._global_forward_hooks
+        and not nn.modules.module._global_forward_pre_hooks
+    )
 
 
 def apply_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:

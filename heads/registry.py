@@ -22,8 +22,13 @@ def is_published(directory: str | Path | Checkpoint) -> bool:
     return checkpoint.config is not None and not checkpoint.is_selfspec
 
 
-def load_heads(name_or_path: str | Path, device: str | torch.device = "cpu", base_model: str | None = None,
-               revision: str | None = None, token: str | bool | None = None) -> PretrainedHeads:
+def load_heads(
+    name_or_path: str | Path,
+    device: str | torch.device = "cpu",
+    base_model: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> PretrainedHeads:
     """Load a drafter from a local directory or a Hub repo id: selfspec's own layout by the `kind` in its
     config.json, or a published Medusa / EAGLE checkpoint as it is, converted in memory (the layout detected
     from its files as `selfspec import` does; nothing is written).

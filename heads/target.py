@@ -24,8 +24,10 @@ def adapted_target_dir(config: HeadsConfig, directory: Path | None) -> Path | No
         return None
     if directory is None or not (directory / sub).is_dir():
         where = directory or "the heads' directory"
-        raise FileNotFoundError(f"these Medusa-2 heads decode with the adapted target in {where}/{sub}, which is "
-                                "missing: copy or download the whole directory the training run wrote")
+        raise FileNotFoundError(
+            f"these Medusa-2 heads decode with the adapted target in {where}/{sub}, which is "
+            "missing: copy or download the whole directory the training run wrote"
+        )
     return directory / sub
 
 
@@ -39,9 +41,11 @@ def apply_adapter(model: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
     try:
         merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().to(dtype)
     except (RuntimeError, KeyError, ValueError) as e:  # shapes or module names of another model
-        raise ValueError(f"the LoRA adapter in {adapter_dir} does not fit {model.name_or_path or 'the model'} "
-                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]}): load it on the base model it "
-                         "was trained on") from None
+        raise ValueError(
+            f"the LoRA adapter in {adapter_dir} does not fit {model.name_or_path or 'the model'} "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}): load it on the base model it "
+            "was trained on"
+        ) from None
     setattr(merged, ADAPTED, str(adapter_dir))
     return merged
 
@@ -59,15 +63,19 @@ def load_target(heads: Any, name: str | None = None, load: Any = None, **kwargs:
     folder = adapted_target_dir(config, getattr(heads, "source_dir", None))
     if config.merged_target:
         if name and Path(resolve_model(name)).resolve() != folder.resolve():
-            raise ValueError(f"these Medusa-2 heads decode with their merged target in {folder}, not {name}: leave "
-                             "the model out")
+            raise ValueError(
+                f"these Medusa-2 heads decode with their merged target in {folder}, not {name}: leave "
+                "the model out"
+            )
         model = load(str(folder), **kwargs)
         setattr(model, ADAPTED, str(folder))
         return model
     base = name or config.base_model
     if not base:
-        raise ValueError("the drafter names no target model (SafeAILab's EAGLE checkpoints never do): pass the model "
-                         "it was trained for")
+        raise ValueError(
+            "the drafter names no target model (SafeAILab's EAGLE checkpoints never do): pass the model "
+            "it was trained for"
+        )
     model = load(resolve_model(base), **kwargs)
     return apply_adapter(model, folder) if config.adapter else model
 
@@ -76,5 +84,7 @@ def check_adapted(config: HeadsConfig, model: torch.nn.Module) -> None:
     """Refuse a model passed for heads trained with a LoRA adapter unless load_target adapted it: the base model
     alone decodes exactly but accepts little, silently."""
     if (config.adapter or config.merged_target) and not getattr(model, ADAPTED, None):
-        raise ValueError("these Medusa-2 heads were trained with a LoRA adapter on the target: leave the model out "
-                         "(it is loaded and adapted from the heads' directory) or pass heads.target.load_target(heads)")
+        raise ValueError(
+            "these Medusa-2 heads were trained with a LoRA adapter on the target: leave the model out "
+            "(it is loaded and adapted from the heads' directory) or pass heads.target.load_target(heads)"
+        )

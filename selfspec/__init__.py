@@ -38,6 +38,7 @@ def __getattr__(name: str) -> Any:
     """Import a public name's module on first use (`selfspec.SpeculativeModel`, `from selfspec import ...`)."""
     if name == "__version__":
         from importlib.metadata import PackageNotFoundError, version
+
         try:
             return version("selfspec")
         except PackageNotFoundError:

@@ -32,18 +32,85 @@ from typing import Any
 from selfspec.shipped.stdlib_corpus import stdlib_files
 
 OUT_DIR = Path(__file__).resolve().parent / "chat"
-LEADS = [None, None, None, None, "Explain", "Write", "How do I", "What is", "Can you help me", "Give me",
-         "Write a short story", "Write a poem", "Summarize", "What are the benefits of", "Compare",
-         "Write a Python function", "How can I", "Describe", "Suggest", "Why does"]
-CODE_FOLLOWUPS = ["Can you add comments to the code?", "What are the edge cases?", "Can you write a test for it?",
-                  "How would you make it faster?", "Explain it line by line.", "Can you rewrite it more simply?"]
-TEXT_FOLLOWUPS = ["Can you give an example?", "Explain it more simply.", "Can you make it shorter?",
-                  "Why is that?", "Can you say more about the first point?", "Summarize that in one sentence."]
+LEADS = [
+    None,
+    None,
+    None,
+    None,
+    "Explain",
+    "Write",
+    "How do I",
+    "What is",
+    "Can you help me",
+    "Give me",
+    "Write a short story",
+    "Write a poem",
+    "Summarize",
+    "What are the benefits of",
+    "Compare",
+    "Write a Python function",
+    "How can I",
+    "Describe",
+    "Suggest",
+    "Why does",
+]
+CODE_FOLLOWUPS = [
+    "Can you add comments to the code?",
+    "What are the edge cases?",
+    "Can you write a test for it?",
+    "How would you make it faster?",
+    "Explain it line by line.",
+    "Can you rewrite it more simply?",
+]
+TEXT_FOLLOWUPS = [
+    "Can you give an example?",
+    "Explain it more simply.",
+    "Can you make it shorter?",
+    "Why is that?",
+    "Can you say more about the first point?",
+    "Summarize that in one sentence.",
+]
 
 # Word problems: (template, how many numbers it takes). Names, goods and numbers are drawn per problem.
-NAMES = ["Ana", "Ben", "Chloe", "David", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kira", "Liam",
-         "Maya", "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tariq", "Uma", "Victor", "Wen", "Yara", "Zoe"]
-GOODS = ["apples", "pencils", "books", "cookies", "marbles", "stickers", "oranges", "cupcakes", "stamps", "cards"]
+NAMES = [
+    "Ana",
+    "Ben",
+    "Chloe",
+    "David",
+    "Emma",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Ines",
+    "Jamal",
+    "Kira",
+    "Liam",
+    "Maya",
+    "Noah",
+    "Olga",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sam",
+    "Tariq",
+    "Uma",
+    "Victor",
+    "Wen",
+    "Yara",
+    "Zoe",
+]
+GOODS = [
+    "apples",
+    "pencils",
+    "books",
+    "cookies",
+    "marbles",
+    "stickers",
+    "oranges",
+    "cupcakes",
+    "stamps",
+    "cards",
+]
 MATH = [
     "{a} has {x} {g}. {b} gives {a} {y} more. How many {g} does {a} have now?",
     "{a} buys {x} {g} at ${y} each. How much does {a} spend in total?",
@@ -138,13 +205,24 @@ def code_requests(rng: random.Random, split: str, n: int) -> list[dict[str, Any]
             text = f"What does `{name}` in Python's `{module}` module do, and when would I use it?"
         rows.append({"messages": user(text), "kind": "code"})
     for module in modules[: max(1, n // 10)]:
-        rows.append({"messages": user(f"What is Python's `{module}` module for? Show a short example."),
-                     "kind": "code"})
+        rows.append(
+            {
+                "messages": user(f"What is Python's `{module}` module for? Show a short example."),
+                "kind": "code",
+            }
+        )
     return rows
 
 
-def magpie_requests(model, tokenizer, rng: random.Random, n: int, batch_size: int = 64,
-                    max_new_tokens: int = 64, seed: int = 0) -> list[dict[str, Any]]:
+def magpie_requests(
+    model,
+    tokenizer,
+    rng: random.Random,
+    n: int,
+    batch_size: int = 64,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     """User turns the target writes itself from its template's opening of a user turn (Magpie), sampled at
     temperature 1; a turn counts when it ends with the end-of-turn token within `max_new_tokens`."""
     import torch
@@ -160,10 +238,18 @@ def magpie_requests(model, tokenizer, rng: random.Random, n: int, batch_size: in
         texts = [opening + (lead or "") for lead in leads]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            out = model.generate(**batch, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                                 max_new_tokens=max_new_tokens, eos_token_id=end, pad_token_id=end)
+            out = model.generate(
+                **batch,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=end,
+                pad_token_id=end,
+            )
         tries += batch_size
-        for lead, row in zip(leads, out[:, batch["input_ids"].shape[1]:].tolist()):
+        for lead, row in zip(leads, out[:, batch["input_ids"].shape[1] :].tolist()):
             if end not in row:
                 continue  # cut off: not a whole request
             text = ((lead or "") + tokenizer.decode(row[: row.index(end)], skip_special_tokens=False)).strip()
@@ -199,9 +285,13 @@ def answer_earlier_turns(model, tokenizer, rows: list[dict[str, Any]], max_new_t
                 text = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
                 ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
                 with torch.no_grad():
-                    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                         pad_token_id=tokenizer.pad_token_id)
-                m["content"] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+                    out = model.generate(
+                        ids,
+                        max_new_tokens=max_new_tokens,
+                        do_sample=False,
+                        pad_token_id=tokenizer.pad_token_id,
+                    )
+                m["content"] = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
 def dedupe(rows: list[dict[str, Any]], exclude: set[str] = frozenset()) -> list[dict[str, Any]]:
@@ -214,8 +304,15 @@ def dedupe(rows: list[dict[str, Any]], exclude: set[str] = frozenset()) -> list[
     return kept
 
 
-def build(model_name: str, out_dir: Path, train_magpie: int, train_code: int, train_math: int,
-          heldout: int, seed: int = 0) -> tuple[Path, Path]:
+def build(
+    model_name: str,
+    out_dir: Path,
+    train_magpie: int,
+    train_code: int,
+    train_math: int,
+    heldout: int,
+    seed: int = 0,
+) -> tuple[Path, Path]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -227,14 +324,19 @@ def build(model_name: str, out_dir: Path, train_magpie: int, train_code: int, tr
     rng = random.Random(seed)
     # held-out first, from other seeds and the stdlib's test split, so training can exclude its requests
     share = heldout // 8
-    held = (magpie_requests(model, tokenizer, random.Random(seed + 1), 3 * share, seed=seed + 1)
-            + code_requests(random.Random(seed + 2), "test", 2 * share)[: 2 * share]
-            + math_requests(random.Random(seed + 3), heldout - 5 * share))
+    held = (
+        magpie_requests(model, tokenizer, random.Random(seed + 1), 3 * share, seed=seed + 1)
+        + code_requests(random.Random(seed + 2), "test", 2 * share)[: 2 * share]
+        + math_requests(random.Random(seed + 3), heldout - 5 * share)
+    )
     held = dedupe(held)
     add_followups(random.Random(seed + 4), held, 0.15)
     answer_earlier_turns(model, tokenizer, held)
-    train = (magpie_requests(model, tokenizer, rng, train_magpie, seed=seed)
-             + code_requests(rng, "train", train_code) + math_requests(rng, train_math))
+    train = (
+        magpie_requests(model, tokenizer, rng, train_magpie, seed=seed)
+        + code_requests(rng, "train", train_code)
+        + math_requests(rng, train_math)
+    )
     train = dedupe(train, exclude={words_key(r["messages"][0]["content"]) for r in held})
     add_followups(rng, train, 0.15)
     rng.shuffle(train)
@@ -250,7 +352,9 @@ def build(model_name: str, out_dir: Path, train_magpie: int, train_code: int, tr
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m selfspec.shipped.chat_prompts", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m selfspec.shipped.chat_prompts", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", default="smollm2", help="the target that writes the Magpie requests")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
     parser.add_argument("--magpie", type=int, default=1100, help="training requests the target writes")

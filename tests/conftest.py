@@ -20,7 +20,9 @@ pytest_plugins = ["eagle3_checkpoints"]  # the 8-layer target fixtures the EAGLE
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # the cores shared among pytest-xdist's workers (`make test` runs two), at most 2 threads each
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+torch.set_num_threads(
+    max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+)
 
 VOCAB = 96
 ARCHS = ("llama", "qwen2", "mistral", "gpt2", "gemma")
@@ -31,8 +33,13 @@ def tiny_config(arch: str, vocab: int = VOCAB):
     if arch == "gpt2":
         return GPT2Config(n_embd=48, n_layer=2, n_head=4, n_positions=512, **common)
     llama_like = dict(
-        hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, **common,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        **common,
     )
     if arch == "llama":
         return LlamaConfig(**llama_like)
@@ -82,8 +89,9 @@ def verify_one(target, tokens: torch.Tensor, tree, prefix_len: int, cache):
 
     mask = RowMask(1, tree.size, prefix_len + tree.size, target.dtype, target.device)
     mask.open(torch.zeros(1, dtype=torch.long, device=target.device), prefix_len)
-    logits, features = target.verify_rows(tokens[None], (prefix_len + tree.depths)[None],
-                                          mask.at(prefix_len, tree.ancestors[None]), cache)
+    logits, features = target.verify_rows(
+        tokens[None], (prefix_len + tree.depths)[None], mask.at(prefix_len, tree.ancestors[None]), cache
+    )
     return logits[0], features[0]
 
 
@@ -97,7 +105,9 @@ def propose_one(drafter, context: torch.Tensor, hiddens: torch.Tensor, max_lengt
     return drafter.propose([True], [context], [hiddens])[0]
 
 
-def tiny_model(arch: str, vocab: int = VOCAB, seed: int = 0, attn: str = "sdpa", scale: float = 0.3) -> torch.nn.Module:
+def tiny_model(
+    arch: str, vocab: int = VOCAB, seed: int = 0, attn: str = "sdpa", scale: float = 0.3
+) -> torch.nn.Module:
     """A 2-layer, 48-wide random model; weights of std `scale` so its greedy output is not one repeated token."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab), attn_implementation=attn)
@@ -123,7 +133,9 @@ def demo_target():
         pytest.skip("the demo target is not built")
     from transformers import AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32
+    ).eval(), AutoTokenizer.from_pretrained(path)
 
 
 TOKENIZER_TEXT = (
@@ -138,15 +150,19 @@ def tiny_tokenizer(vocab: int = VOCAB):
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<bos>", "<eos>", "<unk>"],
-                                  initial_alphabet=list(" \n:()+,.'=<>|/abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_"))
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<pad>", "<bos>", "<eos>", "<unk>"],
+        initial_alphabet=list(
+            " \n:()+,.'=<>|/abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_"
+        ),
+    )
     tok.train_from_iterator([TOKENIZER_TEXT] * 4, trainer)
     tok.decoder = decoders.Fuse()  # tokens are plain substrings: decode by concatenation
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>")
-    fast.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
     )
+    fast.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
     assert len(fast) <= vocab, len(fast)
     return fast
 
@@ -188,8 +204,15 @@ def medusa_dir(tiny_model_dir, tmp_path):
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
-    heads = MedusaHeads(HeadsConfig(kind="medusa", base_model=str(tiny_model_dir), hidden_size=config.hidden_size,
-                                    vocab_size=config.vocab_size, num_heads=3))
+    heads = MedusaHeads(
+        HeadsConfig(
+            kind="medusa",
+            base_model=str(tiny_model_dir),
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            num_heads=3,
+        )
+    )
     heads.save_pretrained(tmp_path / "medusa-heads")
     return tmp_path / "medusa-heads"
 
@@ -205,9 +228,18 @@ def eagle_dir(tiny_model_dir, tmp_path):
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
-    draft = EagleDraft(HeadsConfig(kind="eagle", base_model=str(tiny_model_dir), hidden_size=config.hidden_size,
-                                   vocab_size=config.vocab_size, layer=layer_fields(config), depth=3, top_k=3,
-                                   total_tokens=8))
+    draft = EagleDraft(
+        HeadsConfig(
+            kind="eagle",
+            base_model=str(tiny_model_dir),
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            layer=layer_fields(config),
+            depth=3,
+            top_k=3,
+            total_tokens=8,
+        )
+    )
     draft.save_pretrained(tmp_path / "eagle-heads")
     return tmp_path / "eagle-heads"
 
@@ -242,7 +274,11 @@ def fit_on_own_continuations(model, prompts, method, steps: int, lr: float) -> t
     """Train `method.trainable` with the recipe's own loss on the model's 48-token greedy continuations of
     `prompts` (what acceptance at decode time rewards); returns it in eval mode."""
     seqs = model.generate(prompts, max_new_tokens=48, do_sample=False, min_new_tokens=48, pad_token_id=0)
-    batch = {"input_ids": seqs, "attention_mask": torch.ones_like(seqs), "loss_mask": torch.ones_like(seqs).bool()}
+    batch = {
+        "input_ids": seqs,
+        "attention_mask": torch.ones_like(seqs),
+        "loss_mask": torch.ones_like(seqs).bool(),
+    }
     opt = torch.optim.Adam(method.trainable.parameters(), lr=lr)
     for _ in range(steps):
         loss, _ = method.loss(batch)
@@ -254,8 +290,23 @@ def fit_on_own_continuations(model, prompts, method, steps: int, lr: float) -> t
 
 def medusa_args(model_dir, data, out, **extra) -> list[str]:
     """Command-line options for a seconds-long Medusa recipe run on a tiny target (overrides in `extra`)."""
-    args = {"model": model_dir, "dataset": data, "output_dir": out, "max_length": 32, "max_steps": 6,
-            "per_device_train_batch_size": 4, "eval_steps": 3, "save_steps": 2, "learning_rate": 1e-2,
-            "num_heads": 2, "max_minutes": 0, "logging_steps": 1, "tree_nodes": 5, "self_distill": False,
-            "share_lm_head": False, "max_train_examples": 0, "mixed_precision": "no"} | extra
+    args = {
+        "model": model_dir,
+        "dataset": data,
+        "output_dir": out,
+        "max_length": 32,
+        "max_steps": 6,
+        "per_device_train_batch_size": 4,
+        "eval_steps": 3,
+        "save_steps": 2,
+        "learning_rate": 1e-2,
+        "num_heads": 2,
+        "max_minutes": 0,
+        "logging_steps": 1,
+        "tree_nodes": 5,
+        "self_distill": False,
+        "share_lm_head": False,
+        "max_train_examples": 0,
+        "mixed_precision": "no",
+    } | extra
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]

@@ -23,8 +23,11 @@ from selfspec.train.recipes.feature_run import run_feature_drafter
 
 def run(cfg: DFlashConfig) -> dict:
     """Set up, train and save; returns the target, the trained drafter and the validation history."""
-    return run_feature_drafter(cfg, lambda target, tokenizer, data: build_drafter(cfg, target, tokenizer, data),
-                               lambda target, draft, prompts: DFlashMethod(cfg, target, draft, prompts))
+    return run_feature_drafter(
+        cfg,
+        lambda target, tokenizer, data: build_drafter(cfg, target, tokenizer, data),
+        lambda target, draft, prompts: DFlashMethod(cfg, target, draft, prompts),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

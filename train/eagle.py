@@ -23,8 +23,11 @@ from selfspec.train.recipes.feature_run import run_feature_drafter
 def run(cfg: EagleConfig) -> dict:
     """Set up, train and save; returns the target, the trained drafter and the validation history."""
     method = Eagle3Method if cfg.version == 3 else EagleMethod
-    return run_feature_drafter(cfg, lambda target, tokenizer, data: build_drafter(cfg, target, data),
-                               lambda target, draft, prompts: method(cfg, target, draft, prompts))
+    return run_feature_drafter(
+        cfg,
+        lambda target, tokenizer, data: build_drafter(cfg, target, data),
+        lambda target, draft, prompts: method(cfg, target, draft, prompts),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,8 +24,10 @@ def run(cfg: MedusaConfig) -> dict:
     """Set up, train and save; returns the target, the trained heads and the validation history."""
     accelerator = start_run(cfg)
     if cfg.medusa2 and gathers_weights(accelerator):  # before any heavy work
-        raise ConfigError("Medusa-2 trains a LoRA inside the target, which stays whole on every rank: use DDP "
-                          "or DeepSpeed ZeRO-2 (configs/accelerate/ddp.yaml, deepspeed-zero2.yaml), not ZeRO-3/FSDP")
+        raise ConfigError(
+            "Medusa-2 trains a LoRA inside the target, which stays whole on every rank: use DDP "
+            "or DeepSpeed ZeRO-2 (configs/accelerate/ddp.yaml, deepspeed-zero2.yaml), not ZeRO-3/FSDP"
+        )
     target, tokenizer = load_training_target(cfg, accelerator)
     with unpartitioned(accelerator, cfg.seed):  # built whole and alike on every rank; prepare() shards it
         heads = new_heads(cfg, target)

@@ -24,8 +24,11 @@ from selfspec.train.recipes.mtp import MtpConfig, build_drafter
 
 def run(cfg: MtpConfig) -> dict:
     """Set up, train and save; returns the target, the trained layers and the validation history."""
-    return run_feature_drafter(cfg, lambda target, tokenizer, data: build_drafter(cfg, target),
-                               lambda target, draft, prompts: MtpMethod(cfg, target, draft, prompts))
+    return run_feature_drafter(
+        cfg,
+        lambda target, tokenizer, data: build_drafter(cfg, target),
+        lambda target, draft, prompts: MtpMethod(cfg, target, draft, prompts),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

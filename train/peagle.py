@@ -23,8 +23,11 @@ from selfspec.train.recipes.peagle import PEagleConfig, build_drafter
 
 def run(cfg: PEagleConfig) -> dict:
     """Set up, train and save; returns the target, the trained drafter and the validation history."""
-    return run_feature_drafter(cfg, lambda target, tokenizer, data: build_drafter(cfg, target, tokenizer, data),
-                               lambda target, draft, prompts: PEagleMethod(cfg, target, draft, prompts))
+    return run_feature_drafter(
+        cfg,
+        lambda target, tokenizer, data: build_drafter(cfg, target, tokenizer, data),
+        lambda target, draft, prompts: PEagleMethod(cfg, target, draft, prompts),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

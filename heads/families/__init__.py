@@ -6,18 +6,23 @@ from __future__ import annotations
 from selfspec.heads.families import dflash, eagle, eagle3, medusa, mtp, peagle
 from selfspec.heads.family import Family
 
-FAMILIES: dict[str, Family] = {f.kind: f for f in (
-    medusa.FAMILY,
-    eagle.FAMILY,
-    eagle3.FAMILY,
-    dflash.FAMILY,
-    peagle.FAMILY,
-    mtp.FAMILY,
-)}
+FAMILIES: dict[str, Family] = {
+    f.kind: f
+    for f in (
+        medusa.FAMILY,
+        eagle.FAMILY,
+        eagle3.FAMILY,
+        dflash.FAMILY,
+        peagle.FAMILY,
+        mtp.FAMILY,
+    )
+}
 KINDS = tuple(FAMILIES)
 # every family-specific HeadsConfig field, and the families that read it (a field set for another is refused)
-SETTINGS = {name: tuple(k for k, f in FAMILIES.items() if name in f.settings)
-            for name in sorted(set().union(*(f.settings for f in FAMILIES.values())))}
+SETTINGS = {
+    name: tuple(k for k, f in FAMILIES.items() if name in f.settings)
+    for name in sorted(set().union(*(f.settings for f in FAMILIES.values())))
+}
 
 
 def family(kind: str) -> Family:

@@ -14,12 +14,22 @@ def describe(config: Any) -> str:
 
 
 FAMILY = Family(
-    kind="eagle", title="EAGLE-1/2", drafter="selfspec.heads.eagle:EagleDraft",
-    proposer="selfspec.infer.drafters.eagle:eagle_proposer", describe=describe, check=check_layer,
-    settings=frozenset({"draft_vocab_size"}), dynamic_tree=True, tune_grid="selfspec.infer.measure.tune:dynamic_grid",
-    formats=("eagle1", "sglang-eagle"), detect="selfspec.heads.formats.eagle:detect_eagle_format",
-    importer="selfspec.heads.formats.eagle:import_eagle", exporter="selfspec.heads.formats.eagle:export_as",
+    kind="eagle",
+    title="EAGLE-1/2",
+    drafter="selfspec.heads.eagle:EagleDraft",
+    proposer="selfspec.infer.drafters.eagle:eagle_proposer",
+    describe=describe,
+    check=check_layer,
+    settings=frozenset({"draft_vocab_size"}),
+    dynamic_tree=True,
+    tune_grid="selfspec.infer.measure.tune:dynamic_grid",
+    formats=("eagle1", "sglang-eagle"),
+    detect="selfspec.heads.formats.eagle:detect_eagle_format",
+    importer="selfspec.heads.formats.eagle:import_eagle",
+    exporter="selfspec.heads.formats.eagle:export_as",
     carried={"eagle1": frozenset(), "sglang-eagle": frozenset()},
-    recipe="eagle", recipe_config="selfspec.train.recipes.eagle:EagleConfig", meta_drafter="selfspec.train.recipes.eagle:new_draft",
+    recipe="eagle",
+    recipe_config="selfspec.train.recipes.eagle:EagleConfig",
+    meta_drafter="selfspec.train.recipes.eagle:new_draft",
     vocabulary="rows",
 )

@@ -13,11 +13,18 @@ def describe(config: Any) -> str:
 
 
 FAMILY = Family(
-    kind="medusa", title="Medusa", drafter="selfspec.heads.medusa:MedusaHeads",
-    proposer="selfspec.infer.drafters.proposers:medusa_proposer", describe=describe,
-    formats=("fastdecoding-medusa", "vllm-medusa"), detect="selfspec.heads.formats.medusa:detect_medusa_format",
-    importer="selfspec.heads.formats.medusa:import_medusa", exporter="selfspec.heads.formats.medusa:export_as",
+    kind="medusa",
+    title="Medusa",
+    drafter="selfspec.heads.medusa:MedusaHeads",
+    proposer="selfspec.infer.drafters.proposers:medusa_proposer",
+    describe=describe,
+    formats=("fastdecoding-medusa", "vllm-medusa"),
+    detect="selfspec.heads.formats.medusa:detect_medusa_format",
+    importer="selfspec.heads.formats.medusa:import_medusa",
+    exporter="selfspec.heads.formats.medusa:export_as",
     carried={"fastdecoding-medusa": frozenset({"base_model"}), "vllm-medusa": frozenset({"base_model"})},
-    recipe="medusa", recipe_config="selfspec.train.recipes.medusa:MedusaConfig",
-    meta_drafter="selfspec.train.recipes.medusa:new_heads", activation_bytes="selfspec.train.parallel.memory_activations:medusa_bytes",
+    recipe="medusa",
+    recipe_config="selfspec.train.recipes.medusa:MedusaConfig",
+    meta_drafter="selfspec.train.recipes.medusa:new_heads",
+    activation_bytes="selfspec.train.parallel.memory_activations:medusa_bytes",
 )

@@ -10,8 +10,10 @@ from selfspec.heads.family import Family
 
 def describe(config: Any) -> str:
     model_type = (config.layer or {}).get("model_type", "?")
-    return (f"MTP drafter: the target's own {config.num_layers} multi-token-prediction layer(s) ({model_type} "
-            "decoder layers, transformers' MtpLayer), drafting with layer 0 at every depth")
+    return (
+        f"MTP drafter: the target's own {config.num_layers} multi-token-prediction layer(s) ({model_type} "
+        "decoder layers, transformers' MtpLayer), drafting with layer 0 at every depth"
+    )
 
 
 def check(config: Any) -> None:
@@ -20,8 +22,17 @@ def check(config: Any) -> None:
 
 
 FAMILY = Family(
-    kind="mtp", title="MTP", drafter="selfspec.heads.mtp:MtpDraft", proposer="selfspec.infer.drafters.mtp:mtp_proposer",
-    describe=describe, check=check, dynamic_tree=True, tune_grid="selfspec.infer.drafters.mtp:mtp_grid",
-    formats=("mtp",), exporter="selfspec.heads.formats.mtp:export_as", carried={"mtp": frozenset({"base_model"})},
-    recipe="mtp", recipe_config="selfspec.train.recipes.mtp:MtpConfig",
+    kind="mtp",
+    title="MTP",
+    drafter="selfspec.heads.mtp:MtpDraft",
+    proposer="selfspec.infer.drafters.mtp:mtp_proposer",
+    describe=describe,
+    check=check,
+    dynamic_tree=True,
+    tune_grid="selfspec.infer.drafters.mtp:mtp_grid",
+    formats=("mtp",),
+    exporter="selfspec.heads.formats.mtp:export_as",
+    carried={"mtp": frozenset({"base_model"})},
+    recipe="mtp",
+    recipe_config="selfspec.train.recipes.mtp:MtpConfig",
 )

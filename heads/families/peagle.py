@@ -10,16 +10,20 @@ from selfspec.heads.family import Family, check_fused
 
 
 def describe(config: Any) -> str:
-    return (f"P-EAGLE parallel drafter: fc over target layers {config.feature_layers} + one decoder layer, "
-            f"{config.depth} depths per forward, draft vocabulary of {config.draft_vocab_size or config.vocab_size} "
-            f"tokens (mask token {config.mask_token_id})")
+    return (
+        f"P-EAGLE parallel drafter: fc over target layers {config.feature_layers} + one decoder layer, "
+        f"{config.depth} depths per forward, draft vocabulary of {config.draft_vocab_size or config.vocab_size} "
+        f"tokens (mask token {config.mask_token_id})"
+    )
 
 
 def check(config: Any) -> None:
     check_fused(config)
     if config.mask_token_id is None or not 0 <= config.mask_token_id < config.vocab_size:
-        raise ValueError(f"a peagle config needs `mask_token_id`, the embedding row its parallel slots read in vLLM "
-                         f"(0..{config.vocab_size - 1}, a token the target never writes), got {config.mask_token_id}")
+        raise ValueError(
+            f"a peagle config needs `mask_token_id`, the embedding row its parallel slots read in vLLM "
+            f"(0..{config.vocab_size - 1}, a token the target never writes), got {config.mask_token_id}"
+        )
 
 
 def decoded_as_chain(config: Any) -> bool:
@@ -28,13 +32,25 @@ def decoded_as_chain(config: Any) -> bool:
 
 
 FAMILY = Family(
-    kind="peagle", title="P-EAGLE", drafter="selfspec.heads.peagle:PEagleDraft",
-    proposer="selfspec.infer.drafters.peagle:peagle_proposer", describe=describe, check=check,
-    settings=frozenset({"feature_layers", "draft_vocab_size", "norm_before_residual", "norm_before_fc",
-                        "mask_token_id"}),
-    dynamic_tree=True, tune_grid="selfspec.infer.drafters.peagle:peagle_grid", exported_tree=decoded_as_chain,
-    formats=("peagle", "speculators-peagle"), detect="selfspec.heads.formats.peagle:detect_peagle_format",
-    importer="selfspec.heads.formats.peagle:import_peagle", exporter="selfspec.heads.formats.peagle:export_as",
-    carried={"peagle": frozenset(), "speculators-peagle": frozenset({"base_model", "depth"})}, detect_first=True,
-    recipe="peagle", recipe_config="selfspec.train.recipes.peagle:PEagleConfig", vocabulary="learned",
+    kind="peagle",
+    title="P-EAGLE",
+    drafter="selfspec.heads.peagle:PEagleDraft",
+    proposer="selfspec.infer.drafters.peagle:peagle_proposer",
+    describe=describe,
+    check=check,
+    settings=frozenset(
+        {"feature_layers", "draft_vocab_size", "norm_before_residual", "norm_before_fc", "mask_token_id"}
+    ),
+    dynamic_tree=True,
+    tune_grid="selfspec.infer.drafters.peagle:peagle_grid",
+    exported_tree=decoded_as_chain,
+    formats=("peagle", "speculators-peagle"),
+    detect="selfspec.heads.formats.peagle:detect_peagle_format",
+    importer="selfspec.heads.formats.peagle:import_peagle",
+    exporter="selfspec.heads.formats.peagle:export_as",
+    carried={"peagle": frozenset(), "speculators-peagle": frozenset({"base_model", "depth"})},
+    detect_first=True,
+    recipe="peagle",
+    recipe_config="selfspec.train.recipes.peagle:PEagleConfig",
+    vocabulary="learned",
 )

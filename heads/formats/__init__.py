@@ -40,8 +40,12 @@ def detect_format(directory: str | Path | Checkpoint) -> str | None:
     return next((fmt for detect in detectors() if (fmt := detect(checkpoint))), None)
 
 
-def import_heads(directory: str | Path | Checkpoint, format: str | None = None, base_model: str | None = None,
-                 vocab_size: int | None = None) -> PretrainedHeads:
+def import_heads(
+    directory: str | Path | Checkpoint,
+    format: str | None = None,
+    base_model: str | None = None,
+    vocab_size: int | None = None,
+) -> PretrainedHeads:
     """Read a published checkpoint (layout detected from its files unless `format` is given). `vocab_size`
     is only for Medusa "version 2" heads whose vocabulary neither config.json nor the base model gives.
     `base_model` is what the imported config names as the target (EAGLE-3: also where the fused layers come
@@ -53,13 +57,17 @@ def import_heads(directory: str | Path | Checkpoint, format: str | None = None, 
     fmt = format or detect_format(checkpoint)
     if fmt is None:
         if checkpoint.is_selfspec:
-            raise ValueError(f"{directory} is already a selfspec drafter: use it as --heads directly (import reads "
-                             "published layouts)")
+            raise ValueError(
+                f"{directory} is already a selfspec drafter: use it as --heads directly (import reads "
+                "published layouts)"
+            )
         files = sorted(p.name for p in directory.iterdir())
-        raise ValueError(f"{directory} holds no Medusa or EAGLE checkpoint layout this project knows (files: "
-                         f"{files}): give a drafter's folder, not a model's; a drafter in a layout not detected "
-                         f"is read by selfspec import --src {directory} --format <{'|'.join(EXPORT_FORMATS)}> "
-                         "--out DIR")
+        raise ValueError(
+            f"{directory} holds no Medusa or EAGLE checkpoint layout this project knows (files: "
+            f"{files}): give a drafter's folder, not a model's; a drafter in a layout not detected "
+            f"is read by selfspec import --src {directory} --format <{'|'.join(EXPORT_FORMATS)}> "
+            "--out DIR"
+        )
     importer = format_family(fmt).load("importer")
     if vocab_size is None:
         return importer(checkpoint, fmt, base_model=base_model)
@@ -68,8 +76,14 @@ def import_heads(directory: str | Path | Checkpoint, format: str | None = None, 
     return importer(checkpoint, fmt, base_model=base_model, vocab_size=vocab_size)
 
 
-def export_heads(heads: PretrainedHeads, fmt: str, out_dir: str | Path, target: nn.Module | None = None,
-                 base_model: str | None = None, weights: str | None = None) -> None:
+def export_heads(
+    heads: PretrainedHeads,
+    fmt: str,
+    out_dir: str | Path,
+    target: nn.Module | None = None,
+    base_model: str | None = None,
+    weights: str | None = None,
+) -> None:
     """Write `heads` in an engine's layout. `target` supplies weights some layouts carry (the lm_head for
     Medusa heads that share it, the embedding in the EAGLE-1 layouts, the verifier's architectures and depth
     for EAGLE-3). `base_model` (Medusa layouts, speculators-eagle3) is what config.json names as the target,
@@ -78,15 +92,23 @@ def export_heads(heads: PretrainedHeads, fmt: str, out_dir: str | Path, target: 
     layout = format_family(fmt)
     if heads.config.kind != layout.kind:
         theirs = family(heads.config.kind).formats
-        raise ValueError(f"{fmt} is a layout of {layout.title} drafters but these heads are {heads.config.kind}"
-                         + (f": choose one of {', '.join(theirs)}" if theirs else ""))
+        raise ValueError(
+            f"{fmt} is a layout of {layout.title} drafters but these heads are {heads.config.kind}"
+            + (f": choose one of {', '.join(theirs)}" if theirs else "")
+        )
     if base_model and "base_model" not in CARRIED[fmt]:
-        raise ValueError(f"{fmt}'s config.json names no base model (its engines are given the target "
-                         "separately): leave out --base-model")
+        raise ValueError(
+            f"{fmt}'s config.json names no base model (its engines are given the target "
+            "separately): leave out --base-model"
+        )
     layout.load("exporter")(heads, fmt, out_dir, target=target, base_model=base_model, weights=weights)
     if lost := left_behind(heads, fmt, base_model):
-        warnings.warn(f"{fmt} has no room for {', '.join(lost)}: importing the export gives the defaults there; keep "
-                      "the selfspec folder for them, or re-fit the tree with selfspec tune", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"{fmt} has no room for {', '.join(lost)}: importing the export gives the defaults there; keep "
+            "the selfspec folder for them, or re-fit the tree with selfspec tune",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def left_behind(heads: PretrainedHeads, fmt: str, base_model: str | None = None) -> list[str]:

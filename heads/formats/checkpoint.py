@@ -54,7 +54,9 @@ class Checkpoint:
                     weight_map = json.loads(index.read_text())["weight_map"]
                     return [self.path / name for name in sorted(set(weight_map.values()))]
                 except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                    raise ValueError(f"{index} is not a readable weight index: {type(e).__name__}: {e}") from None
+                    raise ValueError(
+                        f"{index} is not a readable weight index: {type(e).__name__}: {e}"
+                    ) from None
         return []
 
     @functools.cached_property
@@ -74,7 +76,9 @@ class Checkpoint:
     def read_weights(self) -> dict[str, torch.Tensor]:
         """Every tensor, by name (`.bin` read with `weights_only=True`)."""
         if not self.weight_files:
-            raise ValueError(f"{self.path} has no {' or '.join(WEIGHTS.values())}: no EAGLE weights to import")
+            raise ValueError(
+                f"{self.path} has no {' or '.join(WEIGHTS.values())}: no EAGLE weights to import"
+            )
         state: dict[str, torch.Tensor] = {}
         for path in self.weight_files:
             if not path.is_file():

@@ -60,9 +60,24 @@ from selfspec.heads.formats.medusa import load_strict
 
 EMBED_KEY, LM_HEAD_KEY = "embed_tokens.weight", "lm_head.weight"
 MASK_EMBEDDING = "mask_embedding.pt"
-QWEN3_ONLY = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers", "layer_types",
-              "use_sliding_window", "sliding_window", "max_window_layers", "attention_dropout", "use_cache",
-              "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "transformers_version")
+QWEN3_ONLY = (
+    "architectures",
+    "auto_map",
+    "block_size",
+    "dflash_config",
+    "num_target_layers",
+    "layer_types",
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "attention_dropout",
+    "use_cache",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "initializer_range",
+    "transformers_version",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +86,15 @@ class Layout:
     carries_target: bool  # the target's embed_tokens and lm_head are in the weights
 
 
-LAYOUTS = {"dflash": Layout("DFlashDraftModel", False), "speculators-dflash": Layout("DFlashSpeculator", True)}
+LAYOUTS = {
+    "dflash": Layout("DFlashDraftModel", False),
+    "speculators-dflash": Layout("DFlashSpeculator", True),
+}
 DFLASH_FORMATS = tuple(LAYOUTS)
 
 
 def detect_dflash_format(directory: str | Path | Checkpoint) -> str | None:
-    """"dflash" or "speculators-dflash" for a DFlash checkpoint directory; None for anything else."""
+    """ "dflash" or "speculators-dflash" for a DFlash checkpoint directory; None for anything else."""
     checkpoint = Checkpoint.read(directory)
     raw = checkpoint.config
     if raw is None or checkpoint.is_selfspec or not checkpoint.weight_files:
@@ -96,39 +114,59 @@ def _settings(raw: dict[str, Any], fmt: str, where: Path) -> tuple[dict[str, Any
     if fmt == "speculators-dflash":
         layer_json = raw.get("transformer_layer_config")
         if not isinstance(layer_json, dict):
-            raise ValueError(f"{where}: transformer_layer_config (the draft layers' config) must be a JSON object")
+            raise ValueError(
+                f"{where}: transformer_layer_config (the draft layers' config) must be a JSON object"
+            )
         if raw.get("sample_from_anchor"):
-            raise ValueError(f"{where}: sample_from_anchor is true (the anchor position drafts a token too), which "
-                             "DFlashDraft does not compute: its block drafts from the masked positions only")
+            raise ValueError(
+                f"{where}: sample_from_anchor is true (the anchor position drafts a token too), which "
+                "DFlashDraft does not compute: its block drafts from the masked positions only"
+            )
         ids = int_list(raw.get("aux_hidden_state_layer_ids"), "aux_hidden_state_layer_ids", where)
         verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or ""
-        fields = {"block_size": raw.get("block_size"), "mask_token_id": raw.get("mask_token_id"),
-                  "feature_layers": ids, "base_model": str(verifier)}
+        fields = {
+            "block_size": raw.get("block_size"),
+            "mask_token_id": raw.get("mask_token_id"),
+            "feature_layers": ids,
+            "base_model": str(verifier),
+        }
     else:
         layer_json = {k: v for k, v in raw.items() if k not in QWEN3_ONLY}
         dflash = raw.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise ValueError(f"{where}: dflash_config must be a JSON object")
-        for key, problem in (("causal", "causal draft layers"), ("use_swa", "sliding-window draft layers"),
-                             ("sample_from_anchor", "drafting from the anchor position")):
+        for key, problem in (
+            ("causal", "causal draft layers"),
+            ("use_swa", "sliding-window draft layers"),
+            ("sample_from_anchor", "drafting from the anchor position"),
+        ):
             if dflash.get(key):
-                raise ValueError(f"{where}: dflash_config.{key} is true ({problem}), which DFlashDraft does not "
-                                 "compute: its layers attend over the whole block and context")
+                raise ValueError(
+                    f"{where}: dflash_config.{key} is true ({problem}), which DFlashDraft does not "
+                    "compute: its layers attend over the whole block and context"
+                )
         ids = int_list(dflash.get("target_layer_ids"), "dflash_config.target_layer_ids", where)
-        fields = {"block_size": raw.get("block_size", dflash.get("block_size")),
-                  "mask_token_id": dflash.get("mask_token_id", raw.get("mask_token_id")),
-                  "feature_layers": [i + 1 for i in ids], "base_model": ""}
+        fields = {
+            "block_size": raw.get("block_size", dflash.get("block_size")),
+            "mask_token_id": dflash.get("mask_token_id", raw.get("mask_token_id")),
+            "feature_layers": [i + 1 for i in ids],
+            "base_model": "",
+        }
         _refuse_sliding(raw, where)
     _refuse_sliding(layer_json, where)
     if layer_json.get("is_causal") or raw.get("is_causal"):
         raise ValueError(f"{where}: is_causal is true; DFlashDraft's block attention is bidirectional")
     if layer_json.get("model_type", "qwen3") not in ("qwen3", "llama"):
-        raise ValueError(f"{where}: the draft layers are {layer_json['model_type']!r}; DFlashDraft computes Qwen3 "
-                         "(or Llama) decoder layers")
+        raise ValueError(
+            f"{where}: the draft layers are {layer_json['model_type']!r}; DFlashDraft computes Qwen3 "
+            "(or Llama) decoder layers"
+        )
     hidden = raw.get("target_hidden_size")
     if hidden not in (None, layer_json.get("hidden_size")):
-        raise ValueError(f"{where}: target_hidden_size {hidden} differs from the draft layers' hidden_size "
-                         f"{layer_json.get('hidden_size')}; DFlashDraft is as wide as its target")
+        raise ValueError(
+            f"{where}: target_hidden_size {hidden} differs from the draft layers' hidden_size "
+            f"{layer_json.get('hidden_size')}; DFlashDraft is as wide as its target"
+        )
     for key in ("block_size", "mask_token_id"):
         if type(fields[key]) is not int:
             raise ValueError(f"{where}: {key} must be an integer, got {fields[key]!r}")
@@ -138,8 +176,10 @@ def _settings(raw: dict[str, Any], fmt: str, where: Path) -> tuple[dict[str, Any
 def _refuse_sliding(config: dict[str, Any], where: Path) -> None:
     kinds = config.get("layer_types") or []
     if config.get("use_sliding_window") or any(kind != "full_attention" for kind in kinds):
-        raise ValueError(f"{where}: the draft layers use sliding-window attention (use_sliding_window / layer_types "
-                         f"{sorted(set(kinds))}), which DFlashDraft does not compute")
+        raise ValueError(
+            f"{where}: the draft layers use sliding-window attention (use_sliding_window / layer_types "
+            f"{sorted(set(kinds))}), which DFlashDraft does not compute"
+        )
 
 
 # ---------------------------------------------------------------- import
@@ -162,41 +202,74 @@ def import_dflash(
     where_cfg = directory / "config.json"
     fmt = format or detect_dflash_format(checkpoint)
     if fmt not in LAYOUTS:
-        raise ValueError(f"{directory} is not a DFlash checkpoint this importer recognises (architectures "
-                         "DFlashDraftModel with a dflash_config, or speculators_model_type dflash)"
-                         if fmt is None else f"unknown DFlash format {fmt!r}; supported: {', '.join(DFLASH_FORMATS)}")
+        raise ValueError(
+            f"{directory} is not a DFlash checkpoint this importer recognises (architectures "
+            "DFlashDraftModel with a dflash_config, or speculators_model_type dflash)"
+            if fmt is None
+            else f"unknown DFlash format {fmt!r}; supported: {', '.join(DFLASH_FORMATS)}"
+        )
     if (directory / MASK_EMBEDDING).exists():
-        raise ValueError(f"{directory / MASK_EMBEDDING}: a separately trained mask embedding, which DFlashDraft "
-                         "does not read (it embeds the mask with the target's row mask_token_id)")
+        raise ValueError(
+            f"{directory / MASK_EMBEDDING}: a separately trained mask embedding, which DFlashDraft "
+            "does not read (it embeds the mask with the target's row mask_token_id)"
+        )
     layer_json, fields = _settings(raw, fmt, where_cfg)
     files = checkpoint.weight_files
     where = files[0] if len(files) == 1 else directory
     state = {k: v for k, v in checkpoint.read_weights().items() if not k.endswith("rotary_emb.inv_freq")}
     embed, lm_head = state.pop(EMBED_KEY, None), state.pop(LM_HEAD_KEY, None)
-    for bad, why in (("qkv_proj", "fused qkv projections"), ("d2t", "a draft vocabulary (d2t/t2d)"),
-                     ("t2d", "a draft vocabulary (d2t/t2d)"), (".bias", "biases")):
+    for bad, why in (
+        ("qkv_proj", "fused qkv projections"),
+        ("d2t", "a draft vocabulary (d2t/t2d)"),
+        ("t2d", "a draft vocabulary (d2t/t2d)"),
+        (".bias", "biases"),
+    ):
         if any(bad in k for k in state):
-            raise ValueError(f"{where} holds {why}, which DFlashDraft does not have: "
-                             f"{sorted(k for k in state if bad in k)[:3]}")
+            raise ValueError(
+                f"{where} holds {why}, which DFlashDraft does not have: "
+                f"{sorted(k for k in state if bad in k)[:3]}"
+            )
     fc = state.get("fc.weight")
     hidden = layer_json.get("hidden_size")
-    if fc is None or fc.dim() != 2 or fc.shape[0] != hidden or fc.shape[1] != hidden * len(fields["feature_layers"]):
+    if (
+        fc is None
+        or fc.dim() != 2
+        or fc.shape[0] != hidden
+        or fc.shape[1] != hidden * len(fields["feature_layers"])
+    ):
         found = None if fc is None else tuple(fc.shape)
-        raise ValueError(f"{where}: fc.weight is {found}; the config's hidden_size {hidden} and "
-                         f"{len(fields['feature_layers'])} target layers make it "
-                         f"({hidden}, {hidden * len(fields['feature_layers'])})")
+        raise ValueError(
+            f"{where}: fc.weight is {found}; the config's hidden_size {hidden} and "
+            f"{len(fields['feature_layers'])} target layers make it "
+            f"({hidden}, {hidden * len(fields['feature_layers'])})"
+        )
     qk_norm = any(k.endswith("self_attn.q_norm.weight") for k in state)
-    named = (layer_json.get("torch_dtype"), layer_json.get("dtype"), raw.get("torch_dtype"),
-             str(fc.dtype).removeprefix("torch."))
+    named = (
+        layer_json.get("torch_dtype"),
+        layer_json.get("dtype"),
+        raw.get("torch_dtype"),
+        str(fc.dtype).removeprefix("torch."),
+    )
     block = fields["block_size"]
     layer = layer_config_from_json(layer_json, where_cfg)
     try:
         config = HeadsConfig(
-            kind="dflash", base_model=base_model if base_model is not None else fields["base_model"],
-            hidden_size=hidden, vocab_size=layer_json.get("vocab_size"), num_layers=layer_json.get("num_hidden_layers", 1),
-            dtype=next((d for d in named if d in DTYPES), "float32"), layer=layer,
-            feature_layers=fields["feature_layers"], block_size=block, mask_token_id=fields["mask_token_id"],
-            qk_norm=qk_norm, fc_bias=False, depth=block - 1, top_k=1, total_tokens=block - 1)
+            kind="dflash",
+            base_model=base_model if base_model is not None else fields["base_model"],
+            hidden_size=hidden,
+            vocab_size=layer_json.get("vocab_size"),
+            num_layers=layer_json.get("num_hidden_layers", 1),
+            dtype=next((d for d in named if d in DTYPES), "float32"),
+            layer=layer,
+            feature_layers=fields["feature_layers"],
+            block_size=block,
+            mask_token_id=fields["mask_token_id"],
+            qk_norm=qk_norm,
+            fc_bias=False,
+            depth=block - 1,
+            top_k=1,
+            total_tokens=block - 1,
+        )
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where_cfg}: {e}") from None
     draft = DFlashDraft(config).to(fc.dtype)
@@ -210,7 +283,12 @@ def import_dflash(
 
 def _check_lm_head(target: nn.Module, lm_head: torch.Tensor | None, directory: Path) -> None:
     mine = target.get_output_embeddings().weight.detach()
-    if lm_head is not None and (mine.shape != lm_head.shape or not torch.allclose(
-            lm_head.float().cpu(), mine.float().cpu(), rtol=1e-2, atol=1e-3)):
-        warnings.warn(f"{directory}: its lm_head differs from the target's: DFlashDraft drafts through the "
-                      "target's lm_head, so the file's was trained for another model", stacklevel=3)
+    if lm_head is not None and (
+        mine.shape != lm_head.shape
+        or not torch.allclose(lm_head.float().cpu(), mine.float().cpu(), rtol=1e-2, atol=1e-3)
+    ):
+        warnings.warn(
+            f"{directory}: its lm_head differs from the target's: DFlashDraft drafts through the "
+            "target's lm_head, so the file's was trained for another model",
+            stacklevel=3,
+        )

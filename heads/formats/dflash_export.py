@@ -24,28 +24,52 @@ def qwen3_layer_json(draft: DFlashDraft) -> dict[str, Any]:
     """The draft layers' Qwen3 config: the Llama fields they are built from, all layers full attention."""
     layers = draft.config.num_layers
     return llama_layer_json(draft) | {
-        "model_type": "qwen3", "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
-        "max_window_layers": layers, "layer_types": ["full_attention"] * layers}
+        "model_type": "qwen3",
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": layers,
+        "layer_types": ["full_attention"] * layers,
+    }
 
 
-def dflash_config_json(draft: DFlashDraft, fmt: str, base_model: str = "", num_target_layers: int | None = None,
-                       verifier_architectures: list[str] | None = None) -> dict[str, Any]:
+def dflash_config_json(
+    draft: DFlashDraft,
+    fmt: str,
+    base_model: str = "",
+    num_target_layers: int | None = None,
+    verifier_architectures: list[str] | None = None,
+) -> dict[str, Any]:
     """The config.json `fmt`'s loaders read (see heads/formats/dflash.py for the sources)."""
     cfg = draft.config
     layer_ids = [j - 1 for j in cfg.feature_layers]  # the published convention: decoder layer outputs
     if fmt == "dflash":
-        return {"architectures": [LAYOUTS[fmt].architecture], **qwen3_layer_json(draft),
-                "block_size": cfg.block_size, **({"num_target_layers": num_target_layers} if num_target_layers else {}),
-                "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": layer_ids,
-                                  "block_size": cfg.block_size, "causal": False}}
+        return {
+            "architectures": [LAYOUTS[fmt].architecture],
+            **qwen3_layer_json(draft),
+            "block_size": cfg.block_size,
+            **({"num_target_layers": num_target_layers} if num_target_layers else {}),
+            "dflash_config": {
+                "mask_token_id": cfg.mask_token_id,
+                "target_layer_ids": layer_ids,
+                "block_size": cfg.block_size,
+                "causal": False,
+            },
+        }
     return {
-        "architectures": [LAYOUTS[fmt].architecture], "speculators_model_type": "dflash",
-        "transformer_layer_config": qwen3_layer_json(draft), "draft_vocab_size": cfg.vocab_size,
-        "block_size": cfg.block_size, "target_hidden_size": None, "aux_hidden_state_layer_ids": list(cfg.feature_layers),
+        "architectures": [LAYOUTS[fmt].architecture],
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": qwen3_layer_json(draft),
+        "draft_vocab_size": cfg.vocab_size,
+        "block_size": cfg.block_size,
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": list(cfg.feature_layers),
         "mask_token_id": cfg.mask_token_id,
         "sliding_window_non_causal": True,  # vLLM 0.32 reads false as causal on every layer
         "sample_from_anchor": False,
-        "speculators_config": speculators_config("dflash", cfg.block_size - 1, base_model, verifier_architectures),
+        "speculators_config": speculators_config(
+            "dflash", cfg.block_size - 1, base_model, verifier_architectures
+        ),
     }
 
 
@@ -67,11 +91,15 @@ def export_dflash(
         raise ValueError(f"unknown DFlash format {fmt!r}; choose one of {', '.join(DFLASH_FORMATS)}")
     cfg = draft.config
     if not cfg.qk_norm:
-        raise ValueError("this drafter's layers have no q_norm/k_norm, and vLLM and SGLang build DFlash layers as "
-                         "Qwen3 layers, which have them: train with --qk_norm true for a drafter they serve")
+        raise ValueError(
+            "this drafter's layers have no q_norm/k_norm, and vLLM and SGLang build DFlash layers as "
+            "Qwen3 layers, which have them: train with --qk_norm true for a drafter they serve"
+        )
     if LAYOUTS[fmt].carries_target and target is None:
-        raise ValueError(f"a {fmt} checkpoint carries the target's embed_tokens and lm_head: give the target "
-                         "(--model, or target=)")
+        raise ValueError(
+            f"a {fmt} checkpoint carries the target's embed_tokens and lm_head: give the target "
+            "(--model, or target=)"
+        )
     num_layers = fused_layers_for(draft, target)
     archs = list(getattr(target.config, "architectures", None) or []) if target is not None else []
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
@@ -84,7 +112,13 @@ def export_dflash(
     write_checkpoint(out_dir, state, weights, dflash_config_json(draft, fmt, base, num_layers, archs))
 
 
-def export_as(draft: DFlashDraft, fmt: str, out_dir: str | Path, target: nn.Module | None = None,
-              base_model: str | None = None, weights: str | None = None) -> None:
+def export_as(
+    draft: DFlashDraft,
+    fmt: str,
+    out_dir: str | Path,
+    target: nn.Module | None = None,
+    base_model: str | None = None,
+    weights: str | None = None,
+) -> None:
     """`export_heads` for the DFlash layouts (z-lab's names no target; speculators' names the verifier)."""
     export_dflash(draft, fmt, out_dir, weights=weights or "safetensors", base_model=base_model, target=target)

@@ -76,18 +76,36 @@ TOKEN_MAP = "token_map.pt"
 # target's) and the RoPE caches some old checkpoints saved.
 IGNORED = re.compile(r"^(lm_head\.|.*rotary_emb\.(inv_freq|cos_cached|sin_cached)$)")
 LAYER_PARAMS = (
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
     "post_attention_layernorm.weight",
 )
 # config.json fields, written from (and read back into) the LlamaConfig the draft layers are built from.
-CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "num_hidden_layers", "vocab_size", "hidden_act", "rms_norm_eps", "max_position_embeddings")
+CONFIG_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+    "vocab_size",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
 # What each engine's loader needs besides the decoder layers; "fc.bias?" only for a drafter with an fc bias.
 # SafeAILab's strict load wants the embedding; vLLM drops fc.bias and shares the target's embedding; SGLang's
 # fc always has a bias.
-ENGINE_NEEDS = {"safeailab": (EMBED_KEY, "fc.weight", "fc.bias?"), "vllm": ("fc.weight",),
-                "sglang": ("fc.weight", "fc.bias")}
+ENGINE_NEEDS = {
+    "safeailab": (EMBED_KEY, "fc.weight", "fc.bias?"),
+    "vllm": ("fc.weight",),
+    "sglang": ("fc.weight", "fc.bias"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +114,10 @@ class Layout:
     engines: tuple[str, ...]  # who loads it (keys of ENGINE_NEEDS)
 
 
-LAYOUTS = {"eagle1": Layout("LlamaForCausalLM", ("safeailab", "vllm")),
-           "sglang-eagle": Layout("LlamaForCausalLMEagle", ("sglang",))}
+LAYOUTS = {
+    "eagle1": Layout("LlamaForCausalLM", ("safeailab", "vllm")),
+    "sglang-eagle": Layout("LlamaForCausalLMEagle", ("sglang",)),
+}
 EAGLE_FORMATS = tuple(LAYOUTS)
 
 
@@ -105,8 +125,10 @@ def write_weights(state: dict[str, torch.Tensor], out: Path, weights: str) -> No
     """The state dict as `model.safetensors` or `pytorch_model.bin`, refusing a folder that holds the other."""
     other = next(name for kind, name in WEIGHTS.items() if kind != weights)
     if (out / other).exists():
-        raise ValueError(f"{out} already holds {other}: loaders would pick one of two weight files; "
-                         "export into an empty directory")
+        raise ValueError(
+            f"{out} already holds {other}: loaders would pick one of two weight files; "
+            "export into an empty directory"
+        )
     if weights == "safetensors":
         atomic_write(out / WEIGHTS[weights], lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     else:
@@ -117,17 +139,24 @@ def check_target(config: HeadsConfig, target: nn.Module, embed: torch.Tensor | N
     """The target must fit the drafter; an embedding the checkpoint carries should be the target's (else warn)."""
     check_compatible(config, target)
     mine = target.get_input_embeddings().weight.detach()
-    if embed is not None and (mine.shape != embed.shape or not torch.allclose(
-            embed.float().cpu(), mine.float().cpu(), rtol=1e-2, atol=1e-3)):
-        warnings.warn(f"{directory}: its embed_tokens differ from the target's input embedding: it was likely "
-                      "trained for another model, and will draft poorly", stacklevel=3)
+    if embed is not None and (
+        mine.shape != embed.shape
+        or not torch.allclose(embed.float().cpu(), mine.float().cpu(), rtol=1e-2, atol=1e-3)
+    ):
+        warnings.warn(
+            f"{directory}: its embed_tokens differ from the target's input embedding: it was likely "
+            "trained for another model, and will draft poorly",
+            stacklevel=3,
+        )
 
 
 def layer_keys(num_layers: int) -> list[str]:
     """The decoder layers' tensors: Llama names, with no input_layernorm on layer 0 (fc feeds attention)."""
     keys = []
     for i in range(num_layers):
-        keys += [f"layers.{i}.{p}" for p in LAYER_PARAMS] + ([f"layers.{i}.input_layernorm.weight"] if i else [])
+        keys += [f"layers.{i}.{p}" for p in LAYER_PARAMS] + (
+            [f"layers.{i}.input_layernorm.weight"] if i else []
+        )
     return keys
 
 
@@ -154,7 +183,7 @@ def load_eagle_embedding(directory: str | Path | Checkpoint) -> torch.Tensor | N
 
 
 def detect_eagle_format(directory: str | Path | Checkpoint) -> str | None:
-    """"eagle1" or "sglang-eagle" for an EAGLE-1 checkpoint directory; None for anything else (a selfspec
+    """ "eagle1" or "sglang-eagle" for an EAGLE-1 checkpoint directory; None for anything else (a selfspec
     heads directory, an EAGLE-3 drafter, a full model, no config or weights). A config.json that is not
     JSON, or weights that cannot be read, are errors naming the file."""
     checkpoint = Checkpoint.read(directory)
@@ -164,7 +193,9 @@ def detect_eagle_format(directory: str | Path | Checkpoint) -> str | None:
     archs = raw.get("architectures") or []
     if "LlamaForCausalLMEagle" in archs:
         fmt = "sglang-eagle"
-    elif {"LlamaForCausalLM", "EagleLlamaForCausalLM"} & set(archs) or (not archs and raw.get("model_type") == "llama"):
+    elif {"LlamaForCausalLM", "EagleLlamaForCausalLM"} & set(archs) or (
+        not archs and raw.get("model_type") == "llama"
+    ):
         fmt = "eagle1"
     else:
         return None
@@ -213,7 +244,8 @@ def import_eagle(
     if fmt is None:
         raise ValueError(
             f"{directory} is not an EAGLE-1 checkpoint this importer recognises: it expects a Llama "
-            "config.json (architectures LlamaForCausalLM or LlamaForCausalLMEagle) and fc.weight + layers.*")
+            "config.json (architectures LlamaForCausalLM or LlamaForCausalLMEagle) and fc.weight + layers.*"
+        )
     if fmt not in LAYOUTS:
         raise ValueError(f"unknown EAGLE format {fmt!r}; supported: {', '.join(EAGLE_FORMATS)}")
     state = checkpoint.read_weights()
@@ -227,22 +259,36 @@ def import_eagle(
         raise ValueError(f"{directory}: fc.weight is {fc.dtype}; quantized drafters are not supported")
     hidden, vocab = fc.shape[0], raw.get("vocab_size", None if embed is None else embed.shape[0])
     if raw.get("hidden_size") != hidden:
-        raise ValueError(f"{cfg_path}: hidden_size is {raw.get('hidden_size')} but fc.weight {tuple(fc.shape)} "
-                         f"makes it {hidden}")
+        raise ValueError(
+            f"{cfg_path}: hidden_size is {raw.get('hidden_size')} but fc.weight {tuple(fc.shape)} "
+            f"makes it {hidden}"
+        )
     if not isinstance(vocab, int) or vocab < 1:
         raise ValueError(f"{directory}: no vocabulary size (no vocab_size in config.json, no embed_tokens)")
     if embed is not None and tuple(embed.shape) != (vocab, hidden):
-        raise ValueError(f"{directory}: embed_tokens.weight is {tuple(embed.shape)}, config.json and fc make it "
-                         f"({vocab}, {hidden})")
+        raise ValueError(
+            f"{directory}: embed_tokens.weight is {tuple(embed.shape)}, config.json and fc make it "
+            f"({vocab}, {hidden})"
+        )
     layers = {int(m.group(1)) for k in state if (m := re.match(r"layers\.(\d+)\.", k))}
-    if fmt == "sglang-eagle" and raw.get("bias") is False and "fc.bias" in state and not state["fc.bias"].any():
+    if (
+        fmt == "sglang-eagle"
+        and raw.get("bias") is False
+        and "fc.bias" in state
+        and not state["fc.bias"].any()
+    ):
         del state["fc.bias"]  # the zero bias written for SGLang's always-biased fc (see export_eagle)
     named = (raw.get("torch_dtype"), raw.get("dtype"), str(fc.dtype).removeprefix("torch."))
     dtype = next((d for d in named if d in DTYPES), "float32")
     config = HeadsConfig(
-        kind="eagle", base_model=base_model or "", hidden_size=hidden, vocab_size=vocab,
-        num_layers=raw.get("num_hidden_layers") or 1 + max(layers, default=0), fc_bias="fc.bias" in state,
-        dtype=dtype, layer=layer_config_from_json(raw, cfg_path),
+        kind="eagle",
+        base_model=base_model or "",
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_layers=raw.get("num_hidden_layers") or 1 + max(layers, default=0),
+        fc_bias="fc.bias" in state,
+        dtype=dtype,
+        layer=layer_config_from_json(raw, cfg_path),
     )
     draft = EagleDraft(config).to(fc.dtype)
     files = checkpoint.weight_files
@@ -261,15 +307,23 @@ def read_token_map(path: str | Path, vocab: int) -> torch.Tensor:
     try:
         ids = torch.as_tensor(torch.load(path, weights_only=True))
     except Exception as e:  # not a file, not a torch file, or not plain data
-        reason = "no such file" if isinstance(e, FileNotFoundError) else f"not a torch-saved list: {type(e).__name__}"
+        reason = (
+            "no such file"
+            if isinstance(e, FileNotFoundError)
+            else f"not a torch-saved list: {type(e).__name__}"
+        )
         raise ValueError(f"{path}: cannot read it as a list of token ids ({reason})") from None
     if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool or ids.numel() == 0:
-        raise ValueError(f"{path} holds a {ids.dtype} tensor of shape {tuple(ids.shape)}: it must be a 1-D list of "
-                         "token ids")
+        raise ValueError(
+            f"{path} holds a {ids.dtype} tensor of shape {tuple(ids.shape)}: it must be a 1-D list of "
+            "token ids"
+        )
     ids = ids.long()
     if ids.min() < 0 or ids.max() >= vocab:
-        raise ValueError(f"{path} holds token ids outside the target's vocabulary (0..{vocab - 1}): it was made for "
-                         "another model")
+        raise ValueError(
+            f"{path} holds token ids outside the target's vocabulary (0..{vocab - 1}): it was made for "
+            "another model"
+        )
     if ids.unique().numel() != ids.numel():
         raise ValueError(f"{path} repeats token ids: it must list each token once")
     return ids
@@ -294,8 +348,12 @@ def eagle_config_json(draft: EagleDraft, fmt: str) -> dict[str, Any]:
     lc, rope = llama_config(draft.config), dict((draft.config.layer or {}).get("rope_parameters") or {})
     config: dict[str, Any] = {"architectures": [LAYOUTS[fmt].architecture], "model_type": "llama"}
     config |= {field: getattr(lc, field) for field in CONFIG_FIELDS}
-    config |= {"rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": rope_scaling_json(rope),
-               "tie_word_embeddings": False, "torch_dtype": str(draft.fc.weight.dtype).removeprefix("torch.")}
+    config |= {
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "rope_scaling": rope_scaling_json(rope),
+        "tie_word_embeddings": False,
+        "torch_dtype": str(draft.fc.weight.dtype).removeprefix("torch."),
+    }
     if not draft.config.fc_bias:
         config["bias"] = False  # SafeAILab's fc-bias flag; `true` means attention bias to vLLM and SGLang
     return config
@@ -320,42 +378,68 @@ def export_eagle(
         raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
     cfg, engines = draft.config, LAYOUTS[fmt].engines
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
-    hot = draft.draft_ids.cpu() if state.pop("d2t", None) is not None else None  # no such key in these layouts
+    hot = (
+        draft.draft_ids.cpu() if state.pop("d2t", None) is not None else None
+    )  # no such key in these layouts
     if hot is not None:
-        warnings.warn(f"these layouts have no draft vocabulary (selfspec drafts among {cfg.draft_vocab_size} "
-                      f"tokens): vLLM and SafeAILab draft over the target's whole vocabulary; SGLang drafts among "
-                      f"them with --speculative-token-map {Path(out_dir) / TOKEN_MAP}", stacklevel=2)
+        warnings.warn(
+            f"these layouts have no draft vocabulary (selfspec drafts among {cfg.draft_vocab_size} "
+            f"tokens): vLLM and SafeAILab draft over the target's whole vocabulary; SGLang drafts among "
+            f"them with --speculative-token-map {Path(out_dir) / TOKEN_MAP}",
+            stacklevel=2,
+        )
     expected = {"fc.weight", *(["fc.bias"] if cfg.fc_bias else []), *layer_keys(cfg.num_layers)}
     if set(state) != expected:
-        raise ValueError(f"this drafter has tensors no EAGLE-1 loader reads (e.g. attention biases): "
-                         f"{sorted(set(state) ^ expected)[:6]}")
+        raise ValueError(
+            f"this drafter has tensors no EAGLE-1 loader reads (e.g. attention biases): "
+            f"{sorted(set(state) ^ expected)[:6]}"
+        )
     lc = llama_config(cfg)
     if "safeailab" in engines and lc.head_dim * lc.num_attention_heads != cfg.hidden_size:
-        warnings.warn("head_dim x heads != hidden size: SafeAILab's EAGLE code assumes head_dim = H / heads "
-                      "and cannot run this drafter (vLLM and SGLang read head_dim)", stacklevel=2)
+        warnings.warn(
+            "head_dim x heads != hidden size: SafeAILab's EAGLE code assumes head_dim = H / heads "
+            "and cannot run this drafter (vLLM and SGLang read head_dim)",
+            stacklevel=2,
+        )
     if embed_weight is not None:
         if tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(f"embed_weight has shape {tuple(embed_weight.shape)}, the drafter needs "
-                             f"({cfg.vocab_size}, {cfg.hidden_size})")
+            raise ValueError(
+                f"embed_weight has shape {tuple(embed_weight.shape)}, the drafter needs "
+                f"({cfg.vocab_size}, {cfg.hidden_size})"
+            )
         state[EMBED_KEY] = embed_weight.detach().cpu().clone()  # its own dtype: vLLM shares it if identical
     needed = {k for engine in engines for k in engine_keys(engine, cfg.num_layers, cfg.fc_bias)}
     if EMBED_KEY in needed - set(state):
-        warnings.warn("no embed_weight: SafeAILab's original EAGLE-1 loader (strict) needs "
-                      "embed_tokens.weight; vLLM does not", stacklevel=2)
+        warnings.warn(
+            "no embed_weight: SafeAILab's original EAGLE-1 loader (strict) needs "
+            "embed_tokens.weight; vLLM does not",
+            stacklevel=2,
+        )
     if "fc.bias" in needed - set(state):  # SGLang's fc always has a bias: zeros are the bias-free fc
         state["fc.bias"] = torch.zeros(cfg.hidden_size, dtype=state["fc.weight"].dtype)
     if cfg.fc_bias and "vllm" in engines:
-        warnings.warn("this drafter has an fc bias, which vLLM 0.32 drops on load (it still decodes "
-                      "losslessly but accepts fewer tokens); train with fc_bias=False for vLLM", stacklevel=2)
+        warnings.warn(
+            "this drafter has an fc bias, which vLLM 0.32 drops on load (it still decodes "
+            "losslessly but accepts fewer tokens); train with fc_bias=False for vLLM",
+            stacklevel=2,
+        )
     write_weights(state, Path(out_dir), weights)
-    if hot is not None:  # FR-Spec's token map as SGLang loads it: torch.load(path, weights_only=True), the token ids
+    if (
+        hot is not None
+    ):  # FR-Spec's token map as SGLang loads it: torch.load(path, weights_only=True), the token ids
         atomic_write(Path(out_dir) / TOKEN_MAP, lambda tmp: torch.save(hot, tmp))
     text = json.dumps(eagle_config_json(draft, fmt), indent=2) + "\n"
     atomic_write(Path(out_dir) / "config.json", lambda tmp: Path(tmp).write_text(text))
 
 
-def export_as(draft: EagleDraft, fmt: str, out_dir: str | Path, target: nn.Module | None = None,
-              base_model: str | None = None, weights: str | None = None) -> None:
+def export_as(
+    draft: EagleDraft,
+    fmt: str,
+    out_dir: str | Path,
+    target: nn.Module | None = None,
+    base_model: str | None = None,
+    weights: str | None = None,
+) -> None:
     """`export_heads` for the EAGLE-1 layouts: they carry the target's embedding and name no target."""
     embed = target.get_input_embeddings().weight if target is not None else None
     export_eagle(draft, fmt, out_dir, embed_weight=embed, weights=weights or "safetensors")

@@ -126,9 +126,16 @@ INPUT_NORM = "input_norm.weight"  # norm_before_fc's RMSNorm over the fc input, 
 VOCAB_MAPS = ("d2t", "t2d")  # integer buffers: draft id -> target id offset, which target ids are draftable
 LAYER = "midlayer."  # our name of the draft layer
 LAYER_PARAMS = (
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-    "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "hidden_norm.weight",
+    "post_attention_layernorm.weight",
 )
 # RoPE caches some checkpoints saved; no loader reads them.
 IGNORED = re.compile(r".*rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
@@ -144,8 +151,10 @@ class Layout:
     engines: tuple[str, ...]  # who loads it
 
 
-LAYOUTS = {"eagle3": Layout("LlamaForCausalLMEagle3", "midlayer.", ("safeailab", "sglang", "vllm")),
-           "speculators-eagle3": Layout("Eagle3Speculator", "layers.0.", ("speculators", "vllm"))}
+LAYOUTS = {
+    "eagle3": Layout("LlamaForCausalLMEagle3", "midlayer.", ("safeailab", "sglang", "vllm")),
+    "speculators-eagle3": Layout("Eagle3Speculator", "layers.0.", ("speculators", "vllm")),
+}
 EAGLE3_FORMATS = tuple(LAYOUTS)
 
 
@@ -154,9 +163,15 @@ def layout_keys(fmt: str, draft_vocab: bool, norm_before_fc: bool = False) -> se
     target's (vLLM has nowhere to load them otherwise, and SafeAILab deletes them); `input_norm.weight` only
     with norm_before_fc; the target's `embed_tokens.weight` in speculators-eagle3, as speculators saves it."""
     layer = LAYOUTS[fmt].layer
-    return {"fc.weight", "norm.weight", "lm_head.weight", *(layer + p for p in LAYER_PARAMS),
-            *(VOCAB_MAPS if draft_vocab else ()), *((INPUT_NORM,) if norm_before_fc else ()),
-            *((EMBED_KEY,) if fmt == "speculators-eagle3" else ())}
+    return {
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        *(layer + p for p in LAYER_PARAMS),
+        *(VOCAB_MAPS if draft_vocab else ()),
+        *((INPUT_NORM,) if norm_before_fc else ()),
+        *((EMBED_KEY,) if fmt == "speculators-eagle3" else ()),
+    }
 
 
 def _ours(name: str) -> str:
@@ -173,7 +188,7 @@ def theirs_name(fmt: str):
 
 
 def detect_eagle3_format(directory: str | Path | Checkpoint) -> str | None:
-    """"eagle3" or "speculators-eagle3" for an EAGLE-3 checkpoint directory; None for anything else (a selfspec
+    """ "eagle3" or "speculators-eagle3" for an EAGLE-3 checkpoint directory; None for anything else (a selfspec
     heads directory, an EAGLE-1 drafter, a full model, no config or weights). A config.json that is not JSON,
     or weights that cannot be read, are errors naming the file."""
     checkpoint = Checkpoint.read(directory)
@@ -212,23 +227,29 @@ def import_eagle3(
     cfg_path = directory / "config.json"
     fmt = format or detect_eagle3_format(checkpoint)
     if fmt is None:
-        raise ValueError(f"{directory} is not an EAGLE-3 checkpoint this importer recognises: it expects "
-                         "fc.weight and midlayer.* (SafeAILab / SGLang) or a speculators config.json "
-                         "(speculators_model_type eagle3)")
+        raise ValueError(
+            f"{directory} is not an EAGLE-3 checkpoint this importer recognises: it expects "
+            "fc.weight and midlayer.* (SafeAILab / SGLang) or a speculators config.json "
+            "(speculators_model_type eagle3)"
+        )
     if fmt not in LAYOUTS:
         raise ValueError(f"unknown EAGLE-3 format {fmt!r}; supported: {', '.join(EAGLE3_FORMATS)}")
     declared_base, depth = "", None
     if fmt == "speculators-eagle3":
         if raw.get("speculators_model_type") != "eagle3":
-            raise ValueError(f"{cfg_path}: speculators_model_type is {raw.get('speculators_model_type')!r}, "
-                             "not 'eagle3'")
+            raise ValueError(
+                f"{cfg_path}: speculators_model_type is {raw.get('speculators_model_type')!r}, not 'eagle3'"
+            )
         layer_json = raw.get("transformer_layer_config")
         if not isinstance(layer_json, dict):
-            raise ValueError(f"{cfg_path}: transformer_layer_config (the draft layer's config) must be a JSON "
-                             "object")
+            raise ValueError(
+                f"{cfg_path}: transformer_layer_config (the draft layer's config) must be a JSON object"
+            )
         if layer_json.get("model_type", "llama") != "llama":  # vLLM's default; qwen3 layers add q/k norms
-            raise ValueError(f"{cfg_path}: the draft layer is {layer_json['model_type']!r}; Eagle3Draft's layer is "
-                             "a Llama layer (transformer_layer_config.model_type 'llama')")
+            raise ValueError(
+                f"{cfg_path}: the draft layer is {layer_json['model_type']!r}; Eagle3Draft's layer is "
+                "a Llama layer (transformer_layer_config.model_type 'llama')"
+            )
         spec = raw.get("speculators_config") or {}
         declared_base = str(((spec.get("verifier") or {}).get("name_or_path")) or "")
         tokens = ((spec.get("proposal_methods") or [{}])[0] or {}).get("speculative_tokens")
@@ -236,15 +257,19 @@ def import_eagle3(
     else:
         archs = raw.get("architectures") or []
         if archs and not set(archs) & set(LLAMA_ARCHS):
-            raise ValueError(f"{cfg_path}: architectures {archs}: Eagle3Draft computes the Llama EAGLE-3 layer "
-                             f"({', '.join(LLAMA_ARCHS[:2])})")
+            raise ValueError(
+                f"{cfg_path}: architectures {archs}: Eagle3Draft computes the Llama EAGLE-3 layer "
+                f"({', '.join(LLAMA_ARCHS[:2])})"
+            )
         layer_json = raw
     stated = settings(raw, fmt, layer_json, cfg_path)
     refuse_variants(stated, fmt, cfg_path)
     draft_flags = flags(stated, fmt, cfg_path)
     if layer_json.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"{cfg_path}: num_hidden_layers = {layer_json['num_hidden_layers']} draft layers; "
-                         "Eagle3Draft has one")
+        raise ValueError(
+            f"{cfg_path}: num_hidden_layers = {layer_json['num_hidden_layers']} draft layers; "
+            "Eagle3Draft has one"
+        )
 
     files = checkpoint.weight_files
     where = files[0] if len(files) == 1 else directory
@@ -260,19 +285,25 @@ def import_eagle3(
         raise ValueError(f"{where}: fc.weight should be a float (H, n * H) matrix, found {found}")
     hidden = layer_json.get("hidden_size")
     if hidden != fc.shape[0] or fc.shape[1] % hidden:
-        raise ValueError(f"{cfg_path}: hidden_size is {hidden} but fc.weight is {tuple(fc.shape)}, "
-                         "not (H, n * H)")
+        raise ValueError(
+            f"{cfg_path}: hidden_size is {hidden} but fc.weight is {tuple(fc.shape)}, not (H, n * H)"
+        )
     target_hidden = raw.get("target_hidden_size", layer_json.get("target_hidden_size"))
     if target_hidden not in (None, hidden):
-        raise ValueError(f"{cfg_path}: target_hidden_size {target_hidden} differs from the draft's hidden_size "
-                         f"{hidden}; Eagle3Draft's layer is as wide as the target")
+        raise ValueError(
+            f"{cfg_path}: target_hidden_size {target_hidden} differs from the draft's hidden_size "
+            f"{hidden}; Eagle3Draft's layer is as wide as the target"
+        )
     if lm_head is None or lm_head.dim() != 2:
-        raise ValueError(f"{where} has no lm_head.weight: this drafter would use the target's lm_head (SGLang's "
-                         "load_lm_head_from_target), which Eagle3Draft does not; it needs its own")
+        raise ValueError(
+            f"{where} has no lm_head.weight: this drafter would use the target's lm_head (SGLang's "
+            "load_lm_head_from_target), which Eagle3Draft does not; it needs its own"
+        )
     vocab, size = layer_json.get("vocab_size"), lm_head.shape[0]
     if type(vocab) is not int or vocab < size:
-        raise ValueError(f"{cfg_path}: vocab_size (the target's vocabulary) is {vocab!r}; lm_head.weight has "
-                         f"{size} rows")
+        raise ValueError(
+            f"{cfg_path}: vocab_size (the target's vocabulary) is {vocab!r}; lm_head.weight has {size} rows"
+        )
     declared = raw.get("draft_vocab_size")
     if declared is not None and declared != size:
         raise ValueError(f"{cfg_path}: draft_vocab_size is {declared} but lm_head.weight has {size} rows")
@@ -284,20 +315,35 @@ def import_eagle3(
     fused = fc.shape[1] // hidden
     counted = layer_json.get("num_aux_hidden_states", raw.get("num_aux_hidden_states"))
     if len(layers) != fused or counted not in (None, fused):
-        raise ValueError(f"{cfg_path}: fc.weight {tuple(fc.shape)} fuses {fused} hidden states, but the config "
-                         f"names {len(layers)} layers {layers}" + (f" and num_aux_hidden_states {counted}"
-                                                                  if counted is not None else ""))
+        raise ValueError(
+            f"{cfg_path}: fc.weight {tuple(fc.shape)} fuses {fused} hidden states, but the config "
+            f"names {len(layers)} layers {layers}"
+            + (f" and num_aux_hidden_states {counted}" if counted is not None else "")
+        )
     named = (layer_json.get("torch_dtype"), layer_json.get("dtype"), str(fc.dtype).removeprefix("torch."))
     config = HeadsConfig(
-        kind="eagle3", base_model=base, hidden_size=hidden, vocab_size=vocab, num_layers=1, fc_bias=False,
+        kind="eagle3",
+        base_model=base,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_layers=1,
+        fc_bias=False,
         dtype=next((d for d in named if d in DTYPES), "float32"),
-        layer=layer_config_from_json(layer_json, cfg_path), feature_layers=layers,
-        draft_vocab_size=0 if size == vocab else size, **draft_flags, **({"depth": depth} if depth else {}),
+        layer=layer_config_from_json(layer_json, cfg_path),
+        feature_layers=layers,
+        draft_vocab_size=0 if size == vocab else size,
+        **draft_flags,
+        **({"depth": depth} if depth else {}),
     )
     draft = Eagle3Draft(config).to(fc.dtype)
     theirs = {**file_names, "d2t": "d2t", "t2d": "t2d"}
-    load_strict(draft, state | {"d2t": d2t, "t2d": t2d}, where, lambda k: theirs.get(k, theirs_name(fmt)(k)),
-                integers=VOCAB_MAPS)
+    load_strict(
+        draft,
+        state | {"d2t": d2t, "t2d": t2d},
+        where,
+        lambda k: theirs.get(k, theirs_name(fmt)(k)),
+        integers=VOCAB_MAPS,
+    )
     draft.eval()
     if target is not None:
         check_target(config, target, embed, directory)

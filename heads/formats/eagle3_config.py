@@ -38,16 +38,17 @@ VARIANTS = {
 ABSENT = {"speculators-eagle3": {"norm_before_residual": True}}
 
 
-
-def settings(raw: dict[str, Any], fmt: str, layer_json: dict[str, Any],
-              where: Path) -> dict[str, tuple[Any, bool]]:
+def settings(
+    raw: dict[str, Any], fmt: str, layer_json: dict[str, Any], where: Path
+) -> dict[str, tuple[Any, bool]]:
     """Each variant flag (FLAGS and VARIANTS) as the layout's engines read it: (value, whether the file states
     it)."""
     defaults = {f: False for f in FLAGS} | {f: v.neutral for f, v in VARIANTS.items()}
     if fmt == "speculators-eagle3":  # algos.py update_eagle3 copies the top-level flags over the layer config
         top = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
         found = {f: (raw[f], True) for f in top if f in raw} | {
-            f: (layer_json[f], True) for f in defaults if f in layer_json and f not in top}
+            f: (layer_json[f], True) for f in defaults if f in layer_json and f not in top
+        }
     else:
         eagle = raw.get("eagle_config") or {}
         if not isinstance(eagle, dict):
@@ -68,9 +69,15 @@ def refuse_variants(settings: dict[str, tuple[Any, bool]], fmt: str, where: Path
     for flag, variant in VARIANTS.items():
         value, stated = settings[flag]
         if not is_neutral(value, variant.neutral):
-            how = "" if stated else f" (it is absent, which vLLM reads as {json.dumps(value)} in a {fmt} config)"
-            raise ValueError(f"{where}: {flag} = {json.dumps(value)}{how} means {variant.means}; Eagle3Draft does "
-                             f"not compute that variant, so this drafter cannot be imported")
+            how = (
+                ""
+                if stated
+                else f" (it is absent, which vLLM reads as {json.dumps(value)} in a {fmt} config)"
+            )
+            raise ValueError(
+                f"{where}: {flag} = {json.dumps(value)}{how} means {variant.means}; Eagle3Draft does "
+                f"not compute that variant, so this drafter cannot be imported"
+            )
 
 
 def flags(settings: dict[str, tuple[Any, bool]], fmt: str, where: Path) -> dict[str, bool]:
@@ -82,9 +89,12 @@ def flags(settings: dict[str, tuple[Any, bool]], fmt: str, where: Path) -> dict[
         if type(value) is not bool:
             raise ValueError(f"{where}: {flag} must be true or false, got {json.dumps(value)}")
         if value and not stated:
-            warnings.warn(f"{where}: {flag} is absent, which vLLM reads as true in a {fmt} config, so it is imported "
-                          f"as true (speculators' Eagle3SpeculatorConfig defaults it to false): if the drafter was "
-                          f"trained without it, write \"{flag}\": false into config.json", stacklevel=3)
+            warnings.warn(
+                f"{where}: {flag} is absent, which vLLM reads as true in a {fmt} config, so it is imported "
+                f"as true (speculators' Eagle3SpeculatorConfig defaults it to false): if the drafter was "
+                f'trained without it, write "{flag}": false into config.json',
+                stacklevel=3,
+            )
         flags[flag] = value
     return flags
 
@@ -123,40 +133,53 @@ def feature_layers(raw: dict[str, Any], fmt: str, num_layers: int | None, where:
                 raise ValueError(
                     f"{where}: SGLang fuses hidden_states {sorted(layers)} (eagle_config ids {ids} + 1) but vLLM "
                     f"{sorted(top)} (the top-level eagle_aux_hidden_state_layer_ids); which the drafter was "
-                    "trained on is unknown: remove the wrong field")
+                    "trained on is unknown: remove the wrong field"
+                )
     if layers is None:
         if num_layers is None:
-            raise ValueError(f"{where} names no eagle_aux_hidden_state_layer_ids, so the engines fuse the target's "
-                             "hidden_states [2, L // 2, L - 3], and L is unknown: pass the target as --base-model "
-                             "(base_model=), a local model directory or a Hub id in the HF cache")
+            raise ValueError(
+                f"{where} names no eagle_aux_hidden_state_layer_ids, so the engines fuse the target's "
+                "hidden_states [2, L // 2, L - 3], and L is unknown: pass the target as --base-model "
+                "(base_model=), a local model directory or a Hub id in the HF cache"
+            )
         layers = [2, num_layers // 2, num_layers - 3]
     if len(set(layers)) != len(layers):
-        raise ValueError(f"{where}: the hidden_states indices {layers} repeat one; the engines capture each "
-                         "once")
+        raise ValueError(
+            f"{where}: the hidden_states indices {layers} repeat one; the engines capture each once"
+        )
     layers = sorted(layers)
     if layers[0] < 0:
         raise ValueError(f"{where}: hidden_states indices {layers} must not be negative")
     if num_layers is not None and layers[-1] >= num_layers:
-        raise ValueError(f"{where}: hidden_states indices {layers} must lie in [0, L - 1 = {num_layers - 1}] "
-                         "(index L is normed in transformers but not in the engines)")
+        raise ValueError(
+            f"{where}: hidden_states indices {layers} must lie in [0, L - 1 = {num_layers - 1}] "
+            "(index L is normed in transformers but not in the engines)"
+        )
     return layers
 
 
-def draft_vocab_maps(d2t: torch.Tensor | None, t2d: torch.Tensor | None, size: int, vocab: int,
-                 where: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_vocab_maps(
+    d2t: torch.Tensor | None, t2d: torch.Tensor | None, size: int, vocab: int, where: Path
+) -> tuple[torch.Tensor, torch.Tensor]:
     """d2t as the engines decode with it (zeros when absent: draft id i is target id i), and t2d rebuilt from it."""
     d2t = torch.zeros(size, dtype=torch.long) if d2t is None else d2t
     if d2t.shape != (size,) or d2t.is_floating_point() or d2t.is_complex():
-        raise ValueError(f"{where}: d2t should be {size} integers (one per lm_head row), found {d2t.dtype} "
-                         f"{tuple(d2t.shape)}")
+        raise ValueError(
+            f"{where}: d2t should be {size} integers (one per lm_head row), found {d2t.dtype} "
+            f"{tuple(d2t.shape)}"
+        )
     targets = draft_targets(d2t, vocab, where)
     rebuilt = torch.zeros(vocab, dtype=torch.bool)
     rebuilt[targets] = True
     if t2d is not None:
         if t2d.shape != (vocab,):
-            raise ValueError(f"{where}: t2d has shape {tuple(t2d.shape)}, the target vocabulary makes it "
-                             f"({vocab},)")
+            raise ValueError(
+                f"{where}: t2d has shape {tuple(t2d.shape)}, the target vocabulary makes it ({vocab},)"
+            )
         if not torch.equal(t2d.bool(), rebuilt):
-            warnings.warn(f"{where}: t2d does not mark exactly the target ids d2t maps to; the engines decode with "
-                          "d2t alone, so t2d is rebuilt from it", stacklevel=3)
+            warnings.warn(
+                f"{where}: t2d does not mark exactly the target ids d2t maps to; the engines decode with "
+                "d2t alone, so t2d is rebuilt from it",
+                stacklevel=3,
+            )
     return d2t.long(), rebuilt

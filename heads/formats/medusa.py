@@ -81,24 +81,45 @@ class Layout:
 LAYOUTS = {
     "fastdecoding-medusa": Layout(
         weights=("medusa_lm_head.safetensors", "medusa_lm_head.pt"),
-        keys={"heads.{h}.{l}.linear.weight": "{h}.{l}.linear.weight",
-              "heads.{h}.{l}.linear.bias": "{h}.{l}.linear.bias",
-              "heads.{h}.{n}.weight": "{h}.{n}.weight"},
-        config={"medusa_num_heads": "num_heads", "medusa_num_layers": "num_layers", "hidden_size": "hidden_size",
-                "vocab_size": "vocab_size", "torch_dtype": "dtype", "base_model_name_or_path": "base_model"},
+        keys={
+            "heads.{h}.{l}.linear.weight": "{h}.{l}.linear.weight",
+            "heads.{h}.{l}.linear.bias": "{h}.{l}.linear.bias",
+            "heads.{h}.{n}.weight": "{h}.{n}.weight",
+        },
+        config={
+            "medusa_num_heads": "num_heads",
+            "medusa_num_layers": "num_layers",
+            "hidden_size": "hidden_size",
+            "vocab_size": "vocab_size",
+            "torch_dtype": "dtype",
+            "base_model_name_or_path": "base_model",
+        },
         constants={},  # no model_type / architectures: FasterDecoding would try AutoConfig, TGI skip Medusa
         drops_unknown=False,  # a stray tensor means another format (a full Medusa-2 model): say so
     ),
     "vllm-medusa": Layout(
         weights=("model.safetensors",),
-        keys={"heads.{h}.{l}.linear.weight": "blocks.{h}.layers.{l}.weight",
-              "heads.{h}.{l}.linear.bias": "blocks.{h}.layers.{l}.bias",
-              "heads.{h}.{n}.weight": "lm_heads.{h}.weight"},
-        config={"num_heads": "num_heads", "num_hidden_layers": "num_layers", "hidden_size": "hidden_size",
-                "vocab_size": "vocab_size", "truncated_vocab_size": "vocab_size", "torch_dtype": "dtype",
-                "base_model_name_or_path": "base_model"},
-        constants={"model_type": "medusa", "architectures": ["MedusaModel"], "medusa_fc_bias": True,
-                   "original_lm_head": False, "logit_scale": 1.0},
+        keys={
+            "heads.{h}.{l}.linear.weight": "blocks.{h}.layers.{l}.weight",
+            "heads.{h}.{l}.linear.bias": "blocks.{h}.layers.{l}.bias",
+            "heads.{h}.{n}.weight": "lm_heads.{h}.weight",
+        },
+        config={
+            "num_heads": "num_heads",
+            "num_hidden_layers": "num_layers",
+            "hidden_size": "hidden_size",
+            "vocab_size": "vocab_size",
+            "truncated_vocab_size": "vocab_size",
+            "torch_dtype": "dtype",
+            "base_model_name_or_path": "base_model",
+        },
+        constants={
+            "model_type": "medusa",
+            "architectures": ["MedusaModel"],
+            "medusa_fc_bias": True,
+            "original_lm_head": False,
+            "logit_scale": 1.0,
+        },
         drops_unknown=True,  # as vLLM's load_weights does
     ),
 }
@@ -121,7 +142,9 @@ def _rename(key: str, table: dict[str, str], num_layers: int) -> str | None:
     return None
 
 
-def engine_keys(fmt: str, num_heads: int, num_layers: int, projection: bool = True, bias: bool = True) -> list[str]:
+def engine_keys(
+    fmt: str, num_heads: int, num_layers: int, projection: bool = True, bias: bool = True
+) -> list[str]:
     """Every tensor the `fmt` loader reads, head by head; `projection=False` is FasterDecoding "version 2"."""
     ours = []
     for h in range(num_heads):
@@ -131,24 +154,38 @@ def engine_keys(fmt: str, num_heads: int, num_layers: int, projection: bool = Tr
     return [_rename(k, LAYOUTS[fmt].keys, num_layers) for k in ours]
 
 
-def load_strict(module: nn.Module, state: dict[str, torch.Tensor], where: Path | str,
-                name: Callable[[str], str | None] = lambda k: k, integers: tuple[str, ...] = ()) -> None:
+def load_strict(
+    module: nn.Module,
+    state: dict[str, torch.Tensor],
+    where: Path | str,
+    name: Callable[[str], str | None] = lambda k: k,
+    integers: tuple[str, ...] = (),
+) -> None:
     """`module.load_state_dict(state, strict=True)`; a refusal is one line naming `where` and the file's own
     names for the missing, unexpected and misshapen tensors (`name` maps ours back to the file's). Only the
     tensors named in `integers` may be other than floating point (quantized weights are refused)."""
     for k, v in state.items():
         if k not in integers and not v.is_floating_point():
-            raise ValueError(f"{where}: {name(k)} is {v.dtype}; quantized drafters are not supported: dequantize it")
+            raise ValueError(
+                f"{where}: {name(k)} is {v.dtype}; quantized drafters are not supported: dequantize it"
+            )
     try:
         module.load_state_dict(state, strict=True)
     except RuntimeError:
         want = module.state_dict()
-        problems = [f"{what} {sorted(name(k) or k for k in keys)[:6]}" for what, keys in
-                    (("missing", set(want) - set(state)), ("unexpected", set(state) - set(want))) if keys]
-        problems += [f"{name(k)} has shape {tuple(v.shape)}, expected {tuple(want[k].shape)}"
-                     for k, v in state.items() if k in want and v.shape != want[k].shape]
-        raise ValueError(f"{where}: the tensors do not form the drafter its config describes: "
-                         f"{'; '.join(problems)}") from None
+        problems = [
+            f"{what} {sorted(name(k) or k for k in keys)[:6]}"
+            for what, keys in (("missing", set(want) - set(state)), ("unexpected", set(state) - set(want)))
+            if keys
+        ]
+        problems += [
+            f"{name(k)} has shape {tuple(v.shape)}, expected {tuple(want[k].shape)}"
+            for k, v in state.items()
+            if k in want and v.shape != want[k].shape
+        ]
+        raise ValueError(
+            f"{where}: the tensors do not form the drafter its config describes: {'; '.join(problems)}"
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -161,16 +198,21 @@ def _count(declared: Any, found: int, what: str, field: str, path: Path) -> int:
     if not isinstance(declared, int) or isinstance(declared, bool) or declared < 0:
         raise ValueError(f"{path.parent / 'config.json'}: {field} = {declared!r} is not a count")
     if declared > found:
-        raise ValueError(f"{path.parent / 'config.json'} says {field} = {declared} but {path.name} holds only "
-                         f"{found} {what}: the weights file is incomplete or belongs to another checkpoint; "
-                         "re-download it")
-    warnings.warn(f"config.json says {field} = {declared} but {path.name} holds {found} {what}; trusting the "
-                  f"weights and using {found} (published Medusa configs often under-count)", stacklevel=4)
+        raise ValueError(
+            f"{path.parent / 'config.json'} says {field} = {declared} but {path.name} holds only "
+            f"{found} {what}: the weights file is incomplete or belongs to another checkpoint; "
+            "re-download it"
+        )
+    warnings.warn(
+        f"config.json says {field} = {declared} but {path.name} holds {found} {what}; trusting the "
+        f"weights and using {found} (published Medusa configs often under-count)",
+        stacklevel=4,
+    )
     return found
 
 
 def _vocab_for_shared(base_model: str, path: Path) -> int:
-    """"Version 2" heads hold no vocab-sized tensor: the target's config gives V."""
+    """ "Version 2" heads hold no vocab-sized tensor: the target's config gives V."""
     from transformers import AutoConfig
 
     reason = "no base model is named"
@@ -179,30 +221,38 @@ def _vocab_for_shared(base_model: str, path: Path) -> int:
             return int(AutoConfig.from_pretrained(resolve_model(base_model)).get_text_config().vocab_size)
         except Exception as e:  # offline, missing, or not a causal LM config
             reason = f"reading the base model {base_model!r} failed ({type(e).__name__}: {e})"
-    raise ValueError(f"{path} has no per-head vocab projection (Medusa 'version 2': the heads reuse the "
-                     f"target's lm_head), so the vocabulary size is not in the weights, and {reason}: pass "
-                     "vocab_size= / --vocab-size (the target's lm_head rows) or base_model= / --base-model "
-                     "(a local path or cached hub id)")
+    raise ValueError(
+        f"{path} has no per-head vocab projection (Medusa 'version 2': the heads reuse the "
+        f"target's lm_head), so the vocabulary size is not in the weights, and {reason}: pass "
+        "vocab_size= / --vocab-size (the target's lm_head rows) or base_model= / --base-model "
+        "(a local path or cached hub id)"
+    )
 
 
 def _vllm_config(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     if raw.get("model_type") != "medusa":
-        raise ValueError(f"{path}: model_type is {raw.get('model_type')!r}, vLLM's Medusa layout has 'medusa'")
+        raise ValueError(
+            f"{path}: model_type is {raw.get('model_type')!r}, vLLM's Medusa layout has 'medusa'"
+        )
     renamed = dict(raw)  # as vLLM's MedusaConfig.from_pretrained: by substring
     for key in raw:
         if "num" in key and ("heads" in key or "layers" in key):
             renamed["num_heads" if "heads" in key else "num_hidden_layers"] = renamed.pop(key)
     vocab, truncated = renamed.get("vocab_size"), renamed.get("truncated_vocab_size")
     if vocab is not None and truncated is not None and truncated < vocab:
-        raise ValueError(f"{path}: truncated_vocab_size {truncated} < vocab_size {vocab} (a token_map draft "
-                         "vocabulary): heads here draft over the target's whole vocabulary; export the checkpoint "
-                         "without a token_map")
+        raise ValueError(
+            f"{path}: truncated_vocab_size {truncated} < vocab_size {vocab} (a token_map draft "
+            "vocabulary): heads here draft over the target's whole vocabulary; export the checkpoint "
+            "without a token_map"
+        )
     return renamed
 
 
 def _weight_files(directory: Path, fmt: str) -> list[Path]:
     if fmt == "vllm-medusa":  # vLLM's default loader: *.safetensors when present, else the PyTorch pickles
-        return next((f for f in (sorted(directory.glob(p)) for p in ("*.safetensors", "*.bin", "*.pt")) if f), [])
+        return next(
+            (f for f in (sorted(directory.glob(p)) for p in ("*.safetensors", "*.bin", "*.pt")) if f), []
+        )
     return [directory / n for n in LAYOUTS[fmt].weights if (directory / n).is_file()][:1]
 
 
@@ -210,7 +260,9 @@ def _engine_state(directory: Path, fmt: str, raw: dict[str, Any]) -> tuple[Path,
     """The first weights file and every tensor, named as the engine's loader names them."""
     files = _weight_files(directory, fmt)
     if not files:
-        raise ValueError(f"{directory} has config.json but none of its weights ({' or '.join(LAYOUTS[fmt].weights)})")
+        raise ValueError(
+            f"{directory} has config.json but none of its weights ({' or '.join(LAYOUTS[fmt].weights)})"
+        )
     state = {k: v for f in files for k, v in read_state_dict(f).items()}
     if fmt == "vllm-medusa":
         state = {k.replace("medusa_heads.", ""): v for k, v in state.items()}  # as vLLM's load_weights does
@@ -218,8 +270,10 @@ def _engine_state(directory: Path, fmt: str, raw: dict[str, Any]) -> tuple[Path,
             shared = state.pop("lm_heads.0.weight", None)
             shared = state.pop("lm_head.weight", None) if shared is None else shared
             if shared is None:
-                raise ValueError(f"{files[0]}: original_lm_head is set but neither lm_heads.0.weight nor "
-                                 "lm_head.weight is there")
+                raise ValueError(
+                    f"{files[0]}: original_lm_head is set but neither lm_heads.0.weight nor "
+                    "lm_head.weight is there"
+                )
             heads = {int(k.split(".")[1]) for k in state if k.startswith("blocks.")}
             state |= {f"lm_heads.{h}.weight": shared for h in heads}
     return files[0], state
@@ -234,26 +288,37 @@ def _import(checkpoint: Checkpoint, fmt: str, base_model: str | None, vocab_size
     block = _regex(layout.keys["heads.{h}.{l}.linear.weight"])
     blocks = [m.groupdict() for k in state if (m := block.fullmatch(k))]
     if not blocks:
-        raise ValueError(f"{path}: no residual block ({block.pattern}): not the {fmt} layout, or heads without "
-                         "blocks, which are not supported here")
+        raise ValueError(
+            f"{path}: no residual block ({block.pattern}): not the {fmt} layout, or heads without "
+            "blocks, which are not supported here"
+        )
     found_heads, num_layers = 1 + max(int(b["h"]) for b in blocks), 1 + max(int(b["l"]) for b in blocks)
     named = {k: _rename(k, {theirs: ours for ours, theirs in layout.keys.items()}, num_layers) for k in state}
     unknown = sorted(k for k, ours in named.items() if ours is None)
     if unknown and not layout.drops_unknown:
-        raise ValueError(f"{path} has keys outside the {fmt} layout ({', '.join(layout.keys.values())}): "
-                         f"{unknown[:5]}; is this a full Medusa-2 model or another format?")
+        raise ValueError(
+            f"{path} has keys outside the {fmt} layout ({', '.join(layout.keys.values())}): "
+            f"{unknown[:5]}; is this a full Medusa-2 model or another format?"
+        )
     ours = {named[k]: v for k, v in state.items() if named[k] is not None}
     declared = {mine: raw[field] for field, mine in layout.config.items() if raw.get(field) is not None}
     field = {mine: field for field, mine in layout.config.items()}  # ours -> config.json's, for messages
     num_heads = _count(declared.get("num_heads"), found_heads, "heads", field["num_heads"], path)
-    num_layers = _count(declared.get("num_layers"), num_layers, "residual blocks per head", field["num_layers"], path)
+    num_layers = _count(
+        declared.get("num_layers"), num_layers, "residual blocks per head", field["num_layers"], path
+    )
     if fmt == "vllm-medusa" and not raw.get("medusa_fc_bias", False):  # vLLM builds bias-free blocks
         if any(k.endswith(".bias") for k in ours):
-            warnings.warn(f"{path.name} has block biases but config.json has no medusa_fc_bias: true, so vLLM "
-                          "builds bias-free layers and drops them; importing what vLLM computes (biases ignored)",
-                          stacklevel=3)
-        ours |= {k.removesuffix("weight") + "bias": torch.zeros(v.shape[0], dtype=v.dtype)
-                 for k, v in ours.items() if k.endswith(".linear.weight")}
+            warnings.warn(
+                f"{path.name} has block biases but config.json has no medusa_fc_bias: true, so vLLM "
+                "builds bias-free layers and drops them; importing what vLLM computes (biases ignored)",
+                stacklevel=3,
+            )
+        ours |= {
+            k.removesuffix("weight") + "bias": torch.zeros(v.shape[0], dtype=v.dtype)
+            for k, v in ours.items()
+            if k.endswith(".linear.weight")
+        }
     projection = f".{num_layers}.weight"
     scale = float(raw.get("logit_scale", 1.0)) if fmt == "vllm-medusa" else 1.0  # vLLM scales the logits
     ours |= {k: v * scale for k, v in ours.items() if k.endswith(projection) and scale != 1.0}
@@ -261,21 +326,39 @@ def _import(checkpoint: Checkpoint, fmt: str, base_model: str | None, vocab_size
     vocabs = [v.shape[0] for k, v in ours.items() if k.endswith(projection)]
     dtype = str(first.dtype).removeprefix("torch.")
     if dtype not in DTYPES:
-        raise ValueError(f"{path} holds {dtype} tensors; Medusa heads here are one of {', '.join(DTYPES)}: cast them")
+        raise ValueError(
+            f"{path} holds {dtype} tensors; Medusa heads here are one of {', '.join(DTYPES)}: cast them"
+        )
     base = base_model if base_model is not None else str(declared.get("base_model") or "")
     hidden = first.shape[0]
     vocab = vocabs[0] if vocabs else vocab_size or declared.get("vocab_size") or _vocab_for_shared(base, path)
     for mine, value in (("hidden_size", hidden), ("vocab_size", vocab)):
         if declared.get(mine, value) != value:
-            raise ValueError(f"{cfg_path}: {field[mine]} is {declared[mine]} but the weights in {path.name} make "
-                             f"it {value}")
+            raise ValueError(
+                f"{cfg_path}: {field[mine]} is {declared[mine]} but the weights in {path.name} make "
+                f"it {value}"
+            )
     if vocab_size is not None and vocab_size != vocab:
-        raise ValueError(f"vocab_size={vocab_size} was passed but the projections in {path} have {vocab} rows")
-    config = HeadsConfig(kind="medusa", base_model=base, hidden_size=hidden, vocab_size=vocab, num_heads=num_heads,
-                         num_layers=num_layers, share_lm_head=not vocabs, dtype=dtype)
+        raise ValueError(
+            f"vocab_size={vocab_size} was passed but the projections in {path} have {vocab} rows"
+        )
+    config = HeadsConfig(
+        kind="medusa",
+        base_model=base,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_heads=num_heads,
+        num_layers=num_layers,
+        share_lm_head=not vocabs,
+        dtype=dtype,
+    )
     heads = MedusaHeads(config).to(first.dtype)
-    load_strict(heads, {k: v.to(first.dtype) for k, v in ours.items()}, path,
-                lambda k: _rename(k, layout.keys, num_layers))
+    load_strict(
+        heads,
+        {k: v.to(first.dtype) for k, v in ours.items()},
+        path,
+        lambda k: _rename(k, layout.keys, num_layers),
+    )
     return heads.eval()
 
 
@@ -285,13 +368,19 @@ def detect_medusa_format(directory: str | Path | Checkpoint) -> str | None:
     checkpoint = Checkpoint.read(directory)
     if _weight_files(checkpoint.path, "fastdecoding-medusa"):
         return "fastdecoding-medusa"
-    if (checkpoint.config or {}).get("model_type") == "medusa" and _weight_files(checkpoint.path, "vllm-medusa"):
+    if (checkpoint.config or {}).get("model_type") == "medusa" and _weight_files(
+        checkpoint.path, "vllm-medusa"
+    ):
         return "vllm-medusa"
     return None
 
 
-def import_medusa(directory: str | Path | Checkpoint, format: str | None = None,  # noqa: A002
-                  base_model: str | None = None, vocab_size: int | None = None) -> MedusaHeads:
+def import_medusa(
+    directory: str | Path | Checkpoint,
+    format: str | None = None,  # noqa: A002
+    base_model: str | None = None,
+    vocab_size: int | None = None,
+) -> MedusaHeads:
     """Load published Medusa heads as `MedusaHeads`: config from the files, shapes and dtype from the weights.
 
     `format` is detected when None. `base_model` overrides the target named in the files. `vocab_size`
@@ -300,14 +389,15 @@ def import_medusa(directory: str | Path | Checkpoint, format: str | None = None,
     checkpoint = Checkpoint.read(directory)
     directory = checkpoint.path
     if not directory.is_dir():
-        raise ValueError(f"{directory} is not a directory: download the checkpoint first "
-                         "(hf download ...)")
+        raise ValueError(f"{directory} is not a directory: download the checkpoint first (hf download ...)")
     fmt = format or detect_medusa_format(checkpoint)
     if fmt is None:
         found = sorted(p.name for p in directory.iterdir())[:10]
-        raise ValueError(f"{directory} is in no known Medusa layout (found {found}): expected config.json with "
-                         f"{' or '.join(LAYOUTS['fastdecoding-medusa'].weights)} (FasterDecoding), or config.json "
-                         "with model_type 'medusa' and *.safetensors (vLLM)")
+        raise ValueError(
+            f"{directory} is in no known Medusa layout (found {found}): expected config.json with "
+            f"{' or '.join(LAYOUTS['fastdecoding-medusa'].weights)} (FasterDecoding), or config.json "
+            "with model_type 'medusa' and *.safetensors (vLLM)"
+        )
     if fmt not in LAYOUTS:
         raise ValueError(f"unknown Medusa format {fmt!r}; choose one of {', '.join(MEDUSA_FORMATS)}")
     return _import(checkpoint, fmt, base_model, vocab_size)
@@ -331,13 +421,22 @@ def base_model_field(name: str, required: bool = True) -> str:
         return hub_id(path) or str(path.resolve())
     if not required or HUB_ID.fullmatch(name):
         return name
-    why = f"{name!r} is neither a model directory here nor a Hub id" if name else "the heads name no base model"
-    raise ValueError(f"FasterDecoding and TGI load the target config.json's base_model_name_or_path names, and {why}: "
-                     f"{ask}")
+    why = (
+        f"{name!r} is neither a model directory here nor a Hub id" if name else "the heads name no base model"
+    )
+    raise ValueError(
+        f"FasterDecoding and TGI load the target config.json's base_model_name_or_path names, and {why}: "
+        f"{ask}"
+    )
 
 
-def export_medusa(heads: MedusaHeads, fmt: str, out_dir: str | Path, lm_head_weight: torch.Tensor | None = None,
-                  base_model: str | None = None) -> None:
+def export_medusa(
+    heads: MedusaHeads,
+    fmt: str,
+    out_dir: str | Path,
+    lm_head_weight: torch.Tensor | None = None,
+    base_model: str | None = None,
+) -> None:
     """Write `heads` in a published layout: the exact file names, config fields and keys its loader reads.
 
     Heads that share the target's lm_head get `lm_head_weight` (the target's) copied into every head: one
@@ -353,32 +452,47 @@ def export_medusa(heads: MedusaHeads, fmt: str, out_dir: str | Path, lm_head_wei
     state = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
     if cfg.share_lm_head:
         if lm_head_weight is None:
-            raise ValueError(f"these heads share the target's lm_head, but {fmt}'s loader reads one vocab projection "
-                             "per head: pass lm_head_weight=model.get_output_embeddings().weight (on the command "
-                             "line, --model names the target) to copy it into every head")
+            raise ValueError(
+                f"these heads share the target's lm_head, but {fmt}'s loader reads one vocab projection "
+                "per head: pass lm_head_weight=model.get_output_embeddings().weight (on the command "
+                "line, --model names the target) to copy it into every head"
+            )
         if tuple(lm_head_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(f"lm_head_weight has shape {tuple(lm_head_weight.shape)}, the heads expect "
-                             f"({cfg.vocab_size}, {cfg.hidden_size}): is it the right target's lm_head?")
+            raise ValueError(
+                f"lm_head_weight has shape {tuple(lm_head_weight.shape)}, the heads expect "
+                f"({cfg.vocab_size}, {cfg.hidden_size}): is it the right target's lm_head?"
+            )
         lm = lm_head_weight.detach().to("cpu", getattr(torch, cfg.dtype))
-        state |= {f"heads.{h}.{n}.weight": lm.clone() for h in range(cfg.num_heads)}  # safetensors refuses aliases
+        state |= {
+            f"heads.{h}.{n}.weight": lm.clone() for h in range(cfg.num_heads)
+        }  # safetensors refuses aliases
     if fmt == "fastdecoding-medusa":
         if Path(base, "config.json").is_file():  # its loader builds the heads in the base model's shapes
             from transformers import AutoConfig
 
             text = AutoConfig.from_pretrained(base).get_text_config()
             if (text.hidden_size, text.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
-                raise ValueError(f"the base model {base} has hidden size {text.hidden_size} and vocabulary "
-                                 f"{text.vocab_size}, the heads {cfg.hidden_size} and {cfg.vocab_size}: name the "
-                                 "model they were trained for")
+                raise ValueError(
+                    f"the base model {base} has hidden size {text.hidden_size} and vocabulary "
+                    f"{text.vocab_size}, the heads {cfg.hidden_size} and {cfg.vocab_size}: name the "
+                    "model they were trained for"
+                )
         if n > 1:
-            warnings.warn(f"{n} blocks per head: FasterDecoding's own MedusaModel builds `[ResBlock(h)] * n`, one "
-                          "block repeated, so only TGI (v1) and TensorRT-LLM load these distinct blocks faithfully",
-                          stacklevel=2)
+            warnings.warn(
+                f"{n} blocks per head: FasterDecoding's own MedusaModel builds `[ResBlock(h)] * n`, one "
+                "block repeated, so only TGI (v1) and TensorRT-LLM load these distinct blocks faithfully",
+                stacklevel=2,
+            )
         if cfg.num_heads != FASTDECODING_HEADS:
-            rest = "ignoring the others" if cfg.num_heads > FASTDECODING_HEADS else "the missing ones untrained"
-            warnings.warn(f"{cfg.num_heads} heads: FasterDecoding's MedusaModel.from_pretrained builds "
-                          f"{FASTDECODING_HEADS} whatever config.json says, {rest} (TGI and TensorRT-LLM read "
-                          "medusa_num_heads)", stacklevel=2)
+            rest = (
+                "ignoring the others" if cfg.num_heads > FASTDECODING_HEADS else "the missing ones untrained"
+            )
+            warnings.warn(
+                f"{cfg.num_heads} heads: FasterDecoding's MedusaModel.from_pretrained builds "
+                f"{FASTDECODING_HEADS} whatever config.json says, {rest} (TGI and TensorRT-LLM read "
+                "medusa_num_heads)",
+                stacklevel=2,
+            )
     tensors = {_rename(k, layout.keys, n): v for k, v in state.items()}
     config = {field: getattr(cfg, mine) for field, mine in layout.config.items()} | layout.constants
     config["base_model_name_or_path"] = base
@@ -391,10 +505,18 @@ def export_medusa(heads: MedusaHeads, fmt: str, out_dir: str | Path, lm_head_wei
     atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
 
 
-def export_as(heads: MedusaHeads, fmt: str, out_dir: str | Path, target: torch.nn.Module | None = None,
-              base_model: str | None = None, weights: str | None = None) -> None:
+def export_as(
+    heads: MedusaHeads,
+    fmt: str,
+    out_dir: str | Path,
+    target: torch.nn.Module | None = None,
+    base_model: str | None = None,
+    weights: str | None = None,
+) -> None:
     """`export_heads` for the Medusa layouts: heads that share the lm_head get the target's."""
     if weights is not None:
-        raise ValueError(f"{fmt} has fixed weight files; choosing them (weights={weights!r}) is for EAGLE layouts")
+        raise ValueError(
+            f"{fmt} has fixed weight files; choosing them (weights={weights!r}) is for EAGLE layouts"
+        )
     lm_head = target.get_output_embeddings().weight if target is not None else None
     export_medusa(heads, fmt, out_dir, lm_head_weight=lm_head, base_model=base_model)

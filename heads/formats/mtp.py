@@ -53,7 +53,9 @@ def own_mtp_keys(target: nn.Module, call: Callable | None = None) -> Any:
 
     @contextlib.contextmanager
     def scope() -> Iterator[None]:
-        target._keys_to_ignore_on_load_unexpected = list(type(target)._keys_to_ignore_on_load_unexpected or []) + own
+        target._keys_to_ignore_on_load_unexpected = (
+            list(type(target)._keys_to_ignore_on_load_unexpected or []) + own
+        )
         try:
             yield
         finally:
@@ -75,8 +77,10 @@ def load_target_mtp(target: nn.Module, base_model: str, device: str | torch.devi
     mtp_model = mtp_model_class()  # an older transformers is named first
     layers = mtp_layer_count(target.config)
     if not layers:
-        raise ValueError(f"{base_model} has no MTP layers (its config declares no num_mtp_layers): use another "
-                         "drafter, or give it new ones with `accelerate launch train/mtp.py --new_layers 1`")
+        raise ValueError(
+            f"{base_model} has no MTP layers (its config declares no num_mtp_layers): use another "
+            "drafter, or give it new ones with `accelerate launch train/mtp.py --new_layers 1`"
+        )
     dtype = target.get_output_embeddings().weight.dtype
     draft = MtpDraft(mtp_config_for(target, base_model, dtype=str(dtype).removeprefix("torch.")))
     draft = draft.to(device=device, dtype=dtype)
@@ -108,25 +112,41 @@ def published_tensors(draft: MtpDraft, target: nn.Module) -> dict[str, torch.Ten
     state = revert_weight_conversion(target, state)
     for k in range(draft.config.num_layers):
         # copies (a tied embedding and lm_head would otherwise be one tensor twice, which safetensors refuses)
-        state[f"model.layers.{hidden + k}.embed_tokens.weight"] = target.get_input_embeddings().weight.detach().clone()
-        state[f"model.layers.{hidden + k}.shared_head.head.weight"] = target.get_output_embeddings().weight.detach().clone()
+        state[f"model.layers.{hidden + k}.embed_tokens.weight"] = (
+            target.get_input_embeddings().weight.detach().clone()
+        )
+        state[f"model.layers.{hidden + k}.shared_head.head.weight"] = (
+            target.get_output_embeddings().weight.detach().clone()
+        )
     dtype = next(target.parameters()).dtype  # stored as the target's own layers are
     return {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
 
 
-def export_as(draft: MtpDraft, fmt: str, out_dir: str | Path, target: nn.Module | None = None,
-              base_model: str | None = None, weights: str | None = None) -> None:
+def export_as(
+    draft: MtpDraft,
+    fmt: str,
+    out_dir: str | Path,
+    target: nn.Module | None = None,
+    base_model: str | None = None,
+    weights: str | None = None,
+) -> None:
     """Write the target with these MTP layers as one model folder (its config, tokenizer and weights, the MTP
     tensors among them: in model.safetensors, or a shard of their own listed in the index of a sharded target)."""
     if fmt not in LAYOUTS:
         raise ValueError(f"unknown MTP format {fmt!r}; choose one of {', '.join(LAYOUTS)}")
     if target is None:
-        raise ValueError("an MTP export is the whole target with its MTP layers: give the target (--model, or target=)")
+        raise ValueError(
+            "an MTP export is the whole target with its MTP layers: give the target (--model, or target=)"
+        )
     if weights not in (None, "safetensors"):
-        raise ValueError("an MTP export is written as safetensors (what the engines read), not " + str(weights))
+        raise ValueError(
+            "an MTP export is written as safetensors (what the engines read), not " + str(weights)
+        )
     if not layers_layout(target):
-        raise ValueError(f"{target.config.model_type} stores its MTP layers in a layout selfspec does not write yet "
-                         "(only num_hidden_layers + k, as DeepSeek-V3 and GLM-4.5 do)")
+        raise ValueError(
+            f"{target.config.model_type} stores its MTP layers in a layout selfspec does not write yet "
+            "(only num_hidden_layers + k, as DeepSeek-V3 and GLM-4.5 do)"
+        )
     tensors = published_tensors(draft, target)  # before anything is written: a layout error leaves no folder
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -162,5 +182,9 @@ def save_tokenizer(target: nn.Module, out: Path) -> None:
     try:
         AutoTokenizer.from_pretrained(resolve_model(target.config.name_or_path)).save_pretrained(out)
     except (OSError, ValueError) as e:
-        warnings.warn(f"the export has no tokenizer ({str(e).splitlines()[0][:200]}): copy the target's tokenizer "
-                      f"files into {out} before serving it", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"the export has no tokenizer ({str(e).splitlines()[0][:200]}): copy the target's tokenizer "
+            f"files into {out} before serving it",
+            UserWarning,
+            stacklevel=2,
+        )

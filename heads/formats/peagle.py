@@ -31,7 +31,7 @@ MASK_HIDDEN = "mask_hidden"
 
 
 def detect_peagle_format(directory: str | Path | Checkpoint) -> str | None:
-    """"peagle" or "speculators-peagle" for a P-EAGLE checkpoint directory, None for anything else."""
+    """ "peagle" or "speculators-peagle" for a P-EAGLE checkpoint directory, None for anything else."""
     checkpoint = Checkpoint.read(directory)
     raw = checkpoint.config
     if raw is None or checkpoint.is_selfspec or not checkpoint.weight_files:
@@ -67,47 +67,69 @@ class _EagleThreePart(Checkpoint):
         return state
 
 
-def import_peagle(directory: str | Path | Checkpoint, format: str | None = None,  # noqa: A002
-                  base_model: str | None = None, target: nn.Module | None = None) -> PEagleDraft:
+def import_peagle(
+    directory: str | Path | Checkpoint,
+    format: str | None = None,  # noqa: A002
+    base_model: str | None = None,
+    target: nn.Module | None = None,
+) -> PEagleDraft:
     """Build a `PEagleDraft` from a `peagle` or `speculators-peagle` checkpoint directory (what `export_as` writes,
     and speculators 0.9 saves); the EAGLE-3 part is read as import_eagle3 reads it (its arguments are the same)."""
     checkpoint = Checkpoint.read(directory)
     fmt = format or detect_peagle_format(checkpoint)
     if fmt not in LAYOUTS:
-        raise ValueError(f"{checkpoint.path} is not a P-EAGLE checkpoint: it expects an EAGLE-3 checkpoint with "
-                         "mask_hidden in its weights and mask_token_id in config.json")
+        raise ValueError(
+            f"{checkpoint.path} is not a P-EAGLE checkpoint: it expects an EAGLE-3 checkpoint with "
+            "mask_hidden in its weights and mask_token_id in config.json"
+        )
     raw = checkpoint.require_config()
     token = raw.get("mask_token_id", raw.get("pard_token"))
     part = _EagleThreePart(checkpoint, fmt)
     body = import_eagle3(part, LAYOUTS[fmt], base_model=base_model, target=target)
     vocab = body.config.vocab_size
     if type(token) is not int or not 0 <= token < vocab:
-        raise ValueError(f"{checkpoint.path / 'config.json'}: mask_token_id must be a token id in [0, {vocab}), got "
-                         f"{token!r}")
+        raise ValueError(
+            f"{checkpoint.path / 'config.json'}: mask_token_id must be a token id in [0, {vocab}), got "
+            f"{token!r}"
+        )
     fused = body.fc.in_features
     if part.mask_hidden is None or part.mask_hidden.numel() != fused:
         found = None if part.mask_hidden is None else tuple(part.mask_hidden.shape)
-        raise ValueError(f"{checkpoint.path}: mask_hidden should hold the fc input's {fused} values, found {found}")
+        raise ValueError(
+            f"{checkpoint.path}: mask_hidden should hold the fc input's {fused} values, found {found}"
+        )
     if part.embed is None or tuple(part.embed.shape) != (vocab, body.config.hidden_size):
-        raise ValueError(f"{checkpoint.path}: embed_tokens.weight ({vocab}, {body.config.hidden_size}) is missing or "
-                         "misshapen: the parallel slots' token embedding is its mask_token_id row")
+        raise ValueError(
+            f"{checkpoint.path}: embed_tokens.weight ({vocab}, {body.config.hidden_size}) is missing or "
+            "misshapen: the parallel slots' token embedding is its mask_token_id row"
+        )
     config = HeadsConfig.from_dict(body.config.to_dict() | {"kind": "peagle", "mask_token_id": token})
     draft = PEagleDraft(config).to(body.fc.weight.dtype)
-    state = body.state_dict() | {"mask_hidden": part.mask_hidden.reshape(-1),
-                                 "mask_embedding": part.embed[token]}
+    state = body.state_dict() | {
+        "mask_hidden": part.mask_hidden.reshape(-1),
+        "mask_embedding": part.embed[token],
+    }
     draft.load_state_dict({k: v.to(draft.state_dict()[k].dtype) for k, v in state.items()})
     return draft.eval()
 
 
-def export_as(draft: PEagleDraft, fmt: str, out_dir: str | Path, target: nn.Module | None = None,
-              base_model: str | None = None, weights: str | None = None) -> None:
+def export_as(
+    draft: PEagleDraft,
+    fmt: str,
+    out_dir: str | Path,
+    target: nn.Module | None = None,
+    base_model: str | None = None,
+    weights: str | None = None,
+) -> None:
     """Write `draft` as a `peagle` or `speculators-peagle` checkpoint (see the module docstring). The target is
     needed: its input embedding, with the mask token's row learned, is part of the checkpoint."""
     if fmt not in LAYOUTS:
         raise ValueError(f"unknown P-EAGLE format {fmt!r}; choose one of {', '.join(LAYOUTS)}")
     if target is None:
-        raise ValueError("a P-EAGLE checkpoint carries the target's input embedding with the mask token's row "
-                         "learned (embed_tokens.weight): give the target (--model, or target=)")
+        raise ValueError(
+            "a P-EAGLE checkpoint carries the target's input embedding with the mask token's row "
+            "learned (embed_tokens.weight): give the target (--model, or target=)"
+        )
     cfg = draft.config
     body = Eagle3Draft(HeadsConfig.from_dict(cfg.to_dict() | {"kind": "eagle3", "mask_token_id": None}))
     dtype = draft.fc.weight.dtype

@@ -60,14 +60,19 @@ def check_drafter_options(args: argparse.Namespace) -> None:
     if getattr(args, "mtp", False) and not args.model:
         raise ValueError("--mtp drafts with the target's own MTP layers: name the target with --model")
     if args.lookup_first and not args.heads:
-        raise ValueError("--lookup-first puts prompt lookup in front of heads: give --heads DIR as well, or use "
-                         "--prompt-lookup alone")
+        raise ValueError(
+            "--lookup-first puts prompt lookup in front of heads: give --heads DIR as well, or use "
+            "--prompt-lookup alone"
+        )
     if args.num_draft_tokens is not None and not args.draft_model:
-        raise ValueError("--num-draft-tokens is the draft model's proposal length: give --draft-model as well, or "
-                         "drop it")
+        raise ValueError(
+            "--num-draft-tokens is the draft model's proposal length: give --draft-model as well, or drop it"
+        )
     if args.prompt_lookup_tokens is not None and not (args.prompt_lookup or args.lookup_first):
-        raise ValueError("--prompt-lookup-tokens applies to prompt lookup: add --prompt-lookup (or --lookup-first "
-                         "with --heads), or drop it")
+        raise ValueError(
+            "--prompt-lookup-tokens applies to prompt lookup: add --prompt-lookup (or --lookup-first "
+            "with --heads), or drop it"
+        )
     args.num_draft_tokens = args.num_draft_tokens or NUM_DRAFT_TOKENS
     args.prompt_lookup_tokens = args.prompt_lookup_tokens or PROMPT_LOOKUP_TOKENS
 
@@ -80,8 +85,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     check_drafter_options(args)
     given = sum(map(bool, (args.heads, args.mtp, args.draft_model, args.prompt_lookup)))
     if given != 1:
-        raise ValueError("generate takes exactly one drafter: --heads DIR, --mtp, --draft-model PATH or "
-                         "--prompt-lookup")
+        raise ValueError(
+            "generate takes exactly one drafter: --heads DIR, --mtp, --draft-model PATH or --prompt-lookup"
+        )
     output_file("--json", args.json)
 
     def fit(tokenizer: Any, config: Any) -> None:
@@ -93,21 +99,39 @@ def cmd_generate(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise ValueError(f"--prompt: {e}") from None
         if budget < args.max_new_tokens:
-            print(f"note: --max-new-tokens {args.max_new_tokens} clipped to {budget}: the prompt is {length} tokens "
-                  f"and the model takes at most {limit} positions", file=sys.stderr)
+            print(
+                f"note: --max-new-tokens {args.max_new_tokens} clipped to {budget}: the prompt is {length} tokens "
+                f"and the model takes at most {limit} positions",
+                file=sys.stderr,
+            )
             args.max_new_tokens = budget
 
     model, tokenizer, (spec,) = load_models(args, [args.heads] if args.heads else [], fit)
-    truncating = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
+    truncating = [
+        flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None
+    ]
     # the command line's rule: --temperature above 0 samples, 0 is greedy, none leaves it to the generation config
     do_sample = None if args.temperature is None else args.temperature > 0
-    sampling = {k: v for k, v in (("do_sample", do_sample), ("temperature", args.temperature or None),
-                                  ("top_k", args.top_k), ("top_p", args.top_p)) if v is not None}
+    sampling = {
+        k: v
+        for k, v in (
+            ("do_sample", do_sample),
+            ("temperature", args.temperature or None),
+            ("top_k", args.top_k),
+            ("top_p", args.top_p),
+        )
+        if v is not None
+    }
     if truncating and resolve(model.generation_config, **sampling).params.temperature == 0:
-        why = "--temperature 0" if args.temperature == 0 else "no --temperature, and the model's generation_config " \
-              "does not sample"
-        raise ValueError(f"{' and '.join(truncating)} only apply when sampling, but this run is greedy ({why}): add "
-                         "--temperature T above 0, or drop them")
+        why = (
+            "--temperature 0"
+            if args.temperature == 0
+            else "no --temperature, and the model's generation_config does not sample"
+        )
+        raise ValueError(
+            f"{' and '.join(truncating)} only apply when sampling, but this run is greedy ({why}): add "
+            "--temperature T above 0, or drop them"
+        )
     ids = encode_prompt(tokenizer, args.prompt).to(args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     kwargs = dict(max_new_tokens=args.max_new_tokens, generator=generator, **sampling)
@@ -121,8 +145,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     stats = spec.last_stats
     token_ids = spec.last_tokens
     if not args.quiet:
-        print(f"[{stats.new_tokens} tokens, {stats.target_forwards} target forwards, tau {stats.tau:.2f}]",
-              file=sys.stderr)
+        print(
+            f"[{stats.new_tokens} tokens, {stats.target_forwards} target forwards, tau {stats.tau:.2f}]",
+            file=sys.stderr,
+        )
     if args.json:
         record = {"token_ids": token_ids, "text": "".join(pieces), "stats": stats.as_dict()}
         Path(args.json).write_text(json.dumps(record, indent=2))
@@ -149,18 +175,25 @@ def cmd_bench(args: argparse.Namespace) -> None:
         check_plot_file(args.plot)
     output_file("--json", args.json)
     output_file("--plot", args.plot)
-    prompts = load_prompts(args.prompts)[: args.num_prompts] if args.prompts else default_prompts(
-        args.num_prompts or BENCH_PROMPTS)
+    prompts = (
+        load_prompts(args.prompts)[: args.num_prompts]
+        if args.prompts
+        else default_prompts(args.num_prompts or BENCH_PROMPTS)
+    )
     n = args.max_new_tokens
     sizes = args.batch_size
     if len(set(sizes)) < len(sizes):
         raise ValueError(f"--batch-size {' '.join(map(str, sizes))}: give each batch size once")
     if max(sizes) > len(prompts):
-        raise ValueError(f"--batch-size {max(sizes)} is more than the {len(prompts)} prompts: give at least "
-                         f"{max(sizes)} prompts (--num-prompts or --prompts) or a smaller batch size")
+        raise ValueError(
+            f"--batch-size {max(sizes)} is more than the {len(prompts)} prompts: give at least "
+            f"{max(sizes)} prompts (--num-prompts or --prompts) or a smaller batch size"
+        )
     if args.plot and len(sizes) > 1:
-        raise ValueError(f"--plot draws the run of one batch size, and --batch-size gives {len(sizes)}: give one "
-                         "--batch-size, or leave out --plot")
+        raise ValueError(
+            f"--plot draws the run of one batch size, and --batch-size gives {len(sizes)}: give one "
+            "--batch-size, or leave out --plot"
+        )
 
     def fit(tokenizer: Any, config: Any) -> None:
         """Every prompt + --max-new-tokens must fit the model's positions: a benchmark compares equal work."""
@@ -169,9 +202,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
         lengths = [encode_prompt(tokenizer, p).shape[1] for p in prompts]
         over = [length for length in lengths if length + n > limit] if limit else []
         if over:
-            fix = f"lower --max-new-tokens to {limit - max(lengths)} or use" if max(lengths) < limit else "use"
-            raise ValueError(f"{len(over)} of {len(prompts)} prompts (the longest {max(over)} tokens) + "
-                             f"--max-new-tokens {n} exceed the model's {limit} positions: {fix} shorter prompts")
+            fix = (
+                f"lower --max-new-tokens to {limit - max(lengths)} or use" if max(lengths) < limit else "use"
+            )
+            raise ValueError(
+                f"{len(over)} of {len(prompts)} prompts (the longest {max(over)} tokens) + "
+                f"--max-new-tokens {n} exceed the model's {limit} positions: {fix} shorter prompts"
+            )
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -187,7 +224,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if draft is not None:
         runners["hf_assisted"] = hf_runner(model, n, eos, pad, assistant_model=draft)
     if args.prompt_lookup:
-        runners["hf_prompt_lookup"] = hf_runner(model, n, eos, pad, prompt_lookup_num_tokens=args.prompt_lookup_tokens)
+        runners["hf_prompt_lookup"] = hf_runner(
+            model, n, eos, pad, prompt_lookup_num_tokens=args.prompt_lookup_tokens
+        )
     if args.mtp:  # transformers' MTP chain (MTPCandidateGenerator: one token per MTP layer a step)
         from selfspec.heads.formats.mtp import own_mtp_keys
 
@@ -198,20 +237,27 @@ def cmd_bench(args: argparse.Namespace) -> None:
         tree_nodes[name] = spec.proposer.max_nodes
     trees = ", ".join(f"{name} {size}" for name, size in tree_nodes.items())
     batches = f"batch size{'s' if len(sizes) > 1 else ''} {', '.join(map(str, sizes))}"
-    print(f"benchmarking {len(prompts)} prompts x {n} new tokens, {batches}, {args.dtype}, {torch.get_num_threads()} "
-          f"threads, trees of at most {trees or 'no'} nodes", file=sys.stderr)
+    print(
+        f"benchmarking {len(prompts)} prompts x {n} new tokens, {batches}, {args.dtype}, {torch.get_num_threads()} "
+        f"threads, trees of at most {trees or 'no'} nodes",
+        file=sys.stderr,
+    )
     batch_one = [name for name in ("hf_assisted", "hf_prompt_lookup", "hf_mtp") if name in runners]
     larger = [size for size in sizes if size > 1]
     if batch_one and larger:
         sizes_s = f"size{'s' if len(larger) > 1 else ''} {', '.join(map(str, larger))}"
-        print(f"note: {' and '.join(batch_one)} skipped at batch {sizes_s}: transformers' assisted generation takes "
-              "one prompt at a time", file=sys.stderr)
+        print(
+            f"note: {' and '.join(batch_one)} skipped at batch {sizes_s}: transformers' assisted generation takes "
+            "one prompt at a time",
+            file=sys.stderr,
+        )
     chains = frozenset(name for name in tree_nodes if name.split("-")[0] in ("draft_model", "prompt_lookup"))
     results = {}
     for size in sizes:
         chosen = {name: run for name, run in runners.items() if size == 1 or name not in batch_one}
-        results[size] = add_agreement(run_bench(model, tokenizer, chosen, prompts, chains=chains, batch_size=size,
-                                                pad_token_id=pad))
+        results[size] = add_agreement(
+            run_bench(model, tokenizer, chosen, prompts, chains=chains, batch_size=size, pad_token_id=pad)
+        )
     print(format_tables(results))
     if args.latency:
         from selfspec.infer.measure.bench import latency_report
@@ -221,7 +267,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
             report = latency_report(model, results[size], tree_nodes, batch_size=size)
             results[size]["latency"] = report
             print(f"\nbatch size {size}: " + format_latency(report))
-    shared = {"dtype": args.dtype, "max_new_tokens": n, "threads": torch.get_num_threads(), "tree_nodes": tree_nodes}
+    shared = {
+        "dtype": args.dtype,
+        "max_new_tokens": n,
+        "threads": torch.get_num_threads(),
+        "tree_nodes": tree_nodes,
+    }
     if len(sizes) == 1:
         result = results[sizes[0]] | shared
     else:
@@ -264,23 +315,34 @@ def cmd_tune(args: argparse.Namespace) -> None:
     if args.mtp and not args.model:
         raise ValueError("--mtp drafts with the target's own MTP layers: name the target with --model")
     if args.heads and not Path(args.heads, "config.json").is_file():
-        raise ValueError(f"--heads {args.heads}: tune stores its result in a local heads directory; "
-                         "download Hub heads first (hf download ID --local-dir DIR)")
+        raise ValueError(
+            f"--heads {args.heads}: tune stores its result in a local heads directory; "
+            "download Hub heads first (hf download ID --local-dir DIR)"
+        )
     if args.heads and is_published(args.heads):
-        raise ValueError(f"--heads {args.heads}: tune stores its result in the heads' config.json, and this one is "
-                         f"a published checkpoint's: write it in selfspec's layout first (selfspec import "
-                         f"--src {args.heads} --out DIR)")
-    texts = calibration_texts(args.prompts, args.num_prompts)  # a bad --prompts file fails before the model loads
+        raise ValueError(
+            f"--heads {args.heads}: tune stores its result in the heads' config.json, and this one is "
+            f"a published checkpoint's: write it in selfspec's layout first (selfspec import "
+            f"--src {args.heads} --out DIR)"
+        )
+    texts = calibration_texts(
+        args.prompts, args.num_prompts
+    )  # a bad --prompts file fails before the model loads
     model, tokenizer, (spec,) = load_models(args, [args.heads] if args.heads else [])
     prompts = [p.to(args.device) for p in calibration_prompts(tokenizer, texts, None if args.prompts else 32)]
     drafter = spec.proposer.drafter
     config = drafter.config
-    print(f"measuring on {len(prompts)} calibration prompts, batch size {args.batch_size}, {args.dtype}, "
-          f"{torch.get_num_threads()} threads", file=sys.stderr)
+    print(
+        f"measuring on {len(prompts)} calibration prompts, batch size {args.batch_size}, {args.dtype}, "
+        f"{torch.get_num_threads()} threads",
+        file=sys.stderr,
+    )
     if dynamic_tree(config.kind):
         grid = family(config.kind).load("tune_grid")(config)
         best, rows = tune_eagle(model, drafter, prompts, grid, args.max_new_tokens, args.batch_size)
-        print(f"{family(config.kind).title} dynamic tree, measured by greedy decoding (tau, 20th-percentile step time):")
+        print(
+            f"{family(config.kind).title} dynamic tree, measured by greedy decoding (tau, 20th-percentile step time):"
+        )
         print(format_rows(rows, best))
         config.depth, config.top_k, config.total_tokens = best["depth"], best["top_k"], best["total_tokens"]
         config.tree = None  # a static tree would win over the dynamic one measured here
@@ -295,12 +357,16 @@ def cmd_tune(args: argparse.Namespace) -> None:
         config.tree = choices
         chosen = f"a {len(choices) + 1}-node tree"
     if args.mtp:
-        print(f"the fastest here: --depth {config.depth} --draft-top-k {config.top_k} --total-tokens "
-              f"{config.total_tokens} (with --mtp; train/mtp.py saves fine-tuned layers with a tree of their own)")
+        print(
+            f"the fastest here: --depth {config.depth} --draft-top-k {config.top_k} --total-tokens "
+            f"{config.total_tokens} (with --mtp; train/mtp.py saves fine-tuned layers with a tree of their own)"
+        )
         return
     atomic_write(Path(args.heads, "config.json"), lambda tmp: Path(tmp).write_text(config.to_json()))
-    print(f"stored {chosen} as the default in {args.heads}/config.json (the most tokens per second measured here, "
-          f"at batch size {args.batch_size})")
+    print(
+        f"stored {chosen} as the default in {args.heads}/config.json (the most tokens per second measured here, "
+        f"at batch size {args.batch_size})"
+    )
 
 
 def cmd_recipes(args: argparse.Namespace) -> None:
@@ -320,15 +386,21 @@ def cmd_recipes(args: argparse.Namespace) -> None:
     print(f"copied the recipes into {out}")
 
 
-COMMANDS = {"generate": Command(generate_parser, cmd_generate), "bench": Command(bench_parser, cmd_bench),
-            "tune": Command(tune_parser, cmd_tune), "import": Command(import_parser, cmd_import),
-            "export": Command(export_parser, cmd_export), "push": Command(push_parser, cmd_push),
-            "recipes": Command(recipes_parser, cmd_recipes)}
+COMMANDS = {
+    "generate": Command(generate_parser, cmd_generate),
+    "bench": Command(bench_parser, cmd_bench),
+    "tune": Command(tune_parser, cmd_tune),
+    "import": Command(import_parser, cmd_import),
+    "export": Command(export_parser, cmd_export),
+    "push": Command(push_parser, cmd_push),
+    "recipes": Command(recipes_parser, cmd_recipes),
+}
 
 
 def main(argv: list[str] | None = None, prog: str = PROG, commands: dict[str, Command] = COMMANDS) -> None:
     """The command line of `commands` (default: infer's own; `selfspec` adds draft-vocab): a user error ends in one
     `error: ...` line and exit status 2 (`--debug`: the traceback)."""
+
     def run(args: list[str]) -> None:
         parsed = build_parser(commands, prog).parse_args(args)
         with plain_warnings(prog), quiet_libraries(getattr(parsed, "quiet", False)):
@@ -340,6 +412,7 @@ def main(argv: list[str] | None = None, prog: str = PROG, commands: dict[str, Co
 @contextlib.contextmanager
 def plain_warnings(prog: str) -> Iterator[None]:
     """Within: a warning prints as one `prog: warning: ...` line, not Python's file:line and source-line form."""
+
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         print(f"{prog}: warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True)
 

@@ -20,8 +20,10 @@ def refuse_to_overwrite(out: str) -> None:
         raise ValueError(f"--out {out}: {blocked} is a file, not a folder: give a folder path")
     held = saved_model_files(Path(out))
     if held:
-        raise ValueError(f"--out {out} already holds a checkpoint ({', '.join(held)}): write to a new folder, or "
-                         "delete it first")
+        raise ValueError(
+            f"--out {out} already holds a checkpoint ({', '.join(held)}): write to a new folder, or "
+            "delete it first"
+        )
 
 
 def cmd_import(args: argparse.Namespace) -> None:
@@ -46,17 +48,26 @@ def cmd_export(args: argparse.Namespace) -> None:
     name = args.model or args.base_model or heads.config.base_model
     adapted = heads.config.adapter or heads.config.merged_target
     if adapted:
-        print(f"note: {args.heads} are Medusa-2 heads: serve them with their adapted target (train with --merge true "
-              "and serve its target/ folder, or merge the adapter into the base with peft), not the original model",
-              file=sys.stderr)
-    if name or adapted:  # the target supplies weights some layouts carry (a shared lm_head, the EAGLE embedding);
+        print(
+            f"note: {args.heads} are Medusa-2 heads: serve them with their adapted target (train with --merge true "
+            "and serve its target/ folder, or merge the adapter into the base with peft), not the original model",
+            file=sys.stderr,
+        )
+    if (
+        name or adapted
+    ):  # the target supplies weights some layouts carry (a shared lm_head, the EAGLE embedding);
         try:  # a Medusa-2 checkpoint's adapted target supplies its adapted lm_head
-            target = load_target(heads, args.model or (None if adapted else args.base_model),
-                                 dtype=getattr(torch, heads.config.dtype))
+            target = load_target(
+                heads,
+                args.model or (None if adapted else args.base_model),
+                dtype=getattr(torch, heads.config.dtype),
+            )
         except (OSError, ValueError) as e:
-            raise ValueError(f"cannot load the target {name!r} ({' '.join(str(e).split())}): pass --model, a "
-                             "local model directory or a Hub id (and --base-model for what config.json should "
-                             "name)") from None
+            raise ValueError(
+                f"cannot load the target {name!r} ({' '.join(str(e).split())}): pass --model, a "
+                "local model directory or a Hub id (and --base-model for what config.json should "
+                "name)"
+            ) from None
         check_compatible(heads.config, target)
     export_heads(heads, args.format, args.out, target, base_model=args.base_model, weights=args.weights)
     print(f"exported {args.heads} as {args.format} into {args.out}")

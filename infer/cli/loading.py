@@ -21,7 +21,11 @@ if TYPE_CHECKING:
     from selfspec.heads.io import PretrainedHeads
     from selfspec.infer.core.generate import SpeculativeModel
 
-EAGLE_OPTIONS = {"draft_depth": "depth", "draft_top_k": "draft_top_k", "draft_total_tokens": "total_tokens"}  # kwarg: args dest
+EAGLE_OPTIONS = {
+    "draft_depth": "depth",
+    "draft_top_k": "draft_top_k",
+    "draft_total_tokens": "total_tokens",
+}  # kwarg: args dest
 
 
 def load_pretrained(option: str, name: str, loader: Callable[..., Any], path: str, **kwargs: Any) -> Any:
@@ -34,7 +38,11 @@ def load_pretrained(option: str, name: str, loader: Callable[..., Any], path: st
         where = name if name == path else f"{name} ({path})"
         weights = sorted(Path(path).glob("*.safetensors")) if isinstance(e, SafetensorError) else []
         if weights:  # the library's message names no file
-            where += f": the weights in {weights[0]}" if len(weights) == 1 else f": one of {len(weights)} weight files"
+            where += (
+                f": the weights in {weights[0]}"
+                if len(weights) == 1
+                else f": one of {len(weights)} weight files"
+            )
         raise ValueError(f"{option} {where}: cannot load it: {type(e).__name__}: {describe(e)}") from e
 
 
@@ -51,8 +59,9 @@ def load_drafters(heads_dirs: list[str], device: str, model: str | None) -> list
         except FileNotFoundError as e:
             raise ValueError(f"--heads {e}") from None
         if not Path(heads, "config.json").is_file():
-            raise ValueError(f"--heads {heads}: no config.json there (train heads with train/medusa.py or "
-                             "train/eagle.py)")
+            raise ValueError(
+                f"--heads {heads}: no config.json there (train heads with train/medusa.py or train/eagle.py)"
+            )
         try:
             drafters.append(load_heads(heads, device, base_model=model))
         except ValueError as e:
@@ -63,14 +72,20 @@ def load_drafters(heads_dirs: list[str], device: str, model: str | None) -> list
 def _eagle_options(args: argparse.Namespace, configs: list[HeadsConfig]) -> dict[str, int | None]:
     """The EAGLE dynamic-tree options given on the command line (None: the heads' defaults)."""
     options = {name: getattr(args, dest) for name, dest in EAGLE_OPTIONS.items()}
-    given = ["--" + dest.replace("_", "-") for name, dest in EAGLE_OPTIONS.items() if options[name] is not None]
+    given = [
+        "--" + dest.replace("_", "-") for name, dest in EAGLE_OPTIONS.items() if options[name] is not None
+    ]
     if given and args.tree is not None:
-        raise ValueError(f"{', '.join(given)} shape EAGLE's dynamic tree and --tree fixes a static one: "
-                         "give one or the other")
+        raise ValueError(
+            f"{', '.join(given)} shape EAGLE's dynamic tree and --tree fixes a static one: "
+            "give one or the other"
+        )
     if given and not any(dynamic_tree(c.kind) for c in configs) and not getattr(args, "mtp", False):
         kinds = sorted({c.kind for c in configs})
-        raise ValueError(f"{', '.join(given)} shape EAGLE's and DFlash's dynamic trees, but the heads are "
-                         f"{'/'.join(kinds)} heads; use --tree for a static tree")
+        raise ValueError(
+            f"{', '.join(given)} shape EAGLE's and DFlash's dynamic trees, but the heads are "
+            f"{'/'.join(kinds)} heads; use --tree for a static tree"
+        )
     return options
 
 
@@ -91,17 +106,24 @@ def load_models(
     options = _eagle_options(args, configs)
     name = args.model or (configs[0].base_model if configs else "demo")
     if not name:
-        raise ValueError(f"--heads {heads_dirs[0]} names no target model (SafeAILab's EAGLE checkpoints never do): "
-                         "pass --model, the model it was trained for")
+        raise ValueError(
+            f"--heads {heads_dirs[0]} names no target model (SafeAILab's EAGLE checkpoints never do): "
+            "pass --model, the model it was trained for"
+        )
     if not args.model:
         for heads, config in zip(heads_dirs[1:], configs[1:]):
             if config.base_model != name:
-                print(f"note: --heads {heads} was trained on {config.base_model or 'an unnamed model'}, "
-                      f"benchmarked on {name}", file=sys.stderr)
+                print(
+                    f"note: --heads {heads} was trained on {config.base_model or 'an unnamed model'}, "
+                    f"benchmarked on {name}",
+                    file=sys.stderr,
+                )
     adapted = [d for d in drafters if d.config.adapter or d.config.merged_target]
     if adapted and len(drafters) > 1:
-        raise ValueError(f"--heads {heads_dirs[drafters.index(adapted[0])]} is a Medusa-2 checkpoint, which decodes "
-                         "with its own adapted target: give it alone (bench the other drafters in another run)")
+        raise ValueError(
+            f"--heads {heads_dirs[drafters.index(adapted[0])]} is a Medusa-2 checkpoint, which decodes "
+            "with its own adapted target: give it alone (bench the other drafters in another run)"
+        )
     option = "--model" if args.model else "the heads' base_model"
     path = resolve_model(name)
     if adapted and adapted[0].config.merged_target and not args.model:
@@ -123,8 +145,11 @@ def load_models(
     for heads, drafter in zip(heads_dirs, drafters):
         kwargs = options if dynamic_tree(drafter.config.kind) else {}
         try:
-            specs.append(SpeculativeModel.from_pretrained(drafter, model=model, device=args.device, tree=tree,
-                                                          **kwargs))
+            specs.append(
+                SpeculativeModel.from_pretrained(
+                    drafter, model=model, device=args.device, tree=tree, **kwargs
+                )
+            )
         except ValueError as e:
             raise ValueError(f"--heads {heads}: {e}") from None
         if getattr(args, "lookup_first", False):
@@ -134,8 +159,9 @@ def load_models(
             if args.command == "generate":
                 specs[-1] = SpeculativeModel(model, LookupFirst(specs[-1].proposer, lookup))
             else:  # bench both ways, each with its own proposer so they share no drafter state
-                again = SpeculativeModel.from_pretrained(drafter, model=model, device=args.device, tree=tree,
-                                                         **kwargs)
+                again = SpeculativeModel.from_pretrained(
+                    drafter, model=model, device=args.device, tree=tree, **kwargs
+                )
                 specs.append(SpeculativeModel(model, LookupFirst(again.proposer, lookup)))
     if getattr(args, "mtp", False):
         specs.append(SpeculativeModel(model, _mtp_proposer(args, model, name, tree, options)))
@@ -144,7 +170,9 @@ def load_models(
     if args.prompt_lookup:
         from selfspec.infer.drafters.prompt_lookup import PromptLookupProposer
 
-        specs.append(SpeculativeModel(model, PromptLookupProposer(args.prompt_lookup_tokens, device=args.device)))
+        specs.append(
+            SpeculativeModel(model, PromptLookupProposer(args.prompt_lookup_tokens, device=args.device))
+        )
     if getattr(args, "compile", None):
         for spec in specs:
             spec.target.compile(args.compile)
@@ -173,10 +201,16 @@ def _draft_proposer(args: argparse.Namespace, model: Any):
     from selfspec.shipped.models import resolve_model
 
     path = resolve_model(args.draft_model)
-    draft = load_pretrained("--draft-model", args.draft_model, AutoModelForCausalLM.from_pretrained, path,
-                            dtype=next(model.parameters()).dtype)
+    draft = load_pretrained(
+        "--draft-model",
+        args.draft_model,
+        AutoModelForCausalLM.from_pretrained,
+        path,
+        dtype=next(model.parameters()).dtype,
+    )
     try:
-        return DraftModelProposer(draft.to(args.device).eval(), args.num_draft_tokens,
-                                  model.get_output_embeddings().weight.shape[0])
+        return DraftModelProposer(
+            draft.to(args.device).eval(), args.num_draft_tokens, model.get_output_embeddings().weight.shape[0]
+        )
     except ValueError as e:
         raise ValueError(f"--draft-model {args.draft_model}: {e}") from None

@@ -25,18 +25,43 @@ from selfspec.heads.gqa import grouped_sdpa
 ATTENTION = "selfspec_sdpa"
 
 
-def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                           is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def grouped_sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query (B, H, T, D), key and value (B, Hkv, S, D) -> the
     output (B, T, H, Dv) and no weights."""
     groups = query.shape[1] // key.shape[1]
-    if (groups == 1 or attention_mask is None or dropout or kwargs.get("softcap") is not None
-            or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None
-            or use_gqa_in_sdpa(attention_mask, key, value)):  # nothing to save, or what grouped_sdpa cannot do
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    out = grouped_sdpa(query, key, value, attention_mask, scaling)  # (B, H, T, Dv); a long prompt: repeated K/V
+    if (
+        groups == 1
+        or attention_mask is None
+        or dropout
+        or kwargs.get("softcap") is not None
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("s_aux") is not None
+        or use_gqa_in_sdpa(attention_mask, key, value)
+    ):  # nothing to save, or what grouped_sdpa cannot do
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+    out = grouped_sdpa(
+        query, key, value, attention_mask, scaling
+    )  # (B, H, T, Dv); a long prompt: repeated K/V
     return out.transpose(1, 2).contiguous(), None
 
 

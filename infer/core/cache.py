@@ -29,8 +29,9 @@ class LayerStorage:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    def slot(self, index: int, key_states: torch.Tensor, value_states: torch.Tensor, max_length: int
-             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def slot(
+        self, index: int, key_states: torch.Tensor, value_states: torch.Tensor, max_length: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer `index`'s (B, H, max_length, D) key and value buffers, zeroed when new; None where it must hold
         its own (no layer count given, past it, or shapes unlike layer 0's). Layer 0 (re)allocates."""
         if self.num_layers is None or index >= self.num_layers:
@@ -42,8 +43,13 @@ class LayerStorage:
             # zeros, not empty: a fixed-shape forward attends over the whole buffer (masked), and masked garbage
             # that happens to be NaN would still poison the attention's weighted sum
             self.keys, self.values = key_states.new_zeros(keys), value_states.new_zeros(values)
-        if (self.keys is None or self.keys.shape != keys or self.values.shape != values
-                or self.keys.dtype != key_states.dtype or self.keys.device != key_states.device):
+        if (
+            self.keys is None
+            or self.keys.shape != keys
+            or self.values.shape != values
+            or self.keys.dtype != key_states.dtype
+            or self.keys.device != key_states.device
+        ):
             return None
         return self.keys[index], self.values[index]
 
@@ -53,9 +59,13 @@ class LayerStorage:
         if self.keys is None or len(layers) > self.keys.shape[0]:
             return False
         rows = layers[0].key_buffer.shape[0] if layers and layers[0].is_initialized else None
-        return all(layer.is_initialized and layer.key_buffer.shape[0] == rows
-                   and layer.key_storage.data_ptr() == self.keys[i].data_ptr()
-                   and layer.value_storage.data_ptr() == self.values[i].data_ptr() for i, layer in enumerate(layers))
+        return all(
+            layer.is_initialized
+            and layer.key_buffer.shape[0] == rows
+            and layer.key_storage.data_ptr() == self.keys[i].data_ptr()
+            and layer.value_storage.data_ptr() == self.values[i].data_ptr()
+            for i, layer in enumerate(layers)
+        )
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -75,17 +85,23 @@ class PreallocatedLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         B, H, _, D = key_states.shape
-        slot = self.storage.slot(self.index, key_states, value_states, self.max_length) if self.storage else None
+        slot = (
+            self.storage.slot(self.index, key_states, value_states, self.max_length) if self.storage else None
+        )
         if slot is not None:
             self.key_storage, self.value_storage = slot
         else:  # zeroed, as LayerStorage.slot's
             self.key_storage = key_states.new_zeros(B, H, self.max_length, D)
-            self.value_storage = value_states.new_zeros(B, value_states.shape[1], self.max_length,
-                                                        value_states.shape[-1])
+            self.value_storage = value_states.new_zeros(
+                B, value_states.shape[1], self.max_length, value_states.shape[-1]
+            )
         # fixed addresses for a compiled verify: CUDA graphs read them in place instead of copying them per replay
         torch._dynamo.mark_static_address(self.key_storage)
         torch._dynamo.mark_static_address(self.value_storage)
-        self.key_buffer, self.value_buffer = self.key_storage, self.value_storage  # all rows until `select_rows`
+        self.key_buffer, self.value_buffer = (
+            self.key_storage,
+            self.value_storage,
+        )  # all rows until `select_rows`
         self.is_initialized = True
         self._set_length(0)
 
@@ -96,8 +112,9 @@ class PreallocatedLayer(DynamicLayer):
 
     write_at: torch.Tensor | None = None  # fixed-shape mode (a compiled verify): where to write, as a tensor
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new positions after the filled part; return views of everything filled (the attention's keys).
         In fixed-shape mode (`PreallocatedCache.fixed`): write at `write_at` and return the whole buffers, so
         every call has the same shapes (the mask hides what is not filled)."""
@@ -110,8 +127,10 @@ class PreallocatedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)  # first use, or reused for another batch/dtype
         end = self.length + key_states.shape[-2]
         if end > self.max_length:
-            raise ValueError(f"the KV cache holds {self.max_length} positions but {end} were written: "
-                             "allocate it for prompt + max_new_tokens + the largest tree")
+            raise ValueError(
+                f"the KV cache holds {self.max_length} positions but {end} were written: "
+                "allocate it for prompt + max_new_tokens + the largest tree"
+            )
         self.key_buffer[:, :, self.length : end] = key_states
         self.value_buffer[:, :, self.length : end] = value_states
         self._set_length(end)
@@ -120,8 +139,13 @@ class PreallocatedLayer(DynamicLayer):
     def _fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether the buffers can take these states (same batch, heads, head size, dtype and device)."""
         k, v = self.key_buffer, self.value_buffer
-        return (k.shape[:2] == key_states.shape[:2] and k.shape[3] == key_states.shape[3] and k.dtype == key_states.dtype
-                and k.device == key_states.device and v.shape[3] == value_states.shape[3])
+        return (
+            k.shape[:2] == key_states.shape[:2]
+            and k.shape[3] == key_states.shape[3]
+            and k.dtype == key_states.dtype
+            and k.device == key_states.device
+            and v.shape[3] == value_states.shape[3]
+        )
 
     def get_seq_length(self) -> int:
         return self.length
@@ -151,7 +175,10 @@ class PreallocatedLayer(DynamicLayer):
             return
         n = len(keep)
         if keep != list(range(n)):
-            for storage, buffer in ((self.key_storage, self.key_buffer), (self.value_storage, self.value_buffer)):
+            for storage, buffer in (
+                (self.key_storage, self.key_buffer),
+                (self.value_storage, self.value_buffer),
+            ):
                 storage[:n, :, : self.length] = buffer[:, :, : self.length].index_select(0, index)
         self.key_buffer, self.value_buffer = self.key_storage[:n], self.value_storage[:n]
         self._set_length(self.length)
@@ -217,7 +244,9 @@ class PreallocatedCache(Cache):
         if keep != list(range(n)):
             rows = layers[0].key_buffer.shape[0]
             for stacked in (self.storage.keys, self.storage.values):
-                stacked[: len(layers), :n, :, :length] = stacked[: len(layers), :rows, :, :length].index_select(1, index)
+                stacked[: len(layers), :n, :, :length] = stacked[
+                    : len(layers), :rows, :, :length
+                ].index_select(1, index)
         for layer in layers:
             layer.key_buffer, layer.value_buffer = layer.key_storage[:n], layer.value_storage[:n]
             layer._set_length(layer.length)
@@ -236,7 +265,9 @@ class PreallocatedCache(Cache):
                 layer.write_at = None
 
 
-WIDTH_STEP = 16  # cache lengths (and so the masks' row strides) in multiples of this: aligned for SDPA's kernels
+WIDTH_STEP = (
+    16  # cache lengths (and so the masks' row strides) in multiples of this: aligned for SDPA's kernels
+)
 
 
 def new_cache(model: torch.nn.Module, max_length: int) -> PreallocatedCache:

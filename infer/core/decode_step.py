@@ -52,8 +52,14 @@ class Shapes:
         state.context[: len(keep), : width + 1] = state.context[:, : width + 1].index_select(0, index)
         state.context = state.context[: len(keep)]
 
-    def verify(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor, at: int,
-               ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(
+        self,
+        state: DecodeState,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        at: int,
+        ancestors: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target forward over every row's tree at column `at`: tokens and positions (B, N), ancestors
         (B, N, N) -> logits (B, N, V) and the features the drafter reads (B, N, ·)."""
         mask = state.mask.at(at, ancestors)
@@ -73,11 +79,18 @@ class FixedShapes(Shapes):
     def leave_stopped(self, state: DecodeState) -> None:
         pass
 
-    def verify(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor, at: int,
-               ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(
+        self,
+        state: DecodeState,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        at: int,
+        ancestors: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         mask = state.mask.at(at, ancestors, full=True)
-        return state.target.verify_rows(tokens, positions, mask, state.cache,
-                                        at=state.rows.filled_t.max().to(state.feed))
+        return state.target.verify_rows(
+            tokens, positions, mask, state.cache, at=state.rows.filled_t.max().to(state.feed)
+        )
 
 
 @dataclasses.dataclass
@@ -119,9 +132,24 @@ class DecodeState:
     where its input embedding is (`feed`); outputs are used where they come out (under accelerate's device_map
     the logits return to the input's device)."""
 
-    def __init__(self, target: Target, drafter: Drafter, shapes: Shapes, params: SamplingParams,
-                 cache: PreallocatedCache, feed: torch.device, limit: int | None, root_only: Tree) -> None:
-        self.target, self.drafter, self.shapes, self.params, self.cache = target, drafter, shapes, params, cache
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter,
+        shapes: Shapes,
+        params: SamplingParams,
+        cache: PreallocatedCache,
+        feed: torch.device,
+        limit: int | None,
+        root_only: Tree,
+    ) -> None:
+        self.target, self.drafter, self.shapes, self.params, self.cache = (
+            target,
+            drafter,
+            shapes,
+            params,
+            cache,
+        )
         self.device, self.feed = target.lm_head.weight.device, feed
         self.clock = Clock(self.device)
         self.root_only = root_only  # the tree of a row that drafts nothing
@@ -130,27 +158,46 @@ class DecodeState:
         # the latest root position a tree fits after (the model's position limit)
         self.last_tree_at = None if limit is None else limit - self.max_nodes
 
-    def prefill(self, input_ids: torch.Tensor, prompts: list[list[int]], starts: list[int], budgets: list[int],
-                eos: set[int], generators: list[torch.Generator | None]) -> list[int]:
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        prompts: list[list[int]],
+        starts: list[int],
+        budgets: list[int],
+        eos: set[int],
+        generators: list[torch.Generator | None],
+    ) -> list[int]:
         """The prompts (B, T) (host copy: `prompts`), left-padded at `starts`, through the target once into the
         emptied cache; their last logits give each row's first token (its first tree root), returned (read to
         the host: the prefill's one sync)."""
         B, T = input_ids.shape
         max_len = T + max(budgets) + self.max_nodes
-        self.context = torch.empty(B, max_len + 1, dtype=torch.long, device=self.device)  # tokens, then the root
+        self.context = torch.empty(
+            B, max_len + 1, dtype=torch.long, device=self.device
+        )  # tokens, then the root
         self.context[:, :T] = input_ids
         # as wide as the cache's buffers (a reused cache may be larger): a compiled verify keeps one shape
         self.mask = RowMask(B, self.max_nodes, self.cache.max_length, self.target.dtype, self.feed)
         self.drafter.start(B, max_len, self.params, generators)
         start_t = upload(starts, self.feed)
-        logits, features = self.target.prefill_rows(input_ids.to(self.feed), self.cache, start_t if any(starts) else None)
+        logits, features = self.target.prefill_rows(
+            input_ids.to(self.feed), self.cache, start_t if any(starts) else None
+        )
         roots = first_tokens(logits, self.params, generators)
         self.context[:, T] = roots
         self.mask.open(start_t, T)
         first = roots.tolist()
         self.drafter.observe([prompt[start:] + [tok] for prompt, start, tok in zip(prompts, starts, first)])
-        self.rows = Rows(starts, budgets, T, first, eos, generators, [features[b, s:] for b, s in enumerate(starts)],
-                         self.device)
+        self.rows = Rows(
+            starts,
+            budgets,
+            T,
+            first,
+            eos,
+            generators,
+            [features[b, s:] for b, s in enumerate(starts)],
+            self.device,
+        )
         return first
 
     def propose(self) -> Proposal:
@@ -162,16 +209,21 @@ class DecodeState:
         drafts = [d if d is not None else Draft(c[-1:], self.root_only) for d, c in zip(drafts, contexts)]
         trees = stack_trees([d.tree for d in drafts], self.shapes.tree_width(self.max_nodes))
         N = trees.parents.shape[1]
-        tokens = torch.stack([d.tokens if d.tokens.numel() == N else nn.functional.pad(d.tokens, (0, N - d.tokens.numel()))
-                              for d in drafts])
+        tokens = torch.stack(
+            [
+                d.tokens if d.tokens.numel() == N else nn.functional.pad(d.tokens, (0, N - d.tokens.numel()))
+                for d in drafts
+            ]
+        )
         return Proposal(drafts, trees, tokens)
 
     def verify(self, proposal: Proposal) -> Verified:
         """One target forward over every row's tree, all written at one cache column."""
         at = self.rows.tree_column()
         positions = self.rows.positions(proposal.trees.depths).to(self.feed)
-        logits, features = self.shapes.verify(self, proposal.tokens.to(self.feed), positions, at,
-                                              proposal.trees.ancestors.to(self.feed))
+        logits, features = self.shapes.verify(
+            self, proposal.tokens.to(self.feed), positions, at, proposal.trees.ancestors.to(self.feed)
+        )
         return Verified(at, logits, features)
 
     def accept(self, proposal: Proposal, verified: Verified) -> Accepted:
@@ -182,10 +234,19 @@ class DecodeState:
         if self.params.greedy:
             ends, bonus = accept_greedy_rows(logits, tokens.to(on), trees.to(on))
         else:  # each row on its own tree and generator: its draws never depend on the other rows
-            picks = [accept_tree(logits[b, : d.tree.size], d.tokens.to(on), d.tree.to(on), self.params,
-                                 rows.generators[b], None if d.probs is None else d.probs.to(on))
-                     if not rows.done[b] else (torch.zeros(1, dtype=torch.long, device=on), tokens[b, :1].to(on)[0])
-                     for b, d in enumerate(proposal.drafts)]
+            picks = [
+                accept_tree(
+                    logits[b, : d.tree.size],
+                    d.tokens.to(on),
+                    d.tree.to(on),
+                    self.params,
+                    rows.generators[b],
+                    None if d.probs is None else d.probs.to(on),
+                )
+                if not rows.done[b]
+                else (torch.zeros(1, dtype=torch.long, device=on), tokens[b, :1].to(on)[0])
+                for b, d in enumerate(proposal.drafts)
+            ]
             ends, bonus = torch.cat([e for e, _ in picks]), torch.stack([t for _, t in picks])
         ends, bonus = ends.to(self.device), bonus.to(self.device)
         mark = self.clock.mark()
@@ -195,10 +256,14 @@ class DecodeState:
         end_depths = trees.depths.gather(1, ends[:, None])
         host = torch.cat([end_depths, path_tokens, bonus[:, None]], 1).tolist()  # the one sync
         features = verified.features
-        path_features = features.gather(1, paths.to(features.device)[:, :, None].expand(-1, -1, features.shape[-1]))
+        path_features = features.gather(
+            1, paths.to(features.device)[:, :, None].expand(-1, -1, features.shape[-1])
+        )
         return Accepted(paths, path_tokens, end_depths, bonus, path_features, host, mark)
 
-    def commit(self, proposal: Proposal, verified: Verified, accepted: Accepted) -> tuple[list[list[int]], dict]:
+    def commit(
+        self, proposal: Proposal, verified: Verified, accepted: Accepted
+    ) -> tuple[list[list[int]], dict]:
         """Each row keeps its prefix + accepted path (cut at EOS or its budget) in the cache, the mask and the
         context; its bonus is its next root. Returns each row's new tokens and the step's counters."""
         rows, at = self.rows, verified.at
@@ -210,5 +275,7 @@ class DecodeState:
         self.context.scatter_(1, dst, accepted.path_tokens)
         self.context.scatter_(1, rows.filled_t[:, None], accepted.bonus[:, None])
         rows.end_step()
-        rows.hiddens = [accepted.path_features[b, :n] for b, n in enumerate(lengths)]  # each drafter moves its own
+        rows.hiddens = [
+            accepted.path_features[b, :n] for b, n in enumerate(lengths)
+        ]  # each drafter moves its own
         return new_rows, counts

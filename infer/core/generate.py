@@ -65,8 +65,9 @@ class SpeculativeModel:
     its decoding statistics: `tau` (tokens per target forward), `new_tokens`, `target_forwards`, the per-step
     `accept_lengths`, the time split `draft_s` / `verify_s` / `bookkeeping_s`."""
 
-    def __init__(self, model: torch.nn.Module, proposer: Drafter | SequenceDrafter, compile: bool | str = False
-                 ) -> None:
+    def __init__(
+        self, model: torch.nn.Module, proposer: Drafter | SequenceDrafter, compile: bool | str = False
+    ) -> None:
         """`proposer`: a drafter of a whole batch (selfspec.infer.drafters.drafter.Drafter), or of one sequence at a time
         (then each row gets its own copy). `compile`: verify trees through torch.compile (fixed shapes: every
         step verifies the largest tree over the whole cache; the first steps pay the compilation); True is
@@ -83,7 +84,9 @@ class SpeculativeModel:
         self._decoding = False  # a generation is under way (one at a time: the drafter holds its state)
         # the tree of a step that drafts nothing, where drafted trees are (by the lm_head)
         self.root_only = tree_from_choices([]).to(self.target.lm_head.weight.device)
-        self._cache: PreallocatedCache | None = None  # the last finished generation's KV cache, reused by the next
+        self._cache: PreallocatedCache | None = (
+            None  # the last finished generation's KV cache, reused by the next
+        )
 
     @classmethod
     def from_pretrained(
@@ -125,16 +128,33 @@ class SpeculativeModel:
         """
         refuse_unknown(kwargs)
         device_map, dtype = target_placement(device_map, device, dtype, torch_dtype)
-        target_options = {"attn_implementation": attn_implementation, "revision": revision, "token": token,
-                          "trust_remote_code": trust_remote_code}
+        target_options = {
+            "attn_implementation": attn_implementation,
+            "revision": revision,
+            "token": token,
+            "trust_remote_code": trust_remote_code,
+        }
         draft_options = {"revision": draft_revision, "token": token}
-        tree_options = {"draft_depth": draft_depth, "draft_top_k": draft_top_k, "draft_total_tokens": draft_total_tokens}
+        tree_options = {
+            "draft_depth": draft_depth,
+            "draft_top_k": draft_top_k,
+            "draft_total_tokens": draft_total_tokens,
+        }
         if mtp:
-            model, proposer = load_mtp_parts(pretrained_model_name_or_path, model, device_map, dtype, target_options,
-                                             tree, tree_options)
+            model, proposer = load_mtp_parts(
+                pretrained_model_name_or_path, model, device_map, dtype, target_options, tree, tree_options
+            )
         else:
-            model, proposer = load_parts(pretrained_model_name_or_path, model, device_map, dtype, target_options,
-                                         draft_options, tree, tree_options)
+            model, proposer = load_parts(
+                pretrained_model_name_or_path,
+                model,
+                device_map,
+                dtype,
+                target_options,
+                draft_options,
+                tree,
+                tree_options,
+            )
         return cls(model, proposer, compile=compile)
 
     def _settings(self, generation_config: Any, kwargs: dict[str, Any]) -> Settings:
@@ -142,7 +162,9 @@ class SpeculativeModel:
         settings.warn_default_length()
         return settings
 
-    def decode(self, input_ids: torch.Tensor, max_new_tokens: int | None = None, **kwargs: Any) -> Iterator[list[int]]:
+    def decode(
+        self, input_ids: torch.Tensor, max_new_tokens: int | None = None, **kwargs: Any
+    ) -> Iterator[list[int]]:
         """Yield the new token ids of each step (the first from prefill) for one prompt (T,) or (1, T), stopping
         at EOS or the budget. See `decode_batch`, which this is for a batch of one."""
         input_ids = check_ids("input_ids", input_ids)
@@ -150,15 +172,22 @@ class SpeculativeModel:
         if attention_mask is not None:
             attention_mask = check_ids("attention_mask", attention_mask).reshape(1, -1)
         if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-            raise ValueError(f"decode takes one prompt, got a batch of {input_ids.shape[0]}: use decode_batch "
-                             "(or generate) for batches")
+            raise ValueError(
+                f"decode takes one prompt, got a batch of {input_ids.shape[0]}: use decode_batch "
+                "(or generate) for batches"
+            )
         rows = self.decode_batch(input_ids.reshape(1, -1), max_new_tokens, attention_mask, **kwargs)
         return (step[0] for step in rows)
 
-    def decode_batch(self, input_ids: torch.Tensor, max_new_tokens: int | None = None,
-                     attention_mask: torch.Tensor | None = None, generation_config: Any = None,
-                     generator: torch.Generator | list[torch.Generator] | None = None,
-                     **kwargs: Any) -> Iterator[list[list[int]]]:
+    def decode_batch(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        generation_config: Any = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[list[list[int]]]:
         """Decode a left-padded batch (B, T) (`attention_mask` 0 on the padding, as a tokenizer with
         padding_side="left" gives it; None: inferred as model.generate does, 0 where input_ids hold the pad id
         unless that is an EOS id). Yields per step each row's new token ids ([] once the row has stopped), rows
@@ -175,10 +204,17 @@ class SpeculativeModel:
         """
         if max_new_tokens is not None:
             kwargs["max_new_tokens"] = max_new_tokens
-        return self._decode_batch(input_ids, attention_mask, self._settings(generation_config, kwargs), generator)
+        return self._decode_batch(
+            input_ids, attention_mask, self._settings(generation_config, kwargs), generator
+        )
 
-    def _decode_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, settings: Settings,
-                      generator: torch.Generator | list[torch.Generator] | None) -> Iterator[list[list[int]]]:
+    def _decode_batch(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        settings: Settings,
+        generator: torch.Generator | list[torch.Generator] | None,
+    ) -> Iterator[list[list[int]]]:
         input_ids = check_ids("input_ids", input_ids)
         if attention_mask is not None:
             attention_mask = check_ids("attention_mask", attention_mask)
@@ -192,7 +228,9 @@ class SpeculativeModel:
         starts = prompt_starts(input_ids, attention_mask)
         generators = generator if isinstance(generator, (list, tuple)) else [generator] * input_ids.shape[0]
         if len(generators) != input_ids.shape[0]:
-            raise ValueError(f"got {len(generators)} generators for a batch of {input_ids.shape[0]}: give one per row")
+            raise ValueError(
+                f"got {len(generators)} generators for a batch of {input_ids.shape[0]}: give one per row"
+            )
         for g in generators:
             check_generator(g, self.target.device)
         limit = max_positions(self.model.config)
@@ -200,24 +238,45 @@ class SpeculativeModel:
         max_new_tokens = settings.budget(T)
         budgets = [fit_budget(T - start, max_new_tokens, limit) for start in starts]
         if min(budgets) < max_new_tokens:
-            warnings.warn(f"prompt ({T - min(starts)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
-                          f"model's {limit} positions: generating at most {min(budgets)} new tokens", stacklevel=3)
+            warnings.warn(
+                f"prompt ({T - min(starts)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
+                f"model's {limit} positions: generating at most {min(budgets)} new tokens",
+                stacklevel=3,
+            )
         feed = self.model.get_input_embeddings().weight.device
-        return self._decode(input_ids.to(feed), input_ids.tolist(), starts, budgets, settings.params, settings.eos,
-                            list(generators), limit)
+        return self._decode(
+            input_ids.to(feed),
+            input_ids.tolist(),
+            starts,
+            budgets,
+            settings.params,
+            settings.eos,
+            list(generators),
+            limit,
+        )
 
-    def _decode(self, input_ids: torch.Tensor, prompts: list[list[int]], starts: list[int], budgets: list[int],
-                params: SamplingParams, eos: set[int], generators: list[torch.Generator | None], limit: int | None
-                ) -> Iterator[list[list[int]]]:
+    def _decode(
+        self,
+        input_ids: torch.Tensor,
+        prompts: list[list[int]],
+        starts: list[int],
+        budgets: list[int],
+        params: SamplingParams,
+        eos: set[int],
+        generators: list[torch.Generator | None],
+        limit: int | None,
+    ) -> Iterator[list[list[int]]]:
         """The decode loop with a KV cache of its own: taken from the last finished generation when it is big
         enough (its buffers are reused), else new; handed back when this one ends, also when abandoned. A
         drafter that holds one generation's state (all but Medusa's and NoDraft) makes a second decode started
         while another is unfinished (two streams advanced in turn) an error instead of corrupting both."""
         stateful = self.drafter.holds_state
         if stateful and self._decoding:
-            raise ValueError("this SpeculativeModel is still decoding another generation (an unfinished stream), and "
-                             "its drafter holds that one's state: finish or close() the first, decode the prompts "
-                             "together as a batch, or use one SpeculativeModel and drafter per stream")
+            raise ValueError(
+                "this SpeculativeModel is still decoding another generation (an unfinished stream), and "
+                "its drafter holds that one's state: finish or close() the first, decode the prompts "
+                "together as a batch, or use one SpeculativeModel and drafter per stream"
+            )
         self._decoding = self._decoding or stateful
         cache, self._cache = self._cache, None
         training = [m for m in self.model.modules() if m.training]  # the caller's modes, restored at the end
@@ -229,9 +288,19 @@ class SpeculativeModel:
             if cache is None or cache.max_length < max_len:
                 cache = new_cache(self.model, max_len)
             cache.reset()
-            state = DecodeState(self.target, self.drafter, shapes, params, cache,
-                                self.model.get_input_embeddings().weight.device, limit, self.root_only)
-            yield from without_grad(self._decode_with(state, input_ids, prompts, starts, budgets, eos, generators))
+            state = DecodeState(
+                self.target,
+                self.drafter,
+                shapes,
+                params,
+                cache,
+                self.model.get_input_embeddings().weight.device,
+                limit,
+                self.root_only,
+            )
+            yield from without_grad(
+                self._decode_with(state, input_ids, prompts, starts, budgets, eos, generators)
+            )
         finally:
             for module in training:
                 module.train()
@@ -240,9 +309,16 @@ class SpeculativeModel:
             if cache is not None:
                 self._cache = cache
 
-    def _decode_with(self, state: DecodeState, input_ids: torch.Tensor, prompts: list[list[int]], starts: list[int],
-                     budgets: list[int], eos: set[int], generators: list[torch.Generator | None]
-                     ) -> Iterator[list[list[int]]]:
+    def _decode_with(
+        self,
+        state: DecodeState,
+        input_ids: torch.Tensor,
+        prompts: list[list[int]],
+        starts: list[int],
+        budgets: list[int],
+        eos: set[int],
+        generators: list[torch.Generator | None],
+    ) -> Iterator[list[list[int]]]:
         """The decode loop on checked arguments (see `decode_batch`): prefill, then per step propose -> verify ->
         accept -> commit (`infer.decode_step`). Rows that stop leave the batch at the next step (unless the
         shapes are fixed for a compiled verify)."""
@@ -260,8 +336,14 @@ class SpeculativeModel:
             verified = state.verify(proposal)
             accepted = state.accept(proposal, verified)
             new_rows, counts = state.commit(proposal, verified, accepted)
-            stats.record_step(counts["drafted"], counts["accepted"], counts["made"], began, (m1, m2, accepted.verified),
-                              state.clock)
+            stats.record_step(
+                counts["drafted"],
+                counts["accepted"],
+                counts["made"],
+                began,
+                (m1, m2, accepted.verified),
+                state.clock,
+            )
             yield state.rows.in_caller_order(new_rows)
 
     @property
@@ -269,10 +351,15 @@ class SpeculativeModel:
         """The new token ids of the last call's first row (the only one for a single prompt)."""
         return self.last_rows[0] if self.last_rows else []
 
-    def generate(self, input_ids: torch.Tensor | None = None, generation_config: Any = None, streamer: Any = None,
-                 attention_mask: torch.Tensor | None = None,
-                 generator: torch.Generator | list[torch.Generator] | None = None,
-                 **kwargs: Any) -> torch.Tensor | GenerateOutput:
+    def generate(
+        self,
+        input_ids: torch.Tensor | None = None,
+        generation_config: Any = None,
+        streamer: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor | GenerateOutput:
         """Like `model.generate`: (B, T) left-padded prompts (with their attention_mask) -> (B, T + new) token ids,
         rows that stopped early filled with the pad id (the generation config's, else the first EOS id).
 
@@ -286,13 +373,19 @@ class SpeculativeModel:
         if input_ids is None:
             input_ids = kwargs.pop("inputs", None)
         if input_ids is None:
-            raise ValueError("generate needs input_ids: the prompt's token ids (a tokenizer's return_tensors='pt')")
+            raise ValueError(
+                "generate needs input_ids: the prompt's token ids (a tokenizer's return_tensors='pt')"
+            )
         settings = self._settings(generation_config, kwargs)
         prompt = check_ids("input_ids", input_ids)
         prompt = prompt if prompt.dim() == 2 else prompt[None]
         if streamer is not None and prompt.shape[0] != 1:
-            raise ValueError(f"a streamer takes one prompt, as with model.generate; got a batch of {prompt.shape[0]}")
-        steps = self._decode_batch(prompt, attention_mask, settings, generator)  # checked before the streamer starts
+            raise ValueError(
+                f"a streamer takes one prompt, as with model.generate; got a batch of {prompt.shape[0]}"
+            )
+        steps = self._decode_batch(
+            prompt, attention_mask, settings, generator
+        )  # checked before the streamer starts
         rows: list[list[int]] = [[] for _ in range(prompt.shape[0])]
         if streamer is not None:
             streamer.put(prompt.cpu())
@@ -307,12 +400,15 @@ class SpeculativeModel:
                 streamer.end()
         width = max(map(len, rows))
         pad = settings.output_pad_id
-        new = torch.tensor([row + [pad] * (width - len(row)) for row in rows], dtype=prompt.dtype, device=prompt.device)
+        new = torch.tensor(
+            [row + [pad] * (width - len(row)) for row in rows], dtype=prompt.dtype, device=prompt.device
+        )
         sequences = torch.cat([prompt, new], dim=1)
         return GenerateOutput(sequences, self.last_stats) if settings.return_dict else sequences
 
-    def stream(self, input_ids: torch.Tensor, tokenizer: Any, max_new_tokens: int | None = None,
-               **kwargs: Any) -> Iterator[str]:
+    def stream(
+        self, input_ids: torch.Tensor, tokenizer: Any, max_new_tokens: int | None = None, **kwargs: Any
+    ) -> Iterator[str]:
         """Yield text pieces as steps are accepted. Each piece is the text the newest ids add when decoded
         after a few earlier ids (so tokenizers that drop a leading space at the start still join right);
         a piece ending mid-character waits for the next step. (transformers' streamers work through

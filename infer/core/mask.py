@@ -17,7 +17,9 @@ class RowMask:
     has a gap of stale columns before L, hidden here. Per step only the tree block and the accepted columns are
     written: nothing that grows with the sequence."""
 
-    def __init__(self, batch: int, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, batch: int, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         self.low = torch.finfo(dtype).min
         self.storage = torch.full((batch, 1, rows, max_len), self.low, dtype=dtype, device=device)
         torch._dynamo.mark_static_address(self.storage)  # a compiled verify's CUDA graphs read it in place
@@ -34,14 +36,18 @@ class RowMask:
     def open(self, start: torch.Tensor, stop: int) -> None:
         """Row b sees columns start[b] .. stop - 1 (its prompt after the left padding)."""
         cols = torch.arange(stop, device=self.buffer.device)
-        self.buffer[..., :stop] = torch.where(cols >= start[:, None], 0.0, self.low)[:, None, None, :].to(self.buffer.dtype)
+        self.buffer[..., :stop] = torch.where(cols >= start[:, None], 0.0, self.low)[:, None, None, :].to(
+            self.buffer.dtype
+        )
 
     def at(self, at: int, block: torch.Tensor, full: bool = False) -> torch.Tensor:
         """block (B, q, n) bool (True = visible), written at columns at .. at + n -> the mask (B, 1, q, at + n),
         or over every column with `full` (B, 1, q, max_len): the same shape at every step."""
         q, n = block.shape[1:]
         if at + n > self.buffer.shape[-1] or (full and q > self.buffer.shape[-2]):
-            raise ValueError(f"a {q}x{n} block after {at} columns does not fit the mask {tuple(self.buffer.shape)}")
+            raise ValueError(
+                f"a {q}x{n} block after {at} columns does not fit the mask {tuple(self.buffer.shape)}"
+            )
         values = torch.where(block, 0.0, self.low).to(self.buffer.dtype)
         if q > self.buffer.shape[-2]:  # more queries than rows (a drafter fed many confirmed pairs at
             # once): a new mask, the prefix columns from row 0 (every row's prefix is the same between calls)
@@ -57,10 +63,13 @@ class RowMask:
         """After a tree at columns at .. at + n: hide them again, and show row b's columns dst[b] (B, W) where
         keep[b] (B, W) is True (the accepted path's new places)."""
         self.hide(at, n)
-        values = torch.where(keep, 0.0, self.low).to(self.buffer.dtype)  # hidden where not kept: past the row's end
+        values = torch.where(keep, 0.0, self.low).to(
+            self.buffer.dtype
+        )  # hidden where not kept: past the row's end
         B, _, rows, _ = self.buffer.shape
-        self.buffer.scatter_(3, dst[:, None, None, :].expand(B, 1, rows, -1),
-                             values[:, None, None, :].expand(B, 1, rows, -1))
+        self.buffer.scatter_(
+            3, dst[:, None, None, :].expand(B, 1, rows, -1), values[:, None, None, :].expand(B, 1, rows, -1)
+        )
 
 
 def padding_mask(start: torch.Tensor, length: int) -> torch.Tensor:

@@ -33,7 +33,9 @@ def upload(values: list, device: torch.device, dtype: torch.dtype = torch.long) 
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def first_tokens(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None]) -> torch.Tensor:
+def first_tokens(
+    logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None]
+) -> torch.Tensor:
     """Each row's first new token from its prompt's last logits (B, V), as plain decoding chooses it."""
     if params.greedy:
         return logits.argmax(-1)
@@ -44,13 +46,29 @@ class Rows:
     """Per-row state of one generation. Host lists are indexed by slot (the rows still in the batch, in order);
     `slots[s]` is the caller's row a slot holds, and `emitted` holds every caller row's new tokens."""
 
-    def __init__(self, starts: list[int], budgets: list[int], prompt_width: int, first: list[int], eos: set[int],
-                 generators: list[torch.Generator | None], hiddens: list[torch.Tensor], device: torch.device) -> None:
+    def __init__(
+        self,
+        starts: list[int],
+        budgets: list[int],
+        prompt_width: int,
+        first: list[int],
+        eos: set[int],
+        generators: list[torch.Generator | None],
+        hiddens: list[torch.Tensor],
+        device: torch.device,
+    ) -> None:
         count = len(starts)
         self.eos, self.device = eos, device
         self.slots = list(range(count))
-        self.starts, self.budgets, self.generators, self.hiddens = list(starts), list(budgets), generators, hiddens
-        self.filled = [prompt_width] * count  # cache columns used (padding included); the root is at context[filled]
+        self.starts, self.budgets, self.generators, self.hiddens = (
+            list(starts),
+            list(budgets),
+            generators,
+            hiddens,
+        )
+        self.filled = [
+            prompt_width
+        ] * count  # cache columns used (padding included); the root is at context[filled]
         self.produced = [1] * count
         self.done = [tok in eos or budget == 1 for tok, budget in zip(first, budgets)]
         self.emitted = [[tok] for tok in first]
@@ -84,8 +102,10 @@ class Rows:
     def drafting(self, last_tree_at: int | None) -> list[bool]:
         """Which rows draft a tree this step: running, and with room for one before the model's position limit
         (the others verify their root alone, as plain decoding would)."""
-        return [not off and (last_tree_at is None or f - s <= last_tree_at)
-                for off, f, s in zip(self.done, self.filled, self.starts)]
+        return [
+            not off and (last_tree_at is None or f - s <= last_tree_at)
+            for off, f, s in zip(self.done, self.filled, self.starts)
+        ]
 
     def tree_column(self) -> int:
         """The column every row's tree is written at this step: past each running row's tokens. A stopped row
@@ -111,8 +131,9 @@ class Rows:
                 new_rows.append([])
                 continue
             length = values[0] + 1
-            new, self.done[b] = cut(values[2 : 1 + length] + [values[-1]], self.budgets[b] - self.produced[b],
-                                    self.eos)
+            new, self.done[b] = cut(
+                values[2 : 1 + length] + [values[-1]], self.budgets[b] - self.produced[b], self.eos
+            )
             lengths.append(length)
             new_rows.append(new)
             self.produced[b] += len(new)
@@ -122,8 +143,9 @@ class Rows:
             counts["made"].append(len(new))
         return new_rows, lengths, counts
 
-    def advance(self, lengths: list[int], end_depths: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                                  torch.Tensor]:
+    def advance(
+        self, lengths: list[int], end_depths: torch.Tensor, columns: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Move each row's end past its accepted path; return where the path's columns go (B, W) and which of
         them are kept (the rows that had stopped before this step keep none)."""
         lengths_t = torch.where(self.stopped_t, 0, end_depths[:, 0] + 1)
@@ -135,7 +157,11 @@ class Rows:
 
     def cache_end(self) -> int:
         """The columns the cache must keep: up to the furthest running row (every row's, once all stopped)."""
-        return max(f for f, off in zip(self.filled, self.done) if not off) if not self.finished else max(self.filled)
+        return (
+            max(f for f, off in zip(self.filled, self.done) if not off)
+            if not self.finished
+            else max(self.filled)
+        )
 
     def end_step(self) -> None:
         """The device learns which rows stopped in this step (once per row)."""

@@ -20,8 +20,12 @@ class GenerationStats:
     decode_steps: int = 0
     decode_tokens: int = 0
     accept_lengths: list[int] = dataclasses.field(default_factory=list)  # tokens produced per decode step
-    accepted_drafts: list[int] = dataclasses.field(default_factory=list)  # drafted tokens accepted, before any cut
-    drafted: list[int] = dataclasses.field(default_factory=list)  # tree nodes drafted per step (root excluded)
+    accepted_drafts: list[int] = dataclasses.field(
+        default_factory=list
+    )  # drafted tokens accepted, before any cut
+    drafted: list[int] = dataclasses.field(
+        default_factory=list
+    )  # tree nodes drafted per step (root excluded)
     step_times: list[float] = dataclasses.field(default_factory=list)  # seconds per decode step
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -43,8 +47,15 @@ class GenerationStats:
         self.new_tokens = rows
         self.prefill_s = seconds
 
-    def record_step(self, drafted: list[int], accepted: list[int], produced: list[int], began: float,
-                    marks: tuple[Mark, Mark, Mark], clock: Clock) -> None:
+    def record_step(
+        self,
+        drafted: list[int],
+        accepted: list[int],
+        produced: list[int],
+        began: float,
+        marks: tuple[Mark, Mark, Mark],
+        clock: Clock,
+    ) -> None:
         """One decode step (one target forward) of the rows still decoding: per row a tree of `drafted` nodes
         (root excluded), `accepted` of them on the accepted path (before the budget/EOS cut), `produced` new
         tokens; each row counts as a decode step of its own, so tau is tokens per row and forward. `began` is the

@@ -22,12 +22,15 @@ LAYOUT_ROWS = 64  # the most rows vocab_layout projects through vocab_logits (th
 class Target:
     """A frozen HF causal LM and how to call it: the cache keyword, logits_to_keep, hidden states."""
 
-    def __init__(self, model: nn.Module, feature_layers: list[int] | None = None, grouped_attention: bool = True
-                 ) -> None:
+    def __init__(
+        self, model: nn.Module, feature_layers: list[int] | None = None, grouped_attention: bool = True
+    ) -> None:
         self.model = model  # its train/eval mode is the caller's: decoding runs in eval mode and restores it
         # what the drafter reads: the last hidden states (what the lm_head reads), or EAGLE-3's fused layers
         self.feature_layers = feature_layers
-        check_architecture(model.config)  # ALiBi, recurrent and hybrid layers: never exact (infer/core/exactness.py)
+        check_architecture(
+            model.config
+        )  # ALiBi, recurrent and hybrid layers: never exact (infer/core/exactness.py)
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in ("eager", "sdpa", ATTENTION):
             raise ValueError(
@@ -48,12 +51,18 @@ class Target:
         if feature_layers is not None:
             self.layers = decoder_layers(model)
             if not all(0 <= i < len(self.layers) for i in feature_layers):
-                raise ValueError(f"feature layers {feature_layers} must be hidden_states indices 0..{len(self.layers) - 1}"
-                                 f" (what layer i reads); this model has {len(self.layers)} layers")
+                raise ValueError(
+                    f"feature layers {feature_layers} must be hidden_states indices 0..{len(self.layers) - 1}"
+                    f" (what layer i reads); this model has {len(self.layers)} layers"
+                )
 
     @torch.no_grad()
     def prefill_rows(
-        self, input_ids: torch.Tensor, cache: PreallocatedCache, start: torch.Tensor | None = None, hidden: bool = True
+        self,
+        input_ids: torch.Tensor,
+        cache: PreallocatedCache,
+        start: torch.Tensor | None = None,
+        hidden: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids (B, T), row b left-padded up to start[b] (None: no padding) -> logits (B, V) at the last
         position and the drafter's features (B, T, H or nH) (None without `hidden`)."""
@@ -65,7 +74,9 @@ class Target:
             # a (B, cached + T) padding mask, as model.generate passes it: the model builds its own (boolean) 4D
             # mask from it, or none at all
             kwargs["attention_mask"] = padding_mask(start, cache.get_seq_length() + T)
-            kwargs["position_ids"] = (torch.arange(T, device=start.device)[None] - start[:, None]).clamp(min=0)
+            kwargs["position_ids"] = (torch.arange(T, device=start.device)[None] - start[:, None]).clamp(
+                min=0
+            )
         with self.capture(hidden) as features, self.vocab_layout(), using_grouped_attention(self.configs):
             out = self.model(input_ids=input_ids, **kwargs)
         return out.logits[:, -1], features() if hidden else None
@@ -78,19 +89,30 @@ class Target:
 
     compiled: Callable | None = None
 
-    def _features_and_logits(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                             cache: PreallocatedCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def _features_and_logits(
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: PreallocatedCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The verify forward as one function of tensors (what `compile` compiles): logits and the drafter's
         features, the latter from output_hidden_states (a tree's few tokens: cheap) instead of hooks."""
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
-                         output_hidden_states=True, **{self.cache_kw: cache})
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            output_hidden_states=True,
+            **{self.cache_kw: cache},
+        )
         if self.feature_layers is None:  # the last entry is what the lm_head read
             return out.logits, out.hidden_states[-1]
         return out.logits, torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
 
     @torch.no_grad()
     def verify_rows(
-        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: PreallocatedCache,
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: PreallocatedCache,
         at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """ONE forward over a batch of trees: tokens and their position ids (B, N), the additive mask (B, 1, N,
@@ -100,8 +122,13 @@ class Target:
             with cache.fixed(at), using_grouped_attention(self.configs):
                 return self.compiled(tokens, positions, mask, cache)
         with self.capture() as features, self.vocab_layout(), using_grouped_attention(self.configs):
-            out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
-                             **{self.cache_kw: cache})
+            out = self.model(
+                input_ids=tokens,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self.cache_kw: cache},
+            )
         return out.logits, features()
 
     @contextlib.contextmanager
@@ -111,13 +138,18 @@ class Target:
         before). Only the head's own matmul changes: whatever the model does to its output (softcapping,
         scaling) still happens. The model is left as it was on exit."""
         head = self.lm_head
-        if (not is_plain_linear(head) or "forward" in vars(head)
-                or type(head.weight) not in (torch.Tensor, nn.Parameter)):  # tensor subclasses: quantised weights
+        if (
+            not is_plain_linear(head)
+            or "forward" in vars(head)
+            or type(head.weight) not in (torch.Tensor, nn.Parameter)
+        ):  # tensor subclasses: quantised weights
             yield
             return
 
         def forward(input: torch.Tensor) -> torch.Tensor:  # nn.Linear's own argument name
-            if input.numel() > LAYOUT_ROWS * input.shape[-1]:  # a long prompt's logits: F.linear, no second buffer
+            if (
+                input.numel() > LAYOUT_ROWS * input.shape[-1]
+            ):  # a long prompt's logits: F.linear, no second buffer
                 return nn.functional.linear(input, head.weight, head.bias)
             return vocab_logits(input, head.weight, head.bias)
 
@@ -139,20 +171,31 @@ class Target:
             return
         kept: dict[int, torch.Tensor] = {}
         if self.feature_layers is None:  # the base model's output
+
             def last(module: nn.Module, args: tuple, output: Any) -> None:
                 kept[0] = output.last_hidden_state  # (B, T, H)
 
             handles = [self.base.register_forward_hook(last)]
         else:  # hidden_states[i] is what decoder layer i reads (the embeddings, or layer i - 1's output)
+
             def reads(index: int) -> Callable:
                 def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
                     kept[index] = args[0] if args else kwargs["hidden_states"]  # (B, T, H)
+
                 return hook
 
-            handles = [self.layers[i].register_forward_pre_hook(reads(n), with_kwargs=True)
-                       for n, i in enumerate(self.feature_layers)]
+            handles = [
+                self.layers[i].register_forward_pre_hook(reads(n), with_kwargs=True)
+                for n, i in enumerate(self.feature_layers)
+            ]
         try:
-            yield lambda: kept[0] if len(handles) == 1 else torch.cat([kept[n] for n in range(len(handles))], dim=-1)
+            yield (
+                lambda: (
+                    kept[0]
+                    if len(handles) == 1
+                    else torch.cat([kept[n] for n in range(len(handles))], dim=-1)
+                )
+            )
         finally:
             for handle in handles:
                 handle.remove()
@@ -165,4 +208,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     for module in model.base_model.modules():
         if isinstance(module, nn.ModuleList) and len(module) == count:
             return module
-    raise ValueError(f"cannot find the {count} decoder layers of {type(model).__name__} to read EAGLE-3 features from")
+    raise ValueError(
+        f"cannot find the {count} decoder layers of {type(model).__name__} to read EAGLE-3 features from"
+    )

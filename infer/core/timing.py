@@ -25,7 +25,9 @@ class Clock:
     def mark(self) -> Mark:
         if self.events:
             event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.device))  # the target's stream, whatever device is current
+            event.record(
+                torch.cuda.current_stream(self.device)
+            )  # the target's stream, whatever device is current
             return event
         return time.perf_counter()
 

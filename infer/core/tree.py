@@ -75,9 +75,14 @@ def pad_tree(tree: Tree, size: int, width: int, depth: int) -> Tree:
     paths[:n, : tree.max_depth + 1] = tree.paths
     paths[:n, tree.max_depth + 1 :] = tree.paths[:, -1:]
     fill = torch.full((extra,), -1, dtype=torch.long, device=device)
-    return Tree(parents=torch.cat([tree.parents, fill]), depths=torch.cat([tree.depths, fill.new_zeros(extra)]),
-                ranks=torch.cat([tree.ranks, fill.new_zeros(extra)]), ancestors=ancestors, children=children,
-                paths=paths)
+    return Tree(
+        parents=torch.cat([tree.parents, fill]),
+        depths=torch.cat([tree.depths, fill.new_zeros(extra)]),
+        ranks=torch.cat([tree.ranks, fill.new_zeros(extra)]),
+        ancestors=ancestors,
+        children=children,
+        paths=paths,
+    )
 
 
 def stack_trees(trees: Sequence[Tree], size: int = 0) -> Tree:
@@ -85,13 +90,19 @@ def stack_trees(trees: Sequence[Tree], size: int = 0) -> Tree:
     largest, or to `size` nodes when that is more; the same tree for every row is expanded, not copied."""
     first = trees[0]
     if all(t is first for t in trees) and first.size >= size:
-        return Tree(**{f.name: getattr(first, f.name).expand(len(trees), *getattr(first, f.name).shape)
-                       for f in dataclasses.fields(first)})
+        return Tree(
+            **{
+                f.name: getattr(first, f.name).expand(len(trees), *getattr(first, f.name).shape)
+                for f in dataclasses.fields(first)
+            }
+        )
     size = max(size, *(t.size for t in trees))
     width = max(t.children.shape[1] for t in trees)
     depth = max(t.max_depth for t in trees)
     padded = [pad_tree(t, size, width, depth) for t in trees]
-    return Tree(**{f.name: torch.stack([getattr(t, f.name) for t in padded]) for f in dataclasses.fields(first)})
+    return Tree(
+        **{f.name: torch.stack([getattr(t, f.name) for t in padded]) for f in dataclasses.fields(first)}
+    )
 
 
 def build_tree(parents: torch.Tensor, ranks: torch.Tensor, max_depth: int, width: int) -> Tree:
@@ -105,7 +116,9 @@ def build_tree(parents: torch.Tensor, ranks: torch.Tensor, max_depth: int, width
     B, n = parents.shape
     idx = torch.arange(n, device=parents.device)
     # above the root is node n, its own parent: each level up is one gather
-    up_of = torch.cat([torch.where(parents >= 0, parents, n), parents.new_full((B, 1), n)], dim=1)  # (B, N + 1)
+    up_of = torch.cat(
+        [torch.where(parents >= 0, parents, n), parents.new_full((B, 1), n)], dim=1
+    )  # (B, N + 1)
     chain = [idx.expand(B, n)]  # chain[j][b, i]: the j-th ancestor of node i (0: itself), n above the root
     for _ in range(max_depth):
         chain.append(up_of.gather(1, chain[-1]))
@@ -114,16 +127,31 @@ def build_tree(parents: torch.Tensor, ranks: torch.Tensor, max_depth: int, width
     ancestors = (chain_t[..., None] == idx).any(2)  # one_hot would check its range: a host sync
     back = depths[..., None] - torch.arange(max_depth + 1, device=parents.device)  # depth t is chain[d - t]
     paths = torch.where(back >= 0, chain_t.gather(2, back.clamp(min=0)), idx[:, None])
-    before = (ranks[:, None, :] < ranks[..., None]) | ((ranks[:, None, :] == ranks[..., None]) & (idx < idx[:, None]))
+    before = (ranks[:, None, :] < ranks[..., None]) | (
+        (ranks[:, None, :] == ranks[..., None]) & (idx < idx[:, None])
+    )
     slot = ((parents[:, None, :] == parents[..., None]) & before).sum(2)  # (B, N) place among its siblings
-    target = torch.where(idx > 0, parents.clamp(min=0) * width + slot, n * width)  # the extra slot takes the root
+    target = torch.where(
+        idx > 0, parents.clamp(min=0) * width + slot, n * width
+    )  # the extra slot takes the root
     children = parents.new_full((B, n * width + 1), -1).scatter(1, target, idx.expand(B, n))[:, :-1]
-    return Tree(parents=parents, depths=depths, ranks=ranks, ancestors=ancestors, children=children.view(B, n, width),
-                paths=paths)
+    return Tree(
+        parents=parents,
+        depths=depths,
+        ranks=ranks,
+        ancestors=ancestors,
+        children=children.view(B, n, width),
+        paths=paths,
+    )
 
 
 def select_tree(
-    scores: torch.Tensor, parents: torch.Tensor, ranks: torch.Tensor, total_tokens: int, max_depth: int, width: int
+    scores: torch.Tensor,
+    parents: torch.Tensor,
+    ranks: torch.Tensor,
+    total_tokens: int,
+    max_depth: int,
+    width: int,
 ) -> tuple[torch.Tensor, Tree]:
     """EAGLE-2's dynamic tree from drafted candidates: keep the `total_tokens` with the best cumulative
     draft log-probability and return their candidate indices (ascending) and the Tree they form under the root.
@@ -142,17 +170,26 @@ def select_tree(
     # a chosen candidate's parent is chosen too: its tree index is its place in `chosen`, plus the root
     tree_parents = torch.where(up >= 0, torch.searchsorted(chosen, up.clamp(min=0)) + 1, 0)
     root = torch.full((scores.shape[0], 1), -1, dtype=torch.long, device=scores.device)
-    tree = build_tree(torch.cat([root, tree_parents], 1), torch.cat([root + 1, ranks.gather(1, chosen)], 1),
-                      max_depth, width)
+    tree = build_tree(
+        torch.cat([root, tree_parents], 1),
+        torch.cat([root + 1, ranks.gather(1, chosen)], 1),
+        max_depth,
+        width,
+    )
     return chosen, tree
 
 
-def row_trees(roots: torch.Tensor, drafted: torch.Tensor, chosen: torch.Tensor, tree: Tree) -> list[tuple[torch.Tensor, Tree]]:
+def row_trees(
+    roots: torch.Tensor, drafted: torch.Tensor, chosen: torch.Tensor, tree: Tree
+) -> list[tuple[torch.Tensor, Tree]]:
     """Each row's tree tokens (root first) and Tree from `select_tree` over rows: roots (B,), drafted candidates
     (B, C), chosen (B, n); one gather for all rows, then views."""
     tokens = torch.cat([roots[:, None], drafted.gather(1, chosen)], dim=1)
     fields = dataclasses.fields(tree)
-    return [(tokens[b], Tree(**{f.name: getattr(tree, f.name)[b] for f in fields})) for b in range(tokens.shape[0])]
+    return [
+        (tokens[b], Tree(**{f.name: getattr(tree, f.name)[b] for f in fields}))
+        for b in range(tokens.shape[0])
+    ]
 
 
 def descend(parent_scores: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
@@ -169,7 +206,9 @@ def tree_from_choices(choices: list[list[int]]) -> Tree:
     """
     paths = sorted({tuple(c) for c in choices}, key=lambda c: (len(c), c))
     if any(len(p) == 0 or min(p) < 0 for p in paths):
-        raise ValueError("tree choices must be non-empty lists of non-negative top-k ranks, e.g. [[0], [1], [0, 0]]")
+        raise ValueError(
+            "tree choices must be non-empty lists of non-negative top-k ranks, e.g. [[0], [1], [0, 0]]"
+        )
     index = {(): 0}
     parents, ranks = [-1], [0]
     for p in paths:
@@ -249,7 +288,9 @@ def expected_accepted(accuracy: Acceptance, choices: list[list[int]]) -> float:
     return total
 
 
-def path_frequencies(ranks: torch.Tensor, width: int, counts: torch.Tensor | None = None) -> dict[tuple[int, ...], float]:
+def path_frequencies(
+    ranks: torch.Tensor, width: int, counts: torch.Tensor | None = None
+) -> dict[tuple[int, ...], float]:
     """How often each rank path would be accepted, measured: `ranks` (N, D) holds, at N positions, the rank of the
     target's token among depth d's candidates (`width` or more: not among the first `width`), `counts` (N,)
     how many positions each row stands for (default 1). A path is accepted where every depth along it ranks
@@ -340,8 +381,16 @@ def fit_tree(accuracy: Acceptance, latency: Mapping[int, float]) -> tuple[list[l
         if rows and len(choices) < n - 1:  # measured paths run out: bigger trees would only repeat this one
             break
         tokens = 1.0 + expected_accepted(accuracy, choices)
-        rows.append({"nodes": n, "ms": 1e3 * latency[n], "tokens_per_step": tokens, "tokens_per_s": tokens / latency[n],
-                     "choices": choices, "measured_ms": 1e3 * (curve.measured[n] if curve else latency[n]),
-                     "spread": curve.spread[n] if curve else 0.0})
+        rows.append(
+            {
+                "nodes": n,
+                "ms": 1e3 * latency[n],
+                "tokens_per_step": tokens,
+                "tokens_per_s": tokens / latency[n],
+                "choices": choices,
+                "measured_ms": 1e3 * (curve.measured[n] if curve else latency[n]),
+                "spread": curve.spread[n] if curve else 0.0,
+            }
+        )
     best = max(rows, key=lambda r: r["tokens_per_s"])
     return best["choices"], rows

@@ -33,8 +33,10 @@ class SamplingParams:
         # NaN, infinity or a temperature so small that logits / temperature overflows float32 would turn p into
         # NaN, and every draw into token 0
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
-            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
-                             f"got {self.temperature}")
+            raise ValueError(
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
+                f"got {self.temperature}"
+            )
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0: no top-k), got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -57,7 +59,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 NUCLEUS_FIRST_K = 64  # candidates the nucleus is first looked for among; 4x more each time it does not fit
-GROWS_ON = ("cpu",)  # devices where the search may read back whether it is done (free there; a sync elsewhere)
+GROWS_ON = (
+    "cpu",
+)  # devices where the search may read back whether it is done (free there; a sync elsewhere)
 
 
 def outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -94,7 +98,9 @@ def greedy_children(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> t
     return picked
 
 
-def sampled_children(p: torch.Tensor, tokens: torch.Tensor, tree: Tree, generator: torch.Generator | None) -> torch.Tensor:
+def sampled_children(
+    p: torch.Tensor, tokens: torch.Tensor, tree: Tree, generator: torch.Generator | None
+) -> torch.Tensor:
     """(N,) bool: the child each node's rejection walk over its children accepts (at most one per node)."""
     kids = tree.children  # (N, C)
     valid = kids >= 0
@@ -190,14 +196,18 @@ def accept(
     return end, residual_sample(p.index_select(0, end)[0], tokens[kids.clamp(min=0)], kids >= 0, generator)
 
 
-def accept_greedy_rows(logits: torch.Tensor, tokens: torch.Tensor, trees: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_greedy_rows(
+    logits: torch.Tensor, tokens: torch.Tensor, trees: Tree
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance over a batch of trees: logits (B, N, V), tokens (B, N), batched trees (B, ...) -> each
     row's end node (B,) and bonus token (B,)."""
     end = accepted_end(greedy_children(logits, tokens, trees), trees)  # (B, 1)
     return end[:, 0], logits.gather(1, end[:, :, None].expand(-1, 1, logits.shape[-1]))[:, 0].argmax(-1)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """One token from a single position's logits (V,), as plain decoding would choose it."""
     if params.greedy:
         return logits.argmax()

@@ -37,13 +37,22 @@ class DFlashProposer(Drafter):
         """The trained module this proposer drafts with (what `selfspec tune` fits a tree for)."""
         return self.draft
 
-    def __init__(self, draft: DFlashDraft, embed: nn.Module, lm_head: nn.Module, depth: int | None = None,
-                 top_k: int | None = None, total_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        draft: DFlashDraft,
+        embed: nn.Module,
+        lm_head: nn.Module,
+        depth: int | None = None,
+        top_k: int | None = None,
+        total_tokens: int | None = None,
+    ) -> None:
         cfg = draft.config
         self.draft = draft.eval()
         self.feature_layers = cfg.feature_layers  # the hidden_states indices the target hands over
         self.block = cfg.block_size
-        self.device = self.weights_device = next(draft.parameters()).device  # by the lm_head; what it reads moves here
+        self.device = self.weights_device = next(
+            draft.parameters()
+        ).device  # by the lm_head; what it reads moves here
         self.embed, self.lm_head = embedding_for(embed, self.device), lm_head
         self.dtype = next(draft.parameters()).dtype
         depth = depth if depth is not None else cfg.depth
@@ -53,8 +62,10 @@ class DFlashProposer(Drafter):
             if value < 1:
                 raise ValueError(f"DFlash {name} must be >= 1, got {value}")
         if depth > self.block - 1:
-            raise ValueError(f"a DFlash block of {self.block} drafts {self.block - 1} positions: depth {depth} is "
-                             f"deeper; use at most {self.block - 1}")
+            raise ValueError(
+                f"a DFlash block of {self.block} drafts {self.block - 1} positions: depth {depth} is "
+                f"deeper; use at most {self.block - 1}"
+            )
         vocab = lm_head.weight.shape[0]
         if self.top_k > vocab:
             raise ValueError(f"top_k {self.top_k} is above the vocabulary of {vocab} tokens")
@@ -65,8 +76,9 @@ class DFlashProposer(Drafter):
         """Block outputs at the drafted positions (B, D, H) -> each row's tree tokens (root first) and tree."""
         return self.trees.rows(roots, self.draft.logits(out, self.lm_head))
 
-    def start(self, rows: int, max_length: int, params: SamplingParams,
-              generators: list[torch.Generator | None]) -> None:
+    def start(
+        self, rows: int, max_length: int, params: SamplingParams, generators: list[torch.Generator | None]
+    ) -> None:
         """A batch of `rows` sequences starts: one drafter cache, row b's confirmed columns 0 .. lengths[b] − 1.
         A call writes each row's new context after its own, the block after that, and padding past both."""
         self.cache = DraftCache.for_drafter(self.draft, 2 * max_length + self.block, batch=rows)
@@ -79,8 +91,9 @@ class DFlashProposer(Drafter):
         self.lengths = [self.lengths[i] for i in keep]
 
     @torch.no_grad()
-    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
-                ) -> list[Draft | None]:
+    def propose(
+        self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+    ) -> list[Draft | None]:
         """Every row's draft from one drafter forward; rows not `active` feed nothing and get None."""
         if not any(active):
             return [None] * len(contexts)
@@ -102,19 +115,33 @@ class DFlashProposer(Drafter):
         to = dict(device=self.device, non_blocking=True)
         roots = torch.stack([c[-1] for c in contexts])
         block = self.draft.block_embeds(roots, self.embed, self.dtype)  # (B, Bk, H)
-        out = self.draft(feats, block, ctx_pos.to(**to), blk_pos.to(**to), self.cache, columns.to(**to),
-                         visible.to(**to)[:, None, None, :])
+        out = self.draft(
+            feats,
+            block,
+            ctx_pos.to(**to),
+            blk_pos.to(**to),
+            self.cache,
+            columns.to(**to),
+            visible.to(**to)[:, None, None, :],
+        )
         self.lengths = [a + b for a, b in zip(self.lengths, counts)]
         drafts = self._draft(roots, out[:, 1 : 1 + self.depth])
         return [Draft(*row) if on else None for row, on in zip(drafts, active)]
 
 
-def dflash_proposer(draft: DFlashDraft, model: nn.Module, tree: list[list[int]] | None = None, dynamic: bool = True,
-                    **tree_options: int | None) -> DFlashProposer:
+def dflash_proposer(
+    draft: DFlashDraft,
+    model: nn.Module,
+    tree: list[list[int]] | None = None,
+    dynamic: bool = True,
+    **tree_options: int | None,
+) -> DFlashProposer:
     """The DFlash family's proposer: its tree is built from each block position's top_k, shaped by
     `tree_options` (depth, top_k, total_tokens; top_k 1 is the block's chain), never a static `tree`: it is always
     `dynamic`."""
     if tree is not None:
-        raise ValueError("a DFlash drafter builds its tree from each block position's top_k: shape it with "
-                         f"{', '.join(TREE_OPTIONS)} (draft_top_k=1: a chain), not `tree`")
+        raise ValueError(
+            "a DFlash drafter builds its tree from each block position's top_k: shape it with "
+            f"{', '.join(TREE_OPTIONS)} (draft_top_k=1: a chain), not `tree`"
+        )
     return DFlashProposer(draft, model.get_input_embeddings(), model.get_output_embeddings(), **tree_options)

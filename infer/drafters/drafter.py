@@ -37,19 +37,27 @@ class Drafter(abc.ABC):
 
     name: str
     max_nodes: int  # the largest tree it drafts, root included: sizes the target's cache and mask
-    feature_layers: list[int] | None = None  # the target hidden_states it reads (None: the last layer's output)
-    holds_state = True  # keeps one generation's state between calls: a second, interleaved generation is refused
-    weights_device: torch.device | None = None  # where weights that read the target's features sit (None: none do)
+    feature_layers: list[int] | None = (
+        None  # the target hidden_states it reads (None: the last layer's output)
+    )
+    holds_state = (
+        True  # keeps one generation's state between calls: a second, interleaved generation is refused
+    )
+    weights_device: torch.device | None = (
+        None  # where weights that read the target's features sit (None: none do)
+    )
 
     @abc.abstractmethod
-    def start(self, rows: int, max_length: int, params: SamplingParams,
-              generators: list[torch.Generator | None]) -> None:
+    def start(
+        self, rows: int, max_length: int, params: SamplingParams, generators: list[torch.Generator | None]
+    ) -> None:
         """A batch of `rows` sequences of at most `max_length` tokens starts, decoded with `params` (row b draws
         from generators[b]): drop the last generation's state."""
 
     @abc.abstractmethod
-    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
-                ) -> list[Draft | None]:
+    def propose(
+        self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+    ) -> list[Draft | None]:
         """Each active row's next tree; None for the others (stopped, or verifying their root alone).
 
         contexts[b] (L_b,): row b's tokens so far, ending with its root (the target's newest token, not yet in its
@@ -92,15 +100,19 @@ class PerRow(Drafter):
         self.name, self.max_nodes = drafter.name, drafter.max_nodes
         self.rows: list[SequenceDrafter] = []
 
-    def start(self, rows: int, max_length: int, params: SamplingParams,
-              generators: list[torch.Generator | None]) -> None:
+    def start(
+        self, rows: int, max_length: int, params: SamplingParams, generators: list[torch.Generator | None]
+    ) -> None:
         self.rows = [self.drafter, *(copy.copy(self.drafter) for _ in range(rows - 1))]
         for row, generator in zip(self.rows, generators):
             row.reset(max_length, params, generator)
 
-    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
-                ) -> list[Draft | None]:
-        return [row.propose(c, h) if on else None for row, c, h, on in zip(self.rows, contexts, hiddens, active)]
+    def propose(
+        self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+    ) -> list[Draft | None]:
+        return [
+            row.propose(c, h) if on else None for row, c, h, on in zip(self.rows, contexts, hiddens, active)
+        ]
 
     def observe(self, new: list[list[int]]) -> None:
         for row, tokens in zip(self.rows, new):
@@ -110,8 +122,13 @@ class PerRow(Drafter):
         self.rows = [self.rows[i] for i in keep]
 
 
-def newest_pairs(contexts: list[torch.Tensor], hiddens: list[torch.Tensor], counts: list[int], dtype: torch.dtype,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def newest_pairs(
+    contexts: list[torch.Tensor],
+    hiddens: list[torch.Tensor],
+    counts: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Row b's newest counts[b] target features and the tokens they produced (the confirmed pairs a drafter with
     a cache of its own feeds), right-padded with zeros to the longest row: (B, M, ·) and (B, M). Rows of equal
     counts (always a batch of one) need no padding: a stack each, or a view for one row."""

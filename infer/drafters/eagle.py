@@ -16,11 +16,17 @@ class EagleProposer(FeatureDrafter):
     label = "EAGLE"
 
 
-def eagle_proposer(draft: EagleDraft, model: nn.Module, tree: list[list[int]] | None = None, dynamic: bool = False,
-                   **tree_options: int | None) -> EagleProposer:
+def eagle_proposer(
+    draft: EagleDraft,
+    model: nn.Module,
+    tree: list[list[int]] | None = None,
+    dynamic: bool = False,
+    **tree_options: int | None,
+) -> EagleProposer:
     """The EAGLE-1/2 and EAGLE-3 families' proposer: `tree` (else the drafter's own) is a static tree of paths;
     without one, or with `dynamic` (what `selfspec tune` measures), `tree_options` (depth, top_k, total_tokens)
     shape EAGLE-2's dynamic tree."""
     choices = None if dynamic else tree if tree is not None else draft.config.tree
-    return EagleProposer(draft, model.get_input_embeddings(), model.get_output_embeddings(), choices=choices,
-                         **tree_options)
+    return EagleProposer(
+        draft, model.get_input_embeddings(), model.get_output_embeddings(), choices=choices, **tree_options
+    )

@@ -15,6 +15,7 @@ The drafter module answers: forward(features, tokens, embed, mask, positions, ca
 `logits(out, lm_head)`, `to_target(draft ids)`, `check_draft_vocab(what)` and `config` (kind, feature_layers,
 depth, top_k, total_tokens, draft_vocab_size, vocab_size).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -59,8 +60,12 @@ class FeatureDrafter(Drafter):
         cfg = draft.config
         self.draft = draft.eval()
         self.name = cfg.kind  # eagle | eagle3 | mtp
-        self.feature_layers = cfg.feature_layers  # what the target hands over (EAGLE-3's fused layers; EAGLE-1: none)
-        self.device = self.weights_device = next(draft.parameters()).device  # by the lm_head; what it reads moves here
+        self.feature_layers = (
+            cfg.feature_layers
+        )  # what the target hands over (EAGLE-3's fused layers; EAGLE-1: none)
+        self.device = self.weights_device = next(
+            draft.parameters()
+        ).device  # by the lm_head; what it reads moves here
         self.embed, self.lm_head = embedding_for(embed, self.device), lm_head
         self.dtype = next(draft.parameters()).dtype
         self.depth = depth if depth is not None else cfg.depth
@@ -70,13 +75,17 @@ class FeatureDrafter(Drafter):
             if getattr(self, name) < 1:
                 raise ValueError(f"the tree's {name} must be >= 1, got {getattr(self, name)}")
         self.depth = min(self.depth, self.total_tokens)  # a kept tree is never deeper than its node count
-        draft.check_draft_vocab(f"this {self.label} drafter")  # an in-memory d2t too: siblings must be distinct tokens
+        draft.check_draft_vocab(
+            f"this {self.label} drafter"
+        )  # an in-memory d2t too: siblings must be distinct tokens
         drafted = cfg.draft_vocab_size or cfg.vocab_size
         width = choices_width(choices)
         for wanted, what in ((self.top_k, "top_k"), (width, "children per node in the static tree")):
             if wanted > drafted:
-                raise ValueError(f"this drafter drafts among {drafted} tokens, fewer than its {wanted} {what}: use "
-                                 f"at most {drafted}")
+                raise ValueError(
+                    f"this drafter drafts among {drafted} tokens, fewer than its {wanted} {what}: use "
+                    f"at most {drafted}"
+                )
         # per-step constants of the dynamic tree, made once: frontier slots, each child's rank among its
         # parent's k, and the frontier's view of its own new cache columns
         self.slots = torch.arange(self.top_k, device=self.device)
@@ -88,7 +97,9 @@ class FeatureDrafter(Drafter):
             self.max_nodes = self.static.size
             # level d of the static tree: node indices [start_d, end_d), and which of them have children
             depths = self.static.depths.tolist()
-            self.levels = [(depths.index(d), len(depths) - depths[::-1].index(d)) for d in range(max(depths) + 1)]
+            self.levels = [
+                (depths.index(d), len(depths) - depths[::-1].index(d)) for d in range(max(depths) + 1)
+            ]
             self.static_width = width
         else:
             self.max_nodes = min(self.total_tokens, self.top_k + (self.depth - 1) * self.top_k**2) + 1
@@ -99,8 +110,9 @@ class FeatureDrafter(Drafter):
         logp = torch.log_softmax(self.draft.logits(out, self.lm_head).float(), dim=-1)
         return logp.nan_to_num(nan=-1e4, neginf=-1e4)
 
-    def start(self, rows: int, max_length: int, params: SamplingParams,
-              generators: list[torch.Generator | None]) -> None:
+    def start(
+        self, rows: int, max_length: int, params: SamplingParams, generators: list[torch.Generator | None]
+    ) -> None:
         """A batch of `rows` sequences of at most `max_length` tokens starts: one drafter cache for all of them.
         Row b's confirmed pairs sit in columns 0 .. lengths[b] - 1; each call writes at the shared column
         max(lengths), then moves each row's pairs down to its own end, as the target's cache does."""
@@ -123,8 +135,9 @@ class FeatureDrafter(Drafter):
         self.lengths = [self.lengths[i] for i in keep]
 
     @torch.no_grad()
-    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
-                ) -> list[Draft | None]:
+    def propose(
+        self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+    ) -> list[Draft | None]:
         """Every row's tree from depth + 1 drafter calls for the whole batch (a static tree: one per level with
         children). Rows not `active` (stopped, or verifying their root alone) feed nothing and get None."""
         B, device, k = len(contexts), self.device, self.top_k
@@ -134,7 +147,9 @@ class FeatureDrafter(Drafter):
         M = max(counts)
         cache, mask = self.cache, self.mask
         # 1. the confirmed pairs (f_t, x_{t+1}) of each row, right-padded to M and written at the shared column
-        feats, tokens = newest_pairs(contexts, hiddens, counts, self.dtype, device)  # the rows' features move here
+        feats, tokens = newest_pairs(
+            contexts, hiddens, counts, self.dtype, device
+        )  # the rows' features move here
         at = cache.length
         lengths = upload(self.lengths, device)
         cols = torch.arange(M, device=device)
@@ -144,9 +159,15 @@ class FeatureDrafter(Drafter):
             block = None
         else:
             causal = torch.ones(M, M, dtype=torch.bool, device=device).tril()
-            block = mask.at(at, (causal[None] & (cols < count_t[:, None])[:, None, :]) | torch.eye(M, dtype=torch.bool, device=device))
+            block = mask.at(
+                at,
+                (causal[None] & (cols < count_t[:, None])[:, None, :])
+                | torch.eye(M, dtype=torch.bool, device=device),
+            )
         out = self.draft(self.draft.fuse(feats.to(self.dtype)), tokens, self.embed, block, positions, cache)
-        last = out.gather(1, (count_t - 1).clamp(min=0)[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]  # (B, H)
+        last = out.gather(1, (count_t - 1).clamp(min=0)[:, None, None].expand(B, 1, out.shape[-1]))[
+            :, 0
+        ]  # (B, H)
         root_logp = self._log_probs(last)
         # each row's pairs move down to its own end; the shared column becomes the longest row's end
         dst = lengths[:, None] + cols
@@ -156,11 +177,18 @@ class FeatureDrafter(Drafter):
         self.lengths = [n + m for n, m in zip(self.lengths, counts)]
         cache.length = base = max(self.lengths)
         lengths = lengths + count_t
+
         # 2. the tree below each root: EAGLE-2's expansion or the static tree, every row in one call per depth
         def run(features: torch.Tensor, tokens: torch.Tensor, visible: torch.Tensor, d: int):
             q = tokens.shape[1]
-            out = self.draft(features, tokens, self.embed, mask.at(base, visible), (lengths - 1 + d)[:, None].expand(B, q),
-                             cache)
+            out = self.draft(
+                features,
+                tokens,
+                self.embed,
+                mask.at(base, visible),
+                (lengths - 1 + d)[:, None].expand(B, q),
+                cache,
+            )
             return out, self._log_probs(out)
 
         roots = torch.stack([c[-1] for c in contexts])
@@ -177,8 +205,9 @@ class FeatureDrafter(Drafter):
             rows = row_trees(roots, drafted, chosen, tree)
         return [Draft(*row) if on else None for row, on in zip(rows, active)]
 
-    def _expand(self, root_feature: torch.Tensor, root_logp: torch.Tensor, run: Callable
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _expand(
+        self, root_feature: torch.Tensor, root_logp: torch.Tensor, run: Callable
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """EAGLE-2's candidates for a batch of rows (one row: B = 1): from each root's predicted feature (B, H) and
         log-probabilities (B, V), `depth` levels, each running the `top_k` best frontier nodes through
         `run(features (B, k, H), tokens (B, k), visible (B, k, n), depth)` -> (out (B, k, H), logp (B, k, V)).
@@ -207,26 +236,38 @@ class FeatureDrafter(Drafter):
             front_scores, front_tokens = child_scores.gather(1, best), tokens[-1].gather(1, best)
             front_index = offset + best
             front_features = out.gather(1, parent_slot[..., None].expand(-1, -1, out.shape[-1]))
-            visible = torch.cat([visible.gather(1, parent_slot[..., None].expand(-1, -1, visible.shape[-1])),
-                                 self.own.expand(B, k, k)], dim=2)
+            visible = torch.cat(
+                [
+                    visible.gather(1, parent_slot[..., None].expand(-1, -1, visible.shape[-1])),
+                    self.own.expand(B, k, k),
+                ],
+                dim=2,
+            )
             offset += k * k
         return tuple(torch.cat(x, dim=1) for x in (scores, tokens, parents, ranks))
 
-    def _static(self, roots: torch.Tensor, root_feature: torch.Tensor, root_logp: torch.Tensor, run: Callable
-                ) -> torch.Tensor:
+    def _static(
+        self, roots: torch.Tensor, root_feature: torch.Tensor, root_logp: torch.Tensor, run: Callable
+    ) -> torch.Tensor:
         """EAGLE-1's static tree for a batch of rows: roots (B,), each root's predicted feature (B, H) and
         log-probabilities (B, V) -> tokens (B, N) of `self.static`, root first. Each level with children runs
         through `run` (see `_expand`), every node on its parent's predicted feature, seeing its drafted ancestors."""
         tree, width, B = self.static, self.static_width, roots.shape[0]
         tokens = torch.empty(B, tree.size, dtype=torch.long, device=self.device)
         tokens[:, 0] = roots
-        features = root_feature.new_empty(B, tree.size, root_feature.shape[-1])  # the drafter's output at each node
+        features = root_feature.new_empty(
+            B, tree.size, root_feature.shape[-1]
+        )  # the drafter's output at each node
         features[:, 0] = root_feature
-        kids = torch.empty(B, tree.size, width, dtype=torch.long, device=self.device)  # each node's top-`width`
+        kids = torch.empty(
+            B, tree.size, width, dtype=torch.long, device=self.device
+        )  # each node's top-`width`
         kids[:, 0] = self.draft.to_target(root_logp.topk(width).indices)
         for d, (start, end) in enumerate(self.levels[1:], start=1):
             parents = tree.parents[start:end]
-            tokens[:, start:end] = kids[:, parents].gather(2, tree.ranks[start:end, None].expand(B, -1, 1))[..., 0]
+            tokens[:, start:end] = kids[:, parents].gather(2, tree.ranks[start:end, None].expand(B, -1, 1))[
+                ..., 0
+            ]
             if d == len(self.levels) - 1:
                 break  # the deepest level has no children to draft
             visible = tree.ancestors[start:end, 1:end].expand(B, -1, -1)

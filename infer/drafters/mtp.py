@@ -38,14 +38,20 @@ class MtpProposer(FeatureDrafter):
         return MtpCache(capacity)
 
 
-def mtp_proposer(draft: MtpDraft, model: nn.Module, tree: list[list[int]] | None = None, dynamic: bool = False,
-                 **tree_options: int | None) -> MtpProposer:
+def mtp_proposer(
+    draft: MtpDraft,
+    model: nn.Module,
+    tree: list[list[int]] | None = None,
+    dynamic: bool = False,
+    **tree_options: int | None,
+) -> MtpProposer:
     """The MTP family's proposer: the dynamic tree of `tree_options` (depth, top_k, total_tokens; default the
     drafter's), or a static `tree` of paths."""
     draft.bind(model.get_output_embeddings())
     choices = None if dynamic else tree if tree is not None else draft.config.tree
-    return MtpProposer(draft, model.get_input_embeddings(), model.get_output_embeddings(), choices=choices,
-                       **tree_options)
+    return MtpProposer(
+        draft, model.get_input_embeddings(), model.get_output_embeddings(), choices=choices, **tree_options
+    )
 
 
 def mtp_grid(config: object) -> list[tuple[int, int, int]]:

@@ -19,8 +19,14 @@ class ParallelTree:
     """Builds each row's draft tree from per-depth logits (B, depth, V); `to_target` maps the logits' indices to
     target ids (a draft vocabulary), and the tokens come back as target ids."""
 
-    def __init__(self, depth: int, top_k: int, total_tokens: int, device: torch.device | str,
-                 to_target: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        depth: int,
+        top_k: int,
+        total_tokens: int,
+        device: torch.device | str,
+        to_target: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.depth, self.top_k = min(depth, total_tokens), top_k
         self.to_target = to_target or (lambda ids: ids)
         if top_k == 1:  # the chain: one node per drafted depth

@@ -34,12 +34,20 @@ class PEagleProposer(Drafter):
 
     name = "peagle"
 
-    def __init__(self, draft: PEagleDraft, embed: nn.Module, depth: int | None = None, top_k: int | None = None,
-                 total_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        draft: PEagleDraft,
+        embed: nn.Module,
+        depth: int | None = None,
+        top_k: int | None = None,
+        total_tokens: int | None = None,
+    ) -> None:
         cfg = draft.config
         self.draft = draft.eval()
         self.feature_layers = cfg.feature_layers  # the hidden_states indices the target hands over
-        self.device = self.weights_device = next(draft.parameters()).device  # the drafter's own; what it reads moves here
+        self.device = self.weights_device = next(
+            draft.parameters()
+        ).device  # the drafter's own; what it reads moves here
         self.embed = embedding_for(embed, self.device)
         self.dtype = next(draft.parameters()).dtype
         depth = depth if depth is not None else cfg.depth
@@ -50,8 +58,10 @@ class PEagleProposer(Drafter):
                 raise ValueError(f"P-EAGLE {name} must be >= 1, got {value}")
         drafted = cfg.draft_vocab_size or cfg.vocab_size
         if top_k > drafted:
-            raise ValueError(f"this drafter drafts among {drafted} tokens, fewer than its top_k {top_k}: use at most "
-                             f"{drafted}")
+            raise ValueError(
+                f"this drafter drafts among {drafted} tokens, fewer than its top_k {top_k}: use at most "
+                f"{drafted}"
+            )
         draft.check_draft_vocab("this P-EAGLE drafter")  # siblings must be distinct tokens
         self.trees = ParallelTree(depth, top_k, total, self.device, draft.to_target)
         self.depth, self.top_k, self.max_nodes = self.trees.depth, top_k, self.trees.max_nodes
@@ -62,8 +72,9 @@ class PEagleProposer(Drafter):
         """The trained module this proposer drafts with (what `selfspec tune` fits a tree for)."""
         return self.draft
 
-    def start(self, rows: int, max_length: int, params: SamplingParams,
-              generators: list[torch.Generator | None]) -> None:
+    def start(
+        self, rows: int, max_length: int, params: SamplingParams, generators: list[torch.Generator | None]
+    ) -> None:
         """A batch of `rows` sequences of at most `max_length` tokens starts: row b's confirmed pairs sit in columns
         0 .. lengths[b] - 1; a call writes at the shared column max(lengths), at most depth + 1 pairs and the slots."""
         queries = self.depth + 1 + self.slots  # the most a step after the prompt writes
@@ -79,20 +90,25 @@ class PEagleProposer(Drafter):
         self.lengths = [self.lengths[i] for i in keep]
 
     @torch.no_grad()
-    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
-                ) -> list[Draft | None]:
+    def propose(
+        self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+    ) -> list[Draft | None]:
         """Every row's draft from one drafter forward; rows not `active` feed nothing and get None."""
         B, S, device = len(contexts), self.slots, self.device
         if not any(active):
             return [None] * B
         counts = [h.shape[0] if on else 0 for h, on in zip(hiddens, active)]
         M = max(counts)
-        feats, tokens = newest_pairs(contexts, hiddens, counts, self.dtype, device)  # the rows' features move here
+        feats, tokens = newest_pairs(
+            contexts, hiddens, counts, self.dtype, device
+        )  # the rows' features move here
         lengths, count_t = upload(self.lengths, device), upload(counts, device)
         cols = torch.arange(M, device=device)
         valid = cols < count_t[:, None]  # (B, M): the row's pairs; the rest is padding no query sees
         last = lengths + count_t - 1  # the position of each row's newest pair
-        positions = torch.cat([lengths[:, None] + cols, last[:, None] + torch.arange(1, S + 1, device=device)], dim=1)
+        positions = torch.cat(
+            [lengths[:, None] + cols, last[:, None] + torch.arange(1, S + 1, device=device)], dim=1
+        )
         at = self.cache.length
         block = self._block(valid, S)
         mask = block[:, None] if at == 0 else self.mask.at(at, block)  # the prompt: nothing before it to see
@@ -124,13 +140,20 @@ class PEagleProposer(Drafter):
         return torch.cat([top, bottom], dim=1)
 
 
-def peagle_proposer(draft: PEagleDraft, model: nn.Module, tree: list[list[int]] | None = None, dynamic: bool = True,
-                    **tree_options: int | None) -> PEagleProposer:
+def peagle_proposer(
+    draft: PEagleDraft,
+    model: nn.Module,
+    tree: list[list[int]] | None = None,
+    dynamic: bool = True,
+    **tree_options: int | None,
+) -> PEagleProposer:
     """The P-EAGLE family's proposer: its tree is built from each depth's top_k, shaped by `tree_options` (depth,
     top_k, total_tokens; top_k 1 is the chain), never a static `tree`."""
     if tree is not None:
-        raise ValueError("a P-EAGLE drafter builds its tree from each depth's top_k: shape it with "
-                         f"{', '.join(TREE_OPTIONS)} (draft_top_k=1: a chain), not `tree`")
+        raise ValueError(
+            "a P-EAGLE drafter builds its tree from each depth's top_k: shape it with "
+            f"{', '.join(TREE_OPTIONS)} (draft_top_k=1: a chain), not `tree`"
+        )
     return PEagleProposer(draft, model.get_input_embeddings(), **tree_options)
 
 
@@ -139,4 +162,6 @@ def peagle_grid(config: Any) -> list[tuple[int, int, int]]:
     each depth's top 2 and 4."""
     deepest = max(config.depth, 2)
     depths = sorted({max(1, deepest // 2), deepest})
-    return [(d, 1, d) for d in depths] + [(d, k, t) for d in depths for k in (2, 4) for t in (16, 32) if t > d]
+    return [(d, 1, d) for d in depths] + [
+        (d, k, t) for d in depths for k in (2, 4) for t in (16, 32) if t > d
+    ]

@@ -20,11 +20,18 @@ class PromptLookupProposer:
 
     name = "prompt_lookup"
 
-    def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        num_tokens: int = 10,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        device: torch.device | str | None = None,
+    ) -> None:
         if num_tokens < 1 or not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need num_tokens >= 1 and 1 <= min_ngram <= max_ngram, got {num_tokens}, "
-                             f"{min_ngram}, {max_ngram}")
+            raise ValueError(
+                f"need num_tokens >= 1 and 1 <= min_ngram <= max_ngram, got {num_tokens}, "
+                f"{min_ngram}, {max_ngram}"
+            )
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.max_nodes = num_tokens + 1
         self.host_chains = [tree_from_choices(chain_choices(n)) for n in range(num_tokens + 1)]
@@ -33,7 +40,9 @@ class PromptLookupProposer:
 
     def reset(self, max_length: int, params: SamplingParams, generator: torch.Generator | None) -> None:
         self.tokens: list[int] = []
-        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence sits
+        self.index: dict[
+            tuple[int, ...], int
+        ] = {}  # n-gram -> where the token after its latest occurrence sits
 
     def _extend(self, new: list[int]) -> None:
         for tok in new:
@@ -67,7 +76,9 @@ class PromptLookupProposer:
     def propose(self, context: torch.Tensor, hiddens: torch.Tensor) -> Draft:
         if context.device != self.device:
             self._to(context.device)
-        if len(self.tokens) < context.shape[0]:  # not told by `observe`: only the new tokens cross to the host
+        if (
+            len(self.tokens) < context.shape[0]
+        ):  # not told by `observe`: only the new tokens cross to the host
             self._extend(context[len(self.tokens) :].tolist())
         guess = self.lookup()
         return Draft(upload([self.tokens[-1], *guess], self.device), self.chains[len(guess)])
@@ -83,8 +94,10 @@ class LookupFirst(Drafter):
 
     def __init__(self, primary: Drafter, lookup: PromptLookupProposer, min_tokens: int = 3) -> None:
         if not isinstance(primary, Drafter):
-            raise ValueError("lookup-first needs a drafter that reads the target's hidden states (Medusa, EAGLE, "
-                             f"DFlash, P-EAGLE), not {primary.name}")
+            raise ValueError(
+                "lookup-first needs a drafter that reads the target's hidden states (Medusa, EAGLE, "
+                f"DFlash, P-EAGLE), not {primary.name}"
+            )
         self.primary, self.lookup, self.min_tokens = primary, PerRow(lookup), min_tokens
         self.name = f"{primary.name}+lookup"
         self.max_nodes = max(primary.max_nodes, lookup.max_nodes)
@@ -92,8 +105,9 @@ class LookupFirst(Drafter):
         self.weights_device = primary.weights_device
         self.pending: list[list[torch.Tensor]] = []  # per row: the features the primary has not been fed yet
 
-    def start(self, rows: int, max_length: int, params: SamplingParams,
-              generators: list[torch.Generator | None]) -> None:
+    def start(
+        self, rows: int, max_length: int, params: SamplingParams, generators: list[torch.Generator | None]
+    ) -> None:
         # the primary may be fed a row's whole context at once after lookup steps: room for twice the length
         self.primary.start(rows, 2 * max_length, params, generators)
         self.lookup.start(rows, max_length, params, generators)
@@ -107,8 +121,9 @@ class LookupFirst(Drafter):
         self.lookup.keep_rows(keep, index)
         self.pending = [self.pending[i] for i in keep]
 
-    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
-                ) -> list[Draft | None]:
+    def propose(
+        self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+    ) -> list[Draft | None]:
         found = self.lookup.propose(active, contexts, hiddens)
         for b, on in enumerate(active):
             if on:

@@ -50,9 +50,15 @@ class MedusaProposer(Drafter):
         """The trained module this proposer drafts with (what `selfspec tune` fits a tree for)."""
         return self.heads
 
-    def __init__(self, heads: MedusaHeads, lm_head: torch.nn.Module, choices: list[list[int]] | None = None) -> None:
+    def __init__(
+        self, heads: MedusaHeads, lm_head: torch.nn.Module, choices: list[list[int]] | None = None
+    ) -> None:
         if choices is None:
-            choices = heads.config.tree if heads.config.tree is not None else default_medusa_choices(heads.config.num_heads)
+            choices = (
+                heads.config.tree
+                if heads.config.tree is not None
+                else default_medusa_choices(heads.config.num_heads)
+            )
         tree = tree_from_choices(choices)
         if tree.max_depth > heads.config.num_heads:
             raise ValueError(
@@ -61,7 +67,9 @@ class MedusaProposer(Drafter):
             )
         device = next(heads.parameters()).device
         self.max_nodes = tree.size
-        self.name = "medusa2" if heads.config.adapter or heads.config.merged_target else "medusa"  # adapted target
+        self.name = (
+            "medusa2" if heads.config.adapter or heads.config.merged_target else "medusa"
+        )  # adapted target
         self.heads = heads.eval()
         self.lm_head = lm_head
         self.tree = tree.to(device)
@@ -70,18 +78,22 @@ class MedusaProposer(Drafter):
         self.top_k = int(tree.ranks[1:].max()) + 1 if len(choices) else 1  # read on the host-side tree
         vocab = heads.config.vocab_size or lm_head.weight.shape[0]
         if self.top_k > vocab:
-            raise ValueError(f"the tree takes rank {self.top_k - 1} of a head's guesses, but the heads guess among "
-                             f"{vocab} tokens: use ranks below {vocab} (--tree)")
+            raise ValueError(
+                f"the tree takes rank {self.top_k - 1} of a head's guesses, but the heads guess among "
+                f"{vocab} tokens: use ranks below {vocab} (--tree)"
+            )
         self.dtype = next(heads.parameters()).dtype
         self.device = self.weights_device = device  # the heads' (by the lm_head); hidden states move here
 
-    def start(self, rows: int, max_length: int, params: SamplingParams,
-              generators: list[torch.Generator | None]) -> None:
+    def start(
+        self, rows: int, max_length: int, params: SamplingParams, generators: list[torch.Generator | None]
+    ) -> None:
         pass  # stateless: every step reads only the newest hidden state
 
     @torch.no_grad()
-    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
-                ) -> list[Draft | None]:
+    def propose(
+        self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+    ) -> list[Draft | None]:
         """Every row's tree in one heads call; rows not `active` get None."""
         if not any(active):
             return [None] * len(contexts)
@@ -99,16 +111,25 @@ class MedusaProposer(Drafter):
         the hidden states that produced them (B, H) -> tokens (B, N) of `self.tree`, root first."""
         if self.max_nodes == 1:  # a fitted tree of the root alone (no draft paid off): the heads need not run
             return roots[:, None]
-        logits = torch.stack(self.heads(hiddens.to(self.device, self.dtype), self.lm_head), dim=1)  # (B, K, V)
+        logits = torch.stack(
+            self.heads(hiddens.to(self.device, self.dtype), self.lm_head), dim=1
+        )  # (B, K, V)
         top = logits.topk(self.top_k, dim=-1).indices  # (B, K, k)
         return torch.cat([roots[:, None], top[:, self.node_head, self.node_rank]], dim=1)
 
 
-def medusa_proposer(heads: MedusaHeads, model: torch.nn.Module, tree: list[list[int]] | None = None,
-                    dynamic: bool = False, **tree_options: int | None) -> MedusaProposer:
+def medusa_proposer(
+    heads: MedusaHeads,
+    model: torch.nn.Module,
+    tree: list[list[int]] | None = None,
+    dynamic: bool = False,
+    **tree_options: int | None,
+) -> MedusaProposer:
     """The Medusa family's proposer (heads/families/medusa.py): a static tree, `tree` or the heads' own."""
     if dynamic or any(v is not None for v in tree_options.values()):
-        raise ValueError(f"{', '.join(TREE_OPTIONS)} shape EAGLE's and DFlash's trees; medusa heads take `tree`")
+        raise ValueError(
+            f"{', '.join(TREE_OPTIONS)} shape EAGLE's and DFlash's trees; medusa heads take `tree`"
+        )
     return MedusaProposer(heads, model.get_output_embeddings(), tree)
 
 
@@ -119,10 +140,12 @@ class NoDraft(Drafter):
     holds_state = False
     max_nodes = 1
 
-    def start(self, rows: int, max_length: int, params: SamplingParams,
-              generators: list[torch.Generator | None]) -> None:
+    def start(
+        self, rows: int, max_length: int, params: SamplingParams, generators: list[torch.Generator | None]
+    ) -> None:
         pass
 
-    def propose(self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
-                ) -> list[Draft | None]:
+    def propose(
+        self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
+    ) -> list[Draft | None]:
         return [None] * len(contexts)

@@ -67,7 +67,9 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     naming it."""
     layout = 'write one {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]} per line'
     try:
-        text = Path(path).read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is skipped
+        text = Path(path).read_text(
+            encoding="utf-8-sig"
+        )  # a byte-order mark, as some editors write, is skipped
     except (OSError, UnicodeDecodeError) as e:
         reason = (e.strerror or str(e)) if isinstance(e, OSError) else "not UTF-8 text"
         raise ValueError(f"--prompts {path}: cannot read it ({reason})") from None
@@ -81,7 +83,9 @@ def load_prompts(path: str | Path) -> list[Prompt]:
                 raise ValueError(f"--prompts {path}:{n} is not JSON ({e.msg}): {layout}") from None
             if isinstance(record, dict) and isinstance(record.get("prompt"), str):
                 if not record["prompt"].strip():
-                    raise ValueError(f"--prompts {path}:{n} has an empty prompt: give each line some text to continue")
+                    raise ValueError(
+                        f"--prompts {path}:{n} has an empty prompt: give each line some text to continue"
+                    )
                 prompts.append(record["prompt"])
             elif isinstance(record, dict) and "messages" in record:
                 prompts.append(checked_messages(record["messages"], f"--prompts {path}:{n}"))
@@ -94,12 +98,22 @@ def load_prompts(path: str | Path) -> list[Prompt]:
 
 def checked_messages(messages: Any, where: str) -> list[dict[str, str]]:
     """A chat to answer: a non-empty list of {"role", "content"} text turns that does not end on the answer."""
-    fine = isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    fine = (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
     if not fine:
-        raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": "..."}} turns')
+        raise ValueError(
+            f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": "..."}} turns'
+        )
     if messages[-1]["role"] == "assistant":
-        raise ValueError(f"{where}: the chat ends on an assistant turn; end it on the turn to answer (a user turn)")
+        raise ValueError(
+            f"{where}: the chat ends on an assistant turn; end it on the turn to answer (a user turn)"
+        )
     return messages
 
 
@@ -107,10 +121,16 @@ def render_prompts(prompts: list[Prompt], tokenizer) -> list[str]:
     """Each chat rendered by the tokenizer's chat template up to the answer (`add_generation_prompt=True`),
     as `model.generate` users render theirs; texts are kept as they are."""
     if any(not isinstance(p, str) for p in prompts) and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the prompts are chats (\"messages\"), and the model's tokenizer has no chat template to "
-                         'render them with: give {"prompt": "..."} texts instead')
-    return [p if isinstance(p, str) else
-            tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        raise ValueError(
+            'the prompts are chats ("messages"), and the model\'s tokenizer has no chat template to '
+            'render them with: give {"prompt": "..."} texts instead'
+        )
+    return [
+        p
+        if isinstance(p, str)
+        else tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
 
 
 def left_pad(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +156,9 @@ def new_rows(out: torch.Tensor, prompt_len: int, eos: set[int]) -> list[list[int
     return rows
 
 
-def hf_runner(model, max_new_tokens: int, eos: int | list[int] | None, pad: int | None, **generate_kwargs) -> Runner:
+def hf_runner(
+    model, max_new_tokens: int, eos: int | list[int] | None, pad: int | None, **generate_kwargs
+) -> Runner:
     """`model.generate` greedy (plus e.g. `assistant_model=` or `prompt_lookup_num_tokens=`, which transformers
     runs at batch size 1 only); a forward hook counts the target's forward passes, so its tau is measured the
     same way as ours."""
@@ -146,8 +168,15 @@ def hf_runner(model, max_new_tokens: int, eos: int | list[int] | None, pad: int 
         calls = [0]
         handle = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
         try:
-            out = model.generate(ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=pad, **generate_kwargs)
+            out = model.generate(
+                ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                **generate_kwargs,
+            )
         finally:
             handle.remove()
         rows = new_rows(out, ids.shape[1], stop)
@@ -177,15 +206,22 @@ def host_syncs(device: torch.device) -> Iterator[Callable[[], int | None]]:
             torch.cuda.set_sync_debug_mode(previous)
 
 
-def speculative_runner(spec: SpeculativeModel, max_new_tokens: int, eos: int | list[int] | None,
-                       pad: int | None = None) -> Runner:
+def speculative_runner(
+    spec: SpeculativeModel, max_new_tokens: int, eos: int | list[int] | None, pad: int | None = None
+) -> Runner:
     stop = eos_set(eos if eos is not None else spec.model.generation_config.eos_token_id)
 
     def run(ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[list[int]], dict | None]:
         # greedy like the baseline; the rest of the target's generation_config applies to both alike (or is refused)
         with host_syncs(ids.device) as syncs:
-            out = spec.generate(ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                do_sample=False, pad_token_id=pad)
+            out = spec.generate(
+                ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         return new_rows(out, ids.shape[1], stop), spec.last_stats.as_dict() | {"host_syncs": syncs()}
 
     return run
@@ -241,25 +277,39 @@ def launches_per_step(model, run: Runner, ids: torch.Tensor, mask: torch.Tensor)
     return {"outside": counter.outside / steps, "inside": counter.inside / steps}
 
 
-def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], warmup: int = 1,
-              chains: frozenset[str] = frozenset(), batch_size: int = 1, pad_token_id: int | None = None) -> dict:
+def run_bench(
+    model,
+    tokenizer,
+    runners: dict[str, Runner],
+    prompts: list[str],
+    warmup: int = 1,
+    chains: frozenset[str] = frozenset(),
+    batch_size: int = 1,
+    pad_token_id: int | None = None,
+) -> dict:
     """Run every method on every batch of `batch_size` consecutive prompts (the last batch may be smaller),
     left-padded with `pad_token_id`; the methods take turns batch by batch, after `warmup` batches that are not
     timed. The first method is the baseline. Methods named in `chains` draft chains and also get alpha and the
     seed paper's predicted tau."""
     if batch_size > 1 and pad_token_id is None:
-        raise ValueError("batches of several prompts are left-padded: pass pad_token_id (the tokenizer's pad token, "
-                         "else its EOS)")
+        raise ValueError(
+            "batches of several prompts are left-padded: pass pad_token_id (the tokenizer's pad token, "
+            "else its EOS)"
+        )
     encoded = [encode_prompt(tokenizer, p) for p in prompts]  # each (1, T_i), unpadded
     batches = []
     for first in range(0, len(encoded), batch_size):
-        ids, mask = left_pad([row[0] for row in encoded[first : first + batch_size]],
-                             pad_token_id if pad_token_id is not None else 0)  # a batch of one has no padding
+        ids, mask = left_pad(
+            [row[0] for row in encoded[first : first + batch_size]],
+            pad_token_id if pad_token_id is not None else 0,
+        )  # a batch of one has no padding
         batches.append((ids.to(model.device), mask.to(model.device)))
     for ids, mask in batches[:warmup]:
         for run in runners.values():
             run(ids, mask)
-    launches = {name: launches_per_step(model, run, *batches[0]) for name, run in runners.items()} if warmup else {}
+    launches = (
+        {name: launches_per_step(model, run, *batches[0]) for name, run in runners.items()} if warmup else {}
+    )
     names = list(runners)
     outs = {n: [] for n in names}  # each prompt's new tokens, in prompt order
     tokens = {n: [] for n in names}  # per batch
@@ -296,20 +346,28 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], 
         }
         st = [s for s in stats[name] if s]
         steps = sum(s["decode_steps"] for s in st)  # row-steps: one per row per step it was decoding in
-        entry |= {"tau": sum(s["decode_tokens"] for s in st) / max(1, steps),
-                  "target_forwards": sum(s["target_forwards"] for s in st)}
+        entry |= {
+            "tau": sum(s["decode_tokens"] for s in st) / max(1, steps),
+            "target_forwards": sum(s["target_forwards"] for s in st),
+        }
         if st and "draft_s" in st[0]:
             batched_steps = sum(len(s["step_times"]) for s in st)  # one per step of a whole batch
-            entry["ms_per_step"] = {k: 1e3 * sum(s[f"{k}_s"] for s in st) / max(1, batched_steps)
-                                    for k in ("draft", "verify", "bookkeeping")}
+            entry["ms_per_step"] = {
+                k: 1e3 * sum(s[f"{k}_s"] for s in st) / max(1, batched_steps)
+                for k in ("draft", "verify", "bookkeeping")
+            }
             entry["accept_lengths"] = [n for s in st for n in s["accept_lengths"]]
         if st and st[0].get("host_syncs") is not None:  # CUDA: the prefill's and the output's few included
-            entry["host_syncs_per_step"] = sum(s["host_syncs"] for s in st) / max(1, sum(len(s["step_times"]) for s in st))
+            entry["host_syncs_per_step"] = sum(s["host_syncs"] for s in st) / max(
+                1, sum(len(s["step_times"]) for s in st)
+            )
         entry |= step_drift(st)
         if name in launches:
             entry["launches_per_step"] = launches[name]
         if name in chains and st:
-            entry |= chain_acceptance([a for s in st for a in s["accepted_drafts"]], [d for s in st for d in s["drafted"]])
+            entry |= chain_acceptance(
+                [a for s in st for a in s["accepted_drafts"]], [d for s in st for d in s["drafted"]]
+            )
         if name in memory:
             entry["peak_memory_mb"] = memory[name]
         mismatches = []
@@ -318,7 +376,9 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: list[str], 
                 pos = next((j for j, (x, y) in enumerate(zip(o, b)) if x != y), min(len(o), len(b)))
                 # the prompt as it is, without its batch's padding
                 margin, tie = top2_margin(model, encoded[i], b, pos) if pos < len(b) else (None, False)
-                mismatches.append({"prompt": i, "position": pos, "top2_logit_margin": margin, "near_tie": tie})
+                mismatches.append(
+                    {"prompt": i, "position": pos, "top2_logit_margin": margin, "near_tie": tie}
+                )
         if mismatches:
             entry["mismatches"] = mismatches
             entry["all_mismatches_near_ties"] = all(m["near_tie"] for m in mismatches)
@@ -336,8 +396,11 @@ def latency_report(model, result: dict, tree_nodes: dict[str, int], batch_size: 
     sizes = sorted(set(LATENCY_SIZES) | {n for n in tree_nodes.values() if n})
     curve = forward_latency(model, sizes, batch_size=batch_size)
     t1 = curve.measured[1]
-    report = {"ms": {n: 1e3 * t for n, t in curve.measured.items()},
-              "ratio": {n: t / t1 for n, t in curve.measured.items()}, "methods": {}}
+    report = {
+        "ms": {n: 1e3 * t for n, t in curve.measured.items()},
+        "ratio": {n: t / t1 for n, t in curve.measured.items()},
+        "methods": {},
+    }
     plain = result["methods"].get("plain")
     for name, nodes in tree_nodes.items():
         m = result["methods"].get(name)
@@ -352,8 +415,14 @@ def latency_report(model, result: dict, tree_nodes: dict[str, int], batch_size: 
 
 
 @torch.no_grad()
-def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int = 15,
-                    timer: Callable[[], float] = time.perf_counter, batch_size: int = 1) -> LatencyCurve:
+def forward_latency(
+    model,
+    sizes: list[int],
+    prefix_len: int = 256,
+    repeats: int = 15,
+    timer: Callable[[], float] = time.perf_counter,
+    batch_size: int = 1,
+) -> LatencyCurve:
     """Seconds of one target forward of n tree nodes on top of a cached prefix, for each n in `sizes`; with
     `batch_size` B, of B rows' trees of n nodes each in one forward (a batch makes wide trees dearer).
 
@@ -371,7 +440,9 @@ def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int
     gen = torch.Generator().manual_seed(0)
     B = batch_size
     prefix = torch.randint(0, vocab, (B, prefix_len), generator=gen).to(target.device)
-    trees = {n: tree_from_parents([-1] + [0] * (n - 1), list(range(n))).to(target.device) for n in sizes}  # stars
+    trees = {
+        n: tree_from_parents([-1] + [0] * (n - 1), list(range(n))).to(target.device) for n in sizes
+    }  # stars
     tokens = {n: torch.randint(0, vocab, (B, n), generator=gen).to(target.device) for n in sizes}
     cache = new_cache(model, prefix_len + largest)
     target.prefill_rows(prefix, cache, hidden=False)  # once: every timed forward starts from this prefix
@@ -384,8 +455,9 @@ def forward_latency(model, sizes: list[int], prefix_len: int = 256, repeats: int
         for n in sizes:
             sync()
             start = timer()
-            target.verify_rows(tokens[n], positions[n], mask.at(prefix_len, trees[n].ancestors.expand(B, -1, -1)),
-                               cache)
+            target.verify_rows(
+                tokens[n], positions[n], mask.at(prefix_len, trees[n].ancestors.expand(B, -1, -1)), cache
+            )
             sync()
             if round_:
                 samples[n].append(timer() - start)

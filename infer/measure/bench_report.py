@@ -15,29 +15,39 @@ def format_table(result: dict) -> str:
     for name, m in result["methods"].items():
         split = m.get("ms_per_step")
         split_s = "/".join(f"{split[k]:.1f}" for k in ("draft", "verify", "bookkeeping")) if split else "-"
-        same = "yes" if m["identical_to_baseline"] else ("ties" if m.get("all_mismatches_near_ties") else "NO")
+        same = (
+            "yes" if m["identical_to_baseline"] else ("ties" if m.get("all_mismatches_near_ties") else "NO")
+        )
         rows.append(
             f"{name:<{width}}{m['tokens_per_s']:>10.1f}{m['speedup']:>8.2f}x{m['median_speedup']:>7.2f}x"
             f"{m['tau']:>7.2f}{m['target_forwards']:>7d}  {same:<9}  {split_s}"
         )
         if "alpha" in m:
-            notes.append(f"{name}: acceptance rate alpha {m['alpha']:.3f}; the seed paper's formula predicts tau "
-                         f"{m['predicted_tau']:.2f}, measured {m['tau']:.2f}")
+            notes.append(
+                f"{name}: acceptance rate alpha {m['alpha']:.3f}; the seed paper's formula predicts tau "
+                f"{m['predicted_tau']:.2f}, measured {m['tau']:.2f}"
+            )
         if "step_ms_first_100" in m:
-            notes.append(f"{name}: {m['step_ms_first_100']:.1f} ms per step over the first 100 steps, "
-                         f"{m['step_ms_last_100']:.1f} over the last 100")
+            notes.append(
+                f"{name}: {m['step_ms_first_100']:.1f} ms per step over the first 100 steps, "
+                f"{m['step_ms_last_100']:.1f} over the last 100"
+            )
         if "launches_per_step" in m:
             launches = m["launches_per_step"]
-            notes.append(f"{name}: {launches['outside']:.0f} kernel launches per step outside the target's forward, "
-                         f"{launches['inside']:.0f} inside")
+            notes.append(
+                f"{name}: {launches['outside']:.0f} kernel launches per step outside the target's forward, "
+                f"{launches['inside']:.0f} inside"
+            )
         if "peak_memory_mb" in m:
             notes.append(f"{name}: peak memory {m['peak_memory_mb']:.0f} MiB")
         if m.get("mismatches"):
             notes.append(f"{name}: " + format_agreement(agreement(m, result["num_prompts"])))
         for mm in m.get("mismatches", []):
             kind = "a near-tie" if mm["near_tie"] else "NOT a near-tie: a bug"
-            notes.append(f"{name}: prompt {mm['prompt']} differs from the baseline at new token {mm['position']}; "
-                         f"top-2 logit margin there {mm['top2_logit_margin']}, {kind}")
+            notes.append(
+                f"{name}: prompt {mm['prompt']} differs from the baseline at new token {mm['position']}; "
+                f"top-2 logit margin there {mm['top2_logit_margin']}, {kind}"
+            )
     return "\n".join(rows + notes)
 
 
@@ -48,11 +58,15 @@ def agreement(method: dict, num_prompts: int) -> dict:
     argmax; anything wider is a bug)."""
     mismatches = method.get("mismatches", [])
     margins = [mm["top2_logit_margin"] for mm in mismatches if mm["top2_logit_margin"] is not None]
-    return {"prompts": num_prompts, "identical_prompts": num_prompts - len(mismatches),
-            "fraction_identical": (num_prompts - len(mismatches)) / max(1, num_prompts),
-            "first_divergence": [mm["position"] for mm in mismatches],
-            "top2_margins": margins, "largest_margin": max(margins, default=None),
-            "all_near_ties": all(mm["near_tie"] for mm in mismatches)}
+    return {
+        "prompts": num_prompts,
+        "identical_prompts": num_prompts - len(mismatches),
+        "fraction_identical": (num_prompts - len(mismatches)) / max(1, num_prompts),
+        "first_divergence": [mm["position"] for mm in mismatches],
+        "top2_margins": margins,
+        "largest_margin": max(margins, default=None),
+        "all_near_ties": all(mm["near_tie"] for mm in mismatches),
+    }
 
 
 def add_agreement(result: dict) -> dict:
@@ -63,12 +77,14 @@ def add_agreement(result: dict) -> dict:
 
 
 def format_agreement(a: dict) -> str:
-    return (f"{a['identical_prompts']}/{a['prompts']} prompts identical to the baseline "
-            f"({a['fraction_identical']:.0%}); the others first differ at new token"
-            f"{'s' if len(a['first_divergence']) > 1 else ''} {', '.join(map(str, a['first_divergence']))}, "
-            f"top-2 logit margin{'s' if len(a['top2_margins']) > 1 else ''} there "
-            f"{', '.join(f'{x:g}' for x in a['top2_margins']) or '-'}"
-            f"{' (all near-ties)' if a['all_near_ties'] else ' (NOT all near-ties: a bug)'}")
+    return (
+        f"{a['identical_prompts']}/{a['prompts']} prompts identical to the baseline "
+        f"({a['fraction_identical']:.0%}); the others first differ at new token"
+        f"{'s' if len(a['first_divergence']) > 1 else ''} {', '.join(map(str, a['first_divergence']))}, "
+        f"top-2 logit margin{'s' if len(a['top2_margins']) > 1 else ''} there "
+        f"{', '.join(f'{x:g}' for x in a['top2_margins']) or '-'}"
+        f"{' (all near-ties)' if a['all_near_ties'] else ' (NOT all near-ties: a bug)'}"
+    )
 
 
 def format_tables(results: dict[int, dict]) -> str:
@@ -85,12 +101,15 @@ def check_plot_file(path: str | Path) -> None:
         importlib.import_module("matplotlib")
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
-        raise ValueError("--plot needs matplotlib, which is not installed: pip install matplotlib "
-                         "(or pip install 'selfspec[plot]')") from None
+        raise ValueError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib "
+            "(or pip install 'selfspec[plot]')"
+        ) from None
     kinds = FigureCanvasBase.get_supported_filetypes()
     if Path(path).suffix.lower().removeprefix(".") not in kinds:
-        raise ValueError(f"--plot {path}: name a file ending in one of .{', .'.join(sorted(kinds))} "
-                         "(e.g. bench.png)")
+        raise ValueError(
+            f"--plot {path}: name a file ending in one of .{', .'.join(sorted(kinds))} (e.g. bench.png)"
+        )
 
 
 def plot_bench(result: dict, path: str | Path) -> None:
@@ -126,9 +145,14 @@ def plot_bench(result: dict, path: str | Path) -> None:
 
 
 def format_latency(report: dict) -> str:
-    rows = ["target forward t(n)/t(1): " + ", ".join(f"n={n} {r:.2f}" for n, r in report["ratio"].items())
-            + f" (t(1) = {report['ms'][1]:.1f} ms)"]
+    rows = [
+        "target forward t(n)/t(1): "
+        + ", ".join(f"n={n} {r:.2f}" for n, r in report["ratio"].items())
+        + f" (t(1) = {report['ms'][1]:.1f} ms)"
+    ]
     for name, m in report["methods"].items():
-        rows.append(f"{name}: {m['nodes']} nodes, limit tau*t(1)/t(tree) = {m['limit_speedup']:.2f}x, "
-                    f"efficiency {m['efficiency']:.2f}")
+        rows.append(
+            f"{name}: {m['nodes']} nodes, limit tau*t(1)/t(tree) = {m['limit_speedup']:.2f}x, "
+            f"efficiency {m['efficiency']:.2f}"
+        )
     return "\n".join(rows)

@@ -32,14 +32,30 @@ from selfspec.infer.core.mask import RowMask
 from selfspec.infer.core.target import Target
 
 aten = torch.ops.aten
-COPIES = {aten.clone, aten.copy_, aten._to_copy, aten.cat, aten.stack, aten.index_select, aten.gather, aten.index,
-          aten.repeat, aten.repeat_interleave, aten.expand_copy, aten.contiguous}
+COPIES = {
+    aten.clone,
+    aten.copy_,
+    aten._to_copy,
+    aten.cat,
+    aten.stack,
+    aten.index_select,
+    aten.gather,
+    aten.index,
+    aten.repeat,
+    aten.repeat_interleave,
+    aten.expand_copy,
+    aten.contiguous,
+}
 
 
 def storages(cache: PreallocatedCache) -> set[int]:
     """The addresses of every layer's key and value storage."""
-    return {t.untyped_storage().data_ptr() for layer in cache.layers if layer.is_initialized
-            for t in (layer.key_storage, layer.value_storage)}
+    return {
+        t.untyped_storage().data_ptr()
+        for layer in cache.layers
+        if layer.is_initialized
+        for t in (layer.key_storage, layer.value_storage)
+    }
 
 
 class CopyCounter(TorchDispatchMode):
@@ -53,11 +69,15 @@ class CopyCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket in COPIES:
-            inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            inputs = [
+                a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)
+            ]
             if func.overloadpacket is aten.copy_:
                 inputs = inputs[1:]  # copy_(dst, src): what it reads is src
             if any(t.untyped_storage().data_ptr() in self.sources for t in inputs):
-                written = sum(t.nbytes for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+                written = sum(
+                    t.nbytes for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+                )
                 self.bytes += written
                 name = str(func.overloadpacket)
                 self.ops[name] = self.ops.get(name, 0) + written
@@ -71,8 +91,10 @@ def measure(forward: Callable[[], object], cache: PreallocatedCache) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities, profile_memory=True) as prof:
         forward()
-    allocated = sum(max(0, e.self_cpu_memory_usage) + max(0, getattr(e, "self_device_memory_usage", 0))
-                    for e in prof.key_averages())
+    allocated = sum(
+        max(0, e.self_cpu_memory_usage) + max(0, getattr(e, "self_device_memory_usage", 0))
+        for e in prof.key_averages()
+    )
     return {"kv_copied": counter.bytes, "kv_copied_by_op": counter.ops, "allocated": allocated}
 
 
@@ -81,8 +103,15 @@ def gqa_model(layers: int, context: int) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=context + 256)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=context + 256,
+    )
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
 
@@ -125,8 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=4096, help="prompt tokens in the cache before the tree")
     p.add_argument("--tree", type=int, default=64, help="tree nodes verified in the forward")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the random GQA model")
-    p.add_argument("--model", default=None, help="a local causal LM folder to measure instead (loaded with sdpa)")
-    p.add_argument("--device", default="cpu", help="where the model runs (cuda: the fold is the device's own path)")
+    p.add_argument(
+        "--model", default=None, help="a local causal LM folder to measure instead (loaded with sdpa)"
+    )
+    p.add_argument(
+        "--device", default="cpu", help="where the model runs (cuda: the fold is the device's own path)"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out", type=Path, default=None, help="also write the result here as JSON")
     args = p.parse_args(argv)

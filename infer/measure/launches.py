@@ -16,10 +16,21 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
-NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
-             aten._local_scalar_dense.default, aten.lift_fresh.default, aten.detach.default,
-             aten.set_.source_Storage_storage_offset, aten.resize_.default, aten.sym_size.int, aten.sym_stride.int,
-             aten.sym_numel.default, aten.sym_storage_offset.default, aten.is_same_size.default}
+NO_KERNEL = {
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.empty_like.default,
+    aten._local_scalar_dense.default,
+    aten.lift_fresh.default,
+    aten.detach.default,
+    aten.set_.source_Storage_storage_offset,
+    aten.resize_.default,
+    aten.sym_size.int,
+    aten.sym_stride.int,
+    aten.sym_numel.default,
+    aten.sym_storage_offset.default,
+    aten.is_same_size.default,
+}
 
 
 class LaunchCounter(TorchDispatchMode):

@@ -35,11 +35,13 @@ def test_left_pad_is_the_tokenizers_left_padding():
 
 
 def test_new_rows_are_cut_after_each_rows_first_eos():
-    out = torch.tensor([
-        [9, 9, 5, 2, 0, 0],  # stopped at EOS 2, then padded
-        [9, 9, 5, 6, 7, 8],  # ran to the budget
-        [9, 9, 2, 2, 2, 2],  # EOS first, padded with the EOS (the pad of a tokenizer that has none)
-    ])
+    out = torch.tensor(
+        [
+            [9, 9, 5, 2, 0, 0],  # stopped at EOS 2, then padded
+            [9, 9, 5, 6, 7, 8],  # ran to the budget
+            [9, 9, 2, 2, 2, 2],  # EOS first, padded with the EOS (the pad of a tokenizer that has none)
+        ]
+    )
     assert new_rows(out, 2, {2}) == [[5, 2], [5, 6, 7, 8], [2]]
     assert new_rows(out, 2, {2, 6}) == [[5, 2], [5, 6], [2]]
     assert new_rows(out, 2, set()) == [[5, 2, 0, 0], [5, 6, 7, 8], [2, 2, 2, 2]]
@@ -54,10 +56,14 @@ def batch():
     model.generation_config.eos_token_id = None
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (4, 7, 10)]
-    free = [hf_runner(model, 12, None, PAD)(p[None], torch.ones(1, p.numel(), dtype=torch.long))[0][0]
-            for p in prompts]
-    eos = next((row[k] for row in free[:1] for k in range(2, 8) if row[k] not in row[:k] and row[k] not in free[1]),
-               None)
+    free = [
+        hf_runner(model, 12, None, PAD)(p[None], torch.ones(1, p.numel(), dtype=torch.long))[0][0]
+        for p in prompts
+    ]
+    eos = next(
+        (row[k] for row in free[:1] for k in range(2, 8) if row[k] not in row[:k] and row[k] not in free[1]),
+        None,
+    )
     assert eos is not None, free
     return model, prompts, eos
 
@@ -70,7 +76,11 @@ def test_batched_generate_rows_equal_each_prompt_alone_and_pads_are_not_counted(
     assert rows == alone
     assert rows[0][-1] == eos and len(rows[0]) < 12 and len(rows[1]) == 12  # row 0 was padded after its EOS
     tokens = sum(len(row) - 1 for row in rows)
-    assert stats == {"target_forwards": len(rows[1]), "decode_steps": tokens, "decode_tokens": tokens}  # tau 1
+    assert stats == {
+        "target_forwards": len(rows[1]),
+        "decode_steps": tokens,
+        "decode_tokens": tokens,
+    }  # tau 1
 
 
 def test_speculative_runner_batched_equals_batched_generate(batch):
@@ -105,8 +115,9 @@ def test_run_bench_feeds_left_padded_batches_in_turns_and_counts_each_row_to_its
         return [base(row[m.bool()][None], m[m.bool()][None])[0][0] for row, m in zip(ids, mask)], None
 
     # batches [0, 1] (0 stops at its EOS: padded after it while 1 goes on) and [2]
-    result = run_bench(model, tokenizer, {"hf": baseline, "rowwise": rowwise}, list(text), batch_size=2,
-                       pad_token_id=PAD)
+    result = run_bench(
+        model, tokenizer, {"hf": baseline, "rowwise": rowwise}, list(text), batch_size=2, pad_token_id=PAD
+    )
     # a warm-up batch, the first batch again with its kernel launches counted, then the batches in turns
     assert calls == [("hf", 2), ("rowwise", 2)] * 3 + [("hf", 1), ("rowwise", 1)]
     assert result["methods"]["hf"]["launches_per_step"]["inside"] > 0
@@ -127,8 +138,9 @@ def test_a_mismatch_in_a_padded_row_is_measured_on_its_prompt_without_padding():
         rows[1][2] = (rows[1][2] + 1) % VOCAB  # PROMPTS[1], one token long, is the padded row
         return rows, stats
 
-    result = run_bench(model, tok, {"hf": base, "off": off_in_row_1}, PROMPTS[:2], warmup=0, batch_size=2,
-                       pad_token_id=PAD)
+    result = run_bench(
+        model, tok, {"hf": base, "off": off_in_row_1}, PROMPTS[:2], warmup=0, batch_size=2, pad_token_id=PAD
+    )
     (mismatch,) = result["methods"]["off"]["mismatches"]
     prompt = tok(PROMPTS[1], return_tensors="pt").input_ids
     expected_new = base(prompt, None)[0][0]
@@ -142,14 +154,23 @@ def test_a_mismatch_in_a_padded_row_is_measured_on_its_prompt_without_padding():
 def test_ms_per_step_is_per_batched_step_and_tau_per_row_step():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     base = hf_runner(model, 4, None, PAD)
-    stats = {"target_forwards": 4, "decode_steps": 6, "decode_tokens": 9, "draft_s": 0.3, "verify_s": 0.6,
-             "bookkeeping_s": 0.0, "step_times": [0.3] * 3, "accept_lengths": [1, 2]}
+    stats = {
+        "target_forwards": 4,
+        "decode_steps": 6,
+        "decode_tokens": 9,
+        "draft_s": 0.3,
+        "verify_s": 0.6,
+        "bookkeeping_s": 0.0,
+        "step_times": [0.3] * 3,
+        "accept_lengths": [1, 2],
+    }
 
     def method(ids, mask):
         return base(ids, mask)[0], dict(stats)
 
-    result = run_bench(model, tok, {"hf": base, "spec": method}, PROMPTS[:2], warmup=0, batch_size=2,
-                       pad_token_id=PAD)
+    result = run_bench(
+        model, tok, {"hf": base, "spec": method}, PROMPTS[:2], warmup=0, batch_size=2, pad_token_id=PAD
+    )
     m = result["methods"]["spec"]
     assert m["tau"] == 1.5 and m["target_forwards"] == 4
     assert m["ms_per_step"] == pytest.approx({"draft": 100.0, "verify": 200.0, "bookkeeping": 0.0})
@@ -161,13 +182,28 @@ def test_batches_of_several_prompts_need_a_pad_token():
 
 
 def entry(tps: float) -> dict:
-    return {"tokens_per_s": tps, "speedup": 1.0, "median_speedup": 1.0, "new_tokens": 8, "identical_to_baseline": True,
-            "tau": 1.0, "target_forwards": 8}
+    return {
+        "tokens_per_s": tps,
+        "speedup": 1.0,
+        "median_speedup": 1.0,
+        "new_tokens": 8,
+        "identical_to_baseline": True,
+        "tau": 1.0,
+        "target_forwards": 8,
+    }
 
 
 def test_the_table_prints_one_block_per_batch_size():
-    one = {"baseline": "hf_generate", "num_prompts": 4, "methods": {"hf_generate": entry(11.0), "plain": entry(12.0)}}
-    four = {"baseline": "hf_generate", "num_prompts": 4, "methods": {"hf_generate": entry(41.0), "plain": entry(42.0)}}
+    one = {
+        "baseline": "hf_generate",
+        "num_prompts": 4,
+        "methods": {"hf_generate": entry(11.0), "plain": entry(12.0)},
+    }
+    four = {
+        "baseline": "hf_generate",
+        "num_prompts": 4,
+        "methods": {"hf_generate": entry(41.0), "plain": entry(42.0)},
+    }
     assert format_tables({1: one}) == format_table(one)  # one batch size: the table as it was
     blocks = format_tables({1: one, 4: four}).split("\n\n")
     assert blocks == [f"batch size 1\n{format_table(one)}", f"batch size 4\n{format_table(four)}"]
@@ -182,10 +218,30 @@ def bench_prompts(tmp_path, count: int):
 
 def test_bench_json_of_one_batch_size_keeps_its_schema(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    cli(["bench", "--model", str(tiny_model_dir), "--prompt-lookup", "--prompts", bench_prompts(tmp_path, 2),
-         "--max-new-tokens", "6", "--json", str(out)])
+    cli(
+        [
+            "bench",
+            "--model",
+            str(tiny_model_dir),
+            "--prompt-lookup",
+            "--prompts",
+            bench_prompts(tmp_path, 2),
+            "--max-new-tokens",
+            "6",
+            "--json",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
-    assert set(result) == {"baseline", "num_prompts", "methods", "dtype", "max_new_tokens", "threads", "tree_nodes"}
+    assert set(result) == {
+        "baseline",
+        "num_prompts",
+        "methods",
+        "dtype",
+        "max_new_tokens",
+        "threads",
+        "tree_nodes",
+    }
     assert list(result["methods"]) == ["hf_generate", "plain", "hf_prompt_lookup", "prompt_lookup"]
     captured = capsys.readouterr()
     assert "batch size 1\n" not in captured.out and "skipped" not in captured.err
@@ -196,8 +252,25 @@ def test_bench_several_batch_sizes(tiny_model_dir, tmp_path, capsys):
     draft = tmp_path / "tiny-draft"
     tiny_model("gpt2", seed=1).save_pretrained(draft)
     out = tmp_path / "bench.json"
-    cli(["bench", "--model", str(tiny_model_dir), "--draft-model", str(draft), "--prompt-lookup", "--prompts",
-         bench_prompts(tmp_path, 3), "--max-new-tokens", "8", "--batch-size", "1", "2", "--json", str(out)])
+    cli(
+        [
+            "bench",
+            "--model",
+            str(tiny_model_dir),
+            "--draft-model",
+            str(draft),
+            "--prompt-lookup",
+            "--prompts",
+            bench_prompts(tmp_path, 3),
+            "--max-new-tokens",
+            "8",
+            "--batch-size",
+            "1",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     assert set(result) == {"by_batch_size", "dtype", "max_new_tokens", "threads", "tree_nodes"}
     assert list(result["by_batch_size"]) == ["1", "2"]
@@ -206,8 +279,13 @@ def test_bench_several_batch_sizes(tiny_model_dir, tmp_path, capsys):
         for name, m in run["methods"].items():
             assert m["identical_to_baseline"] is True, (size, name)
     drafters = ["draft_model", "prompt_lookup"]
-    assert list(result["by_batch_size"]["1"]["methods"]) == ["hf_generate", "plain", "hf_assisted",
-                                                             "hf_prompt_lookup", *drafters]
+    assert list(result["by_batch_size"]["1"]["methods"]) == [
+        "hf_generate",
+        "plain",
+        "hf_assisted",
+        "hf_prompt_lookup",
+        *drafters,
+    ]
     assert list(result["by_batch_size"]["2"]["methods"]) == ["hf_generate", "plain", *drafters]
     captured = capsys.readouterr()
     assert "note: hf_assisted and hf_prompt_lookup skipped at batch size 2" in captured.err
@@ -216,21 +294,34 @@ def test_bench_several_batch_sizes(tiny_model_dir, tmp_path, capsys):
     assert "hf_assisted" in blocks[0] and "hf_assisted" not in blocks[1]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--batch-size", "1", "2", "1"], "--batch-size 1 2 1: give each batch size once"),
-    (["--batch-size", "4"], "--batch-size 4 is more than the 3 prompts"),
-    (["--batch-size", "1", "2", "--plot", "bench.png"], "--plot draws the run of one batch size"),
-    (["--batch-size", "0"], "argument --batch-size: must be an integer >= 1, got 0"),
-])
-def test_bad_batch_sizes_are_one_line_errors_before_loading(extra, message, tiny_model_dir, tmp_path, capsys,
-                                                             monkeypatch):
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--batch-size", "1", "2", "1"], "--batch-size 1 2 1: give each batch size once"),
+        (["--batch-size", "4"], "--batch-size 4 is more than the 3 prompts"),
+        (["--batch-size", "1", "2", "--plot", "bench.png"], "--plot draws the run of one batch size"),
+        (["--batch-size", "0"], "argument --batch-size: must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_batch_sizes_are_one_line_errors_before_loading(
+    extra, message, tiny_model_dir, tmp_path, capsys, monkeypatch
+):
     def refuse(*args, **kwargs):
         raise AssertionError("the model's weights were loaded before the check")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
-        cli(["bench", "--model", str(tiny_model_dir), "--prompt-lookup", "--prompts", bench_prompts(tmp_path, 3),
-             *extra])
+        cli(
+            [
+                "bench",
+                "--model",
+                str(tiny_model_dir),
+                "--prompt-lookup",
+                "--prompts",
+                bench_prompts(tmp_path, 3),
+                *extra,
+            ]
+        )
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err, err

@@ -22,7 +22,11 @@ def test_step_drift_compares_the_first_and_last_100_steps_of_long_generations():
 def test_a_long_bench_run_reports_start_and_end_step_times():
     class Tok:
         def __call__(self, text, return_tensors):
-            return type("E", (), {"input_ids": torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))})
+            return type(
+                "E",
+                (),
+                {"input_ids": torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))},
+            )
 
     model = tiny_model("llama")
     runner = speculative_runner(SpeculativeModel(model, NoDraft()), 220, eos=[])

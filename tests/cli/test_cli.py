@@ -25,9 +25,21 @@ def trained_heads(tiny_model_dir, tmp_path, monkeypatch):
     data = tmp_path / "data.txt"
     data.write_text(TOKENIZER_TEXT * 30)
     out = tmp_path / "heads"
-    args = {"model": tiny_model_dir, "dataset": data, "output_dir": out, "max_length": 32, "max_steps": 4,
-            "per_device_train_batch_size": 4, "eval_steps": 4, "num_heads": 3, "max_minutes": 0, "tree_nodes": 8,
-            "self_distill": False, "max_train_examples": 0, "mixed_precision": "no"}
+    args = {
+        "model": tiny_model_dir,
+        "dataset": data,
+        "output_dir": out,
+        "max_length": 32,
+        "max_steps": 4,
+        "per_device_train_batch_size": 4,
+        "eval_steps": 4,
+        "num_heads": 3,
+        "max_minutes": 0,
+        "tree_nodes": 8,
+        "self_distill": False,
+        "max_train_examples": 0,
+        "mixed_precision": "no",
+    }
     run(load_config(MedusaConfig, [x for k, v in args.items() for x in (f"--{k}", str(v))]))
     return out
 
@@ -50,18 +62,29 @@ def user_error(capsys, argv: list[str]) -> str:
 def greedy_reference(model_dir, prompt: str, max_new_tokens: int) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = AutoTokenizer.from_pretrained(model_dir)(prompt, return_tensors="pt").input_ids
-    return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+    return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1] :].tolist()
 
 
 def test_generate_json_equals_transformers_greedy(trained_heads, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "gen.json"
-    cli(["generate", "--heads", str(trained_heads), "--prompt", "def add(a, b):", "--max-new-tokens", "30",
-         "--json", str(out)])
+    cli(
+        [
+            "generate",
+            "--heads",
+            str(trained_heads),
+            "--prompt",
+            "def add(a, b):",
+            "--max-new-tokens",
+            "30",
+            "--json",
+            str(out),
+        ]
+    )
     record = json.loads(out.read_text())
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     ids = tok("def add(a, b):", return_tensors="pt").input_ids
-    ref = model.generate(ids, max_new_tokens=30, do_sample=False)[0, ids.shape[1]:].tolist()
+    ref = model.generate(ids, max_new_tokens=30, do_sample=False)[0, ids.shape[1] :].tolist()
     assert record["token_ids"] == ref
     assert record["stats"]["new_tokens"] == len(ref)
     assert record["text"] == tok.decode(ref, skip_special_tokens=True)
@@ -72,8 +95,19 @@ def test_bench_writes_every_method(trained_heads, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "class Point:"}\n')
     out = tmp_path / "bench.json"
-    cli(["bench", "--heads", str(trained_heads), "--prompts", str(prompts), "--max-new-tokens", "12",
-         "--json", str(out)])
+    cli(
+        [
+            "bench",
+            "--heads",
+            str(trained_heads),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "12",
+            "--json",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     assert result["baseline"] == "hf_generate"
     assert set(result["methods"]) == {"hf_generate", "plain", "medusa"}
@@ -94,8 +128,25 @@ def test_bench_compares_several_drafters_on_one_target(medusa_dir, eagle_dir, tm
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "class Point:"}\n{"prompt": "import os"}\n')
     out = tmp_path / "bench.json"
-    cli(["bench", "--heads", str(medusa_dir), "--heads", str(eagle_dir), "--heads", str(medusa_dir),
-         "--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "8", "--json", str(out)])
+    cli(
+        [
+            "bench",
+            "--heads",
+            str(medusa_dir),
+            "--heads",
+            str(eagle_dir),
+            "--heads",
+            str(medusa_dir),
+            "--prompts",
+            str(prompts),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--json",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     assert result["num_prompts"] == 2  # the file's first two
     assert list(result["methods"]) == ["hf_generate", "plain", "medusa", "eagle", "medusa#2"]
@@ -112,15 +163,41 @@ def test_generate_with_eagle_heads_and_tree_options(eagle_dir, tiny_model_dir, t
 
     loaded = []
     load = SpeculativeModel.from_pretrained.__func__
-    monkeypatch.setattr(SpeculativeModel, "from_pretrained",
-                        classmethod(lambda cls, *a, **kw: loaded.append(load(cls, *a, **kw)) or loaded[-1]))
+    monkeypatch.setattr(
+        SpeculativeModel,
+        "from_pretrained",
+        classmethod(lambda cls, *a, **kw: loaded.append(load(cls, *a, **kw)) or loaded[-1]),
+    )
     out = tmp_path / "gen.json"
-    cli(["generate", "--heads", str(eagle_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "12",
-         "--depth", "2", "--draft-top-k", "2", "--total-tokens", "4", "--quiet", "--json", str(out)])
+    cli(
+        [
+            "generate",
+            "--heads",
+            str(eagle_dir),
+            "--prompt",
+            "def add(a, b):",
+            "--max-new-tokens",
+            "12",
+            "--depth",
+            "2",
+            "--draft-top-k",
+            "2",
+            "--total-tokens",
+            "4",
+            "--quiet",
+            "--json",
+            str(out),
+        ]
+    )
     record = json.loads(out.read_text())
     assert record["token_ids"] == greedy_reference(tiny_model_dir, "def add(a, b):", 12)
     proposer = loaded[0].proposer
-    assert (proposer.name, proposer.depth, proposer.top_k, proposer.max_nodes) == ("eagle", 2, 2, 5)  # 4 + root
+    assert (proposer.name, proposer.depth, proposer.top_k, proposer.max_nodes) == (
+        "eagle",
+        2,
+        2,
+        5,
+    )  # 4 + root
     assert max(record["stats"]["accept_lengths"]) <= 3  # depth 2: two drafted tokens and the bonus at most
 
 
@@ -136,15 +213,45 @@ def draft_model_dir(tmp_path):
 
 def test_bench_races_transformers_speculative_decoding(tiny_model_dir, draft_model_dir, eagle_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "def add(a, b):\\n    return a + b\\n\\ndef add(a, b):"}\n{"prompt": "class Point:"}\n')
+    prompts.write_text(
+        '{"prompt": "def add(a, b):\\n    return a + b\\n\\ndef add(a, b):"}\n{"prompt": "class Point:"}\n'
+    )
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
-    cli(["bench", "--model", str(tiny_model_dir), "--heads", str(eagle_dir), "--draft-model", str(draft_model_dir),
-         "--num-draft-tokens", "3", "--prompt-lookup", "--lookup-first", "--prompts", str(prompts), "--max-new-tokens", "16",
-         "--json", str(out), "--plot", str(plot)])
+    cli(
+        [
+            "bench",
+            "--model",
+            str(tiny_model_dir),
+            "--heads",
+            str(eagle_dir),
+            "--draft-model",
+            str(draft_model_dir),
+            "--num-draft-tokens",
+            "3",
+            "--prompt-lookup",
+            "--lookup-first",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "16",
+            "--json",
+            str(out),
+            "--plot",
+            str(plot),
+        ]
+    )
     result = json.loads(out.read_text())
     assert result["num_prompts"] == 2  # all of the file
-    assert list(result["methods"]) == ["hf_generate", "plain", "hf_assisted", "hf_prompt_lookup", "eagle",
-                                       "eagle+lookup", "draft_model", "prompt_lookup"]
+    assert list(result["methods"]) == [
+        "hf_generate",
+        "plain",
+        "hf_assisted",
+        "hf_prompt_lookup",
+        "eagle",
+        "eagle+lookup",
+        "draft_model",
+        "prompt_lookup",
+    ]
     for name, m in result["methods"].items():
         assert m["identical_to_baseline"] is True, name
         assert m["tau"] >= 1 and m["target_forwards"] >= 2
@@ -157,17 +264,33 @@ def test_bench_races_transformers_speculative_decoding(tiny_model_dir, draft_mod
 
 
 def test_generate_takes_exactly_one_drafter(tiny_model_dir, draft_model_dir, medusa_dir, capsys):
-    assert "exactly one drafter" in user_error(capsys, ["generate", "--model", str(tiny_model_dir), "--prompt", "x"])
-    assert "exactly one drafter" in user_error(capsys, ["generate", "--heads", str(medusa_dir), "--prompt-lookup",
-                                                        "--prompt", "x"])
+    assert "exactly one drafter" in user_error(
+        capsys, ["generate", "--model", str(tiny_model_dir), "--prompt", "x"]
+    )
+    assert "exactly one drafter" in user_error(
+        capsys, ["generate", "--heads", str(medusa_dir), "--prompt-lookup", "--prompt", "x"]
+    )
 
 
 @pytest.mark.parametrize("flag", ["--draft-model", "--prompt-lookup"])
 def test_generate_with_a_draft_model_or_prompt_lookup(flag, tiny_model_dir, draft_model_dir, tmp_path):
     out = tmp_path / "gen.json"
     drafter = [flag, str(draft_model_dir)] if flag == "--draft-model" else [flag]
-    cli(["generate", "--model", str(tiny_model_dir), *drafter, "--prompt", "def add(a, b):", "--max-new-tokens", "20",
-         "--quiet", "--json", str(out)])
+    cli(
+        [
+            "generate",
+            "--model",
+            str(tiny_model_dir),
+            *drafter,
+            "--prompt",
+            "def add(a, b):",
+            "--max-new-tokens",
+            "20",
+            "--quiet",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["token_ids"] == greedy_reference(tiny_model_dir, "def add(a, b):", 20)
 
 
@@ -176,13 +299,30 @@ def test_tune_stores_a_medusa_tree_and_an_eagle_setting(medusa_dir, eagle_dir, c
     cli(["tune", "--heads", str(medusa_dir), "--num-prompts", "2"])
     chosen = next(line for line in capsys.readouterr().out.splitlines() if "<- chosen" in line)
     tree = json.loads((medusa_dir / "config.json").read_text())["tree"]
-    assert tree is not None and chosen.startswith(f"{len(tree) + 1:5d} nodes:")  # what was measured best is stored
-    cli(["tune", "--heads", str(eagle_dir), "--num-prompts", "2", "--max-new-tokens", "6", "--batch-size", "2"])
+    assert tree is not None and chosen.startswith(
+        f"{len(tree) + 1:5d} nodes:"
+    )  # what was measured best is stored
+    cli(
+        [
+            "tune",
+            "--heads",
+            str(eagle_dir),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--batch-size",
+            "2",
+        ]
+    )
     printed = capsys.readouterr().out
     assert "at batch size 2" in printed
     config = json.loads((eagle_dir / "config.json").read_text())
     chosen = next(line for line in printed.splitlines() if "<- chosen" in line)
-    assert f"depth {config['depth']:2d}  top_k {config['top_k']:2d}  total_tokens {config['total_tokens']:3d}" in chosen
+    assert (
+        f"depth {config['depth']:2d}  top_k {config['top_k']:2d}  total_tokens {config['total_tokens']:3d}"
+        in chosen
+    )
     assert "stored depth" in printed
 
 
@@ -219,7 +359,9 @@ def test_damaged_heads_files_are_one_line_errors_naming_the_file(medusa_dir, cap
 def test_damaged_target_weights_are_one_line_errors_naming_the_file(tiny_model_dir, capsys):
     weights = tiny_model_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    line = user_error(capsys, ["generate", "--model", str(tiny_model_dir), "--prompt-lookup", "--prompt", "x"])
+    line = user_error(
+        capsys, ["generate", "--model", str(tiny_model_dir), "--prompt-lookup", "--prompt", "x"]
+    )
     assert f"--model {tiny_model_dir}: the weights in {weights}: cannot load it: SafetensorError" in line
     missing = tiny_model_dir.parent / "nope"
     line = user_error(capsys, ["generate", "--model", str(missing), "--prompt-lookup", "--prompt", "x"])
@@ -239,14 +381,18 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch):
 def test_export_and_import_never_write_over_a_checkpoint(medusa_dir, tmp_path, capsys, command):
     """Writing a checkpoint's files over another's leaves a mix that loads as neither: refused, files untouched."""
     before = {p.name: p.read_bytes() for p in medusa_dir.iterdir() if p.is_file()}
-    argv = (["export", "--heads", str(medusa_dir), "--format", "vllm-medusa"] if command == "export"
-            else ["import", "--src", str(medusa_dir)])
+    argv = (
+        ["export", "--heads", str(medusa_dir), "--format", "vllm-medusa"]
+        if command == "export"
+        else ["import", "--src", str(medusa_dir)]
+    )
     err = user_error(capsys, [*argv, "--out", str(medusa_dir)])
     assert f"--out {medusa_dir} already holds a checkpoint (README.md, config.json, model.safetensors)" in err
     assert {p.name: p.read_bytes() for p in medusa_dir.iterdir() if p.is_file()} == before
     if command == "import":  # our own layout needs no import
         assert "is already a selfspec drafter: use it as --heads directly" in user_error(
-            capsys, [*argv, "--out", str(tmp_path / "new")])
+            capsys, [*argv, "--out", str(tmp_path / "new")]
+        )
     notes = tmp_path / "notes"  # a folder holding only the user's README.md: the model card would replace it
     notes.mkdir()
     (notes / "README.md").write_text("mine")
@@ -255,7 +401,9 @@ def test_export_and_import_never_write_over_a_checkpoint(medusa_dir, tmp_path, c
 
 
 def test_a_medusa_tree_rank_beyond_the_vocabulary_is_a_clear_error(medusa_dir, capsys):
-    err = user_error(capsys, ["generate", "--heads", str(medusa_dir), "--prompt", "def", "--tree", "[[0], [9000]]"])
+    err = user_error(
+        capsys, ["generate", "--heads", str(medusa_dir), "--prompt", "def", "--tree", "[[0], [9000]]"]
+    )
     assert "rank 9000 of a head's guesses" in err
 
 
@@ -268,7 +416,9 @@ def test_a_prompt_rendered_with_its_bos_gets_no_second_one():
     from selfspec.infer.measure.bench import encode_prompt
 
     tok = tiny_tokenizer()
-    tok._tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+    tok._tokenizer.post_processor = TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)]
+    )
     plain = encode_prompt(tok, "def add(a, b):")[0].tolist()
     rendered = encode_prompt(tok, "<bos>def add(a, b):")[0].tolist()
     assert plain[0] == tok.bos_token_id and plain[1] != tok.bos_token_id
@@ -286,7 +436,9 @@ def test_the_console_script_names_itself_selfspec(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["selfspec", "no-such-command"])
     with pytest.raises(SystemExit):
         console()
-    assert capsys.readouterr().err.startswith("selfspec: error: argument command: invalid choice: 'no-such-command'")
+    assert capsys.readouterr().err.startswith(
+        "selfspec: error: argument command: invalid choice: 'no-such-command'"
+    )
 
 
 def test_version_prints_the_installed_version(capsys):
@@ -305,8 +457,21 @@ def test_quiet_prints_nothing_and_warnings_are_one_plain_line(tiny_model_dir, tm
 
     out = tmp_path / "gen.json"
     transformers.utils.logging.enable_progress_bar()  # as in a fresh process: the "Loading weights" bar is on
-    cli(["generate", "--prompt-lookup", "--model", str(tiny_model_dir), "--prompt", "def add(a, b):",
-         "--max-new-tokens", "8", "--quiet", "--json", str(out)])
+    cli(
+        [
+            "generate",
+            "--prompt-lookup",
+            "--model",
+            str(tiny_model_dir),
+            "--prompt",
+            "def add(a, b):",
+            "--max-new-tokens",
+            "8",
+            "--quiet",
+            "--json",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr()
     assert printed.out == "" and printed.err == ""
     assert len(json.loads(out.read_text())["token_ids"]) == 8

@@ -13,8 +13,9 @@ from selfspec.infer.measure.bench import forward_latency
 from selfspec.infer.measure.tune import LATENCY_SIZES, format_rows, format_tree_rows, tune_eagle
 
 # 4 heads x 4 ranks; on CLEAN the best tree has 24 nodes, just ahead of 32 and 16
-ACCURACY = torch.tensor([[0.8, 0.1, 0.04, 0.02], [0.7, 0.12, 0.05, 0.02], [0.6, 0.12, 0.05, 0.02],
-                         [0.55, 0.12, 0.05, 0.02]])
+ACCURACY = torch.tensor(
+    [[0.8, 0.1, 0.04, 0.02], [0.7, 0.12, 0.05, 0.02], [0.6, 0.12, 0.05, 0.02], [0.55, 0.12, 0.05, 0.02]]
+)
 PREFIX = 8
 
 
@@ -45,8 +46,9 @@ class FakeClock:
 def latency(cost, repeats: int = 15, batch_size: int = 1):
     model = tiny_model("llama")
     clock = FakeClock(model, cost)
-    return forward_latency(model, LATENCY_SIZES, prefix_len=PREFIX, repeats=repeats, timer=clock,
-                           batch_size=batch_size), clock
+    return forward_latency(
+        model, LATENCY_SIZES, prefix_len=PREFIX, repeats=repeats, timer=clock, batch_size=batch_size
+    ), clock
 
 
 def test_sizes_take_turns_round_by_round_after_one_prefill():
@@ -74,13 +76,21 @@ def test_the_curve_is_the_clean_one_when_quiet():
 
 
 ROUND = len(LATENCY_SIZES)  # forwards per round
-AT_24 = ROUND + 4 * ROUND + LATENCY_SIZES.index(24)  # size 24's forward in the 5th timed round (after the warm-up)
+AT_24 = (
+    ROUND + 4 * ROUND + LATENCY_SIZES.index(24)
+)  # size 24's forward in the 5th timed round (after the warm-up)
 
 
-@pytest.mark.parametrize("stalled", [
-    {AT_24},  # one forward 13x slower: the issue's 197 ms at 24 nodes
-    set(range(AT_24, AT_24 + 8 * ROUND)),  # a busy spell over 8 of every size's 15 rounds: their median is slow
-], ids=["one forward", "a busy spell"])
+@pytest.mark.parametrize(
+    "stalled",
+    [
+        {AT_24},  # one forward 13x slower: the issue's 197 ms at 24 nodes
+        set(
+            range(AT_24, AT_24 + 8 * ROUND)
+        ),  # a busy spell over 8 of every size's 15 rounds: their median is slow
+    ],
+    ids=["one forward", "a busy spell"],
+)
 def test_a_stall_does_not_change_the_curve_or_the_tree(stalled):
     curve, _ = latency(lambda n, k: 0.197 if k in stalled else clean(n))
     assert curve.measured[24] == pytest.approx(clean(24))
@@ -95,14 +105,17 @@ def test_a_size_slow_in_every_round_is_capped_and_lifts_no_other():
     assert curve.measured[24] == pytest.approx(0.197)
     assert curve.fitted[24] == pytest.approx(clean(32))  # as fast as the next bigger size measured
     assert {n: t for n, t in curve.fitted.items() if n != 24} == pytest.approx(
-        {n: clean(n) for n in LATENCY_SIZES if n != 24})
+        {n: clean(n) for n in LATENCY_SIZES if n != 24}
+    )
     choices, rows = fit_tree(ACCURACY, curve)
     assert "24 nodes:  17.40 ms/forward" in format_tree_rows(rows, choices)
     assert "(measured 197.00: a bigger tree was faster)" in format_tree_rows(rows, choices)
 
 
 def test_a_busy_machine_is_reported_and_a_quiet_one_is_not():
-    busy, _ = latency(lambda n, k: clean(n) * (1.6 if k // ROUND % 3 else 1.0))  # two rounds in three 1.6x slower
+    busy, _ = latency(
+        lambda n, k: clean(n) * (1.6 if k // ROUND % 3 else 1.0)
+    )  # two rounds in three 1.6x slower
     choices, rows = fit_tree(ACCURACY, busy)
     last = format_tree_rows(rows, choices).splitlines()[-1]
     assert last.startswith("warning: this machine was too busy to trust the fit: at ")
@@ -114,7 +127,9 @@ def test_a_busy_machine_is_reported_and_a_quiet_one_is_not():
 
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_forward_latency_on_a_real_clock_is_a_non_decreasing_curve(batch_size):
-    curve = forward_latency(tiny_model("llama"), [1, 4, 8], prefix_len=PREFIX, repeats=3, batch_size=batch_size)
+    curve = forward_latency(
+        tiny_model("llama"), [1, 4, 8], prefix_len=PREFIX, repeats=3, batch_size=batch_size
+    )
     assert list(curve) == [1, 4, 8]
     assert curve[1] <= curve[4] <= curve[8]
     assert all(curve.fitted[n] <= curve.measured[n] for n in curve)
@@ -132,7 +147,9 @@ class FakeSpec:
         self.setting = setting
 
     def generate(self, ids, max_new_tokens, eos_token_id, do_sample, attention_mask=None):
-        assert do_sample is False  # tuning times greedy decoding, whatever the target's generation_config says
+        assert (
+            do_sample is False
+        )  # tuning times greedy decoding, whatever the target's generation_config says
         rows = ids.shape[0]
         # a batch of one gets an all-ones mask (no pad id inferred from chat tokens); a padded batch its own
         assert attention_mask is not None and (rows > 1 or bool(attention_mask.all()))
@@ -140,8 +157,11 @@ class FakeSpec:
         prompt = int(ids[-1, -3])  # the last row is never padded
         FakeSpec.log.append((self.setting, prompt))
         tau = TAU[self.setting]  # per row and step: a forward makes rows x tau tokens
-        self.last_stats = GenerationStats(decode_steps=4 * rows, decode_tokens=4 * tau * rows,
-                                          step_times=[FakeSpec.step_time(self.setting, prompt)] * 4)
+        self.last_stats = GenerationStats(
+            decode_steps=4 * rows,
+            decode_tokens=4 * tau * rows,
+            step_times=[FakeSpec.step_time(self.setting, prompt)] * 4,
+        )
         return ids
 
 
@@ -152,14 +172,20 @@ STEP = {WIDE: 0.010, NARROW: 0.008}  # 300 vs 250 tokens/s: WIDE is faster
 
 def fake_tune(monkeypatch, step_time, batch_size=1):
     monkeypatch.setattr(tune_module, "SpeculativeModel", FakeSpec)
-    settings = SimpleNamespace(load=lambda name: lambda draft, model, tree, dynamic, **setting: tuple(setting.values()))
-    monkeypatch.setattr(tune_module, "family", lambda kind: settings)  # each "proposer" is its (depth, top_k, total)
+    settings = SimpleNamespace(
+        load=lambda name: lambda draft, model, tree, dynamic, **setting: tuple(setting.values())
+    )
+    monkeypatch.setattr(
+        tune_module, "family", lambda kind: settings
+    )  # each "proposer" is its (depth, top_k, total)
     monkeypatch.setattr(FakeSpec, "log", [])
     monkeypatch.setattr(FakeSpec, "rows", [])
     monkeypatch.setattr(FakeSpec, "step_time", staticmethod(step_time))
     prompts = [torch.tensor([p, 5, 6]) for p in range(6)]
     draft = SimpleNamespace(config=SimpleNamespace(kind="eagle3"))
-    return tune_eagle(tiny_model("llama"), draft, prompts, [WIDE, NARROW], max_new_tokens=8, batch_size=batch_size)
+    return tune_eagle(
+        tiny_model("llama"), draft, prompts, [WIDE, NARROW], max_new_tokens=8, batch_size=batch_size
+    )
 
 
 @pytest.mark.parametrize("batch_size", [4, 8])
@@ -184,7 +210,9 @@ def test_eagle_settings_take_turns_prompt_by_prompt(monkeypatch):
 
 
 def test_eagle_keeps_the_faster_setting_through_a_stall(monkeypatch):
-    best, rows = fake_tune(monkeypatch, lambda s, p: STEP[s] * (20 if s == WIDE and p < 4 else 1))  # 4 of 6 prompts
+    best, rows = fake_tune(
+        monkeypatch, lambda s, p: STEP[s] * (20 if s == WIDE and p < 4 else 1)
+    )  # 4 of 6 prompts
     assert best["total_tokens"] == 32 and best["tokens_per_s"] == pytest.approx(300)
     assert [r["ms_per_step"] for r in rows] == pytest.approx([10, 8])
     assert format_rows(rows, best).splitlines()[-1].startswith("warning: ")  # but the median was disturbed

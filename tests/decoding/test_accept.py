@@ -36,8 +36,24 @@ V = 6
 Z = 4.753  # standard normal quantile at 1 - 1e-6: a correct rule fails a check once in a million seeds
 
 # Point proposals: trees from the project's builders, depths 2 to 4, several siblings below depth 1.
-MEDUSA = [[0], [1], [2], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
-          [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0]]
+MEDUSA = [
+    [0],
+    [1],
+    [2],
+    [0, 0],
+    [0, 1],
+    [0, 2],
+    [1, 0],
+    [1, 1],
+    [2, 0],
+    [0, 0, 0],
+    [0, 0, 1],
+    [0, 1, 0],
+    [1, 0, 0],
+    [0, 0, 0, 0],
+    [0, 0, 0, 1],
+    [0, 0, 1, 0],
+]
 WIDE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0]]
 PROFILE = best_choices(torch.tensor([[0.7, 0.2, 0.08], [0.6, 0.2, 0.1], [0.5, 0.2, 0.1]]), 12)
 # Sampled proposals: a draft model's chain, and a tree whose siblings are independent draws from q.
@@ -63,7 +79,9 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 class Synthetic:
     """Target logits for every prefix of at most `depth` tokens, and a draft's logits for sampled proposals."""
 
-    def __init__(self, depth: int, seed: int, scale: float = 1.5, sharpness: float = 2.0, noise: float = 0.5) -> None:
+    def __init__(
+        self, depth: int, seed: int, scale: float = 1.5, sharpness: float = 2.0, noise: float = 0.5
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.depth = depth
         self.size = (V ** (depth + 1) - 1) // (V - 1)  # prefixes of length 0..depth
@@ -133,16 +151,18 @@ def run_accept(tree: Tree, params: SamplingParams, tokens, logits, q, seed: int)
     if q is None:
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            end, bonus = torch.func.vmap(lambda lg, tk: tuple(accept(lg, tk, tree, params)), randomness="different")(
-                logits, tokens
-            )
+            end, bonus = torch.func.vmap(
+                lambda lg, tk: tuple(accept(lg, tk, tree, params)), randomness="different"
+            )(logits, tokens)
         return end[:, 0], bonus
     g = torch.Generator().manual_seed(seed)
     out = [accept(logits[b], tokens[b], tree, params, g, q[b]) for b in range(tokens.shape[0])]
     return torch.cat([e for e, _ in out]), torch.stack([b for _, b in out])
 
 
-def emitted_then_continued(model: Synthetic, params: SamplingParams, tree: Tree, tokens, end, bonus, seed: int):
+def emitted_then_continued(
+    model: Synthetic, params: SamplingParams, tree: Tree, tokens, end, bonus, seed: int
+):
     """Heap ids (B,) of the first depth + 1 tokens: accepted drafted tokens, the bonus, then the target's
     own continuation sampled from the exact table (depth + 1 - emitted tokens of it)."""
     p = reference_probs(model.logits, params)  # (P, V)
@@ -244,7 +264,10 @@ POINT_CASES = {
 }
 SAMPLED_CASES = {
     "chain-T1.5-topp0.9": (chain_choices(3), SamplingParams(temperature=1.5, top_p=0.9)),
-    "siblings-T0.8-topk5": (SIBLINGS, SamplingParams(temperature=0.8, top_k=5)),  # no nucleus: p, q keep 5 tokens
+    "siblings-T0.8-topk5": (
+        SIBLINGS,
+        SamplingParams(temperature=0.8, top_k=5),
+    ),  # no nucleus: p, q keep 5 tokens
 }
 
 
@@ -282,16 +305,32 @@ def mutant(fn, old: str, new: str):
 MUTATIONS = {
     # point proposals: the bonus leaves out the root's children's tokens instead of the end node's
     "point_residual_from_root_children": (
-        "accept", "kids = tree.children.index_select(0, end)[0]", "kids = tree.children[0]", "medusa-T1"),
+        "accept",
+        "kids = tree.children.index_select(0, end)[0]",
+        "kids = tree.children[0]",
+        "medusa-T1",
+    ),
     # sampled proposals: the bonus is drawn from what is left of p at the root, not at the end node
     "sampled_residual_from_root": (
-        "accept", "draw(left.index_select(0, end)[0], generator)", "draw(left[0], generator)", "chain-T1.5-topp0.9"),
+        "accept",
+        "draw(left.index_select(0, end)[0], generator)",
+        "draw(left[0], generator)",
+        "chain-T1.5-topp0.9",
+    ),
     # point proposals: sibling j accepted with p(x_j), not p(x_j) / (1 - p(earlier siblings))
     "point_sibling_not_renormalised": (
-        "sampled_children", "p_kid / (1.0 - used).clamp(min=1e-12)", "p_kid", "medusa-T1"),
+        "sampled_children",
+        "p_kid / (1.0 - used).clamp(min=1e-12)",
+        "p_kid",
+        "medusa-T1",
+    ),
     # sampled proposals: after a rejected sibling the next is tested against (p - q)+ unnormalised
     "sampled_sibling_not_renormalised": (
-        "sampled_children_from", "residual / total.clamp(min=1e-30)", "residual", "siblings-T0.8-topk5"),
+        "sampled_children_from",
+        "residual / total.clamp(min=1e-30)",
+        "residual",
+        "siblings-T0.8-topk5",
+    ),
 }
 
 
@@ -347,7 +386,9 @@ def test_greedy_accepts_the_longest_argmax_path():
             tokens[kids] = choice
         end, bonus = verify.accept(logits, tokens, tree, SamplingParams(temperature=0.0))
         expected = greedy_reference(logits, tokens, tree)
-        assert int(end) == expected, f"case {case}: ended at node {int(end)}, the argmax path ends at {expected}"
+        assert int(end) == expected, (
+            f"case {case}: ended at node {int(end)}, the argmax path ends at {expected}"
+        )
         assert int(bonus) == int(logits[expected].argmax())
         depths.append(int(tree.depths[expected]))
     reached = torch.bincount(torch.tensor(depths), minlength=4)

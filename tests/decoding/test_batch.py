@@ -24,7 +24,9 @@ KINDS = ["medusa", "eagle", "eagle3", "draft_model", "prompt_lookup", "medusa+lo
 def drafter(model, kind: str):
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     if kind == "medusa":
-        return MedusaProposer(random_heads(model, scale=0.0), lm_head, CHOICES)  # the target's own guesses: accepts
+        return MedusaProposer(
+            random_heads(model, scale=0.0), lm_head, CHOICES
+        )  # the target's own guesses: accepts
     if kind == "eagle":
         return EagleProposer(random_draft(model), embed, lm_head)
     if kind == "eagle3":
@@ -35,7 +37,9 @@ def drafter(model, kind: str):
         return PromptLookupProposer(num_tokens=4, max_ngram=2)
     if kind == "eagle3+lookup":  # the lookup-first hybrid in front of EAGLE-3, as `--lookup-first` builds it
         return LookupFirst(EagleProposer(reduced_draft(model), embed, lm_head), PromptLookupProposer(4))
-    return LookupFirst(MedusaProposer(random_heads(model, scale=0.0), lm_head, CHOICES), PromptLookupProposer(4))
+    return LookupFirst(
+        MedusaProposer(random_heads(model, scale=0.0), lm_head, CHOICES), PromptLookupProposer(4)
+    )
 
 
 def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,15 +47,16 @@ def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
     ids = torch.zeros(len(prompts), T, dtype=torch.long)
     mask = torch.zeros(len(prompts), T, dtype=torch.long)
     for b, p in enumerate(prompts):
-        ids[b, T - p.numel():] = p
-        mask[b, T - p.numel():] = 1
+        ids[b, T - p.numel() :] = p
+        mask[b, T - p.numel() :] = 1
     return ids, mask
 
 
 def alone(model, prompt: torch.Tensor, n: int, eos: int | None) -> list[int]:
     """The row decoded by itself with model.generate greedy, up to and including its EOS."""
-    out = model.generate(prompt[None], max_new_tokens=n, do_sample=False, pad_token_id=0,
-                         eos_token_id=eos)[0, prompt.numel():].tolist()
+    out = model.generate(prompt[None], max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=eos)[
+        0, prompt.numel() :
+    ].tolist()
     return out[: out.index(eos) + 1] if eos in out else out
 
 
@@ -72,9 +77,11 @@ def test_batched_greedy_equals_each_row_alone(model, kind):
         want = [alone(model, p, n, eos) for p in prompts]
         assert out.shape == (4, ids.shape[1] + max(map(len, want)))
         for b, w in enumerate(want):
-            row = out[b, ids.shape[1]:].tolist()
+            row = out[b, ids.shape[1] :].tolist()
             assert row[: len(w)] == w, (kind, n, b)
-            assert row[len(w):] == [0] * (out.shape[1] - ids.shape[1] - len(w))  # padded after the row stopped
+            assert row[len(w) :] == [0] * (
+                out.shape[1] - ids.shape[1] - len(w)
+            )  # padded after the row stopped
         assert any(eos in w for w in want) and any(eos not in w for w in want) or n < 30
 
 
@@ -88,7 +95,9 @@ def test_a_stopped_row_leaves_the_batch(model, kind):
     eos = alone(model, prompts[0], 30, None)[9]
     verified, drafted = [], []
     verify = spec.target.verify_rows
-    spec.target.verify_rows = lambda tokens, *a, **k: verified.append(tokens.shape[0]) or verify(tokens, *a, **k)
+    spec.target.verify_rows = lambda tokens, *a, **k: (
+        verified.append(tokens.shape[0]) or verify(tokens, *a, **k)
+    )
     drafter_module = {"medusa": "heads", "eagle": "draft", "eagle3": "draft"}.get(kind)
     if drafter_module is not None:  # EAGLE and Medusa draft the whole batch in one call
         drafter_module = getattr(spec.proposer, drafter_module)
@@ -112,7 +121,9 @@ def test_rows_take_the_steps_they_take_alone(kind):
     context: lossless, so every output still matched, but its batched tau fell from 2.5 to 1.2 on the demo.)"""
     model = tiny_model("llama")
     # a draft model that is the target itself, so its drafts are accepted
-    spec = SpeculativeModel(model, DraftModelProposer(model, 3) if kind == "draft_model" else drafter(model, kind))
+    spec = SpeculativeModel(
+        model, DraftModelProposer(model, 3) if kind == "draft_model" else drafter(model, kind)
+    )
     prompts = batch_prompts(1)
     steps, forwards = 0, 0
     for p in prompts:
@@ -142,19 +153,28 @@ def test_each_rows_cache_after_acceptance_equals_a_plain_run_of_it(monkeypatch):
     for step in spec.decode_batch(ids, budget, attention_mask=mask, eos_token_id=[]):
         for b, new in enumerate(step):
             rows[b].extend(new)
-        slots = [b for b in range(len(prompts)) if b not in gone]  # running rows fill the first slots, in order
+        slots = [
+            b for b in range(len(prompts)) if b not in gone
+        ]  # running rows fill the first slots, in order
         for b, p in enumerate(prompts):
-            if not step[b] or len(rows[b]) == budget:  # a stopped row's columns are free for the others' trees
+            if (
+                not step[b] or len(rows[b]) == budget
+            ):  # a stopped row's columns are free for the others' trees
                 continue
-            tokens = torch.cat([p, torch.tensor(rows[b][:-1], dtype=torch.long)])  # the newest is a root, not cached
+            tokens = torch.cat(
+                [p, torch.tensor(rows[b][:-1], dtype=torch.long)]
+            )  # the newest is a root, not cached
             reference = PreallocatedCache(64)
             Target(model).prefill_rows(tokens[None], reference, hidden=False)
             start, slot = T - p.numel(), slots.index(b)
             for layer, ref in zip(live[-1].layers, reference.layers):
                 assert layer.key_buffer.shape[0] == len(slots)
-                assert torch.allclose(layer.key_buffer[slot, :, start : start + tokens.numel()], ref.keys[0], atol=1e-5)
-                assert torch.allclose(layer.value_buffer[slot, :, start : start + tokens.numel()], ref.values[0],
-                                      atol=1e-5)
+                assert torch.allclose(
+                    layer.key_buffer[slot, :, start : start + tokens.numel()], ref.keys[0], atol=1e-5
+                )
+                assert torch.allclose(
+                    layer.value_buffer[slot, :, start : start + tokens.numel()], ref.values[0], atol=1e-5
+                )
             checked += 1
             moved += slot != b
         gone |= {b for b in range(len(prompts)) if len(rows[b]) == budget}
@@ -168,12 +188,25 @@ def test_a_seeded_row_samples_the_same_in_any_batch(kind):
     ids, mask = left_padded(prompts)
     for seed in range(3):
         gens = [torch.Generator().manual_seed(100 * seed + b) for b in range(3)]
-        out = spec.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.9, eos_token_id=[],
-                            generator=gens)
+        out = spec.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=12,
+            do_sample=True,
+            temperature=0.9,
+            eos_token_id=[],
+            generator=gens,
+        )
         for b, p in enumerate(prompts):
-            single = spec.generate(p[None], max_new_tokens=12, do_sample=True, temperature=0.9, eos_token_id=[],
-                                   generator=torch.Generator().manual_seed(100 * seed + b))
-            assert out[b, ids.shape[1]:].tolist() == single[0, p.numel():].tolist(), (seed, b)
+            single = spec.generate(
+                p[None],
+                max_new_tokens=12,
+                do_sample=True,
+                temperature=0.9,
+                eos_token_id=[],
+                generator=torch.Generator().manual_seed(100 * seed + b),
+            )
+            assert out[b, ids.shape[1] :].tolist() == single[0, p.numel() :].tolist(), (seed, b)
 
 
 def test_batched_sampling_matches_the_target_distribution_in_every_row():
@@ -186,10 +219,18 @@ def test_batched_sampling_matches_the_target_distribution_in_every_row():
     gens = [torch.Generator().manual_seed(7 + b) for b in range(4)]
     counts = [{}, {}]
     for _ in range(RUNS // 2):
-        out = spec.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=True, temperature=params[0], top_p=params[2],
-                            eos_token_id=[], generator=gens)
+        out = spec.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=2,
+            do_sample=True,
+            temperature=params[0],
+            top_p=params[2],
+            eos_token_id=[],
+            generator=gens,
+        )
         for b in range(4):
-            key = tuple(out[b, ids.shape[1]:].tolist())
+            key = tuple(out[b, ids.shape[1] :].tolist())
             counts[b % 2][key] = counts[b % 2].get(key, 0) + 1
     for b in range(2):
         stat, dof = chi_square(counts[b], exact_joint(model, prompts[b][None], params), RUNS)
@@ -212,7 +253,7 @@ def test_rows_reaching_the_position_limit_at_different_steps(kind):
             out = spec.generate(ids, attention_mask=mask, max_new_tokens=60, eos_token_id=[], pad_token_id=0)
         for b, p in enumerate(prompts):
             budget = min(60, 512 - p.numel())
-            assert out[b, ids.shape[1]:][:budget].tolist() == alone(model, p, budget, None), (lengths, b)
+            assert out[b, ids.shape[1] :][:budget].tolist() == alone(model, p, budget, None), (lengths, b)
 
 
 def test_bad_batches_are_clear_errors():
@@ -222,7 +263,9 @@ def test_bad_batches_are_clear_errors():
     with pytest.raises(ValueError, match="padding_side = 'left'"):
         spec.generate(ids, attention_mask=mask.flip(1))
     with pytest.raises(ValueError, match="all padding"):
-        spec.generate(ids, attention_mask=torch.cat([torch.zeros(1, ids.shape[1], dtype=torch.long), mask[1:]]))
+        spec.generate(
+            ids, attention_mask=torch.cat([torch.zeros(1, ids.shape[1], dtype=torch.long), mask[1:]])
+        )
     with pytest.raises(ValueError, match="shape of input_ids"):
         spec.generate(ids, attention_mask=mask[:, 1:])
     with pytest.raises(ValueError, match="one per row"):

@@ -22,7 +22,9 @@ def test_the_best_evaluation_is_kept_restored_and_pruned(tmp_path):
         best.offer(acc, module, step, {"sim_accept": value, "loss": -value})
     assert best.record["step"] == 2 and best.record["value"] == 1.5
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "best-step-0.safetensors", "best-step-2.safetensors"]
+        "best-step-0.safetensors",
+        "best-step-2.safetensors",
+    ]
     (tmp_path / "checkpoints" / "step-1").mkdir()  # a kept checkpoint from before step 2 names step 0
     (tmp_path / "checkpoints" / "step-1" / "trainer_state.json").write_text(json.dumps({"best": {"step": 0}}))
     best.prune()
@@ -37,7 +39,9 @@ def test_the_best_evaluation_is_kept_restored_and_pruned(tmp_path):
 
 def test_a_resume_whose_best_weights_are_gone_fails_before_training(tmp_path):
     best = BestWeights("sim_accept", tmp_path)
-    with pytest.raises(FileNotFoundError, match=r"best-step-3.safetensors \(the weights of the best validation") as e:
+    with pytest.raises(
+        FileNotFoundError, match=r"best-step-3.safetensors \(the weights of the best validation"
+    ) as e:
         best.resume({"step": 3, "value": 2.0, "metrics": {}})
     assert "\n" not in str(e.value)
     best.resume(None)  # a run that never evaluated

@@ -16,8 +16,9 @@ from selfspec.infer.drafters.eagle import EagleProposer
 
 
 def plain(model, prompt, n):
-    return model.generate(prompt[None], max_new_tokens=n, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, prompt.numel():].tolist()
+    return model.generate(prompt[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)[
+        0, prompt.numel() :
+    ].tolist()
 
 
 def test_compiled_verification_equals_generate_and_compiles_once_per_shape():
@@ -29,13 +30,15 @@ def test_compiled_verification_equals_generate_and_compiles_once_per_shape():
     assert out[0, 7:].tolist() == plain(model, prompts[0], 40)
     assert spec.last_stats.decode_steps > 5
     graphs = counters["stats"]["unique_graphs"]
-    out = spec.generate(prompts[1][None], max_new_tokens=30, eos_token_id=[])  # fits the same cache: no recompile
+    out = spec.generate(
+        prompts[1][None], max_new_tokens=30, eos_token_id=[]
+    )  # fits the same cache: no recompile
     assert out[0, 3:].tolist() == plain(model, prompts[1], 30)
     assert counters["stats"]["unique_graphs"] == graphs
     ids, mask = left_padded(prompts)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[])
     for b, p in enumerate(prompts):
-        assert out[b, ids.shape[1]:].tolist() == plain(model, p, 20)
+        assert out[b, ids.shape[1] :].tolist() == plain(model, p, 20)
 
 
 def test_compiled_verification_reads_eagle3_features():
@@ -45,10 +48,17 @@ def test_compiled_verification_reads_eagle3_features():
     seen = {}
     for compiled in (True, False):
         torch.manual_seed(0)
-        config = HeadsConfig(kind="eagle3", hidden_size=48, vocab_size=VOCAB, layer=layer_fields(model.config),
-                             feature_layers=[0, 1])  # both layers' inputs: the embeddings and layer 0's output
+        config = HeadsConfig(
+            kind="eagle3",
+            hidden_size=48,
+            vocab_size=VOCAB,
+            layer=layer_fields(model.config),
+            feature_layers=[0, 1],
+        )  # both layers' inputs: the embeddings and layer 0's output
         embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-        spec = SpeculativeModel(model, EagleProposer(Eagle3Draft(config).eval(), embed, lm_head), compile=compiled)
+        spec = SpeculativeModel(
+            model, EagleProposer(Eagle3Draft(config).eval(), embed, lm_head), compile=compiled
+        )
         propose, seen[compiled] = spec.proposer.propose, []
 
         def recording(active, contexts, hiddens, propose=propose, record=seen[compiled]):
@@ -69,19 +79,27 @@ def test_reduce_overhead_mode_decodes_greedily_as_generate_over_static_buffers()
     without graphs. Its inputs stay graph-ready: the cache's and the mask's buffers are static addresses (CUDA
     graphs read them in place instead of copying them in per replay), and a cache width is a multiple of 16."""
     model = tiny_model("llama")
-    spec = SpeculativeModel(model, drafter(model, "medusa"), compile="reduce-overhead")  # --compile reduce-overhead
+    spec = SpeculativeModel(
+        model, drafter(model, "medusa"), compile="reduce-overhead"
+    )  # --compile reduce-overhead
     prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(4)) for n in (6, 2)]
     ids, mask = left_padded(prompts)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
     for b, p in enumerate(prompts):
-        assert out[b, ids.shape[1]:].tolist() == plain(model, p, 24)
+        assert out[b, ids.shape[1] :].tolist() == plain(model, p, 24)
     assert max(spec.last_stats.accept_lengths) > 1
     cache = spec._cache
     assert cache.max_length % 16 == 0
-    static = [getattr(t, "_dynamo_static_input_type", None) for layer in cache.layers
-              for t in (layer.key_storage, layer.value_storage)]
+    static = [
+        getattr(t, "_dynamo_static_input_type", None)
+        for layer in cache.layers
+        for t in (layer.key_storage, layer.value_storage)
+    ]
     assert len(static) == 2 * len(cache.layers) and None not in static
-    assert getattr(RowMask(2, 4, 32, torch.float32, "cpu").storage, "_dynamo_static_input_type", None) is not None
+    assert (
+        getattr(RowMask(2, 4, 32, torch.float32, "cpu").storage, "_dynamo_static_input_type", None)
+        is not None
+    )
 
 
 def test_the_compile_option_takes_a_mode():

@@ -36,9 +36,13 @@ def test_eos_ids_as_tensors_and_numpy_stop_where_generate_stops(llama):
     want = greedy(llama, prompt, 12, eos_token_id=eos, pad_token_id=0)
     assert want.shape[1] < 5 + 12
     for given in (torch.tensor([eos]), torch.tensor(eos), np.int64(eos), [np.int64(eos)], (eos,)):
-        assert torch.equal(spec.generate(prompt, max_new_tokens=12, eos_token_id=given, pad_token_id=0), want), given
+        assert torch.equal(
+            spec.generate(prompt, max_new_tokens=12, eos_token_id=given, pad_token_id=0), want
+        ), given
     for given in ([torch.tensor(eos)], torch.tensor([[eos]])):  # model.generate takes these too
-        assert torch.equal(spec.generate(prompt, max_new_tokens=12, eos_token_id=given, pad_token_id=0), want), given
+        assert torch.equal(
+            spec.generate(prompt, max_new_tokens=12, eos_token_id=given, pad_token_id=0), want
+        ), given
     for wrong in ("2", 2.0, [True], torch.tensor([True])):
         with pytest.raises(ValueError, match="eos_token_id must be a token id"):
             spec.generate(prompt, max_new_tokens=12, eos_token_id=wrong)
@@ -51,10 +55,14 @@ def test_a_padded_batch_without_its_mask_is_read_as_generate_reads_it(llama):
     assert llama.generation_config.pad_token_id == 0 and bool((ids == 0).any())
     want = greedy(llama, ids, 10, attention_mask=mask, eos_token_id=[], pad_token_id=0)
     assert torch.equal(spec.generate(ids, max_new_tokens=10, eos_token_id=[]), want)
-    assert torch.equal(spec.generate(ids, max_new_tokens=10, eos_token_id=[], pad_token_id=torch.tensor(0)), want)
+    assert torch.equal(
+        spec.generate(ids, max_new_tokens=10, eos_token_id=[], pad_token_id=torch.tensor(0)), want
+    )
     assert not torch.equal(spec.generate(ids, max_new_tokens=10, eos_token_id=[], pad_token_id=99), want)
     # the pad id is an EOS id: nothing is inferred (as model.generate), the pads are read as prompt tokens
-    assert not torch.equal(spec.generate(ids, max_new_tokens=10, eos_token_id=0, pad_token_id=0)[:, :10], want[:, :10])
+    assert not torch.equal(
+        spec.generate(ids, max_new_tokens=10, eos_token_id=0, pad_token_id=0)[:, :10], want[:, :10]
+    )
     holes = ids.clone()
     holes[0, 3] = 0  # a pad id inside a prompt: generate would mask it, which a tree's cache cannot
     with pytest.raises(ValueError, match="pass the tokenizer's attention_mask"):
@@ -125,8 +133,14 @@ print("left the stream open")
 def test_a_stream_left_open_at_exit_closes_quietly():
     """A user breaks out of a stream and the script ends: the generator is closed during interpreter shutdown, where
     torch.no_grad's generator wrapper printed an 'Exception ignored ... AttributeError' traceback."""
-    done = subprocess.run([sys.executable, "-c", ABANDONED_STREAM], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", ABANDONED_STREAM],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "left the stream open" in done.stdout
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -142,11 +156,18 @@ def test_decoding_runs_without_grad_and_leaves_the_callers_grad_mode(llama):
     assert seen and not any(seen)
 
 
-@pytest.mark.parametrize("ids, error, match", [
-    ([[5, 6, 7]], TypeError, "input_ids must be a torch.Tensor of token ids .* got list"),
-    (torch.ones(1, 7), TypeError, "input_ids must hold integers, got a float32 tensor"),
-    (torch.ones(1, 1, 7, dtype=torch.long), ValueError, r"input_ids must be \(tokens,\) or \(batch, tokens\), got shape \(1, 1, 7\)"),
-])
+@pytest.mark.parametrize(
+    "ids, error, match",
+    [
+        ([[5, 6, 7]], TypeError, "input_ids must be a torch.Tensor of token ids .* got list"),
+        (torch.ones(1, 7), TypeError, "input_ids must hold integers, got a float32 tensor"),
+        (
+            torch.ones(1, 1, 7, dtype=torch.long),
+            ValueError,
+            r"input_ids must be \(tokens,\) or \(batch, tokens\), got shape \(1, 1, 7\)",
+        ),
+    ],
+)
 @pytest.mark.parametrize("call", ["generate", "decode", "decode_batch", "stream"])
 def test_input_ids_are_checked_at_the_boundary(ids, error, match, call):
     spec = SpeculativeModel(tiny_model("llama"), NoDraft())
@@ -156,17 +177,27 @@ def test_input_ids_are_checked_at_the_boundary(ids, error, match, call):
         list(out) if call != "generate" else out
 
 
-@pytest.mark.parametrize("mask, error, match", [
-    ([[1, 1, 1]], TypeError, "attention_mask must be a torch.Tensor"),
-    (torch.ones(1, 3), TypeError, "attention_mask must hold integers, got a float32 tensor"),
-    (torch.ones(1, 1, 3, dtype=torch.long), ValueError, r"attention_mask must be .* got shape \(1, 1, 3\)"),
-])
+@pytest.mark.parametrize(
+    "mask, error, match",
+    [
+        ([[1, 1, 1]], TypeError, "attention_mask must be a torch.Tensor"),
+        (torch.ones(1, 3), TypeError, "attention_mask must hold integers, got a float32 tensor"),
+        (
+            torch.ones(1, 1, 3, dtype=torch.long),
+            ValueError,
+            r"attention_mask must be .* got shape \(1, 1, 3\)",
+        ),
+    ],
+)
 def test_attention_mask_is_checked_at_the_boundary(mask, error, match):
     spec = SpeculativeModel(tiny_model("llama"), NoDraft())
     with pytest.raises(error, match=match):
         spec.generate(torch.tensor([[5, 6, 7]]), attention_mask=mask, max_new_tokens=3)
     bool_mask = torch.ones(1, 3, dtype=torch.bool)  # a bool mask is a mask, as transformers takes it
-    assert spec.generate(torch.tensor([[5, 6, 7]]), attention_mask=bool_mask, max_new_tokens=2).shape == (1, 5)
+    assert spec.generate(torch.tensor([[5, 6, 7]]), attention_mask=bool_mask, max_new_tokens=2).shape == (
+        1,
+        5,
+    )
 
 
 def test_every_drafter_family_is_a_public_name_and_in_the_docs():

@@ -12,16 +12,32 @@ from conftest import tiny_model
 from selfspec.infer.drafters.proposers import Embedding, embedding_for
 
 INFER = Path(__file__).resolve().parents[2] / "infer"
-DECODE_PATH = ["generate.py", "decode_step.py", "drafter.py", "rows.py", "verify.py", "tree.py", "proposers.py",
-               "eagle.py", "feature_drafter.py", "dflash.py", "peagle.py", "mtp.py", "prompt_lookup.py", "draft_model.py"]
+DECODE_PATH = [
+    "generate.py",
+    "decode_step.py",
+    "drafter.py",
+    "rows.py",
+    "verify.py",
+    "tree.py",
+    "proposers.py",
+    "eagle.py",
+    "feature_drafter.py",
+    "dflash.py",
+    "peagle.py",
+    "mtp.py",
+    "prompt_lookup.py",
+    "draft_model.py",
+]
 FIRST_PARAMETER = re.compile(r"next\(\s*[\w.]*parameters\(\)\s*\)\.device|\btarget\.device\b")
 # the only places a device is read off weights: each drafter's own (checked to be the lm_head's at construction),
 # and the generator check (sampling draws where the logits come out: the input's device under accelerate)
-ALLOWED = {("proposers.py", "device = next(heads.parameters()).device"),
-           ("feature_drafter.py", "self.device = self.weights_device = next(draft.parameters()).device"),
-           ("dflash.py", "self.device = self.weights_device = next(draft.parameters()).device"),
-           ("peagle.py", "self.device = self.weights_device = next(draft.parameters()).device"),
-           ("generate.py", "check_generator(g, self.target.device)")}
+ALLOWED = {
+    ("proposers.py", "device = next(heads.parameters()).device"),
+    ("feature_drafter.py", "self.device = self.weights_device = next(draft.parameters()).device"),
+    ("dflash.py", "self.device = self.weights_device = next(draft.parameters()).device"),
+    ("peagle.py", "self.device = self.weights_device = next(draft.parameters()).device"),
+    ("generate.py", "check_generator(g, self.target.device)"),
+}
 
 
 def test_the_decode_path_never_places_tensors_on_the_models_first_parameter():

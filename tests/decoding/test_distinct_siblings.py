@@ -21,10 +21,13 @@ def test_a_one_to_one_map_gives_its_target_ids():
     assert draft_targets(d2t, 8, "x").tolist() == [0, 2, 3, 7]
 
 
-@pytest.mark.parametrize("d2t, message", [
-    (torch.tensor([0, 0, -1, 4]), "maps two draft ids to one target id"),  # 1 -> 1 and 2 -> 1
-    (torch.tensor([0, 1, 1, 9]), r"outside \[0, 8\)"),
-])
+@pytest.mark.parametrize(
+    "d2t, message",
+    [
+        (torch.tensor([0, 0, -1, 4]), "maps two draft ids to one target id"),  # 1 -> 1 and 2 -> 1
+        (torch.tensor([0, 1, 1, 9]), r"outside \[0, 8\)"),
+    ],
+)
 def test_a_map_that_is_not_one_to_one_is_refused(d2t, message):
     with pytest.raises(ValueError, match=message):
         draft_targets(d2t, 8, "x")

@@ -12,7 +12,9 @@ from selfspec.infer.drafters.prompt_lookup import PromptLookupProposer
 
 
 def plain_greedy(model, prompt, n):
-    return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[
+        0, prompt.shape[1] :
+    ].tolist()
 
 
 @pytest.mark.parametrize("draft_arch", ["llama", "gpt2"])
@@ -23,7 +25,9 @@ def test_draft_model_greedy_identical_to_generate(model, draft_arch):
     for length in (1, 7):
         prompt = torch.randint(3, VOCAB, (1, length), generator=gen)
         for n in (1, 4, 30):
-            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(model, prompt, n)
+            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(
+                model, prompt, n
+            )
 
 
 def test_draft_model_that_is_the_target_is_always_accepted():
@@ -31,10 +35,16 @@ def test_draft_model_that_is_the_target_is_always_accepted():
     spec = SpeculativeModel(model, DraftModelProposer(model, num_tokens=4))
     prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
     out = spec.generate(prompt, max_new_tokens=40, eos_token_id=[])
-    assert out[0, 5:].tolist() == model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None,
-                                                 pad_token_id=0)[0, 5:].tolist()
+    assert (
+        out[0, 5:].tolist()
+        == model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, 5:
+        ].tolist()
+    )
     stats = spec.last_stats
-    assert len(stats.drafted) > 0 and stats.accepted_drafts == stats.drafted  # its own argmax: every draft kept
+    assert (
+        len(stats.drafted) > 0 and stats.accepted_drafts == stats.drafted
+    )  # its own argmax: every draft kept
     assert stats.tau == pytest.approx(5.0, abs=0.3)  # 4 drafted + 1 bonus per step (the last step is cut)
 
 
@@ -86,11 +96,14 @@ def test_prompt_lookup_greedy_identical_and_accepts_repeats(model):
     for length in (1, 9):
         prompt = torch.randint(3, VOCAB, (1, length), generator=gen)
         for n in (1, 6, 40):
-            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(model, prompt, n)
+            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(
+                model, prompt, n
+            )
     # lookups get accepted: greedy is self-consistent, so after a prefix seq[:j] of its own greedy output
     # the model says seq[j:]; cut where the first lookup (over seq[:j + 1], the root included) drafts seq[j + 1]
-    seq = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=60, do_sample=False, eos_token_id=None,
-                         pad_token_id=0)[0].tolist()
+    seq = model.generate(
+        torch.tensor([[3, 4, 5]]), max_new_tokens=60, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0].tolist()
     cuts = [j for j in range(4, len(seq) - 9) if lookup_guess(seq[: j + 1])[:1] == seq[j + 1 : j + 2]]
     assert cuts, "the model's own output never repeats an n-gram with the same next token: pick another start"
     prompt = torch.tensor([seq[: cuts[0]]])
@@ -133,4 +146,6 @@ def test_lookup_first_is_lossless_and_uses_both_drafters(model, kind):
     calls["primary"] = 0
     assert spec.generate(prompt, max_new_tokens=40)[0, 33:].tolist() == plain_greedy(model, prompt, 40)
     steps = len(spec.last_stats.accept_lengths)
-    assert 0 < calls["primary"] < steps  # lookup drafted some steps (its n-grams recur), the primary the others
+    assert (
+        0 < calls["primary"] < steps
+    )  # lookup drafted some steps (its n-grams recur), the primary the others

@@ -24,20 +24,43 @@ from selfspec.infer.core.exactness import check_architecture, check_length
 from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.drafters.prompt_lookup import PromptLookupProposer
 
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
-@pytest.mark.parametrize("config, length, setting", [
-    (MistralConfig(sliding_window=32), 40, "sliding_window 32"),
-    (Qwen2Config(use_sliding_window=True, sliding_window=32, max_window_layers=0), 40, "sliding_window 32"),
-    # composite: the window is in the text config only (the guard used to read the top-level config)
-    (Gemma3Config(text_config={"sliding_window": 64, "num_hidden_layers": 6}), 100, "sliding_window 64"),
-    (LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=2048), 3000,
-     "dynamic RoPE"),
-    (Phi3Config(rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48},
-                original_max_position_embeddings=4096, max_position_embeddings=131072), 5000, "longrope RoPE"),
-])
+@pytest.mark.parametrize(
+    "config, length, setting",
+    [
+        (MistralConfig(sliding_window=32), 40, "sliding_window 32"),
+        (
+            Qwen2Config(use_sliding_window=True, sliding_window=32, max_window_layers=0),
+            40,
+            "sliding_window 32",
+        ),
+        # composite: the window is in the text config only (the guard used to read the top-level config)
+        (Gemma3Config(text_config={"sliding_window": 64, "num_hidden_layers": 6}), 100, "sliding_window 64"),
+        (
+            LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=2048),
+            3000,
+            "dynamic RoPE",
+        ),
+        (
+            Phi3Config(
+                rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48},
+                original_max_position_embeddings=4096,
+                max_position_embeddings=131072,
+            ),
+            5000,
+            "longrope RoPE",
+        ),
+    ],
+)
 def test_a_length_past_the_switch_point_is_refused_and_one_within_passes(config, length, setting):
     with pytest.raises(ValueError, match=setting) as refused:
         check_length(config, length)
@@ -54,17 +77,27 @@ def test_chunked_attention_is_read_like_a_window():
     check_length(config, 64)
 
 
-@pytest.mark.parametrize("config, what", [
-    (BloomConfig(), "ALiBi"), (MptConfig(), "ALiBi"), (FalconConfig(alibi=True), "ALiBi"),
-    (MambaConfig(), "linear_attention"),
-    (LlamaConfig(layer_types=["full_attention", "linear_attention"], num_hidden_layers=2), "linear_attention"),
-])
+@pytest.mark.parametrize(
+    "config, what",
+    [
+        (BloomConfig(), "ALiBi"),
+        (MptConfig(), "ALiBi"),
+        (FalconConfig(alibi=True), "ALiBi"),
+        (MambaConfig(), "linear_attention"),
+        (
+            LlamaConfig(layer_types=["full_attention", "linear_attention"], num_hidden_layers=2),
+            "linear_attention",
+        ),
+    ],
+)
 def test_alibi_and_recurrent_layers_are_refused_whatever_the_length(config, what):
     with pytest.raises(ValueError, match=what):
         check_architecture(config)
 
 
-@pytest.mark.parametrize("config", [LlamaConfig(), Qwen2Config(), FalconConfig(), MistralConfig(sliding_window=None)])
+@pytest.mark.parametrize(
+    "config", [LlamaConfig(), Qwen2Config(), FalconConfig(), MistralConfig(sliding_window=None)]
+)
 def test_plain_attention_passes(config):
     check_architecture(config)
     check_length(config, 100_000)

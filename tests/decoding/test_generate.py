@@ -32,12 +32,14 @@ def oracle_heads_model(model):
 def plain_greedy(model, prompt, n, eos=None):
     kwargs = {} if eos is None else {"eos_token_id": eos}  # an explicit None would switch EOS off
     out = model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs)
-    return out[0, prompt.shape[1]:].tolist()
+    return out[0, prompt.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_greedy_identical_to_generate(model, seed):
-    spec = SpeculativeModel(model, MedusaProposer(random_heads(model, seed), model.get_output_embeddings(), CHOICES))
+    spec = SpeculativeModel(
+        model, MedusaProposer(random_heads(model, seed), model.get_output_embeddings(), CHOICES)
+    )
     gen = torch.Generator().manual_seed(seed)
     for length in (1, 5, 17):
         prompt = torch.randint(3, VOCAB, (1, length), generator=gen)
@@ -52,8 +54,9 @@ def test_a_root_only_tree_skips_the_heads_and_decodes_as_plain(model, monkeypatc
     monkeypatch.setattr(heads, "forward", lambda *a, **k: pytest.fail("the heads ran for a root-only tree"))
     spec = SpeculativeModel(model, MedusaProposer(heads, model.get_output_embeddings(), []))
     prompt = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
-    assert spec.generate(prompt[:1], max_new_tokens=12, eos_token_id=[])[0, 6:].tolist() == \
-        plain_greedy(model, prompt[:1], 12, eos=[])
+    assert spec.generate(prompt[:1], max_new_tokens=12, eos_token_id=[])[0, 6:].tolist() == plain_greedy(
+        model, prompt[:1], 12, eos=[]
+    )
     out = spec.generate(prompt, max_new_tokens=12, eos_token_id=[])  # the batched path
     assert [row[6:].tolist() for row in out] == [plain_greedy(model, p[None], 12, eos=[]) for p in prompt]
 
@@ -61,7 +64,9 @@ def test_a_root_only_tree_skips_the_heads_and_decodes_as_plain(model, monkeypatc
 def test_greedy_stops_at_eos_like_generate(model):
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, VOCAB, (1, 9), generator=gen)
-    free = model.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)  # no EOS
+    free = model.generate(
+        prompt, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0
+    )  # no EOS
     eos = free[0, 9 + 11].item()  # a token that will appear mid-generation: both must stop right after it
     ref_eos = plain_greedy(model, prompt, 30, eos=eos)
     spec = oracle_heads_model(model)
@@ -89,17 +94,23 @@ def test_rejects_empty_prompts_and_decode_of_a_batch(model):
         spec.generate(torch.ones(1, 0, dtype=torch.long))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
-    ({"max_new_tokens": -5}, "max_new_tokens must be >= 1, got -5"),
-    ({"temperature": float("nan")}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-06, got nan"),
-    ({"temperature": 1e-39}, "temperature must be .* got 1e-39"),
-    ({"temperature": -1.0}, "temperature must be .* got -1.0"),
-    ({"temperature": float("inf")}, "temperature must be .* got inf"),
-    ({"top_k": -1}, "top_k must be an integer >= 0"),
-    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-    ({"top_p": float("nan")}, r"top_p must be in \(0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+        ({"max_new_tokens": -5}, "max_new_tokens must be >= 1, got -5"),
+        (
+            {"temperature": float("nan")},
+            r"temperature must be 0 \(greedy\) or a finite number >= 1e-06, got nan",
+        ),
+        ({"temperature": 1e-39}, "temperature must be .* got 1e-39"),
+        ({"temperature": -1.0}, "temperature must be .* got -1.0"),
+        ({"temperature": float("inf")}, "temperature must be .* got inf"),
+        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": float("nan")}, r"top_p must be in \(0, 1\]"),
+    ],
+)
 def test_decode_rejects_bad_arguments_when_called(kwargs, message):
     spec = oracle_heads_model(tiny_model("llama"))
     with pytest.raises(ValueError, match=message):
@@ -115,8 +126,13 @@ def test_no_new_tokens_is_an_error_as_in_model_generate():
 def test_smallest_temperature_is_safe_and_the_one_below_is_not():
     model = tiny_model("llama")
     prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
-    out = oracle_heads_model(model).generate(prompt, max_new_tokens=20, do_sample=True, temperature=MIN_TEMPERATURE,
-                                             generator=torch.Generator().manual_seed(0))
+    out = oracle_heads_model(model).generate(
+        prompt,
+        max_new_tokens=20,
+        do_sample=True,
+        temperature=MIN_TEMPERATURE,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out[0, 5:].tolist() == plain_greedy(model, prompt, 20)  # so cold that it samples the argmax
     # what the check keeps out: logits / temperature overflows, p is NaN, and every draw is token 0
     unchecked = object.__new__(SamplingParams)
@@ -155,12 +171,17 @@ def record_positions(model) -> list[tuple[int, int]]:
 def test_budget_is_clipped_to_the_models_positions_and_trees_stay_inside(arch):
     limit = 40
     model = short_context_model(arch, limit)
-    spec = SpeculativeModel(model, MedusaProposer(random_heads(model, scale=0.0), model.get_output_embeddings(),
-                                                  CHOICES))
+    spec = SpeculativeModel(
+        model, MedusaProposer(random_heads(model, scale=0.0), model.get_output_embeddings(), CHOICES)
+    )
     prompt = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
-    ref = model.generate(prompt, max_new_tokens=limit - 10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = model.generate(
+        prompt, max_new_tokens=limit - 10, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     seen = record_positions(model)
-    with pytest.warns(UserWarning, match="exceed the model's 40 positions: generating at most 30 new tokens") as w:
+    with pytest.warns(
+        UserWarning, match="exceed the model's 40 positions: generating at most 30 new tokens"
+    ) as w:
         out = spec.generate(prompt, max_new_tokens=100, eos_token_id=[])
     assert len(w) == 1
     assert out.tolist() == ref.tolist() and out.shape[1] == limit
@@ -169,8 +190,14 @@ def test_budget_is_clipped_to_the_models_positions_and_trees_stay_inside(arch):
     assert drafted[0] == len(CHOICES) and drafted[-1] == 0  # full trees first, the root alone at the limit
     seen.clear()
     with pytest.warns(UserWarning):
-        out = spec.generate(prompt, max_new_tokens=100, eos_token_id=[], do_sample=True, temperature=1.0,
-                            generator=torch.Generator().manual_seed(0))
+        out = spec.generate(
+            prompt,
+            max_new_tokens=100,
+            eos_token_id=[],
+            do_sample=True,
+            temperature=1.0,
+            generator=torch.Generator().manual_seed(0),
+        )
     assert out.shape[1] == limit and max(p for p, _ in seen) <= limit - 1
 
 
@@ -191,7 +218,9 @@ def self_distilled_heads(model, prompts, steps=150) -> MedusaHeads:
     from selfspec.train.recipes.medusa import MedusaConfig
 
     heads = random_heads(model, scale=0.0, num_heads=4)
-    return fit_on_own_continuations(model, prompts, MedusaMethod(MedusaConfig(num_heads=4), model, heads), steps, 3e-2)
+    return fit_on_own_continuations(
+        model, prompts, MedusaMethod(MedusaConfig(num_heads=4), model, heads), steps, 3e-2
+    )
 
 
 def test_greedy_identical_with_trained_heads(model):

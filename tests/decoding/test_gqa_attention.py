@@ -31,8 +31,9 @@ def path(request, monkeypatch) -> str:
 def reference(query, key, value, mask, scale):
     """What transformers' sdpa computes: the keys and values repeated per query head."""
     groups = query.shape[1] // key.shape[1]
-    return torch.nn.functional.scaled_dot_product_attention(query, repeat_kv(key, groups), repeat_kv(value, groups),
-                                                            attn_mask=mask, scale=scale)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask, scale=scale
+    )
 
 
 @pytest.mark.parametrize("fold", [False, True, "repeat"])
@@ -69,7 +70,9 @@ def prefill_and_tree(target: Target, model, ids: torch.Tensor, start: torch.Tens
     ancestors[3, 2] = ancestors[4, 2] = False  # nodes 2 and 3 are siblings below node 1; node 4 is 3's child
     tokens = torch.randint(3, VOCAB, (B, 5), generator=torch.Generator().manual_seed(1))
     positions = (T - start)[:, None] + torch.tensor([0, 1, 2, 2, 3])
-    tree_logits, tree_features = target.verify_rows(tokens, positions, mask.at(T, ancestors.expand(B, 5, 5)), cache)
+    tree_logits, tree_features = target.verify_rows(
+        tokens, positions, mask.at(T, ancestors.expand(B, 5, 5)), cache
+    )
     return logits, features, tree_logits, tree_features, cache
 
 
@@ -77,13 +80,17 @@ def prefill_and_tree(target: Target, model, ids: torch.Tensor, start: torch.Tens
 def test_logits_and_features_equal_transformers_sdpa(arch, path, start):
     model = tiny_model(arch)
     start = None if start is None else torch.tensor(start)
-    ids = torch.randint(3, VOCAB, (1 if start is None else len(start), 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        3, VOCAB, (1 if start is None else len(start), 9), generator=torch.Generator().manual_seed(0)
+    )
     grouped = prefill_and_tree(Target(model), model, ids, start)
     plain = prefill_and_tree(Target(model, grouped_attention=False), model, ids, start)
     for a, b in zip(grouped[:4], plain[:4]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     cache = grouped[4]
-    for layer in cache.layers:  # padding's keys and values are finite: a masked NaN still poisons a weighted sum
+    for (
+        layer
+    ) in cache.layers:  # padding's keys and values are finite: a masked NaN still poisons a weighted sum
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
     assert model.config._attn_implementation == "sdpa"  # switched for our forwards only
 
@@ -117,8 +124,9 @@ def test_greedy_decoding_equals_generate(arch, path, kind):
     proposer = drafter(model, kind) if kind != "self" else DraftModelProposer(tiny_model(arch), 3, VOCAB)
     spec = SpeculativeModel(model, proposer)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[])
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)
+    expected = model.generate(
+        ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     assert torch.equal(out, expected)
     assert max(spec.last_stats.accept_lengths) >= {"eagle": 1, "self": 4}[kind]  # self: root + 3 drafted
 
@@ -126,8 +134,10 @@ def test_greedy_decoding_equals_generate(arch, path, kind):
 def transposed_layout(sdpa):
     """SDPA as CUDA's memory-efficient kernel returns it: (B, H, T, D) values over (B, T, H, D) memory (torch's
     meta kernel for `_scaled_dot_product_efficient_attention` gives these strides)."""
+
     def kernel(*args, **kwargs):
         return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
     return kernel
 
 
@@ -137,24 +147,37 @@ def test_the_fold_takes_any_output_layout_and_a_one_row_mask(mask_rows, layout, 
     every grouped-query target. DFlash's (B, 1, 1, S) mask (every block position sees the same columns): folding
     its one row instead of the block's T failed with 'The size of tensor a (64) must match the size of tensor b'."""
     if layout == "transposed":
-        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                            transposed_layout(torch.nn.functional.scaled_dot_product_attention))
+        monkeypatch.setattr(
+            torch.nn.functional,
+            "scaled_dot_product_attention",
+            transposed_layout(torch.nn.functional.scaled_dot_product_attention),
+        )
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, t, 8, generator=gen) for h, t in ((6, 5), (2, 37), (2, 37)))
     mask = torch.rand(2, 1, mask_rows, 37, generator=gen) < 0.7
     mask[..., 0] = True
-    torch.testing.assert_close(grouped_sdpa(q, k, v, mask, 0.3, fold=True), reference(q, k, v, mask, 0.3),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        grouped_sdpa(q, k, v, mask, 0.3, fold=True), reference(q, k, v, mask, 0.3), atol=1e-6, rtol=0
+    )
 
 
 def test_cuda_backends_are_asked_which_takes_grouped_heads_under_a_mask(monkeypatch):
     """Memory-efficient first where it takes `enable_gqa` under a mask, else cuDNN, else None (then the fold):
     SDPA ranks math above cuDNN, so the grouped call names the backend it found."""
-    params = torch.backends.cuda.SDPAParams(torch.zeros(1, 8, 4, 64), torch.zeros(1, 2, 16, 64),
-                                            torch.zeros(1, 2, 16, 64), torch.ones(1, 1, 4, 16, dtype=torch.bool),
-                                            0.0, False, True)
-    for efficient, cudnn, expected in ((True, True, "EFFICIENT_ATTENTION"), (False, True, "CUDNN_ATTENTION"),
-                                       (False, False, None)):
+    params = torch.backends.cuda.SDPAParams(
+        torch.zeros(1, 8, 4, 64),
+        torch.zeros(1, 2, 16, 64),
+        torch.zeros(1, 2, 16, 64),
+        torch.ones(1, 1, 4, 16, dtype=torch.bool),
+        0.0,
+        False,
+        True,
+    )
+    for efficient, cudnn, expected in (
+        (True, True, "EFFICIENT_ATTENTION"),
+        (False, True, "CUDNN_ATTENTION"),
+        (False, False, None),
+    ):
         monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention", lambda p, e=efficient: e)
         monkeypatch.setattr(torch.backends.cuda, "can_use_cudnn_attention", lambda p, c=cudnn: c)
         found = gqa.fused_backend(params)
@@ -169,18 +192,24 @@ def test_drafters_draft_the_same_trees_on_either_path(kind, batch, monkeypatch):
     layout, every drafter's mask shape, one row and a padded batch: the same acceptance step by step (the trees
     the drafter proposed), not only the same tokens."""
     model = tiny_model("qwen2")
-    prompts = batch_prompts(3)[:batch] if batch > 1 else [torch.randint(3, VOCAB, (7,),
-                                                                         generator=torch.Generator().manual_seed(3))]
+    prompts = (
+        batch_prompts(3)[:batch]
+        if batch > 1
+        else [torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(3))]
+    )
     ids, attention_mask = left_padded(prompts)
     runs = {}
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for native in (True, False):
         monkeypatch.setattr(gqa, "native_gqa", lambda *device, native=native: native)
-        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                            sdpa if native else transposed_layout(sdpa))
+        monkeypatch.setattr(
+            torch.nn.functional, "scaled_dot_product_attention", sdpa if native else transposed_layout(sdpa)
+        )
         proposer = drafter(model, kind) if kind != "dflash" else dflash_proposer(model, random_dflash(model))
         spec = SpeculativeModel(model, proposer)
-        out = spec.generate(ids, attention_mask=attention_mask, max_new_tokens=24, eos_token_id=[], pad_token_id=0)
+        out = spec.generate(
+            ids, attention_mask=attention_mask, max_new_tokens=24, eos_token_id=[], pad_token_id=0
+        )
         runs[native] = out, spec.last_stats.accept_lengths
     assert torch.equal(runs[True][0], runs[False][0]) and runs[True][1] == runs[False][1]
 

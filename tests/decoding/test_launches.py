@@ -19,8 +19,16 @@ from selfspec.infer.measure.launches import LaunchCounter
 def llama(layers: int) -> LlamaForCausalLM:
     """Llama-3.1-8B's attention structure (32 query / 8 key-value heads), narrow."""
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=8, vocab_size=256, max_position_embeddings=512)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=8,
+        vocab_size=256,
+        max_position_embeddings=512,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -64,9 +72,16 @@ def random_eagle3(model: LlamaForCausalLM) -> Eagle3Draft:
     """An EAGLE-3 drafter with weights drawn at random (norms near 1): its trees are as wide as trained ones'."""
     torch.manual_seed(1)
     config = model.config
-    draft = Eagle3Draft(HeadsConfig(kind="eagle3", hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                                    layer=layer_fields(config), draft_vocab_size=128,
-                                    feature_layers=default_feature_layers(config.num_hidden_layers)))
+    draft = Eagle3Draft(
+        HeadsConfig(
+            kind="eagle3",
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            layer=layer_fields(config),
+            draft_vocab_size=128,
+            feature_layers=default_feature_layers(config.num_hidden_layers),
+        )
+    )
     with torch.no_grad():
         for name, weight in draft.named_parameters():
             torch.nn.init.normal_(weight, mean=1.0 if "norm" in name else 0.0, std=0.05)
@@ -79,6 +94,8 @@ def test_eagle_tree_selection_launches_do_not_grow_with_the_batch():
     row: 1,316 against 652 per step at depth 6, top-k 10, 60 nodes)."""
     model = llama(4)
     draft = random_eagle3(model)
-    per_step = {batch: outside_per_step(model, batch, proposer_for(draft, model, depth=6, top_k=10, total_tokens=60))
-                for batch in (1, 8)}
+    per_step = {
+        batch: outside_per_step(model, batch, proposer_for(draft, model, depth=6, top_k=10, total_tokens=60))
+        for batch in (1, 8)
+    }
     assert per_step[8] <= 1.1 * per_step[1], per_step

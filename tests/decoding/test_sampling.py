@@ -74,9 +74,17 @@ def run_sampling(spec, prompt, params, accepted: list | None = None) -> dict:
     gen = torch.Generator().manual_seed(1234)
     counts = {}
     for _ in range(RUNS):
-        out = spec.generate(prompt, max_new_tokens=STEPS, do_sample=True, temperature=params[0], top_k=params[1], top_p=params[2],
-                            eos_token_id=[], generator=gen)
-        key = tuple(out[0, prompt.shape[1]:].tolist())
+        out = spec.generate(
+            prompt,
+            max_new_tokens=STEPS,
+            do_sample=True,
+            temperature=params[0],
+            top_k=params[1],
+            top_p=params[2],
+            eos_token_id=[],
+            generator=gen,
+        )
+        key = tuple(out[0, prompt.shape[1] :].tolist())
         counts[key] = counts.get(key, 0) + 1
         if accepted is not None:
             accepted.extend(spec.last_stats.accepted_drafts)
@@ -85,16 +93,29 @@ def run_sampling(spec, prompt, params, accepted: list | None = None) -> dict:
 
 def make_spec(seed: int, kind: str = "medusa"):
     model = tiny_model("llama", vocab=V, seed=seed, scale=0.08)  # a flat-ish p: many outcomes
-    if kind == "draft_model":  # another random model: q differs from p, so min(1, p/q) and (p - q)+ both matter
+    if (
+        kind == "draft_model"
+    ):  # another random model: q differs from p, so min(1, p/q) and (p - q)+ both matter
         draft = tiny_model("gpt2", vocab=V, seed=seed + 1, scale=0.08)
         return model, SpeculativeModel(model, DraftModelProposer(draft, num_tokens=3))
     if kind == "prompt_lookup":
         return model, SpeculativeModel(model, PromptLookupProposer(num_tokens=3, max_ngram=2))
     if kind == "eagle":
         torch.manual_seed(seed)
-        draft = EagleDraft(HeadsConfig(kind="eagle", hidden_size=48, vocab_size=V, layer=layer_fields(model.config),
-                                       depth=3, top_k=3, total_tokens=8))
-        with torch.no_grad():  # fc passes the feature through, so the drafter proposes the target's own top tokens
+        draft = EagleDraft(
+            HeadsConfig(
+                kind="eagle",
+                hidden_size=48,
+                vocab_size=V,
+                layer=layer_fields(model.config),
+                depth=3,
+                top_k=3,
+                total_tokens=8,
+            )
+        )
+        with (
+            torch.no_grad()
+        ):  # fc passes the feature through, so the drafter proposes the target's own top tokens
             draft.fc.weight.zero_()
             draft.fc.weight[:, 48:].copy_(torch.eye(48))
             draft.fc.bias.zero_()
@@ -119,7 +140,9 @@ def test_speculative_sampling_matches_target_distribution(params, kind):
     accepted = []
     counts = run_sampling(spec, prompt, params, accepted)
     stat, dof = chi_square(counts, expected, RUNS)
-    assert stat < critical(dof), f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
+    assert stat < critical(dof), (
+        f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
+    )
     # the drafts were really tried: drafted tokens (the first one decides the 2nd token) were accepted
     assert sum(a > 0 for a in accepted) > RUNS // 100
 
@@ -147,8 +170,10 @@ def test_the_distribution_check_catches_lossy_acceptance(monkeypatch):
     assert stat > critical(dof)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 0.9), (0.7, 0, 0.5), (5.0, 0, 0.95), (1.0, 40, 0.8),
-                                                       (30.0, 0, 0.99), (1.0, 0, 1e-4)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(1.0, 0, 0.9), (0.7, 0, 0.5), (5.0, 0, 0.95), (1.0, 40, 0.8), (30.0, 0, 0.99), (1.0, 0, 1e-4)],
+)
 def test_nucleus_without_a_full_sort_equals_transformers_warpers(temperature, top_k, top_p, monkeypatch):
     """The warped distribution is model.generate's (transformers' own warpers), also where the nucleus holds
     thousands of tokens (a flat distribution: the top-k search must grow), and no full sort is taken."""
@@ -160,8 +185,11 @@ def test_nucleus_without_a_full_sort_equals_transformers_warpers(temperature, to
     )
 
     logits = torch.randn(5, 32000, generator=torch.Generator().manual_seed(3)) * 4
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
-                                  + [TopPLogitsWarper(top_p)])
+    warpers = LogitsProcessorList(
+        [TemperatureLogitsWarper(temperature)]
+        + ([TopKLogitsWarper(top_k)] if top_k else [])
+        + [TopPLogitsWarper(top_p)]
+    )
     expected = warpers(None, logits.clone()).softmax(-1)
     before_top_p = LogitsProcessorList(warpers[:-1])(None, logits.clone()).softmax(-1).double()
     monkeypatch.setattr(torch, "sort", lambda *a, **k: pytest.fail("a full-vocabulary sort"))

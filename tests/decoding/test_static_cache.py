@@ -17,7 +17,9 @@ from selfspec.infer.drafters.proposers import MedusaProposer
 
 
 def spec_model(model) -> SpeculativeModel:
-    return SpeculativeModel(model, MedusaProposer(random_heads(model, scale=0.0), model.get_output_embeddings(), CHOICES))
+    return SpeculativeModel(
+        model, MedusaProposer(random_heads(model, scale=0.0), model.get_output_embeddings(), CHOICES)
+    )
 
 
 def watch_cache(monkeypatch) -> list[list[tuple[int, int, int]]]:
@@ -27,8 +29,12 @@ def watch_cache(monkeypatch) -> list[list[tuple[int, int, int]]]:
 
     def recording(cache, src, dst, length):
         keep(cache, src, dst, length)
-        seen.append([(layer.key_buffer.data_ptr(), layer.value_buffer.data_ptr(), layer.length)
-                     for layer in cache.layers])
+        seen.append(
+            [
+                (layer.key_buffer.data_ptr(), layer.value_buffer.data_ptr(), layer.length)
+                for layer in cache.layers
+            ]
+        )
 
     monkeypatch.setattr(PreallocatedCache, "keep_rows", recording)
     return seen
@@ -43,13 +49,18 @@ def test_a_long_generation_never_reallocates_the_cache(monkeypatch):
     want = model.generate(prompt, max_new_tokens=300, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert out.tolist() == want.tolist()
     assert len(seen) > 50 and len(seen[0]) == model.config.num_hidden_layers
-    assert {tuple(p[:2] for p in step) for step in seen} == {tuple(p[:2] for p in seen[0])}  # one storage throughout
+    assert {tuple(p[:2] for p in step) for step in seen} == {
+        tuple(p[:2] for p in seen[0])
+    }  # one storage throughout
     lengths = [step[0][2] for step in seen]
     assert lengths == sorted(lengths) and lengths[-1] >= 7 + 299  # the filled part grows, in the same buffers
 
     seen.clear()  # the next generation (no longer than the first) reuses the buffers
     spec.generate(prompt, max_new_tokens=40, eos_token_id=[])
-    assert seen[0][0][:2] == (spec._cache.layers[0].key_buffer.data_ptr(), spec._cache.layers[0].value_buffer.data_ptr())
+    assert seen[0][0][:2] == (
+        spec._cache.layers[0].key_buffer.data_ptr(),
+        spec._cache.layers[0].value_buffer.data_ptr(),
+    )
     assert spec._cache.layers[0].key_buffer.shape[2] >= 7 + 300
 
 
@@ -57,8 +68,9 @@ def test_an_emptied_layer_takes_states_of_another_shape_or_dtype():
     layer = PreallocatedLayer(8)
     layer.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
     layer.reset()
-    keys, values = layer.update(torch.full((3, 2, 2, 4), 2.0, dtype=torch.bfloat16), torch.zeros(3, 2, 2, 4,
-                                                                                                  dtype=torch.bfloat16))
+    keys, values = layer.update(
+        torch.full((3, 2, 2, 4), 2.0, dtype=torch.bfloat16), torch.zeros(3, 2, 2, 4, dtype=torch.bfloat16)
+    )
     assert keys.shape == (3, 2, 2, 4) and keys.dtype == torch.bfloat16 and bool((keys == 2).all())
     assert layer.key_buffer.shape == (3, 2, 8, 4)
 
@@ -83,14 +95,19 @@ def test_selected_rows_move_down_in_place_and_reset_brings_every_row_back():
     assert layer.keys.shape == (2, 2, 3, 4) and layer.get_seq_length() == 3
     assert layer.keys[:, 0, 0, 0].tolist() == [1.0, 3.0] and layer.values[:, 0, 0, 0].tolist() == [-1.0, -3.0]
     keys, _ = layer.update(torch.full((2, 2, 1, 4), 7.0), torch.zeros(2, 2, 1, 4))  # the next forward: 2 rows
-    assert keys.shape == (2, 2, 4, 4) and keys[:, 0, :, 0].tolist() == [[1.0, 1.0, 1.0, 7.0], [3.0, 3.0, 3.0, 7.0]]
+    assert keys.shape == (2, 2, 4, 4) and keys[:, 0, :, 0].tolist() == [
+        [1.0, 1.0, 1.0, 7.0],
+        [3.0, 3.0, 3.0, 7.0],
+    ]
     layer.select_rows([1], torch.tensor([1]))  # slot 1 (row 3) moves to slot 0
     assert layer.keys[:, 0, :, 0].tolist() == [[3.0, 3.0, 3.0, 7.0]]
     layer.select_rows([0], torch.tensor([0]))  # already in place: it stays as it is
     layer.key_storage[1] = -1.0  # a slot that left the batch
     assert layer.keys.shape[0] == 1 and layer.keys[:, 0, :, 0].tolist() == [[3.0, 3.0, 3.0, 7.0]]
     layer.reset()
-    assert layer.key_buffer.shape[0] == 4 and layer.key_buffer.data_ptr() == ptr == layer.key_storage.data_ptr()
+    assert (
+        layer.key_buffer.shape[0] == 4 and layer.key_buffer.data_ptr() == ptr == layer.key_storage.data_ptr()
+    )
 
 
 def test_a_row_mask_keeps_the_selected_rows():
@@ -120,7 +137,9 @@ def test_crop_and_reset_keep_the_buffers():
 def test_a_drafter_on_another_device_is_a_clear_error():
     model = tiny_model("llama")
     heads = random_heads(model, scale=0.0).to("meta")
-    with pytest.raises(ValueError, match="drafter's weights are on meta but the target's last layer is on cpu"):
+    with pytest.raises(
+        ValueError, match="drafter's weights are on meta but the target's last layer is on cpu"
+    ):
         SpeculativeModel(model, MedusaProposer(heads, model.get_output_embeddings(), CHOICES))
 
 
@@ -129,7 +148,13 @@ def test_a_generator_for_another_device_is_a_clear_error():
     spec = spec_model(tiny_model("llama"))
     cuda_generator = SimpleNamespace(device=torch.device("cuda", 0))
     with pytest.raises(ValueError, match="random generator is on cuda:0 but the target runs on cpu"):
-        spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=True, temperature=1.0, generator=cuda_generator)
+        spec.generate(
+            torch.tensor([[5, 6, 7]]),
+            max_new_tokens=4,
+            do_sample=True,
+            temperature=1.0,
+            generator=cuda_generator,
+        )
 
 
 def test_prompt_lookup_follows_the_context_device():
@@ -159,4 +184,4 @@ def test_two_streams_decoding_at_once_do_not_share_a_cache():
     got_b += [t for step in second for t in step]
     for prompt, got in ((a, got_a), (b, got_b)):
         want = model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert got == want[0, prompt.shape[1]:].tolist()
+        assert got == want[0, prompt.shape[1] :].tolist()

@@ -17,9 +17,21 @@ from selfspec.infer.drafters.prompt_lookup import LookupFirst, PromptLookupPropo
 from selfspec.infer.drafters.proposers import MedusaProposer
 from sync_counter import HostSyncs, syncs_per_step
 
-KINDS = ["medusa", "eagle", "eagle1", "eagle3", "dflash_chain", "dflash_tree", "draft_model", "prompt_lookup",
-         "medusa+lookup", "eagle+lookup"]
-PREFILL_READS = 4  # the first tokens, the prompts for host-side drafters, transformers' checks of a padded mask
+KINDS = [
+    "medusa",
+    "eagle",
+    "eagle1",
+    "eagle3",
+    "dflash_chain",
+    "dflash_tree",
+    "draft_model",
+    "prompt_lookup",
+    "medusa+lookup",
+    "eagle+lookup",
+]
+PREFILL_READS = (
+    4  # the first tokens, the prompts for host-side drafters, transformers' checks of a padded mask
+)
 
 
 def make(model, kind: str):
@@ -58,7 +70,9 @@ def test_a_decode_step_reads_the_host_once(llama, kind, rows, sampled, monkeypat
     items, counts = decode_counted(llama, make(llama, kind), prompts, sampled, eos=[eos])
     assert len(counts) > 2 and sum(counts[0].values()) <= PREFILL_READS, counts[0]
     assert [dict(c) for c in counts[1:]] == [{"tolist": 1}] * (len(counts) - 1)
-    if rows > 1 and not sampled:  # some step ran with a row stopped and gone: the drop is inside a counted step
+    if (
+        rows > 1 and not sampled
+    ):  # some step ran with a row stopped and gone: the drop is inside a counted step
         assert any(any(not new for new in step) and any(step) for step in items[1:])
         out = [sum((step[b] for step in items), []) for b in range(rows)]
         assert out == [alone(llama, p, 16, eos) for p in prompts]

@@ -47,8 +47,16 @@ def test_a_temperature_without_do_sample_is_greedy_as_in_transformers(spec, prom
     ours = spec.generate(**inputs, max_new_tokens=16, temperature=0.7)
     theirs = spec.model.generate(**inputs, max_new_tokens=16, temperature=0.7)
     assert ours.tolist() == theirs.tolist()
-    seeded = [spec.generate(**inputs, max_new_tokens=16, do_sample=True, temperature=0.7,
-                            generator=torch.Generator().manual_seed(seed)).tolist() for seed in range(4)]
+    seeded = [
+        spec.generate(
+            **inputs,
+            max_new_tokens=16,
+            do_sample=True,
+            temperature=0.7,
+            generator=torch.Generator().manual_seed(seed),
+        ).tolist()
+        for seed in range(4)
+    ]
     assert any(s != ours.tolist() for s in seeded)  # do_sample=True does sample
 
 
@@ -94,29 +102,49 @@ def test_return_dict_in_generate_gives_the_sequences_and_the_statistics(spec, pr
     sequences, stats = out.to_tuple()
     assert sequences is out.sequences and stats is out.stats
     assert out.sequences.tolist() == spec.generate(**inputs, max_new_tokens=10, do_sample=False).tolist()
-    assert out.sequences.tolist() == spec.generate(**inputs, max_new_tokens=10, do_sample=False,
-                                                   tokenizer=tok).tolist()  # taken, as model.generate takes it
+    assert (
+        out.sequences.tolist()
+        == spec.generate(**inputs, max_new_tokens=10, do_sample=False, tokenizer=tok).tolist()
+    )  # taken, as model.generate takes it
     assert out.stats.new_tokens == 10 and out.stats.tau >= 1
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"foo": 1}, "generate got an argument it does not support: foo=1"),
-    ({"num_beams": 2}, "the generation config sets num_beams=2, which speculative decoding here does not apply"),
-    ({"output_scores": True}, "sets output_scores=True, which speculative decoding here does not support"),
-    ({"num_return_sequences": 2}, "num_return_sequences"),
-    ({"generation_config": {"max_new_tokens": 3}}, "generation_config must be a transformers.GenerationConfig"),
-    ({"stop_strings": ["\n\n"], "tokenizer": "a tokenizer"},
-     r"^stop_strings=\['\\n\\n'\] is not supported by speculative decoding here: stop on token ids"),
-    ({"foo": "x" * 5000}, r"^generate got an argument it does not support: foo='x{10,40}\.\.\.x*' \(it takes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"foo": 1}, "generate got an argument it does not support: foo=1"),
+        (
+            {"num_beams": 2},
+            "the generation config sets num_beams=2, which speculative decoding here does not apply",
+        ),
+        (
+            {"output_scores": True},
+            "sets output_scores=True, which speculative decoding here does not support",
+        ),
+        ({"num_return_sequences": 2}, "num_return_sequences"),
+        (
+            {"generation_config": {"max_new_tokens": 3}},
+            "generation_config must be a transformers.GenerationConfig",
+        ),
+        (
+            {"stop_strings": ["\n\n"], "tokenizer": "a tokenizer"},
+            r"^stop_strings=\['\\n\\n'\] is not supported by speculative decoding here: stop on token ids",
+        ),
+        (
+            {"foo": "x" * 5000},
+            r"^generate got an argument it does not support: foo='x{10,40}\.\.\.x*' \(it takes",
+        ),
+    ],
+)
 def test_what_generate_does_not_support_is_refused_in_one_line_naming_it(spec, kwargs, message):
     with pytest.raises(ValueError, match=message):
         spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, **kwargs)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
-@pytest.mark.parametrize("device_map", ["cuda", {"": "cuda:1"}, "mps" if not torch.backends.mps.is_available()
-                                        else "cuda"])
+@pytest.mark.parametrize(
+    "device_map", ["cuda", {"": "cuda:1"}, "mps" if not torch.backends.mps.is_available() else "cuda"]
+)
 def test_a_device_this_machine_lacks_is_one_line_before_loading(medusa_dir, device_map):
     """Was a raw AssertionError ('Torch not compiled with CUDA enabled') from deep inside the loading."""
     with pytest.raises(ValueError, match=r"no (CUDA|MPS) device is available here; use cpu$"):
@@ -124,13 +152,18 @@ def test_a_device_this_machine_lacks_is_one_line_before_loading(medusa_dir, devi
 
 
 def test_from_pretrained_takes_transformers_loading_options(medusa_dir):
-    spec = SpeculativeModel.from_pretrained(medusa_dir, torch_dtype=torch.bfloat16, attn_implementation="eager")
+    spec = SpeculativeModel.from_pretrained(
+        medusa_dir, torch_dtype=torch.bfloat16, attn_implementation="eager"
+    )
     assert spec.model.dtype == torch.bfloat16 and spec.model.config._attn_implementation == "eager"
     assert next(spec.proposer.heads.parameters()).dtype == torch.bfloat16  # the drafter follows the target
     with pytest.raises(ValueError, match="dtype=torch.float32 and torch_dtype=torch.bfloat16 disagree"):
         SpeculativeModel.from_pretrained(medusa_dir, dtype=torch.float32, torch_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="EAGLE's tree options are draft_depth, draft_top_k, draft_total_tokens "
-                                         r"\(use draft_top_k=\); sampling's top_k goes to generate"):
+    with pytest.raises(
+        ValueError,
+        match="EAGLE's tree options are draft_depth, draft_top_k, draft_total_tokens "
+        r"\(use draft_top_k=\); sampling's top_k goes to generate",
+    ):
         SpeculativeModel.from_pretrained(medusa_dir, top_k=4)
     with pytest.raises(ValueError, match="from_pretrained got an argument it does not take: low_cpu= "):
         SpeculativeModel.from_pretrained(medusa_dir, low_cpu=True)
@@ -146,8 +179,12 @@ def test_the_users_model_is_never_changed(medusa_dir, tiny_model_dir):
     spec = SpeculativeModel.from_pretrained(medusa_dir, model=model, device_map="cpu")
     out = spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False)
     model.eval()
-    assert out.tolist() == model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False).tolist()
+    assert (
+        out.tolist() == model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False).tolist()
+    )
     model.train()
     spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
-    assert model.training and all(m.training for m in model.modules())  # decoded in eval mode, its mode restored
+    assert model.training and all(
+        m.training for m in model.modules()
+    )  # decoded in eval mode, its mode restored
     assert model.dtype == torch.float32 and torch.equal(model.get_output_embeddings().weight, weight)

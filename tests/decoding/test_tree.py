@@ -74,8 +74,18 @@ def correlated_ranks(n: int = 4000, depth: int = 4, seed: int = 0) -> torch.Tens
 def test_path_frequencies_count_a_path_where_every_depth_along_it_ranks_the_token_so():
     ranks = torch.tensor([[0, 0, 1], [0, 1, 9], [0, 0, 0], [1, 0, 0], [9, 0, 0]])
     freq = path_frequencies(ranks, width=4)
-    assert freq == pytest.approx({(0,): 3 / 5, (1,): 1 / 5, (0, 0): 2 / 5, (0, 1): 1 / 5, (1, 0): 1 / 5,
-                                  (0, 0, 1): 1 / 5, (0, 0, 0): 1 / 5, (1, 0, 0): 1 / 5})
+    assert freq == pytest.approx(
+        {
+            (0,): 3 / 5,
+            (1,): 1 / 5,
+            (0, 0): 2 / 5,
+            (0, 1): 1 / 5,
+            (1, 0): 1 / 5,
+            (0, 0, 1): 1 / 5,
+            (0, 0, 0): 1 / 5,
+            (1, 0, 0): 1 / 5,
+        }
+    )
     weighted = path_frequencies(ranks[:2], width=4, counts=torch.tensor([3, 1]))
     assert weighted == pytest.approx({(0,): 1.0, (0, 0): 0.75, (0, 1): 0.25, (0, 0, 1): 0.75})
     assert path_frequencies(ranks[:0], width=4) == {}
@@ -92,8 +102,9 @@ def test_a_tree_from_measured_paths_gets_what_it_expects_and_beats_the_product_o
     frequencies expects exactly what walking it over the positions accepts, and that is more."""
     ranks = correlated_ranks()
     freq = path_frequencies(ranks, width=4)
-    accuracy = torch.stack([torch.stack([(ranks[:, d] == r).double().mean() for r in range(4)])
-                            for d in range(ranks.shape[1])])
+    accuracy = torch.stack(
+        [torch.stack([(ranks[:, d] == r).double().mean() for r in range(4)]) for d in range(ranks.shape[1])]
+    )
     gains = []
     for nodes in (4, 8, 15):
         measured, product = best_choices(freq, nodes), best_choices(accuracy, nodes)
@@ -198,7 +209,9 @@ def test_low_and_spread_take_the_20th_percentile_and_the_medians_distance_from_i
 def test_the_fitted_latency_never_falls_and_stays_under_every_measurement(seed):
     gen = torch.Generator().manual_seed(seed)
     sizes = [1, 4, 8, 12, 16, 24, 32, 48, 64]
-    samples = {n: (0.01 * (1 + 0.02 * n) * (1 + 3 * torch.rand(7, generator=gen) ** 4)).tolist() for n in sizes}
+    samples = {
+        n: (0.01 * (1 + 0.02 * n) * (1 + 3 * torch.rand(7, generator=gen) ** 4)).tolist() for n in sizes
+    }
     curve = LatencyCurve.from_samples(samples)
     fitted = [curve[n] for n in sizes]
     assert list(curve) == sizes and fitted == sorted(fitted)
@@ -209,7 +222,13 @@ def test_the_fitted_latency_never_falls_and_stays_under_every_measurement(seed):
 
 
 def test_monotone_below_lowers_each_size_to_the_fastest_bigger_one():
-    assert monotone_below({1: 1.0, 2: 5.0, 3: 1.2, 4: 1.1, 5: 1.5}) == {1: 1.0, 2: 1.1, 3: 1.1, 4: 1.1, 5: 1.5}
+    assert monotone_below({1: 1.0, 2: 5.0, 3: 1.2, 4: 1.1, 5: 1.5}) == {
+        1: 1.0,
+        2: 1.1,
+        3: 1.1,
+        4: 1.1,
+        5: 1.5,
+    }
 
 
 def test_fit_tree_rows_show_the_measured_time_and_spread_of_a_plain_mapping_as_exact():

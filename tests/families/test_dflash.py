@@ -24,9 +24,18 @@ MASK = 3  # the tiny tokenizer's <unk>: never generated text in these tests' sen
 def dflash_config(model, block=6, qk_norm=True, layers=2, **extra) -> HeadsConfig:
     c = model.config.get_text_config()
     fields = dict(depth=block - 1, top_k=1, total_tokens=block - 1) | extra
-    return HeadsConfig(kind="dflash", hidden_size=c.hidden_size, vocab_size=model.get_output_embeddings().weight.shape[0],
-                       num_layers=layers, layer=layer_fields(c), block_size=block, mask_token_id=MASK, qk_norm=qk_norm,
-                       feature_layers=[i + 1 for i in default_target_layer_ids(c.num_hidden_layers)], **fields)
+    return HeadsConfig(
+        kind="dflash",
+        hidden_size=c.hidden_size,
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+        num_layers=layers,
+        layer=layer_fields(c),
+        block_size=block,
+        mask_token_id=MASK,
+        qk_norm=qk_norm,
+        feature_layers=[i + 1 for i in default_target_layer_ids(c.num_hidden_layers)],
+        **fields,
+    )
 
 
 def random_draft(model, seed=0, **kwargs) -> DFlashDraft:
@@ -42,7 +51,9 @@ def proposer(model, draft, **kwargs) -> DFlashProposer:
 
 
 def plain_greedy(model, prompt, n):
-    return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[
+        0, prompt.shape[1] :
+    ].tolist()
 
 
 def test_default_target_layer_ids_follow_the_published_spacing():
@@ -59,12 +70,30 @@ def test_default_target_layer_ids_follow_the_published_spacing():
 def test_packed_training_forward_equals_the_inference_forward_of_each_block(qk_norm, kv_heads):
     """Block n of the packed pass at anchor a equals one inference call of that block after the context 0..a-1,
     itself fed to the drafter's cache in two calls (as decoding does)."""
-    layer = dict(num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16, intermediate_size=96,
-                 rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                 max_position_embeddings=512, hidden_act="silu")
-    cfg = HeadsConfig(kind="dflash", hidden_size=64, vocab_size=100, num_layers=2, layer=layer,
-                      feature_layers=[1, 2, 3], mask_token_id=99, block_size=8, depth=7, top_k=1, total_tokens=7,
-                      qk_norm=qk_norm)
+    layer = dict(
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=16,
+        intermediate_size=96,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=512,
+        hidden_act="silu",
+    )
+    cfg = HeadsConfig(
+        kind="dflash",
+        hidden_size=64,
+        vocab_size=100,
+        num_layers=2,
+        layer=layer,
+        feature_layers=[1, 2, 3],
+        mask_token_id=99,
+        block_size=8,
+        depth=7,
+        top_k=1,
+        total_tokens=7,
+        qk_norm=qk_norm,
+    )
     torch.manual_seed(0)
     draft = DFlashDraft(cfg).double()
     for p in draft.parameters():
@@ -74,18 +103,30 @@ def test_packed_training_forward_equals_the_inference_forward_of_each_block(qk_n
     feats, ids = torch.randn(2, T, 192, dtype=torch.double), torch.randint(0, 99, (2, T))
     anchors = torch.tensor([[1, 5, 12], [3, 9, 19]])
     blocks = draft.block_embeds(ids.gather(1, anchors), embed, torch.double)
-    assert (blocks[:, :, 1:] == embed.weight[99]).all() and (blocks[:, :, 0] == embed(ids.gather(1, anchors))).all()
+    assert (blocks[:, :, 1:] == embed.weight[99]).all() and (
+        blocks[:, :, 0] == embed(ids.gather(1, anchors))
+    ).all()
     packed = draft(feats, blocks.flatten(1, 2), anchors=anchors)
     for b in range(2):
         for n, a in enumerate(anchors[b].tolist()):
             cache, cut = DraftCache.for_drafter(draft, 64), a // 2
             positions = torch.arange(a + 8)[None]
             if cut:
-                draft(feats[b : b + 1, :cut], draft.block_embeds(ids[b, cut - 1 : cut], embed, torch.double),
-                      positions[:, :cut], torch.arange(cut, cut + 8)[None], cache)
+                draft(
+                    feats[b : b + 1, :cut],
+                    draft.block_embeds(ids[b, cut - 1 : cut], embed, torch.double),
+                    positions[:, :cut],
+                    torch.arange(cut, cut + 8)[None],
+                    cache,
+                )
                 cache.length = cut  # the block's columns are dropped
-            one = draft(feats[b : b + 1, cut:a], draft.block_embeds(ids[b, a : a + 1], embed, torch.double),
-                        positions[:, cut:a], positions[:, a:], cache)
+            one = draft(
+                feats[b : b + 1, cut:a],
+                draft.block_embeds(ids[b, a : a + 1], embed, torch.double),
+                positions[:, cut:a],
+                positions[:, a:],
+                cache,
+            )
             torch.testing.assert_close(packed[b, n], one[0], atol=1e-6, rtol=1e-6)
 
 
@@ -96,13 +137,17 @@ def test_greedy_identical_to_generate_with_a_random_dflash_drafter(model, shape)
     for length in (1, 6):
         prompt = torch.randint(4, 96, (1, length), generator=gen)
         for n in (1, 3, 30):
-            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(model, prompt, n)
+            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(
+                model, prompt, n
+            )
 
 
 @pytest.mark.parametrize("shape", [dict(), dict(top_k=2, total_tokens=8, depth=5)], ids=["chain", "tree"])
 def test_batched_rows_equal_generate_and_their_own_runs(shape):
     model = tiny_model("qwen2")
-    draft = trained_draft(model, torch.randint(4, 96, (4, 6), generator=torch.Generator().manual_seed(8)), steps=60)
+    draft = trained_draft(
+        model, torch.randint(4, 96, (4, 6), generator=torch.Generator().manual_seed(8)), steps=60
+    )
     prompts = torch.randint(4, 96, (3, 7), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(prompts)
     mask[1, :3] = 0  # left padding
@@ -126,7 +171,11 @@ def trained_draft(model, prompts, steps=150, **shape) -> DFlashDraft:
     method = DFlashMethod(DFlashConfig(block_size=6, anchors=16), model, draft.train(), [])
     # the continuations as decoding with eos_token_id=[] makes them (EOS included, not suppressed)
     seqs = model.generate(prompts, max_new_tokens=48, do_sample=False, pad_token_id=0, eos_token_id=[])
-    batch = {"input_ids": seqs, "attention_mask": torch.ones_like(seqs), "loss_mask": torch.ones_like(seqs).bool()}
+    batch = {
+        "input_ids": seqs,
+        "attention_mask": torch.ones_like(seqs),
+        "loss_mask": torch.ones_like(seqs).bool(),
+    }
     opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
     for _ in range(steps):
         method.loss(batch)[0].backward()
@@ -143,7 +192,9 @@ def test_greedy_identical_with_a_trained_dflash_drafter(model, arch):
         spec = SpeculativeModel(model, proposer(model, draft, **shape))
         for i, length in enumerate((6, 3)):
             prompt = prompts[i : i + 1, :length]
-            out = spec.generate(prompt, max_new_tokens=40, eos_token_id=[])  # no early stop: tau over 40 tokens
+            out = spec.generate(
+                prompt, max_new_tokens=40, eos_token_id=[]
+            )  # no early stop: tau over 40 tokens
             ref = model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=[])
             assert out.tolist() == ref.tolist()
             taus[name, i] = spec.last_stats.tau
@@ -167,18 +218,36 @@ def test_drafter_cache_holds_exactly_the_confirmed_context():
         fused = torch.cat([hs[i] for i in draft.config.feature_layers], dim=-1)[:, :-1]
         plain = DraftCache.for_drafter(draft, n + 6)
         positions = torch.arange(n + 6)[None]
-        draft(fused, draft.block_embeds(confirmed[:, -1], model.get_input_embeddings(), torch.float32),
-              positions[:, :n], positions[:, n:], plain)
+        draft(
+            fused,
+            draft.block_embeds(confirmed[:, -1], model.get_input_embeddings(), torch.float32),
+            positions[:, :n],
+            positions[:, n:],
+            plain,
+        )
     torch.testing.assert_close(prop.cache.keys[:, :, :, :n], plain.keys[:, :, :, :n], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(prop.cache.values[:, :, :, :n], plain.values[:, :, :, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        prop.cache.values[:, :, :, :n], plain.values[:, :, :, :n], atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("shape", [dict(), dict(top_k=3, total_tokens=6, depth=3)], ids=["chain", "tree"])
 def test_dflash_sampling_matches_the_target_distribution(shape):
     model = tiny_model("llama", vocab=V, seed=5, scale=0.08)
     c = model.config
-    cfg = HeadsConfig(kind="dflash", hidden_size=c.hidden_size, vocab_size=V, num_layers=1, layer=layer_fields(c),
-                      block_size=4, mask_token_id=7, feature_layers=[1], depth=3, top_k=1, total_tokens=3)
+    cfg = HeadsConfig(
+        kind="dflash",
+        hidden_size=c.hidden_size,
+        vocab_size=V,
+        num_layers=1,
+        layer=layer_fields(c),
+        block_size=4,
+        mask_token_id=7,
+        feature_layers=[1],
+        depth=3,
+        top_k=1,
+        total_tokens=3,
+    )
     torch.manual_seed(5)
     draft = DFlashDraft(cfg).eval()
     spec = SpeculativeModel(model, proposer(model, draft, **shape))
@@ -186,7 +255,9 @@ def test_dflash_sampling_matches_the_target_distribution(shape):
     accepted = []
     counts = run_sampling(spec, prompt, (1.0, 0, 1.0), accepted)
     stat, dof = chi_square(counts, exact_joint(model, prompt, (1.0, 0, 1.0)), RUNS)
-    assert stat < critical(dof), f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
+    assert stat < critical(dof), (
+        f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
+    )
     assert sum(a > 0 for a in accepted) > RUNS // 100
 
 
@@ -205,7 +276,8 @@ def test_loss_is_the_position_weighted_mean_written_out():
     for kind in ("ce", "kl"):  # (the formula below runs without gradients)
         for weighting in ("decay", "dpace"):
             got, _ = DFlashLoss(lm_head, Bk, kind, weighting, gamma=2.0, alpha=0.5, chunk=3).loss(
-                outputs, batch, anchors, real, last)
+                outputs, batch, anchors, real, last
+            )
             num = den = 0.0
             for b in range(B):
                 for n in range(2):
@@ -254,12 +326,15 @@ def test_dflash_save_and_load_round_trip(tmp_path):
     assert not any("embed" in k or "lm_head" in k for k in loaded.state_dict())
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(block_size=1), "block_size must be >= 2"),
-    (dict(mask_token_id=None), "needs `mask_token_id`"),
-    (dict(mask_token_id=96), "needs `mask_token_id`"),
-    (dict(depth=6), "at most block_size - 1"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(block_size=1), "block_size must be >= 2"),
+        (dict(mask_token_id=None), "needs `mask_token_id`"),
+        (dict(mask_token_id=96), "needs `mask_token_id`"),
+        (dict(depth=6), "at most block_size - 1"),
+    ],
+)
 def test_bad_dflash_configs_name_the_field(fields, message):
     model = tiny_model("llama")
     data = dflash_config(model).to_dict() | fields
@@ -268,7 +343,9 @@ def test_bad_dflash_configs_name_the_field(fields, message):
 
 
 def test_mask_token_and_qk_norm_are_dflash_only():
-    with pytest.raises(ValueError, match=r"qk_norm is for DFlash drafters \(medusa drafters do not read it\)"):
+    with pytest.raises(
+        ValueError, match=r"qk_norm is for DFlash drafters \(medusa drafters do not read it\)"
+    ):
         HeadsConfig(kind="medusa", hidden_size=8, vocab_size=8, qk_norm=True)
 
 
@@ -287,15 +364,19 @@ def test_validation_walk_takes_the_steps_decoding_takes():
     prop = proposer(model, draft)
     starts = []
     propose = prop.propose
-    prop.propose = lambda active, contexts, hiddens: starts.append(contexts[0].shape[0] - 1) or propose(active, contexts, hiddens)
+    prop.propose = lambda active, contexts, hiddens: (
+        starts.append(contexts[0].shape[0] - 1) or propose(active, contexts, hiddens)
+    )
     spec = SpeculativeModel(model, prop)
     out = spec.generate(prompts[:1], max_new_tokens=40, eos_token_id=[])
     accepted = spec.last_stats.accepted_drafts
     assert max(accepted) > 1  # the drafter is right several positions deep at some steps
     loss_mask = torch.zeros_like(out, dtype=torch.bool)
-    loss_mask[:, prompts.shape[1]:] = True
+    loss_mask[:, prompts.shape[1] :] = True
     method = DFlashMethod(DFlashConfig(block_size=6, anchors=7), model, draft, [])
-    streaks, _ = method.streaks({"input_ids": out, "attention_mask": torch.ones_like(out), "loss_mask": loss_mask})
+    streaks, _ = method.streaks(
+        {"input_ids": out, "attention_mask": torch.ones_like(out), "loss_mask": loss_mask}
+    )
     steps = walk(streaks[0].tolist())
     assert [a for a, _ in steps][:-1] == starts[:-1]
     assert [s for _, s in steps][:-1] == accepted[:-1]

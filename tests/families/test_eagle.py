@@ -18,8 +18,13 @@ STATIC = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 def random_draft(model, seed=0, **config) -> EagleDraft:
     torch.manual_seed(seed)
-    cfg = HeadsConfig(kind="eagle", hidden_size=model.config.hidden_size, vocab_size=VOCAB,
-                      layer=layer_fields(model.config), **({"depth": 4, "top_k": 3, "total_tokens": 10} | config))
+    cfg = HeadsConfig(
+        kind="eagle",
+        hidden_size=model.config.hidden_size,
+        vocab_size=VOCAB,
+        layer=layer_fields(model.config),
+        **({"depth": 4, "top_k": 3, "total_tokens": 10} | config),
+    )
     return EagleDraft(cfg).eval()
 
 
@@ -28,7 +33,9 @@ def proposer(model, draft, **kwargs) -> EagleProposer:
 
 
 def plain_greedy(model, prompt, n):
-    return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[
+        0, prompt.shape[1] :
+    ].tolist()
 
 
 # ---------------------------------------------------------------- the dynamic tree
@@ -52,10 +59,22 @@ def test_select_tree_keeps_the_best_scores_as_a_tree():
     assert tree.parents.tolist() == [-1, 0, 0, 1, 2, 3]
     assert tree.depths.tolist() == [0, 1, 1, 2, 2, 3]  # verification positions are prefix_len + depth
     assert tree.children.tolist() == [[1, 2], [3, -1], [4, -1], [5, -1], [-1, -1], [-1, -1]]
-    assert tree.paths.tolist() == [[0, 0, 0, 0], [0, 1, 1, 1], [0, 2, 2, 2], [0, 1, 3, 3], [0, 2, 4, 4],
-                                   [0, 1, 3, 5]]  # retrieval: root-to-node, padded with the node
-    expected_mask = [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0],
-                     [1, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]]
+    assert tree.paths.tolist() == [
+        [0, 0, 0, 0],
+        [0, 1, 1, 1],
+        [0, 2, 2, 2],
+        [0, 1, 3, 3],
+        [0, 2, 4, 4],
+        [0, 1, 3, 5],
+    ]  # retrieval: root-to-node, padded with the node
+    expected_mask = [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 0, 1, 0, 1, 0],
+        [1, 1, 0, 1, 0, 1],
+    ]
     assert tree.ancestors.int().tolist() == expected_mask
     # the same tree as the host-side builder makes from the parent list
     ref = tree_from_parents([-1, 0, 0, 1, 2, 3], [0, 0, 1, 0, 0, 0])
@@ -71,7 +90,9 @@ def test_selection_is_ancestor_closed_even_with_zero_log_probs():
         parents, ranks = [torch.full((k,), -1)], [torch.arange(k)]
         front, front_index, offset = scores[0], torch.arange(k), k
         for _ in range(depth - 1):
-            logp = torch.log_softmax(torch.randn(k, k, generator=gen) * 5, -1).sort(-1, descending=True).values
+            logp = (
+                torch.log_softmax(torch.randn(k, k, generator=gen) * 5, -1).sort(-1, descending=True).values
+            )
             logp[0, 0] = 0.0  # a certain child: its score must still fall below its parent's
             child = descend(front, logp).flatten()
             scores.append(child)
@@ -161,7 +182,9 @@ def test_greedy_identical_to_generate_with_a_random_drafter(model, choices):
     for length in (1, 6):
         prompt = torch.randint(3, VOCAB, (1, length), generator=gen)
         for n in (1, 3, 30):
-            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(model, prompt, n)
+            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(
+                model, prompt, n
+            )
 
 
 def self_distilled_draft(model, prompts, steps=150) -> EagleDraft:
@@ -179,7 +202,9 @@ def test_greedy_identical_with_a_trained_drafter(model):
     taus = []
     for i, length in enumerate((6, 3)):
         prompt = prompts[i : i + 1, :length]
-        assert spec.generate(prompt, max_new_tokens=48)[0, length:].tolist() == plain_greedy(model, prompt, 48)
+        assert spec.generate(prompt, max_new_tokens=48)[0, length:].tolist() == plain_greedy(
+            model, prompt, 48
+        )
         taus.append(spec.last_stats.tau)
     assert max(taus) > 1.5  # trained: multi-token paths are accepted
 
@@ -193,7 +218,9 @@ def test_save_load_round_trip_and_no_target_weights(tmp_path):
     assert isinstance(loaded, EagleDraft) and loaded.config == draft.config
     names = set(loaded.state_dict())
     assert "fc.weight" in names and "fc.bias" in names and "layers.0.post_attention_layernorm.weight" in names
-    assert not any("embed" in n or "lm_head" in n or "input_layernorm" in n.split("layers.0.")[-1] for n in names)
+    assert not any(
+        "embed" in n or "lm_head" in n or "input_layernorm" in n.split("layers.0.")[-1] for n in names
+    )
     assert names == set(draft.state_dict())
     for name, value in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value)
@@ -214,10 +241,14 @@ def vocab_draft(model, size=VOCAB // 4, seed=0, **config) -> EagleDraft:
 def test_draft_vocabulary_logits_are_the_targets_rows_and_follow_the_head():
     model = tiny_model("llama")
     draft, lm_head = vocab_draft(model), model.get_output_embeddings()
-    assert draft.draft_ids.shape == (VOCAB // 4,) and not torch.equal(draft.draft_ids, torch.arange(VOCAB // 4))
+    assert draft.draft_ids.shape == (VOCAB // 4,) and not torch.equal(
+        draft.draft_ids, torch.arange(VOCAB // 4)
+    )
     out = torch.randn(2, 3, model.config.hidden_size)
     torch.testing.assert_close(draft.logits(out, lm_head), lm_head(out)[..., draft.draft_ids])
-    with torch.no_grad():  # the gathered rows are refreshed when the head changes (a new load, a cast, an edit)
+    with (
+        torch.no_grad()
+    ):  # the gathered rows are refreshed when the head changes (a new load, a cast, an edit)
         lm_head.weight.mul_(2)
     torch.testing.assert_close(draft.logits(out, lm_head), lm_head(out)[..., draft.draft_ids])
     assert torch.equal(draft.to_target(torch.arange(VOCAB // 4)), draft.draft_ids)
@@ -242,7 +273,9 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(model, cho
     for length in (1, 6):
         prompt = torch.randint(3, VOCAB, (1, length), generator=gen)
         for n in (3, 30):
-            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(model, prompt, n)
+            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(
+                model, prompt, n
+            )
     assert drafted and all(set(tokens) <= allowed for tokens in drafted)
     assert sum(len(t) for t in drafted) > 20  # trees were drafted, not only roots
 
@@ -275,8 +308,12 @@ def test_top_k_wider_than_the_draft_vocabulary_is_a_clear_error():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="drafts among 4 tokens, fewer than its 5 top_k: use at most 4"):
         proposer(model, vocab_draft(model, size=4), top_k=5)
-    with pytest.raises(ValueError, match="fewer than its 6 children per node in the static tree: use at most 4"):
-        proposer(model, vocab_draft(model, size=4, top_k=4), choices=[[0], [5]])  # top_k 4 fits: the tree does not
+    with pytest.raises(
+        ValueError, match="fewer than its 6 children per node in the static tree: use at most 4"
+    ):
+        proposer(
+            model, vocab_draft(model, size=4, top_k=4), choices=[[0], [5]]
+        )  # top_k 4 fits: the tree does not
 
 
 def test_validation_ranks_only_the_tokens_a_draft_vocabulary_can_draft():
@@ -286,7 +323,9 @@ def test_validation_ranks_only_the_tokens_a_draft_vocabulary_can_draft():
     model = tiny_model("llama")
     draft = vocab_draft(model, size=8, top_k=2)
     ranked = EagleMethod(EagleConfig(), model, draft, [])._ranked(torch.randn(5, VOCAB))
-    assert ranked.shape == (5, RANKS) and set(ranked[:, :8].flatten().tolist()) <= set(draft.draft_ids.tolist())
+    assert ranked.shape == (5, RANKS) and set(ranked[:, :8].flatten().tolist()) <= set(
+        draft.draft_ids.tolist()
+    )
     assert (ranked[:, 8:] == -1).all()  # fewer tokens than ranks: the rest is no token
 
 
@@ -306,11 +345,17 @@ def test_a_draft_vocabulary_round_trips_and_is_left_out_of_published_layouts(tmp
         # SGLang's token map: the draft vocabulary's target ids, loaded as SGLang loads it
         hot = torch.load(tmp_path / fmt / "token_map.pt", weights_only=True)
         assert torch.equal(torch.tensor(hot, dtype=torch.int64), draft.draft_ids)
-        back = load_heads(tmp_path / fmt, base_model=None)  # read back with its token map: the same vocabulary
+        back = load_heads(
+            tmp_path / fmt, base_model=None
+        )  # read back with its token map: the same vocabulary
         assert back.config.draft_vocab_size == VOCAB // 4 and torch.equal(back.draft_ids, draft.draft_ids)
         (tmp_path / fmt / "token_map.pt").unlink()
-        assert load_heads(tmp_path / fmt, base_model=None).config.draft_vocab_size == 0  # as published: all tokens
-    with pytest.raises(ValueError, match="draft_vocab_size is for EAGLE-1/2 and EAGLE-3 and P-EAGLE drafters"):
+        assert (
+            load_heads(tmp_path / fmt, base_model=None).config.draft_vocab_size == 0
+        )  # as published: all tokens
+    with pytest.raises(
+        ValueError, match="draft_vocab_size is for EAGLE-1/2 and EAGLE-3 and P-EAGLE drafters"
+    ):
         HeadsConfig(kind="medusa", hidden_size=8, vocab_size=VOCAB, draft_vocab_size=4)
     with pytest.raises(ValueError, match="draft_vocab_size must be in"):
         random_draft(model, draft_vocab_size=VOCAB + 1)

@@ -24,9 +24,15 @@ from selfspec.train.recipes.eagle import EagleConfig, build_drafter
 
 def eagle3_config(model, draft_vocab_size=0, **extra) -> HeadsConfig:
     c = model.config
-    return HeadsConfig(kind="eagle3", hidden_size=c.hidden_size, vocab_size=c.vocab_size, layer=layer_fields(c),
-                       feature_layers=default_feature_layers(c.num_hidden_layers),
-                       draft_vocab_size=draft_vocab_size, **extra)
+    return HeadsConfig(
+        kind="eagle3",
+        hidden_size=c.hidden_size,
+        vocab_size=c.vocab_size,
+        layer=layer_fields(c),
+        feature_layers=default_feature_layers(c.num_hidden_layers),
+        draft_vocab_size=draft_vocab_size,
+        **extra,
+    )
 
 
 def random_draft(model, draft_vocab_size=0, seed=0, **flags) -> Eagle3Draft:
@@ -43,8 +49,12 @@ def test_default_feature_layers_are_low_middle_high_and_never_the_normed_last():
     assert all(0 < i < 4 for i in default_feature_layers(4))
 
 
-VARIANTS = [{}, {"norm_before_residual": True}, {"norm_before_fc": True},
-            {"norm_before_residual": True, "norm_before_fc": True}]
+VARIANTS = [
+    {},
+    {"norm_before_residual": True},
+    {"norm_before_fc": True},
+    {"norm_before_residual": True, "norm_before_fc": True},
+]
 VARIANT_IDS = ["+".join(v) or "default" for v in VARIANTS]
 
 
@@ -85,17 +95,23 @@ def test_each_variant_flag_changes_training_and_inference_alike(flag):
     model = tiny_model("llama")
     draft = random_draft(model, **{flag: True})
     assert ("input_norm.weight" in draft.state_dict()) == (flag == "norm_before_fc")
-    assert getattr(draft.config, flag) and draft.midlayer.norm_before_residual == (flag == "norm_before_residual")
+    assert getattr(draft.config, flag) and draft.midlayer.norm_before_residual == (
+        flag == "norm_before_residual"
+    )
     plain, embed, T = without(draft, flag), model.get_input_embeddings(), 7
     torch.manual_seed(1)
     features = torch.randn(1, T, len(draft.config.feature_layers) * model.config.hidden_size)
     ids = torch.randint(0, model.config.vocab_size, (1, T))
     with torch.no_grad():
-        for a, b in zip(draft.unrolled(features, ids, embed, torch.ones(1, T), 2),
-                        plain.unrolled(features, ids, embed, torch.ones(1, T), 2), strict=True):
+        for a, b in zip(
+            draft.unrolled(features, ids, embed, torch.ones(1, T), 2),
+            plain.unrolled(features, ids, embed, torch.ones(1, T), 2),
+            strict=True,
+        ):
             assert not torch.allclose(a, b, atol=1e-3)
-        assert not torch.allclose(draft(draft.fuse(features), ids, embed), plain(plain.fuse(features), ids, embed),
-                                  atol=1e-3)
+        assert not torch.allclose(
+            draft(draft.fuse(features), ids, embed), plain(plain.fuse(features), ids, embed), atol=1e-3
+        )
 
 
 def test_training_builds_the_variant_and_trains_its_norm():
@@ -106,7 +122,11 @@ def test_training_builds_the_variant_and_trains_its_norm():
     assert {f: getattr(draft.config, f) for f in flags} == flags
     assert draft.input_norm.weight.shape == (len(draft.config.feature_layers) * model.config.hidden_size,)
     ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids).bool()}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids).bool(),
+    }
     loss, _ = Eagle3Method(cfg, model, draft, []).loss(batch)
     loss.backward()
     assert draft.input_norm.weight.grad is not None and draft.input_norm.weight.grad.abs().sum() > 0
@@ -116,11 +136,15 @@ def test_training_builds_the_variant_and_trains_its_norm():
 
 
 def test_variant_flags_are_eagle3_only_and_typed():
-    with pytest.raises(ValueError, match=r"norm_before_fc is for EAGLE-3 and P-EAGLE drafters \(medusa drafters"):
+    with pytest.raises(
+        ValueError, match=r"norm_before_fc is for EAGLE-3 and P-EAGLE drafters \(medusa drafters"
+    ):
         HeadsConfig(kind="medusa", norm_before_fc=True)
     with pytest.raises(ValueError, match=r"norm_before_residual must be bool, got 'true'"):
         HeadsConfig(kind="eagle3", layer={"x": 1}, feature_layers=[1], norm_before_residual="true")
-    assert HeadsConfig.from_dict(eagle3_config(tiny_model("llama"), norm_before_fc=True).to_dict()).norm_before_fc
+    assert HeadsConfig.from_dict(
+        eagle3_config(tiny_model("llama"), norm_before_fc=True).to_dict()
+    ).norm_before_fc
 
 
 def test_padding_never_reaches_a_valid_position():
@@ -183,8 +207,11 @@ def test_rope_inverse_frequencies_stay_float32_when_cast(kind):
         draft = Eagle3Draft(eagle3_config(model))
     else:
         c = model.config
-        draft = EagleDraft(HeadsConfig(kind="eagle", hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-                                       layer=layer_fields(c)))
+        draft = EagleDraft(
+            HeadsConfig(
+                kind="eagle", hidden_size=c.hidden_size, vocab_size=c.vocab_size, layer=layer_fields(c)
+            )
+        )
     before = draft.rotary_emb.inv_freq.clone()
     assert before.dtype == torch.float32
     draft = draft.to(torch.bfloat16)
@@ -231,7 +258,9 @@ def reduced_draft(model, seed=0, size=40):
 
 
 def plain_greedy(model, prompt, n):
-    return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[
+        0, prompt.shape[1] :
+    ].tolist()
 
 
 @pytest.mark.parametrize("choices", [None, STATIC], ids=["dynamic", "static"])
@@ -242,7 +271,9 @@ def test_greedy_identical_to_generate_with_a_random_eagle3_drafter(model, choice
     for length in (1, 6):
         prompt = torch.randint(3, 96, (1, length), generator=gen)
         for n in (1, 3, 30):
-            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(model, prompt, n)
+            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(
+                model, prompt, n
+            )
 
 
 @pytest.mark.parametrize("choices", [None, STATIC], ids=["dynamic", "static"])
@@ -281,8 +312,12 @@ def trained_draft(model, prompts, steps=150) -> Eagle3Draft:
     draft = random_draft(model)
     for p in draft.parameters():  # a fresh start, as the recipe's
         torch.nn.init.normal_(p, std=0.02)
-    for norm in (draft.norm, draft.midlayer.input_layernorm, draft.midlayer.hidden_norm,
-                 draft.midlayer.post_attention_layernorm):
+    for norm in (
+        draft.norm,
+        draft.midlayer.input_layernorm,
+        draft.midlayer.hidden_norm,
+        draft.midlayer.post_attention_layernorm,
+    ):
         torch.nn.init.ones_(norm.weight)
     draft.config.depth, draft.config.top_k, draft.config.total_tokens = 4, 3, 12
     cfg = EagleConfig(version=3, ttt_steps=3)
@@ -296,7 +331,9 @@ def test_greedy_identical_with_a_trained_eagle3_drafter(model):
     taus = []
     for i, length in enumerate((6, 3)):
         prompt = prompts[i : i + 1, :length]
-        assert spec.generate(prompt, max_new_tokens=48)[0, length:].tolist() == plain_greedy(model, prompt, 48)
+        assert spec.generate(prompt, max_new_tokens=48)[0, length:].tolist() == plain_greedy(
+            model, prompt, 48
+        )
         taus.append(spec.last_stats.tau)
     assert max(taus) > 1.5, taus  # trained: multi-token paths are accepted
 
@@ -333,7 +370,9 @@ def test_eagle3_sampling_matches_the_target_distribution(params):
     accepted = []
     counts = run_sampling(spec, prompt, params, accepted)
     stat, dof = chi_square(counts, exact_joint(model, prompt, params), RUNS)
-    assert stat < critical(dof), f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
+    assert stat < critical(dof), (
+        f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
+    )
     assert sum(a > 0 for a in accepted) > RUNS // 100
 
 
@@ -370,7 +409,9 @@ def reference_loss_and_agreement(draft, outputs, target_logits, batch):
             for i, out in enumerate(outputs):
                 if t + 2 + i >= T or not (loss_mask[b, t + 2 + i] and attn[b, t + 2 + i]):
                     break
-                if draft_ids[int(draft.logits(out[b, t]).argmax())] != int(target_logits[b, t + 1 + i].argmax()):
+                if draft_ids[int(draft.logits(out[b, t]).argmax())] != int(
+                    target_logits[b, t + 1 + i].argmax()
+                ):
                     break
                 accepted += 1
     return float(total), hits, counts, accepted, positions
@@ -401,7 +442,8 @@ def test_training_loss_and_agreement_equal_the_position_by_position_formula():
         loss, logs = ttt.loss(outputs, target_logits, batch)
         hits, counts, accepted, positions = ttt.agreement(outputs, target_logits, batch)
     ref_loss, ref_hits, ref_counts, ref_accepted, ref_positions = reference_loss_and_agreement(
-        draft, outputs, target_logits, batch)
+        draft, outputs, target_logits, batch
+    )
     assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
     assert hits.tolist() == ref_hits and counts.tolist() == ref_counts
     assert min(ref_hits) > 0 and ref_accepted > ref_positions + 2  # agreement and streaks were exercised

@@ -12,8 +12,17 @@ from selfspec.heads.families import FAMILIES, KINDS, SETTINGS, family, format_fa
 from selfspec.heads.family import resolve
 from selfspec.heads.io import PretrainedHeads
 
-REFERENCES = ("drafter", "proposer", "detect", "importer", "exporter", "recipe_config", "meta_drafter",
-              "activation_bytes", "tune_grid")
+REFERENCES = (
+    "drafter",
+    "proposer",
+    "detect",
+    "importer",
+    "exporter",
+    "recipe_config",
+    "meta_drafter",
+    "activation_bytes",
+    "tune_grid",
+)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -43,26 +52,49 @@ def test_recipe_configs_name_the_family_they_train():
     from selfspec.train.recipes.mtp import MtpConfig
     from selfspec.train.recipes.peagle import PEagleConfig
 
-    named = {MedusaConfig.kind, DFlashConfig.kind, EagleConfig().kind, EagleConfig(version=3).kind, PEagleConfig.kind,
-             MtpConfig.kind}
+    named = {
+        MedusaConfig.kind,
+        DFlashConfig.kind,
+        EagleConfig().kind,
+        EagleConfig(version=3).kind,
+        PEagleConfig.kind,
+        MtpConfig.kind,
+    }
     assert named == {f.kind for f in FAMILIES.values() if f.recipe}
-    for cfg in (MedusaConfig(), EagleConfig(), EagleConfig(version=3), DFlashConfig(), PEagleConfig(), MtpConfig()):
+    for cfg in (
+        MedusaConfig(),
+        EagleConfig(),
+        EagleConfig(version=3),
+        DFlashConfig(),
+        PEagleConfig(),
+        MtpConfig(),
+    ):
         assert family(cfg.kind).load("recipe_config") is type(cfg)
 
 
 def test_unknown_kind_is_refused_naming_the_known():
-    with pytest.raises(ValueError, match=r"unknown heads kind 'pard'; supported: medusa, eagle, eagle3, dflash"):
+    with pytest.raises(
+        ValueError, match=r"unknown heads kind 'pard'; supported: medusa, eagle, eagle3, dflash"
+    ):
         HeadsConfig(kind="pard", hidden_size=8, vocab_size=8)
 
 
 def test_a_family_setting_is_refused_for_the_others():
     defaults = {f.name: f.default for f in dataclasses.fields(HeadsConfig)}
-    values = {"draft_vocab_size": 4, "feature_layers": [1], "mask_token_id": 3, "norm_before_fc": True,
-              "norm_before_residual": True, "qk_norm": True}
+    values = {
+        "draft_vocab_size": 4,
+        "feature_layers": [1],
+        "mask_token_id": 3,
+        "norm_before_fc": True,
+        "norm_before_residual": True,
+        "qk_norm": True,
+    }
     assert set(values) == set(SETTINGS)
     for name, kinds in SETTINGS.items():
         assert values[name] != defaults[name]
-        with pytest.raises(ValueError, match=f"{name} is for .* drafters \\(medusa drafters do not read it\\)"):
+        with pytest.raises(
+            ValueError, match=f"{name} is for .* drafters \\(medusa drafters do not read it\\)"
+        ):
             HeadsConfig(kind="medusa", hidden_size=8, vocab_size=8, **{name: values[name]})
         assert "medusa" not in kinds
 

@@ -8,8 +8,16 @@ from selfspec.heads.registry import load_heads
 
 
 def make(num_layers=2, share=False):
-    return MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=VOCAB, num_heads=3, num_layers=num_layers,
-                                   share_lm_head=share, base_model="tiny"))
+    return MedusaHeads(
+        HeadsConfig(
+            hidden_size=48,
+            vocab_size=VOCAB,
+            num_heads=3,
+            num_layers=num_layers,
+            share_lm_head=share,
+            base_model="tiny",
+        )
+    )
 
 
 def test_blocks_are_separate_modules_and_start_as_identity():
@@ -86,10 +94,18 @@ def test_heads_claiming_another_base_model_fail_clearly(tmp_path):
     from selfspec.heads.config import check_compatible
 
     named = tmp_path / "trained-on"
-    LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=96).save_pretrained(named)
+    LlamaConfig(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+    ).save_pretrained(named)
     config = HeadsConfig(base_model=str(named), hidden_size=48, vocab_size=96)
     with pytest.raises(ValueError, match=r"trained on .*trained-on.*num_hidden_layers 4 vs 2"):
         check_compatible(config, tiny_model("llama"))
-    check_compatible(HeadsConfig(base_model="someone/not-on-this-machine", hidden_size=48, vocab_size=96),
-                     tiny_model("llama"))  # unknown here: the shapes are all that can be checked
+    check_compatible(
+        HeadsConfig(base_model="someone/not-on-this-machine", hidden_size=48, vocab_size=96),
+        tiny_model("llama"),
+    )  # unknown here: the shapes are all that can be checked

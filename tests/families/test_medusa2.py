@@ -32,9 +32,19 @@ def lora_tensors(model) -> dict[str, torch.Tensor]:
 
 def test_lora_covers_attention_mlp_and_an_untied_lm_head():
     model = tiny_model("llama")
-    assert lora_targets(model) == ["down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj",
-                                   "v_proj"]
-    model.lm_head.weight = model.model.embed_tokens.weight  # tied: merging into it would change the embeddings
+    assert lora_targets(model) == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "lm_head",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
+    model.lm_head.weight = (
+        model.model.embed_tokens.weight
+    )  # tied: merging into it would change the embeddings
     assert "lm_head" not in lora_targets(model)
     assert lora_targets(tiny_model("gpt2")) == ["c_attn", "c_fc", "c_proj"]
 
@@ -46,7 +56,9 @@ def test_adapters_off_is_the_base_model_and_kl_starts_at_zero():
     ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = reference(ids).logits
-        assert torch.equal(backbone(input_ids=ids).logits, expected)  # LoRA B = 0: exactly the target at first
+        assert torch.equal(
+            backbone(input_ids=ids).logits, expected
+        )  # LoRA B = 0: exactly the target at first
         for name, p in lora_tensors(backbone).items():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
@@ -58,7 +70,11 @@ def test_adapters_off_is_the_base_model_and_kl_starts_at_zero():
     fresh = add_lora(tiny_model("llama"), r=4, alpha=8, dropout=0.0)
     heads = MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=2, share_lm_head=True))
     method = Medusa2Method(cfg, fresh, heads, kl=True)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids).bool()}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids).bool(),
+    }
     hidden, _ = method._per_head(batch)
     assert method._l0(batch, hidden).abs().item() < 1e-6
     for name, p in lora_tensors(fresh).items():
@@ -70,8 +86,19 @@ def test_adapters_off_is_the_base_model_and_kl_starts_at_zero():
 
 @pytest.mark.parametrize("weight", [0.0, 0.5])
 def test_backbone_ce_weight_adds_the_cross_entropy_of_the_targets_own_tokens(weight):
-    cfg = load_config(MedusaConfig, ["--medusa2", "true", "--self_distill", "true", "--num_heads", "2",
-                                     "--backbone_ce_weight", str(weight)])
+    cfg = load_config(
+        MedusaConfig,
+        [
+            "--medusa2",
+            "true",
+            "--self_distill",
+            "true",
+            "--num_heads",
+            "2",
+            "--backbone_ce_weight",
+            str(weight),
+        ],
+    )
     backbone = add_lora(tiny_model("llama"), r=4, alpha=8, dropout=0.0)
     for name, p in lora_tensors(backbone).items():
         if "lora_B" in name:
@@ -92,8 +119,9 @@ def test_backbone_ce_weight_adds_the_cross_entropy_of_the_targets_own_tokens(wei
         _, logs = method.loss(batch, method.stage)
     assert logs["backbone_kl"].item() == pytest.approx(kl.item(), rel=1e-4)
     assert logs["backbone_ce"].item() == pytest.approx(ce.item(), rel=1e-4)
-    assert logs["loss"].item() == pytest.approx((kl + weight * ce + heads_weight(
-        "sine", 0.2, 1.0) * logs["heads_loss"]).item(), rel=1e-4)
+    assert logs["loss"].item() == pytest.approx(
+        (kl + weight * ce + heads_weight("sine", 0.2, 1.0) * logs["heads_loss"]).item(), rel=1e-4
+    )
 
 
 def test_the_targets_fingerprint_ignores_its_adapters_only():
@@ -117,26 +145,38 @@ def test_heads_weight_schedules_ramp_to_the_coefficient():
 
 
 def train_medusa2(tiny_model_dir, text_data, out, **extra):
-    options = {"max_steps": 6, "medusa2": True, "share_lm_head": True, "lora_r": 4, "lora_alpha": 8,
-               "learning_rate": 5e-3} | extra
+    options = {
+        "max_steps": 6,
+        "medusa2": True,
+        "share_lm_head": True,
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "learning_rate": 5e-3,
+    } | extra
     args = medusa_args(tiny_model_dir, text_data, out, **options)
     return run(load_config(MedusaConfig, args))
 
 
-@pytest.mark.parametrize("merge, shared", [(False, True), (True, False)], ids=["adapter+shared-lm-head",
-                                                                             "merged+own-lm-heads"])
+@pytest.mark.parametrize(
+    "merge, shared", [(False, True), (True, False)], ids=["adapter+shared-lm-head", "merged+own-lm-heads"]
+)
 def test_only_lora_and_heads_train_and_decoding_matches_the_adapted_target(
     merge, shared, tiny_model_dir, text_data, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "medusa2"
     # the merged variant also recomputes the target's layers in the backward pass (gradient checkpointing)
-    result = train_medusa2(tiny_model_dir, text_data, out, merge=merge, share_lm_head=shared,
-                           gradient_checkpointing=merge)
-    assert set(result["heads"].state_dict()) == set(load_heads(out).state_dict())  # the heads' own lm_heads or not
+    result = train_medusa2(
+        tiny_model_dir, text_data, out, merge=merge, share_lm_head=shared, gradient_checkpointing=merge
+    )
+    assert set(result["heads"].state_dict()) == set(
+        load_heads(out).state_dict()
+    )  # the heads' own lm_heads or not
     assert any(n.endswith(f"{1}.weight") for n in result["heads"].state_dict()) != shared
     logged = result["history"][-1][1]
-    assert "backbone_ce" in logged and "backbone_kl" not in logged  # not self-generated data: plain cross-entropy
+    assert (
+        "backbone_ce" in logged and "backbone_kl" not in logged
+    )  # not self-generated data: plain cross-entropy
     config = HeadsConfig.load(out)
     original = load_file(str(tiny_model_dir / "model.safetensors"))
     merged = result["target"].state_dict()
@@ -163,7 +203,9 @@ def test_only_lora_and_heads_train_and_decoding_matches_the_adapted_target(
     assert torch.equal(spec.generate(PROMPT, max_new_tokens=24), plain)
     with pytest.raises(ValueError, match="trained with a LoRA adapter"):  # the base alone would accept little
         SpeculativeModel.from_pretrained(out, model=tiny_model("llama"))
-    again = SpeculativeModel.from_pretrained(result["heads"], model=result["target"])  # what run() returns fits
+    again = SpeculativeModel.from_pretrained(
+        result["heads"], model=result["target"]
+    )  # what run() returns fits
     assert torch.equal(again.generate(PROMPT, max_new_tokens=24), plain)
     if merge:
         with pytest.raises(ValueError, match="decode with their merged target in .*target, not"):
@@ -172,25 +214,63 @@ def test_only_lora_and_heads_train_and_decoding_matches_the_adapted_target(
     capsys.readouterr()
     train_medusa2(tiny_model_dir, text_data, out, merge=not merge, share_lm_head=shared, resume="latest")
     assert (out / "target").is_dir() != merge and (out / "adapter").is_dir() == merge
-    assert f"saved Medusa-2 heads and {'LoRA adapter' if merge else 'merged target'} to" in capsys.readouterr().out
+    assert (
+        f"saved Medusa-2 heads and {'LoRA adapter' if merge else 'merged target'} to"
+        in capsys.readouterr().out
+    )
 
 
-def test_cli_generates_with_the_adapter_and_push_uploads_it(tiny_model_dir, text_data, tmp_path, monkeypatch,
-                                                            capsys, hub):  # noqa: F811
+def test_cli_generates_with_the_adapter_and_push_uploads_it(
+    tiny_model_dir,
+    text_data,
+    tmp_path,
+    monkeypatch,
+    capsys,
+    hub,  # noqa: F811
+):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "medusa2"
     train_medusa2(tiny_model_dir, text_data, out, max_steps=2, eval_steps=2)
     capsys.readouterr()
-    cli(["generate", "--heads", str(out), "--prompt", "def add", "--max-new-tokens", "12", "--json",
-         str(tmp_path / "out.json"), "--quiet"])
+    cli(
+        [
+            "generate",
+            "--heads",
+            str(out),
+            "--prompt",
+            "def add",
+            "--max-new-tokens",
+            "12",
+            "--json",
+            str(tmp_path / "out.json"),
+            "--quiet",
+        ]
+    )
     adapted = load_target(load_heads(out))  # the base model named in the config, the adapter merged in
     prompt = tiny_tokenizer()("def add", return_tensors="pt").input_ids
-    expected = adapted.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
+    expected = adapted.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[
+        0, prompt.shape[1] :
+    ]
     assert json.loads((tmp_path / "out.json").read_text())["token_ids"] == expected.tolist()
-    cli(["bench", "--heads", str(out), "--num-prompts", "2", "--max-new-tokens", "8", "--json",
-         str(tmp_path / "bench.json")])
+    cli(
+        [
+            "bench",
+            "--heads",
+            str(out),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--json",
+            str(tmp_path / "bench.json"),
+        ]
+    )
     methods = json.loads((tmp_path / "bench.json").read_text())["methods"]
-    assert list(methods) == ["hf_generate", "plain", "medusa2"]  # the baseline is the adapted target's generate
+    assert list(methods) == [
+        "hf_generate",
+        "plain",
+        "medusa2",
+    ]  # the baseline is the adapted target's generate
     assert all(m["identical_to_baseline"] for m in methods.values())
     medusa1 = tmp_path / "medusa1"
     load_heads(out).save_pretrained(medusa1)  # a copy brings its adapter along
@@ -219,16 +299,33 @@ def test_missing_adapter_and_bad_options_are_one_line_errors(medusa_dir, tmp_pat
     with pytest.raises(ConfigError, match="--backbone_ce_weight applies to Medusa-2"):
         load_config(MedusaConfig, ["--backbone_ce_weight", "0.5"])
     for option, value in (("lora_r", "8"), ("heads_schedule", "linear"), ("head_lr_multiplier", "2")):
-        with pytest.raises(ConfigError, match=f"--{option} applies to Medusa-2 .*add --medusa2 true or drop it"):
+        with pytest.raises(
+            ConfigError, match=f"--{option} applies to Medusa-2 .*add --medusa2 true or drop it"
+        ):
             load_config(MedusaConfig, [f"--{option}", value])  # else a Medusa-1 run would ignore it
     load_config(MedusaConfig, ["--lora_r", "32"])  # the default, as a recipe may spell it out
-    with pytest.raises(ConfigError, match=r"--heads_only_steps \(400\) leaves no joint step of --max_steps \(400\)"):
+    with pytest.raises(
+        ConfigError, match=r"--heads_only_steps \(400\) leaves no joint step of --max_steps \(400\)"
+    ):
         load_config(MedusaConfig, ["--medusa2", "true", "--heads_only_steps", "400"])
     with pytest.raises(ConfigError, match="--backbone_ce_weight adds cross-entropy to the KL"):
-        load_config(MedusaConfig, ["--medusa2", "true", "--backbone_loss", "ce", "--backbone_ce_weight", "0.5"])
+        load_config(
+            MedusaConfig, ["--medusa2", "true", "--backbone_loss", "ce", "--backbone_ce_weight", "0.5"]
+        )
     with pytest.raises(ConfigError, match="--backbone_ce_weight adds cross-entropy to the KL"):
-        load_config(MedusaConfig, ["--medusa2", "true", "--self_distill", "false", "--dataset", str(tmp_path),
-                                   "--backbone_ce_weight", "0.5"])
+        load_config(
+            MedusaConfig,
+            [
+                "--medusa2",
+                "true",
+                "--self_distill",
+                "false",
+                "--dataset",
+                str(tmp_path),
+                "--backbone_ce_weight",
+                "0.5",
+            ],
+        )
     with pytest.raises(ConfigError, match="--backbone_ce_weight >= 0"):
         load_config(MedusaConfig, ["--medusa2", "true", "--backbone_ce_weight", "-1"])
 
@@ -246,16 +343,37 @@ def test_bits_per_byte_of_a_uniform_model_is_log2_vocab_per_token():
 
 
 def test_heads_only_stage_leaves_the_lora_alone_then_the_joint_loss_adds_l0():
-    cfg = load_config(MedusaConfig, ["--medusa2", "true", "--num_heads", "2", "--heads_only_steps", "3",
-                                     "--heads_schedule", "linear", "--heads_coefficient", "0.5"])
+    cfg = load_config(
+        MedusaConfig,
+        [
+            "--medusa2",
+            "true",
+            "--num_heads",
+            "2",
+            "--heads_only_steps",
+            "3",
+            "--heads_schedule",
+            "linear",
+            "--heads_coefficient",
+            "0.5",
+        ],
+    )
     backbone = add_lora(tiny_model("llama"), r=4, alpha=8, dropout=0.0)
     for name, p in lora_tensors(backbone).items():
         if "lora_B" in name:  # a trained adapter, so that L0 is not zero
             p.data.normal_(0, 0.5)
-    method = Medusa2Method(cfg, backbone, MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=2,
-                                                                  share_lm_head=True)), kl=False)
+    method = Medusa2Method(
+        cfg,
+        backbone,
+        MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=2, share_lm_head=True)),
+        kl=False,
+    )
     ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids).bool()}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids).bool(),
+    }
     method.stage = StepContext(2, 7)
     loss, logs = method.loss(batch, method.stage)
     loss.backward()
@@ -266,8 +384,9 @@ def test_heads_only_stage_leaves_the_lora_alone_then_the_joint_loss_adds_l0():
         p.grad = None
     method.stage = StepContext(5, 7)  # joint: lambda = 0.5 * (5 - 3) / (7 - 3)
     loss, logs = method.loss(batch, method.stage)
-    assert logs["loss"].item() == pytest.approx(logs["backbone_ce"].item() + 0.25 * logs["heads_loss"].item(),
-                                                rel=1e-5)
+    assert logs["loss"].item() == pytest.approx(
+        logs["backbone_ce"].item() + 0.25 * logs["heads_loss"].item(), rel=1e-5
+    )
     loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora_tensors(backbone).values())
 
@@ -276,6 +395,7 @@ def test_heads_only_stage_leaves_the_lora_alone_then_the_joint_loss_adds_l0():
 def test_lambda_scales_what_reaches_the_adapters_not_the_heads_own_gradient(shared):
     """The adapters get grad(L0) + lambda * grad(heads' loss); the heads get the whole grad(heads' loss), so a
     ramp from 0 does not stall them (AdamW would carry the earlier, larger gradients' scale)."""
+
     def method_at(schedule, coefficient):
         torch.manual_seed(0)
         backbone = add_lora(tiny_model("llama"), r=4, alpha=8, dropout=0.0)  # untied: the lm_head has a LoRA
@@ -283,20 +403,37 @@ def test_lambda_scales_what_reaches_the_adapters_not_the_heads_own_gradient(shar
             if "lora_B" in name:
                 p.data.normal_(0, 0.5)
         heads = MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=2, share_lm_head=shared))
-        cfg = load_config(MedusaConfig, ["--medusa2", "true", "--num_heads", "2", "--heads_schedule", schedule,
-                                         "--heads_coefficient", str(coefficient)])
+        cfg = load_config(
+            MedusaConfig,
+            [
+                "--medusa2",
+                "true",
+                "--num_heads",
+                "2",
+                "--heads_schedule",
+                schedule,
+                "--heads_coefficient",
+                str(coefficient),
+            ],
+        )
         method = Medusa2Method(cfg, backbone, heads, kl=False)
         method.stage = StepContext(3, 7)
         return method, list(lora_tensors(backbone).values()), list(heads.parameters())
 
     ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids).bool()}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids).bool(),
+    }
     plain, lora, heads = method_at("constant", 1.0)  # lambda = 1: nothing scaled, the unweighted gradients
     hidden, per_head = plain._per_head(batch)
     l0, heads_loss = plain._l0(batch, hidden), plain._heads_loss(per_head)[0]
     l0_lora = torch.autograd.grad(l0, lora, retain_graph=True, allow_unused=True)
-    heads_grads = [g if g is not None else torch.zeros_like(p)
-                  for g, p in zip(torch.autograd.grad(heads_loss, lora + heads, allow_unused=True), lora + heads)]
+    heads_grads = [
+        g if g is not None else torch.zeros_like(p)
+        for g, p in zip(torch.autograd.grad(heads_loss, lora + heads, allow_unused=True), lora + heads)
+    ]
     lam = 0.5 * math.sin(3 / 7 * math.pi / 2)
     method, lora, heads = method_at("sine", 0.5)
     method.loss(batch, method.stage)[0].backward()
@@ -306,7 +443,7 @@ def test_lambda_scales_what_reaches_the_adapters_not_the_heads_own_gradient(shar
         torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-5)  # two sums in another order
         lm_head_grads += "lm_head" in name and b.abs().sum().item() > 0
     assert lm_head_grads == (2 if shared else 0)  # shared heads ask the lm_head's adapter for help too
-    for p, expected in zip(heads, heads_grads[len(lora):]):
+    for p, expected in zip(heads, heads_grads[len(lora) :]):
         torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-5)  # two sums in another order
 
 
@@ -320,7 +457,9 @@ def test_resumed_medusa2_run_ends_like_an_uninterrupted_one(tiny_model_dir, text
     check_resume(monkeypatch, Medusa2Method, run_to, tmp_path, "heads")
     saved = load_file(str(next((tmp_path / "full" / "checkpoints").glob("step-*")) / "model.safetensors"))
     assert saved and all("lora_" in n or n.startswith("heads.") for n in saved)
-    full, resumed = (load_file(str(tmp_path / d / "adapter" / "adapter_model.safetensors")) for d in ("full", "resumed"))
+    full, resumed = (
+        load_file(str(tmp_path / d / "adapter" / "adapter_model.safetensors")) for d in ("full", "resumed")
+    )
     assert full.keys() == resumed.keys()
     for name, value in full.items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6)
@@ -335,8 +474,12 @@ def test_the_heads_lm_head_path_computes_what_the_adapted_lm_head_does(dtype):
         if "lora_B" in name:
             p.data.normal_(0, 0.5)
     cfg = load_config(MedusaConfig, ["--medusa2", "true", "--num_heads", "2"])
-    method = Medusa2Method(cfg, backbone, MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=2,
-                                                                  share_lm_head=True)), kl=True)
+    method = Medusa2Method(
+        cfg,
+        backbone,
+        MedusaHeads(HeadsConfig(hidden_size=48, vocab_size=96, num_heads=2, share_lm_head=True)),
+        kl=True,
+    )
     method.stage = StepContext(1, 7)
     x = torch.randn(5, 48, dtype=dtype)
     for train in (True, False):

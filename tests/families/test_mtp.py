@@ -40,8 +40,13 @@ def prompts(n: int = 3, length: int = 7, seed: int = 3) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_greedy_identical_to_generate_with_left_padded_rows(targets, arch, shape):
-    spec = SpeculativeModel.from_pretrained(str(targets[arch]), mtp=True, draft_depth=shape["depth"],
-                                            draft_top_k=shape["top_k"], draft_total_tokens=shape["total_tokens"])
+    spec = SpeculativeModel.from_pretrained(
+        str(targets[arch]),
+        mtp=True,
+        draft_depth=shape["depth"],
+        draft_top_k=shape["top_k"],
+        draft_total_tokens=shape["total_tokens"],
+    )
     assert spec.drafter.name == "mtp"
     ids = prompts()
     mask = torch.ones_like(ids)
@@ -72,12 +77,14 @@ def test_the_first_draft_is_transformers_mtp_models_own_prediction(targets, arch
         # their layer over the same pairs, the first one's embedding zeroed as the engines (and we) do
         embeds = model.get_input_embeddings()(tokens)
         embeds[:, 0] = 0
-        out = theirs.forward_layer(0, hidden, torch.arange(1, T + 1)[None], MtpCache(config=theirs.config),
-                                   inputs_embeds=embeds)
+        out = theirs.forward_layer(
+            0, hidden, torch.arange(1, T + 1)[None], MtpCache(config=theirs.config), inputs_embeds=embeds
+        )
         logits = theirs._project_to_logits(out)
         causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
-        ours = draft.logits(draft(hidden, tokens, model.get_input_embeddings(), causal, torch.arange(T)[None],
-                                  unroll=1)[0])
+        ours = draft.logits(
+            draft(hidden, tokens, model.get_input_embeddings(), causal, torch.arange(T)[None], unroll=1)[0]
+        )
     torch.testing.assert_close(ours[:, -1], logits[:, -1], rtol=1e-4, atol=1e-4)
 
 
@@ -100,10 +107,14 @@ def test_fine_tuning_raises_acceptance_and_decoding_stays_exact(targets):
         spec = SpeculativeModel(model, mtp_proposer(draft, model, **CHAIN))
         for i in range(2):
             out = spec.generate(ids[i : i + 1], max_new_tokens=40, eos_token_id=[])
-            ref = model.generate(ids[i : i + 1], max_new_tokens=40, do_sample=False, pad_token_id=2, eos_token_id=[])
+            ref = model.generate(
+                ids[i : i + 1], max_new_tokens=40, do_sample=False, pad_token_id=2, eos_token_id=[]
+            )
             assert out.tolist() == ref.tolist()
             taus[stage, i] = spec.last_stats.tau
-    assert min(taus["fine-tuned", i] for i in range(2)) > max(taus["checkpoint", i] for i in range(2)) + 0.5, taus
+    assert (
+        min(taus["fine-tuned", i] for i in range(2)) > max(taus["checkpoint", i] for i in range(2)) + 0.5
+    ), taus
 
 
 def test_our_chain_of_one_makes_as_many_forwards_as_transformers_mtp_generator(targets, tmp_path):
@@ -112,23 +123,33 @@ def test_our_chain_of_one_makes_as_many_forwards_as_transformers_mtp_generator(t
     model = load(targets["glm4_moe"])
     ids = prompts(2, 6, seed=7)
     draft = trained(model, load_target_mtp(model, str(targets["glm4_moe"])), ids)
-    export_as(draft.to(model.dtype), "mtp", tmp_path / "tuned", target=model, base_model=str(targets["glm4_moe"]))
+    export_as(
+        draft.to(model.dtype), "mtp", tmp_path / "tuned", target=model, base_model=str(targets["glm4_moe"])
+    )
     tuned = load(tmp_path / "tuned")
-    spec = SpeculativeModel.from_pretrained(str(tmp_path / "tuned"), model=tuned, mtp=True, draft_depth=1,
-                                            draft_top_k=1, draft_total_tokens=1)
+    spec = SpeculativeModel.from_pretrained(
+        str(tmp_path / "tuned"), model=tuned, mtp=True, draft_depth=1, draft_top_k=1, draft_total_tokens=1
+    )
     calls = [0]
     for i in range(2):
         calls[0] = 0
         hook = tuned.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
         with own_mtp_keys(tuned):
-            ref = tuned.generate(ids[i : i + 1], max_new_tokens=40, do_sample=False, use_mtp=True, pad_token_id=2,
-                                 eos_token_id=[])
+            ref = tuned.generate(
+                ids[i : i + 1],
+                max_new_tokens=40,
+                do_sample=False,
+                use_mtp=True,
+                pad_token_id=2,
+                eos_token_id=[],
+            )
         hook.remove()
         out = spec.generate(ids[i : i + 1], max_new_tokens=40, eos_token_id=[])
         assert out.tolist() == ref.tolist()
         assert spec.last_stats.target_forwards == calls[0] < 35  # prefill included in both; drafts passed
-        tree = SpeculativeModel.from_pretrained(str(tmp_path / "tuned"), model=tuned, mtp=True, **{
-            f"draft_{k}": v for k, v in TREE.items()})
+        tree = SpeculativeModel.from_pretrained(
+            str(tmp_path / "tuned"), model=tuned, mtp=True, **{f"draft_{k}": v for k, v in TREE.items()}
+        )
         assert tree.generate(ids[i : i + 1], max_new_tokens=40, eos_token_id=[]).tolist() == ref.tolist()
         assert tree.last_stats.target_forwards <= calls[0]  # our tree's tau is at least theirs
 
@@ -144,8 +165,16 @@ def test_export_writes_the_published_layout_and_loads_back_identically(targets, 
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     L = model.config.num_hidden_layers
-    for key in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight", "embed_tokens.weight",
-                "shared_head.head.weight", "mlp.experts.0.gate_proj.weight", "self_attn.q_proj.weight"):
+    for key in (
+        "eh_proj.weight",
+        "enorm.weight",
+        "hnorm.weight",
+        "shared_head.norm.weight",
+        "embed_tokens.weight",
+        "shared_head.head.weight",
+        "mlp.experts.0.gate_proj.weight",
+        "self_attn.q_proj.weight",
+    ):
         assert f"model.layers.{L}.{key}" in keys, key
     assert not any(".mtp_block." in k or ".post_norm." in k for k in keys)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
@@ -172,15 +201,33 @@ def load_heads_like():
 
 
 def _args(model_dir, data, out, **extra):
-    args = {"model": model_dir, "dataset": data, "output_dir": out, "max_length": 32, "max_steps": 6,
-            "per_device_train_batch_size": 4, "eval_steps": 3, "save_steps": 2, "learning_rate": 3e-3,
-            "max_minutes": 0, "logging_steps": 1, "self_distill": False, "max_train_examples": 0,
-            "mixed_precision": "no", "ttt_steps": 2} | CHAIN | extra
+    args = (
+        {
+            "model": model_dir,
+            "dataset": data,
+            "output_dir": out,
+            "max_length": 32,
+            "max_steps": 6,
+            "per_device_train_batch_size": 4,
+            "eval_steps": 3,
+            "save_steps": 2,
+            "learning_rate": 3e-3,
+            "max_minutes": 0,
+            "logging_steps": 1,
+            "self_distill": False,
+            "max_train_examples": 0,
+            "mixed_precision": "no",
+            "ttt_steps": 2,
+        }
+        | CHAIN
+        | extra
+    )
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 
 
-def test_the_recipe_fine_tunes_saves_and_resumes_like_an_uninterrupted_run(targets, text_data, tmp_path,
-                                                                           monkeypatch):
+def test_the_recipe_fine_tunes_saves_and_resumes_like_an_uninterrupted_run(
+    targets, text_data, tmp_path, monkeypatch
+):
     from conftest import check_resume
     from selfspec.train.loop.config import load_config
     from selfspec.train.methods.mtp import MtpMethod
@@ -236,8 +283,13 @@ def test_the_cli_generates_and_benches_with_the_targets_own_layers(targets, caps
     out = capsys.readouterr().out
     assert "hf_mtp" in out and "\nmtp " in out
     main(["tune", "--model", src, "--mtp", "--num-prompts", "1", "--max-new-tokens", "8"])
-    assert "the fastest here: --depth" in capsys.readouterr().out  # printed, as there is no folder to store it in
-    for argv in (["generate", "--model", src, "--mtp", "--prompt-lookup", "--prompt", "x"], ["tune", "--model", src]):
+    assert (
+        "the fastest here: --depth" in capsys.readouterr().out
+    )  # printed, as there is no folder to store it in
+    for argv in (
+        ["generate", "--model", src, "--mtp", "--prompt-lookup", "--prompt", "x"],
+        ["tune", "--model", src],
+    ):
         with pytest.raises(SystemExit):
             main(argv)
     assert "exactly one drafter" in capsys.readouterr().err
@@ -250,10 +302,24 @@ def test_mtp_sampling_matches_the_target_distribution():
     from selfspec.heads.mtp import MtpDraft, mtp_config_for
 
     torch.manual_seed(5)
-    config = Glm4MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                           n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1, first_k_dense_replace=1,
-                           num_mtp_layers=1, initializer_range=0.1, eos_token_id=None, pad_token_id=0)
+    config = Glm4MoeConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        num_mtp_layers=1,
+        initializer_range=0.1,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     draft = MtpDraft(mtp_config_for(model, "tiny")).eval()
     spec = SpeculativeModel(model, mtp_proposer(draft, model, **CHAIN))
@@ -261,5 +327,7 @@ def test_mtp_sampling_matches_the_target_distribution():
     accepted = []
     counts = run_sampling(spec, prompt, (1.0, 0, 1.0), accepted)
     stat, dof = chi_square(counts, exact_joint(model, prompt, (1.0, 0, 1.0)), RUNS)
-    assert stat < critical(dof), f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
+    assert stat < critical(dof), (
+        f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
+    )
     assert sum(a > 0 for a in accepted) > RUNS // 100

@@ -19,9 +19,15 @@ from selfspec.infer.drafters.peagle import PEagleProposer, peagle_proposer
 def peagle_config(model, draft_vocab_size=0, **extra) -> HeadsConfig:
     c = model.config
     fields = dict(depth=4, top_k=1, total_tokens=4, mask_token_id=c.vocab_size - 1) | extra
-    return HeadsConfig(kind="peagle", hidden_size=c.hidden_size, vocab_size=c.vocab_size, layer=layer_fields(c),
-                       feature_layers=default_feature_layers(c.num_hidden_layers), draft_vocab_size=draft_vocab_size,
-                       **fields)
+    return HeadsConfig(
+        kind="peagle",
+        hidden_size=c.hidden_size,
+        vocab_size=c.vocab_size,
+        layer=layer_fields(c),
+        feature_layers=default_feature_layers(c.num_hidden_layers),
+        draft_vocab_size=draft_vocab_size,
+        **fields,
+    )
 
 
 def random_draft(model, seed=0, size=40, **extra) -> PEagleDraft:
@@ -31,12 +37,16 @@ def random_draft(model, seed=0, size=40, **extra) -> PEagleDraft:
     for p in draft.parameters():
         torch.nn.init.normal_(p, std=0.2)
     if size:
-        draft.set_draft_vocab(torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:size])
+        draft.set_draft_vocab(
+            torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:size]
+        )
     return draft.eval()
 
 
 def plain_greedy(model, prompt, n):
-    return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    return model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)[
+        0, prompt.shape[1] :
+    ].tolist()
 
 
 def fused_features(model, ids, layers):
@@ -45,7 +55,9 @@ def fused_features(model, ids, layers):
     return torch.cat([hs[i] for i in layers], dim=-1)
 
 
-@pytest.mark.parametrize("variant", [{}, {"norm_before_residual": True, "norm_before_fc": True}], ids=["default", "norms"])
+@pytest.mark.parametrize(
+    "variant", [{}, {"norm_before_residual": True, "norm_before_fc": True}], ids=["default", "norms"]
+)
 def test_training_depths_equal_the_decoding_forward_at_every_anchor(variant):
     """Depth j of the whole-sequence training forward at anchor t is what one decoding call computes for slot j
     after the pairs 0..t: same context, same position, same slots before it."""
@@ -61,7 +73,15 @@ def test_training_depths_equal_the_decoding_forward_at_every_anchor(variant):
         for t in range(T):
             cache = DraftCache.for_drafter(draft, T + depths)
             positions = torch.arange(t + depths)[None]
-            one = draft(draft.fuse(feats[:, : t + 1]), ids[:, 1 : t + 2], embed, None, positions, cache, slots=depths - 1)
+            one = draft(
+                draft.fuse(feats[:, : t + 1]),
+                ids[:, 1 : t + 2],
+                embed,
+                None,
+                positions,
+                cache,
+                slots=depths - 1,
+            )
             for j in range(depths):
                 torch.testing.assert_close(outs[j][0, t], one[0, t + j], atol=1e-6, rtol=1e-5)
 
@@ -75,8 +95,15 @@ def test_anchors_limit_a_depth_to_its_positions_with_the_same_values():
     keep = torch.rand(2, 7, generator=torch.Generator().manual_seed(3)) < 0.5
     with torch.no_grad():
         dense = draft(feats, ids[:, 1:], model.get_input_embeddings(), context, None, depths=3)
-        sparse = draft(feats, ids[:, 1:], model.get_input_embeddings(), context, None, depths=3,
-                       anchors=[None, keep, keep])
+        sparse = draft(
+            feats,
+            ids[:, 1:],
+            model.get_input_embeddings(),
+            context,
+            None,
+            depths=3,
+            anchors=[None, keep, keep],
+        )
     torch.testing.assert_close(sparse[0], dense[0])
     for j in (1, 2):
         torch.testing.assert_close(sparse[j][keep], dense[j][keep], atol=1e-6, rtol=1e-6)
@@ -90,7 +117,9 @@ def test_greedy_identical_to_generate_with_a_random_peagle_drafter(model, shape)
     for length in (1, 6):
         prompt = torch.randint(4, 96, (1, length), generator=gen)
         for n in (1, 3, 30):
-            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(model, prompt, n)
+            assert spec.generate(prompt, max_new_tokens=n)[0, length:].tolist() == plain_greedy(
+                model, prompt, n
+            )
 
 
 def trained_draft(model, prompts, steps=200) -> PEagleDraft:
@@ -174,22 +203,35 @@ def test_slot_inputs_follow_edited_weights_while_decoding():
         torch.testing.assert_close(again, draft.fc(draft.mask_hidden))
         draft.fc.weight.mul_(2.0)
         torch.testing.assert_close(draft.slot_inputs(torch.float32)[0], draft.fc(draft.mask_hidden))
-    assert draft.slot_inputs(torch.float32)[0].requires_grad  # training: through autograd, never the cached one
+    assert draft.slot_inputs(torch.float32)[
+        0
+    ].requires_grad  # training: through autograd, never the cached one
 
 
 @pytest.mark.parametrize("shape", [dict(), dict(top_k=3, total_tokens=6, depth=3)], ids=["chain", "tree"])
 def test_peagle_sampling_matches_the_target_distribution(shape):
     model = tiny_model("llama", vocab=V, seed=5, scale=0.08)
     c = model.config
-    cfg = HeadsConfig(kind="peagle", hidden_size=c.hidden_size, vocab_size=V, layer=layer_fields(c),
-                      feature_layers=[1], mask_token_id=7, depth=3, top_k=1, total_tokens=3)
+    cfg = HeadsConfig(
+        kind="peagle",
+        hidden_size=c.hidden_size,
+        vocab_size=V,
+        layer=layer_fields(c),
+        feature_layers=[1],
+        mask_token_id=7,
+        depth=3,
+        top_k=1,
+        total_tokens=3,
+    )
     torch.manual_seed(5)
     spec = SpeculativeModel(model, peagle_proposer(PEagleDraft(cfg).eval(), model, **shape))
     prompt = torch.tensor([[3, 1, 4, 1, 5, 3, 1, 4, 1]])
     accepted = []
     counts = run_sampling(spec, prompt, (1.0, 0, 1.0), accepted)
     stat, dof = chi_square(counts, exact_joint(model, prompt, (1.0, 0, 1.0)), RUNS)
-    assert stat < critical(dof), f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
+    assert stat < critical(dof), (
+        f"chi2 {stat:.1f} with {dof} dof: the sampled distribution is not the target's"
+    )
     assert sum(a > 0 for a in accepted) > RUNS // 100
 
 
@@ -212,7 +254,9 @@ def test_bad_peagle_configs_and_trees_are_refused_in_one_line():
     with pytest.raises(ValueError, match="mask_token_id"):
         peagle_config(model, mask_token_id=None)
     with pytest.raises(ValueError, match="feature_layers"):
-        HeadsConfig(kind="peagle", hidden_size=8, vocab_size=96, layer={"num_attention_heads": 2}, mask_token_id=3)
+        HeadsConfig(
+            kind="peagle", hidden_size=8, vocab_size=96, layer={"num_attention_heads": 2}, mask_token_id=3
+        )
     draft = random_draft(model, size=5)
     with pytest.raises(ValueError, match="fewer than its top_k 8"):
         PEagleProposer(draft, model.get_input_embeddings(), top_k=8)
@@ -240,8 +284,10 @@ def test_training_teaches_every_depth_and_decoding_stays_exact(arch):
     prompts = torch.randint(4, 96, (4, 6), generator=torch.Generator().manual_seed(7))
     draft = trained_draft(model, prompts)
     taus = {}
-    for name, shape in (("chain", dict(depth=4, top_k=1, total_tokens=4)), ("tree", dict(depth=4, top_k=3,
-                                                                                          total_tokens=12))):
+    for name, shape in (
+        ("chain", dict(depth=4, top_k=1, total_tokens=4)),
+        ("tree", dict(depth=4, top_k=3, total_tokens=12)),
+    ):
         spec = SpeculativeModel(model, peagle_proposer(draft, model, **shape))
         for i, length in enumerate((6, 3)):
             prompt = prompts[i : i + 1, :length]
@@ -253,15 +299,32 @@ def test_training_teaches_every_depth_and_decoding_stays_exact(arch):
 
 
 def _args(model_dir, data, out, **extra):
-    args = {"model": model_dir, "dataset": data, "output_dir": out, "max_length": 32, "max_steps": 6,
-            "per_device_train_batch_size": 4, "eval_steps": 3, "save_steps": 2, "learning_rate": 3e-3,
-            "max_minutes": 0, "logging_steps": 1, "self_distill": False, "max_train_examples": 0,
-            "mixed_precision": "no", "depths": 3, "depth": 3, "top_k": 1, "total_tokens": 3} | extra
+    args = {
+        "model": model_dir,
+        "dataset": data,
+        "output_dir": out,
+        "max_length": 32,
+        "max_steps": 6,
+        "per_device_train_batch_size": 4,
+        "eval_steps": 3,
+        "save_steps": 2,
+        "learning_rate": 3e-3,
+        "max_minutes": 0,
+        "logging_steps": 1,
+        "self_distill": False,
+        "max_train_examples": 0,
+        "mixed_precision": "no",
+        "depths": 3,
+        "depth": 3,
+        "top_k": 1,
+        "total_tokens": 3,
+    } | extra
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 
 
-def test_the_recipe_trains_saves_and_resumes_like_an_uninterrupted_run(tiny_model_dir, text_data, tmp_path,
-                                                                       monkeypatch):
+def test_the_recipe_trains_saves_and_resumes_like_an_uninterrupted_run(
+    tiny_model_dir, text_data, tmp_path, monkeypatch
+):
     from conftest import check_resume
     from selfspec.train.loop.config import load_config
     from selfspec.train.methods.peagle import PEagleMethod
@@ -306,21 +369,32 @@ def test_export_detect_and_import_round_trip(fmt, tmp_path):
     from selfspec.heads.formats import detect_format, export_heads, import_heads
 
     config = tiny_config("llama")
-    config.num_hidden_layers = 8  # three distinct fused layers [2, 4, 5]: what vLLM builds a speculators fc for
+    config.num_hidden_layers = (
+        8  # three distinct fused layers [2, 4, 5]: what vLLM builds a speculators fc for
+    )
     torch.manual_seed(0)
     model = randomized(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
     draft = random_draft(model, size=40)
-    export_heads(draft, fmt, tmp_path / fmt, model, base_model="org/target" if fmt.startswith("speculators") else None)
+    export_heads(
+        draft, fmt, tmp_path / fmt, model, base_model="org/target" if fmt.startswith("speculators") else None
+    )
     config = json.loads((tmp_path / fmt / "config.json").read_text())
     weights = load_file(str(tmp_path / fmt / "model.safetensors"))
     assert config["mask_token_id"] == draft.config.mask_token_id
     assert weights["mask_hidden"].shape == (1, draft.fc.in_features)
     embed = model.get_input_embeddings().weight.detach()
     rows = torch.arange(embed.shape[0]) != draft.config.mask_token_id
-    assert torch.equal(weights["embed_tokens.weight"][rows], embed[rows])  # the target's, but for the mask row
-    assert torch.equal(weights["embed_tokens.weight"][draft.config.mask_token_id], draft.mask_embedding.detach())
+    assert torch.equal(
+        weights["embed_tokens.weight"][rows], embed[rows]
+    )  # the target's, but for the mask row
+    assert torch.equal(
+        weights["embed_tokens.weight"][draft.config.mask_token_id], draft.mask_embedding.detach()
+    )
     if fmt == "speculators-peagle":
-        assert config["speculators_model_type"] == "peagle" and config["speculators_config"]["algorithm"] == "peagle"
+        assert (
+            config["speculators_model_type"] == "peagle"
+            and config["speculators_config"]["algorithm"] == "peagle"
+        )
     assert detect_format(tmp_path / fmt) == fmt
     loaded = import_heads(tmp_path / fmt)
     assert type(loaded) is PEagleDraft
@@ -350,7 +424,17 @@ def test_the_cli_exports_and_imports_a_peagle_drafter(tiny_model_dir, tmp_path):
     draft.config.base_model = str(tiny_model_dir)
     draft.save_pretrained(tmp_path / "d")
     cli(["export", "--heads", str(tmp_path / "d"), "--format", "peagle", "--out", str(tmp_path / "e")])
-    cli(["import", "--src", str(tmp_path / "e"), "--out", str(tmp_path / "back"), "--base-model", str(tiny_model_dir)])
+    cli(
+        [
+            "import",
+            "--src",
+            str(tmp_path / "e"),
+            "--out",
+            str(tmp_path / "back"),
+            "--base-model",
+            str(tiny_model_dir),
+        ]
+    )
     back = load_heads(tmp_path / "back")
     assert type(back) is PEagleDraft
     for name, tensor in draft.state_dict().items():

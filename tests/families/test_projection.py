@@ -12,6 +12,7 @@ from selfspec.heads.projection import apply_head, is_plain_linear, vocab_logits
 def forbid_linear(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("F.linear was called")
+
     monkeypatch.setattr(projection.F, "linear", fail)
 
 
@@ -74,9 +75,19 @@ def softcapped_model() -> nn.Module:
     from transformers import AutoModelForCausalLM, Gemma2Config
 
     torch.manual_seed(0)
-    config = Gemma2Config(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=12, final_logit_softcapping=0.5,
-                          attn_logit_softcapping=None, max_position_embeddings=128, pad_token_id=0)
+    config = Gemma2Config(
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        final_logit_softcapping=0.5,
+        attn_logit_softcapping=None,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
 
 

@@ -46,8 +46,14 @@ def outputs(heads, model):
 # EAGLE-3 layouts: tests/formats/test_eagle3_formats.py, on a target deep enough for three fused layers; DFlash:
 # tests/formats/test_dflash_formats.py
 # MTP: tests/families/test_mtp.py (its export is the whole target, read back by transformers' MTP loader, not by import)
-@pytest.mark.parametrize("fmt", [f for f in EXPORT_FORMATS
-                                 if f not in EAGLE3_FORMATS + DFLASH_FORMATS + tuple(PEAGLE_LAYOUTS) + MTP_LAYOUTS])
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        f
+        for f in EXPORT_FORMATS
+        if f not in EAGLE3_FORMATS + DFLASH_FORMATS + tuple(PEAGLE_LAYOUTS) + MTP_LAYOUTS
+    ],
+)
 def test_export_then_import_keeps_every_tensor_and_output(
     fmt, medusa_dir, eagle_dir, tiny_model_dir, tmp_path, capsys
 ):
@@ -177,16 +183,22 @@ def test_import_errors_name_the_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("fmt", ["vllm-medusa", "eagle1", "sglang-eagle"])
-def test_loading_a_published_drafter_reads_its_config_and_tensor_names_once(fmt, medusa_dir, eagle_dir, tiny_model_dir,
-                                                                             tmp_path, monkeypatch):
+def test_loading_a_published_drafter_reads_its_config_and_tensor_names_once(
+    fmt, medusa_dir, eagle_dir, tiny_model_dir, tmp_path, monkeypatch
+):
     """One detection pass: every layout's detector asks the same Checkpoint, so config.json is parsed once and the
     safetensors header opened once, whichever family the folder turns out to be (the last one asked here)."""
     import selfspec.heads.formats.checkpoint as checkpoint
 
     heads = load_heads(medusa_dir if "medusa" in fmt else eagle_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    export_heads(heads, fmt, tmp_path / "out", target=model, **({"base_model": str(tiny_model_dir)}
-                                                                   if "medusa" in fmt else {}))
+    export_heads(
+        heads,
+        fmt,
+        tmp_path / "out",
+        target=model,
+        **({"base_model": str(tiny_model_dir)} if "medusa" in fmt else {}),
+    )
     reads, opens = [], []
     read_json, safe_open = checkpoint.read_json_object, checkpoint.safe_open
     monkeypatch.setattr(checkpoint, "read_json_object", lambda path: reads.append(path) or read_json(path))

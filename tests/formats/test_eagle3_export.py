@@ -48,7 +48,9 @@ def test_export_import_round_trip_is_exact(tmp_path, target, fmt, size, weights)
     draft.config.dtype = "bfloat16"  # the weights stay float32: each kept as it is
     if fmt == "speculators-eagle3":
         draft.config.depth = 5  # carried as speculative_tokens; the eagle3 layout has no decoding settings
-    export_eagle3(draft, fmt, tmp_path, weights=weights, target=target if fmt == "speculators-eagle3" else None)
+    export_eagle3(
+        draft, fmt, tmp_path, weights=weights, target=target if fmt == "speculators-eagle3" else None
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", WEIGHT_FILES[weights]]
     assert detect_eagle3_format(tmp_path) == fmt and detect_eagle_format(tmp_path) is None
     back = import_eagle3(tmp_path, base_model="org/target" if fmt == "eagle3" else None)
@@ -74,12 +76,16 @@ def at(raw, path):
 # (layout, the drafter's flags, where the layout's engines read them in config.json: speculators-eagle3 at the top
 # level (vLLM update_eagle3); eagle3 norm_before_fc in eagle_config (SGLang and vLLM read it there first) and no
 # norm_before_residual, which SGLang ignores)
-ROUND_TRIPS = [("speculators-eagle3", v, {f: v.get(f, False) for f in FLAGS}) for v in SPECULATORS_VARIANTS] + [
-    ("eagle3", {"norm_before_fc": True}, {"eagle_config.norm_before_fc": True, "norm_before_residual": DROP})]
+ROUND_TRIPS = [
+    ("speculators-eagle3", v, {f: v.get(f, False) for f in FLAGS}) for v in SPECULATORS_VARIANTS
+] + [
+    ("eagle3", {"norm_before_fc": True}, {"eagle_config.norm_before_fc": True, "norm_before_residual": DROP})
+]
 
 
-@pytest.mark.parametrize(("fmt", "variant", "written"), ROUND_TRIPS,
-                         ids=[f"{f}-{'+'.join(v)}" for f, v, _ in ROUND_TRIPS])
+@pytest.mark.parametrize(
+    ("fmt", "variant", "written"), ROUND_TRIPS, ids=[f"{f}-{'+'.join(v)}" for f, v, _ in ROUND_TRIPS]
+)
 def test_export_import_round_trip_keeps_the_variant_flags(tmp_path, target, fmt, variant, written):
     draft = random_draft(target, 40, feature_layers=[1, 3, 6], **variant)
     assert (draft.input_norm is not None) == variant.get("norm_before_fc", False)
@@ -100,7 +106,9 @@ def test_eagle3_config_is_what_sglang_safeailab_and_vllm_read(tmp_path, target):
     assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]  # SGLang adds 1
     assert raw["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]  # vLLM reads this first, as given
     assert raw["draft_vocab_size"] == 40 and raw["vocab_size"] == V and raw["num_hidden_layers"] == 1
-    assert raw["tie_word_embeddings"] is False and "bias" not in raw  # SGLang: bias is fc's, tie makes lm_head embed
+    assert (
+        raw["tie_word_embeddings"] is False and "bias" not in raw
+    )  # SGLang: bias is fc's, tie makes lm_head embed
     assert not set(raw) & {f for f in [*VARIANTS, *FLAGS] if f != "bias"}  # every variant flag at its default
     assert raw["eagle_config"]["norm_before_fc"] is False
     assert layer_fields(LlamaConfig(**raw)) == draft.config.layer
@@ -110,7 +118,9 @@ def test_eagle3_config_is_what_sglang_safeailab_and_vllm_read(tmp_path, target):
 
 def test_speculators_config_is_what_vllm_reads(tmp_path, target, target_dir):
     draft = random_draft(target, 40, feature_layers=[1, 3, 6])
-    with pytest.warns(UserWarning, match="names the verifier as .*, a path on this machine.*--base-model <Hub id>"):
+    with pytest.warns(
+        UserWarning, match="names the verifier as .*, a path on this machine.*--base-model <Hub id>"
+    ):
         export_eagle3(draft, "speculators-eagle3", tmp_path, base_model=str(target_dir), target=target)
     raw = json.loads((tmp_path / "config.json").read_text())
     assert "model_type" not in raw  # vLLM: speculators_config and no model_type make a speculators config
@@ -124,24 +134,34 @@ def test_speculators_config_is_what_vllm_reads(tmp_path, target, target_dir):
     assert layer_fields(LlamaConfig(**layer)) == draft.config.layer
     spec = raw["speculators_config"]
     assert spec["proposal_methods"][0]["speculative_tokens"] == draft.config.depth
-    assert spec["verifier"] == {"name_or_path": str(target_dir.resolve()), "architectures": ["LlamaForCausalLM"]}
+    assert spec["verifier"] == {
+        "name_or_path": str(target_dir.resolve()),
+        "architectures": ["LlamaForCausalLM"],
+    }
     hand = speculators_checkpoint(tmp_path / "hand", target_dir, ids=[1, 3, 6])
     published_names = {k.replace("midlayer.", "layers.0.") for k in hand} | {"embed_tokens.weight"}
     assert set(load_file(tmp_path / "model.safetensors")) == published_names
 
 
 def test_export_refuses_what_the_layouts_cannot_hold(tmp_path, target):
-    eagle1 = EagleDraft(HeadsConfig(kind="eagle", hidden_size=H, vocab_size=V, layer=layer_fields(target.config)))
+    eagle1 = EagleDraft(
+        HeadsConfig(kind="eagle", hidden_size=H, vocab_size=V, layer=layer_fields(target.config))
+    )
     medusa = MedusaHeads(HeadsConfig(hidden_size=H, vocab_size=V))
     for fmt in EAGLE3_FORMATS:
         for heads in (eagle1, medusa):
             kind = heads.config.kind
-            with pytest.raises(ValueError, match=f"{fmt} is a layout of EAGLE-3 drafters but these heads are {kind}"):
+            with pytest.raises(
+                ValueError, match=f"{fmt} is a layout of EAGLE-3 drafters but these heads are {kind}"
+            ):
                 export_heads(heads, fmt, tmp_path / "x")
     draft = random_draft(target, 40)
     for fmt in ("eagle1", "sglang-eagle"):
-        with pytest.raises(ValueError, match=f"{fmt} is a layout of EAGLE-1/2 drafters but these heads are eagle3: choose one of "
-                                             "eagle3, speculators-eagle3"):
+        with pytest.raises(
+            ValueError,
+            match=f"{fmt} is a layout of EAGLE-1/2 drafters but these heads are eagle3: choose one of "
+            "eagle3, speculators-eagle3",
+        ):
             export_heads(draft, fmt, tmp_path / "x")
     with pytest.raises(ValueError, match="eagle3's config.json names no base model"):
         export_heads(draft, "eagle3", tmp_path / "x", base_model="org/x")
@@ -153,7 +173,9 @@ def test_export_refuses_what_the_layouts_cannot_hold(tmp_path, target):
     wider.resize_token_embeddings(V + 1)
     with pytest.raises(ValueError, match="carries the target's input embedding .* give the target"):
         export_eagle3(draft, "speculators-eagle3", tmp_path / "x")
-    with pytest.raises(ValueError, match=r"input embedding is \(97, 48\).* give the target it was trained on"):
+    with pytest.raises(
+        ValueError, match=r"input embedding is \(97, 48\).* give the target it was trained on"
+    ):
         export_eagle3(draft, "speculators-eagle3", tmp_path / "x", target=wider)
     with pytest.raises(ValueError, match=r"include hidden_states\[8\], which transformers norms"):
         export_eagle3(random_draft(target, feature_layers=[2, 4, 8]), "eagle3", tmp_path / "x", target=target)
@@ -161,8 +183,10 @@ def test_export_refuses_what_the_layouts_cannot_hold(tmp_path, target):
     shuffled.d2t[:2] = torch.tensor([1, -1])  # the whole vocabulary, two ids swapped
     with pytest.raises(ValueError, match="whole target vocabulary in another order"):
         export_eagle3(shuffled, "eagle3", tmp_path / "x")
-    with pytest.raises(ValueError, match="norm_before_residual, which SGLang and SafeAILab do not read.*"
-                                         "export it as speculators-eagle3"):
+    with pytest.raises(
+        ValueError,
+        match="norm_before_residual, which SGLang and SafeAILab do not read.*export it as speculators-eagle3",
+    ):
         export_eagle3(random_draft(target, 40, norm_before_residual=True), "eagle3", tmp_path / "x")
     stale = random_draft(target, 40)
     stale.t2d.fill_(True)
@@ -183,7 +207,17 @@ def test_cli_export_then_import_keeps_the_drafter(tmp_path, target, target_dir, 
     draft = random_draft(target, 40, base_model=str(target_dir))
     draft.save_pretrained(tmp_path / "ours")
     cli(["export", "--heads", str(tmp_path / "ours"), "--format", fmt, "--out", str(tmp_path / "out")])
-    cli(["import", "--src", str(tmp_path / "out"), "--out", str(tmp_path / "back"), "--base-model", str(target_dir)])
+    cli(
+        [
+            "import",
+            "--src",
+            str(tmp_path / "out"),
+            "--out",
+            str(tmp_path / "back"),
+            "--base-model",
+            str(target_dir),
+        ]
+    )
     assert "imported eagle3 heads" in capsys.readouterr().out
     assert_same_draft(load_heads(tmp_path / "back"), draft)
 
@@ -193,10 +227,15 @@ def test_an_export_says_which_settings_its_layout_leaves_behind(tmp_path, target
     them, silently; what the layout carries comes back exactly."""
     draft = random_draft(target, 40, feature_layers=[1, 3, 6], base_model="org/target")
     draft.config.depth, draft.config.top_k, draft.config.total_tokens = 5, 2, 8  # a fitted tree
-    with pytest.warns(UserWarning, match=r"^speculators-eagle3 has no room for top_k=2, total_tokens=8: importing"):
+    with pytest.warns(
+        UserWarning, match=r"^speculators-eagle3 has no room for top_k=2, total_tokens=8: importing"
+    ):
         export_heads(draft, "speculators-eagle3", tmp_path / "spec", target=target)
     back = import_eagle3(tmp_path / "spec")
     assert (back.config.base_model, back.config.depth) == ("org/target", 5)  # carried
-    with pytest.warns(UserWarning, match=r"^eagle3 has no room for base_model=org/target, depth=5, top_k=2, "
-                                         r"total_tokens=8: importing the export gives the defaults"):
+    with pytest.warns(
+        UserWarning,
+        match=r"^eagle3 has no room for base_model=org/target, depth=5, top_k=2, "
+        r"total_tokens=8: importing the export gives the defaults",
+    ):
         export_heads(draft, "eagle3", tmp_path / "safeailab", target=target)

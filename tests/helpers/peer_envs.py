@@ -22,7 +22,9 @@ def peer_python(requirement: str, env_var: str, torch_pin: str | None = None) ->
         with tempfile.NamedTemporaryFile("w", suffix=".txt") as constraints:
             constraints.write(f"{torch_pin}\n" if torch_pin else "")
             constraints.flush()
-            subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", constraints.name, requirement], check=True)
+            subprocess.run(
+                [str(python), "-m", "pip", "install", "-q", "-c", constraints.name, requirement], check=True
+            )
         subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *VISION_AUDIO], check=True)
         (venv / ".installed").touch()
     return python

@@ -32,7 +32,9 @@ def main(kind: str, argv: list[str]) -> None:
     loop.batches_keeping_rng = measuring_step(found)
     run(cfg)
     rank = int(os.environ.get("RANK", "0"))
-    Path(cfg.output_dir, f"peak-rank{rank}.json").write_text(json.dumps({"rank": rank, "peak": found["peak"]}))
+    Path(cfg.output_dir, f"peak-rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "peak": found["peak"]})
+    )
 
 
 if __name__ == "__main__":

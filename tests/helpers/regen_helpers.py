@@ -12,16 +12,27 @@ from conftest import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 # the conftest template with a generation prompt (what chat models ship): "<|assistant|>" opens each answer
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 SYSTEM = {"role": "system", "content": "be brief"}
 CHATS = [
-    {"messages": [SYSTEM, {"role": "user", "content": "add a b"}, {"role": "assistant", "content": "return a + b"},
-                  {"role": "user", "content": "again"}, {"role": "assistant", "content": "x = 1"}]},
+    {
+        "messages": [
+            SYSTEM,
+            {"role": "user", "content": "add a b"},
+            {"role": "assistant", "content": "return a + b"},
+            {"role": "user", "content": "again"},
+            {"role": "assistant", "content": "x = 1"},
+        ]
+    },
     {"conversations": [{"from": "human", "value": "print(i)"}, {"from": "gpt", "value": "ok"}]},
     {"messages": [{"role": "user", "content": "for i"}]},  # cut after the user turn: it gets an answer
     {"messages": [{"role": "assistant", "content": "hello"}]},  # nothing asked: skipped
-    {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "y"}]},  # an empty user turn
+    {
+        "messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "y"}]
+    },  # an empty user turn
 ]
 
 
@@ -42,8 +53,17 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 
 def options(target_dir: Path, data: Path, out: Path, **extra) -> dict:
-    return {"model": str(target_dir), "dataset": str(data), "output_dir": str(out), "temperature": 0.0,
-            "max_new_tokens": 6, "max_length": 160, "prompt_tokens": 8, "batch_size": 2, "shard_size": 2} | extra
+    return {
+        "model": str(target_dir),
+        "dataset": str(data),
+        "output_dir": str(out),
+        "temperature": 0.0,
+        "max_new_tokens": 6,
+        "max_length": 160,
+        "prompt_tokens": 8,
+        "batch_size": 2,
+        "shard_size": 2,
+    } | extra
 
 
 def args_of(opts: dict) -> list[str]:

@@ -21,11 +21,18 @@ def main(checkpoint: str, inputs: str, out: str, steps: int) -> None:
     logits = []
     handle = model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output.detach()))
     with torch.no_grad():
-        model(hidden_states=data["features"], input_ids=data["input_ids"],
-              document_ids=torch.zeros_like(data["input_ids"]), ttt_steps=steps)
+        model(
+            hidden_states=data["features"],
+            input_ids=data["input_ids"],
+            document_ids=torch.zeros_like(data["input_ids"]),
+            ttt_steps=steps,
+        )
     handle.remove()
-    save_file({f"step{i}": x[0].contiguous() for i, x in enumerate(logits)}
-              | {"embed_tokens": model.embed_tokens.weight.detach().contiguous()}, out)
+    save_file(
+        {f"step{i}": x[0].contiguous() for i, x in enumerate(logits)}
+        | {"embed_tokens": model.embed_tokens.weight.detach().contiguous()},
+        out,
+    )
 
 
 if __name__ == "__main__":

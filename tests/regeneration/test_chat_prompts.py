@@ -25,8 +25,10 @@ def test_code_requests_come_from_their_split_only():
     train_keys = {cp.words_key(r["messages"][0]["content"]) for r in train}
     test_keys = {cp.words_key(r["messages"][0]["content"]) for r in test}
     # the corpus splits by file: only a question about a module name both splits hold may repeat
-    assert all(key.startswith("what is python s") and key.endswith("module for show a short example")
-               for key in train_keys & test_keys)
+    assert all(
+        key.startswith("what is python s") and key.endswith("module for show a short example")
+        for key in train_keys & test_keys
+    )
 
 
 def test_a_docstring_request_shows_the_function_without_its_docstring():
@@ -45,7 +47,9 @@ def test_followups_leave_an_answer_slot_regeneration_fills():
 
 
 def test_dedupe_drops_repeats_and_the_excluded():
-    rows = [{"messages": cp.user(t), "kind": "k"} for t in ["Hi there!", "hi, there", "Other one", "Held out"]]
+    rows = [
+        {"messages": cp.user(t), "kind": "k"} for t in ["Hi there!", "hi, there", "Other one", "Held out"]
+    ]
     kept = cp.dedupe(rows, exclude={cp.words_key("held out")})
     assert [r["messages"][0]["content"] for r in kept] == ["Hi there!", "Other one"]
 
@@ -62,7 +66,10 @@ def test_the_shipped_request_sets(name):
 
 
 def requests(name: str) -> set[str]:
-    return {cp.words_key(json.loads(line)["messages"][0]["content"]) for line in (cp.OUT_DIR / name).read_text().splitlines()}
+    return {
+        cp.words_key(json.loads(line)["messages"][0]["content"])
+        for line in (cp.OUT_DIR / name).read_text().splitlines()
+    }
 
 
 def test_held_out_requests_are_never_trained_on():
@@ -88,12 +95,18 @@ def test_bench_prompts_take_chats_and_render_them_with_the_template(tmp_path):
         render_prompts(prompts, object())
 
 
-@pytest.mark.parametrize("line, match", [
-    ({"messages": []}, "non-empty list"),
-    ({"messages": [{"role": "user"}]}, "non-empty list"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "ends on an assistant"),
-    ({"text": "x"}, 'no "prompt" string or "messages"'),
-])
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"role": "user"}]}, "non-empty list"),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+            "ends on an assistant",
+        ),
+        ({"text": "x"}, 'no "prompt" string or "messages"'),
+    ],
+)
 def test_bad_chat_prompts_are_named(tmp_path, line, match):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps(line) + "\n")

@@ -43,22 +43,32 @@ def test_shards_hold_the_rows_a_dataset_run_writes_and_training_reads_them_alike
     merged = regenerate(target_dir, tmp_path, "dataset")
     manifest = check_shards(shards)
     n = manifest["shards_total"]  # 16 items (8 text windows, 8 chats) in shards of 2
-    assert n == 8 and sorted(p.name for p in (shards / "shards").iterdir()) == [f"{i:05d}.parquet" for i in range(n)]
+    assert n == 8 and sorted(p.name for p in (shards / "shards").iterdir()) == [
+        f"{i:05d}.parquet" for i in range(n)
+    ]
     assert [dict(r) for r in load_shards(shards)] == rows_of(merged)
     rows = rows_of(merged)
     assert manifest["complete"] and manifest["shards_done"] == n
-    assert manifest["counts"]["rows"] == len(rows) and manifest["counts"]["skipped"] == 2  # as the dataset run said
+    assert (
+        manifest["counts"]["rows"] == len(rows) and manifest["counts"]["skipped"] == 2
+    )  # as the dataset run said
     assert manifest["counts"]["answer_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
     assert manifest["target"] == json.loads((shards / "regeneration.json").read_text())["target"]
     tok = AutoTokenizer.from_pretrained(target_dir)
     a, b = load_examples(str(shards), tok, 24), load_examples(str(merged), tok, 24)
-    assert [a[i]["input_ids"].tolist() for i in range(len(a))] == [b[i]["input_ids"].tolist() for i in range(len(b))]
+    assert [a[i]["input_ids"].tolist() for i in range(len(a))] == [
+        b[i]["input_ids"].tolist() for i in range(len(b))
+    ]
     assert written_by(str(shards), str(target_dir))
-    check_source(str(shards))  # a training run's first check takes the folder (it read manifest.json as records)
+    check_source(
+        str(shards)
+    )  # a training run's first check takes the folder (it read manifest.json as records)
     assert list(iter_records(str(shards))) == list(iter_records(str(merged)))  # another tokenizer reads these
 
 
-def test_a_run_cut_short_is_read_as_far_as_it_went_and_resumes_from_its_shards(target_dir, tmp_path, monkeypatch):
+def test_a_run_cut_short_is_read_as_far_as_it_went_and_resumes_from_its_shards(
+    target_dir, tmp_path, monkeypatch
+):
     full = regenerate(target_dir, tmp_path, "full", output_format="shards")
     part = tmp_path / "part"
     shutil.copytree(full, part)
@@ -72,7 +82,11 @@ def test_a_run_cut_short_is_read_as_far_as_it_went_and_resumes_from_its_shards(t
     lost = kept["shards/00003.parquet"] + kept["shards/00006.parquet"]
     assert not unfinished_regeneration(part) and len(load_shards(part)) == len(load_shards(full)) - lost
     written = {p.name: p.stat().st_mtime_ns for p in (part / "shards").iterdir()}
-    run(RegenerateConfig(**options(target_dir, tmp_path / "mixed.jsonl", part, max_length=40, output_format="shards")))
+    run(
+        RegenerateConfig(
+            **options(target_dir, tmp_path / "mixed.jsonl", part, max_length=40, output_format="shards")
+        )
+    )
     assert all((part / "shards" / n).stat().st_mtime_ns == t for n, t in written.items())  # kept, not redone
     assert [dict(r) for r in load_shards(part)] == [dict(r) for r in load_shards(full)]
     assert json.loads((part / "manifest.json").read_text())["shards"] == check_shards(full)["shards"]

@@ -30,13 +30,26 @@ def target_dir(tmp_path, monkeypatch):
 
 
 def test_killed_run_resumes_to_the_uninterrupted_result(target_dir, tmp_path, capsys):
-    chats = [{"messages": [{"role": "user", "content": "def f(a):"}, {"role": "assistant", "content": "pass"},
-                           {"role": "user", "content": "again"}]}] * 14  # alike: only sampling tells them apart
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": "def f(a):"},
+                {"role": "assistant", "content": "pass"},
+                {"role": "user", "content": "again"},
+            ]
+        }
+    ] * 14  # alike: only sampling tells them apart
     data = write_jsonl(tmp_path / "chats.jsonl", chats)
     opts = options(target_dir, data, tmp_path / "resumed", temperature=0.8, top_p=0.9)
     env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    job = subprocess.Popen([sys.executable, str(ROOT / "train/regenerate.py"), *args_of(opts)], cwd=ROOT, env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        [sys.executable, str(ROOT / "train/regenerate.py"), *args_of(opts)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     shards = tmp_path / "resumed" / "shards"
     deadline = time.time() + 120
     while not list(shards.glob("*.arrow")) and job.poll() is None and time.time() < deadline:
@@ -58,7 +71,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(target_dir, tmp_path, ca
     resumed, whole = rows_of(tmp_path / "resumed"), rows_of(tmp_path / "whole")
     assert resumed == whole and [r["item"] for r in resumed] == list(range(14))
     answers = [r["messages"][1]["content"] for r in whole]
-    assert len(set(answers)) > 1 and all(len(r["messages"]) == 4 for r in whole)  # sampled: alike prompts differ
+    assert len(set(answers)) > 1 and all(
+        len(r["messages"]) == 4 for r in whole
+    )  # sampled: alike prompts differ
     assert not shards.exists()
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:  # resuming with other settings is refused
@@ -72,9 +87,18 @@ def test_two_processes_share_the_shards_and_equal_one(target_dir, tmp_path):
     data = write_jsonl(tmp_path / "chats.jsonl", CHATS * 2)
     one, two = tmp_path / "one", tmp_path / "two"
     env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", "configs/accelerate/cpu-2proc.yaml",
-           "--num_processes", "2", "--main_process_port", str(free_port()), "train/regenerate.py",
-           *args_of(options(target_dir, data, two, temperature=0.7))]
+    cmd = [
+        str(Path(sys.executable).with_name("accelerate")),
+        "launch",
+        "--config_file",
+        "configs/accelerate/cpu-2proc.yaml",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        "train/regenerate.py",
+        *args_of(options(target_dir, data, two, temperature=0.7)),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     threads = torch.get_num_threads()
@@ -105,16 +129,23 @@ def test_ranks_split_the_shards_and_rank_0_merges(target_dir, tmp_path, monkeypa
     cfg = RegenerateConfig(**options(target_dir, data, tmp_path / "x"))
     written: dict[str, list[str]] = {}
     original = regen_module.write_shard
-    monkeypatch.setattr(regen_module, "write_shard", lambda rows, path: (
-        written.setdefault(threading.current_thread().name, []).append(path.name), original(rows, path)))
+    monkeypatch.setattr(
+        regen_module,
+        "write_shard",
+        lambda rows, path: (
+            written.setdefault(threading.current_thread().name, []).append(path.name),
+            original(rows, path),
+        ),
+    )
     barrier, errors = threading.Barrier(2, timeout=120), []
     # a model each, loaded here: from_pretrained's meta-device context is process-wide, not for two threads at once
     models = [AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval() for _ in range(2)]
 
     def rank(r: int) -> None:
         try:
-            regen_module.regenerate_with_model(models[r], tok, items, cfg, tmp_path / "two", {"model": "m"}, r, 2,
-                                               barrier.wait)
+            regen_module.regenerate_with_model(
+                models[r], tok, items, cfg, tmp_path / "two", {"model": "m"}, r, 2, barrier.wait
+            )
         except Exception as e:  # reported by the test below
             errors.append(e)
             barrier.abort()
@@ -125,7 +156,10 @@ def test_ranks_split_the_shards_and_rank_0_merges(target_dir, tmp_path, monkeypa
     for t in threads:
         t.join()
     assert not errors, errors
-    assert written == {"0": ["00000.arrow", "00002.arrow", "00004.arrow"], "1": ["00001.arrow", "00003.arrow"]}
+    assert written == {
+        "0": ["00000.arrow", "00002.arrow", "00004.arrow"],
+        "1": ["00001.arrow", "00003.arrow"],
+    }
     regen_module.regenerate_with_model(models[0], tok, items, cfg, tmp_path / "one", {"model": "m"})
     assert len(written["MainThread"]) == 5
     assert rows_of(tmp_path / "one") == rows_of(tmp_path / "two")

@@ -41,16 +41,20 @@ def make_method(kind: str, vocab: int = VOCAB, target_dtype: torch.dtype = torch
     torch.manual_seed(1)
     if kind.startswith("medusa"):
         share = kind == "medusa"
-        heads = MedusaHeads(HeadsConfig(kind="medusa", hidden_size=c.hidden_size, vocab_size=vocab, num_heads=3,
-                                        share_lm_head=share))
+        heads = MedusaHeads(
+            HeadsConfig(
+                kind="medusa", hidden_size=c.hidden_size, vocab_size=vocab, num_heads=3, share_lm_head=share
+            )
+        )
         heads.init_from_lm_head(target.get_output_embeddings())
         with torch.no_grad():
             for p in heads.parameters():
                 p.add_(torch.randn_like(p) * 0.1)
         return MedusaMethod(MedusaConfig(num_heads=3, share_lm_head=share), target, heads)
     if kind == "eagle":
-        draft = EagleDraft(HeadsConfig(kind="eagle", hidden_size=c.hidden_size, vocab_size=vocab,
-                                       layer=layer_fields(c)))
+        draft = EagleDraft(
+            HeadsConfig(kind="eagle", hidden_size=c.hidden_size, vocab_size=vocab, layer=layer_fields(c))
+        )
         return EagleMethod(EagleConfig(noise=0.1), target, draft, [])
     draft = random_eagle3_draft(target, draft_vocab_size=vocab // 4)
     batch = make_batch(vocab, 4, 40, seed=9)
@@ -89,14 +93,18 @@ def eagle3_reference(method: Eagle3Method, batch):
     _, outputs, states = method._unroll(batch)
     draft = method.trainable
     with torch.no_grad():
-        logits = method.logits(states)[:, 1:]  # the label of step i at t is the target's prediction at t + 1 + i
+        logits = method.logits(states)[
+            :, 1:
+        ]  # the label of step i at t is the target's prediction at t + 1 + i
     argmax, probs = logits.argmax(-1), torch.softmax(logits.index_select(-1, draft.draft_ids), dim=-1)
     ids, attn = batch["input_ids"], batch["attention_mask"]
     total, logs = outputs[0].sum() * 0.0, {}
     for i, out in enumerate(outputs):
         length = argmax.shape[1] - i
         visible = attn[:, 2 + i :].bool()
-        keep = labels_ahead(ids, batch["loss_mask"], i)[1][:, :length] & F.pad(visible, (0, length - visible.shape[1]))
+        keep = labels_ahead(ids, batch["loss_mask"], i)[1][:, :length] & F.pad(
+            visible, (0, length - visible.shape[1])
+        )
         keep = keep & draft.t2d[argmax[:, i:]]
         logq = torch.log_softmax(draft.logits(out[:, :length][keep]).float(), dim=-1)
         ce = -(probs[:, i:][keep] * logq).sum(-1).mean()
@@ -105,8 +113,12 @@ def eagle3_reference(method: Eagle3Method, batch):
     return total, logs | {"loss": total.detach()}
 
 
-REFERENCE = {"medusa": medusa_reference, "medusa-own-heads": medusa_reference, "eagle": eagle_reference,
-             "eagle3": eagle3_reference}
+REFERENCE = {
+    "medusa": medusa_reference,
+    "medusa-own-heads": medusa_reference,
+    "eagle": eagle_reference,
+    "eagle3": eagle3_reference,
+}
 
 
 def loss_and_grads(loss_fn, method, batch):
@@ -243,8 +255,13 @@ def test_chunked_loss_needs_clearly_less_memory_at_a_32k_vocabulary(kind):
         loss_fn(method, batch)[0].backward()
 
     step(type(method).loss)  # warm up: one-time allocations are not the loss's
-    chunked, straightforward = peak_bytes(lambda: step(type(method).loss)), peak_bytes(lambda: step(REFERENCE[kind]))
-    print(f"\n{kind}: peak memory of loss + backward at vocabulary {vocab}, {kept_positions(batch)} kept "
-          f"positions: chunked ({method.chunk} positions) {chunked / 2**20:.0f} MiB, straightforward "
-          f"{straightforward / 2**20:.0f} MiB")
+    chunked, straightforward = (
+        peak_bytes(lambda: step(type(method).loss)),
+        peak_bytes(lambda: step(REFERENCE[kind])),
+    )
+    print(
+        f"\n{kind}: peak memory of loss + backward at vocabulary {vocab}, {kept_positions(batch)} kept "
+        f"positions: chunked ({method.chunk} positions) {chunked / 2**20:.0f} MiB, straightforward "
+        f"{straightforward / 2**20:.0f} MiB"
+    )
     assert chunked < straightforward / LESS_MEMORY

@@ -17,9 +17,15 @@ from selfspec.train.regeneration.config import RegenerateConfig
 CONFIGS = sorted(Path(__file__).resolve().parents[2].joinpath("configs").rglob("*.yaml"))
 ACCELERATE = [p for p in CONFIGS if p.parent.name == "accelerate"]  # `accelerate launch --config_file` files
 RUN_CONFIGS = [p for p in CONFIGS if p.parent.name != "accelerate"]  # a recipe's `--config`
-RECIPES = {"train/medusa.py": MedusaConfig, "train/eagle.py": EagleConfig, "train/target.py": TargetConfig,
-           "train/regenerate.py": RegenerateConfig, "train/dflash.py": DFlashConfig,
-           "train/peagle.py": PEagleConfig, "train/mtp.py": MtpConfig}
+RECIPES = {
+    "train/medusa.py": MedusaConfig,
+    "train/eagle.py": EagleConfig,
+    "train/target.py": TargetConfig,
+    "train/regenerate.py": RegenerateConfig,
+    "train/dflash.py": DFlashConfig,
+    "train/peagle.py": PEagleConfig,
+    "train/mtp.py": MtpConfig,
+}
 
 
 def relative(path: Path) -> str:
@@ -48,8 +54,10 @@ def test_run_config_is_valid_for_its_recipe(path):
     load_config(RECIPES[recipes[0]], ["--config", str(path)])
 
 
-@pytest.mark.parametrize("recipe, cls", [("medusa", MedusaConfig), ("eagle", EagleConfig), ("peagle", PEagleConfig),
-                                         ("mtp", MtpConfig)])
+@pytest.mark.parametrize(
+    "recipe, cls",
+    [("medusa", MedusaConfig), ("eagle", EagleConfig), ("peagle", PEagleConfig), ("mtp", MtpConfig)],
+)
 def test_demo_yaml_equals_the_no_argument_defaults(recipe, cls):
     path = next(p for p in CONFIGS if p.name == "demo.yaml" and p.parent.name == recipe)
     assert load_config(cls, ["--config", str(path)]) == cls()

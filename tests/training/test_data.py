@@ -18,16 +18,27 @@ from selfspec.train.data.examples import (
 from selfspec.train.data.records import DataError, iter_records
 from selfspec.train.data.run_data import subset
 
-MSGS = [{"role": "user", "content": "add a b"}, {"role": "assistant", "content": "return a + b"},
-        {"role": "user", "content": "again"}, {"role": "assistant", "content": "x = 1"}]
+MSGS = [
+    {"role": "user", "content": "add a b"},
+    {"role": "assistant", "content": "return a + b"},
+    {"role": "user", "content": "again"},
+    {"role": "assistant", "content": "x = 1"},
+]
 
 
 def straightforward(records: list[dict], tok, max_length: int) -> list[tuple[list[int], list[int]]]:
     """The examples as the old in-memory builder made them, unpadded: every text into one stream (EOS after
     each) cut into full blocks, then every conversation with a trained token, cut to max_length."""
-    stream = [i for r in records if "text" in r for i in tok(r["text"], add_special_tokens=False).input_ids
-              + [tok.eos_token_id]]
-    out = [(stream[s : s + max_length], [1] * max_length) for s in range(0, len(stream) - max_length + 1, max_length)]
+    stream = [
+        i
+        for r in records
+        if "text" in r
+        for i in tok(r["text"], add_special_tokens=False).input_ids + [tok.eos_token_id]
+    ]
+    out = [
+        (stream[s : s + max_length], [1] * max_length)
+        for s in range(0, len(stream) - max_length + 1, max_length)
+    ]
     for r in records:
         if "messages" in r:
             ids, mask = chat_example(tok, r["messages"])
@@ -40,7 +51,9 @@ def rows_of(examples: Examples | datasets.Dataset) -> list[tuple[list[int], list
     """(ids, loss mask) of every row, as Examples gives them to the DataLoader (or a saved dataset holds them)."""
     if isinstance(examples, datasets.Dataset):
         return list(zip(examples["input_ids"], examples["loss_mask"]))
-    return [(examples[i]["input_ids"].tolist(), examples[i]["loss_mask"].tolist()) for i in range(len(examples))]
+    return [
+        (examples[i]["input_ids"].tolist(), examples[i]["loss_mask"].tolist()) for i in range(len(examples))
+    ]
 
 
 def test_text_is_packed_with_eos_between_documents_across_map_batches(tmp_path):
@@ -53,7 +66,9 @@ def test_text_is_packed_with_eos_between_documents_across_map_batches(tmp_path):
     assert rows_of(ex) == expected and len(expected) > 10
     stream = tok(TOKENIZER_TEXT, add_special_tokens=False).input_ids + [tok.eos_token_id]
     assert ex["input_ids"][0] == stream[:16]
-    assert ex.features["input_ids"].feature.dtype == "int32" and ex.features["loss_mask"].feature.dtype == "int8"
+    assert (
+        ex.features["input_ids"].feature.dtype == "int32" and ex.features["loss_mask"].feature.dtype == "int8"
+    )
 
 
 def test_conversations_round_trip_one_example_each(tmp_path):
@@ -66,7 +81,9 @@ def test_conversations_round_trip_one_example_each(tmp_path):
     ex = build_examples(iter_records(str(path)), tok, 64, tmp_path / "cache", batch_size=3)
     rows = rows_of(ex)
     assert rows == straightforward(list(iter_records(str(path))), tok, 64)
-    assert len(rows) == 8 and len(rows[-1][0]) == 64 and len(rows[0][0]) < 64  # variable length, nothing padded
+    assert (
+        len(rows) == 8 and len(rows[-1][0]) == 64 and len(rows[0][0]) < 64
+    )  # variable length, nothing padded
     assert tok.decode([i for i, m in zip(*rows[0]) if m]) == "<|assistant|>return a + b<eos>"
 
 
@@ -78,8 +95,18 @@ def test_chat_loss_mask_covers_assistant_turns_only(tmp_path, monkeypatch):
     trained = tok.decode([i for i, m in zip(ids, mask) if m])
     assert trained == "<|assistant|>return a + b<eos><|assistant|>x = 1<eos>"
     sharegpt = tmp_path / "chats.json"
-    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": "add a b"},
-                                                       {"from": "gpt", "value": "return a + b"}]}]))
+    sharegpt.write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "human", "value": "add a b"},
+                        {"from": "gpt", "value": "return a + b"},
+                    ]
+                }
+            ]
+        )
+    )
     openai = tmp_path / "chats.jsonl"
     openai.write_text(json.dumps({"messages": MSGS[:2]}) + "\n")
     a, b = load_examples(str(sharegpt), tok, 64), load_examples(str(openai), tok, 64)
@@ -97,7 +124,12 @@ def test_batches_are_padded_to_their_longest_row():
     assert pad_batch([ex[0], ex[2]])["input_ids"].shape == (2, 3)  # each batch to its own longest row
     rows = [ex[0] | {"features": torch.ones(3, 4)}, ex[2] | {"features": torch.full((1, 4), 2.0)}]
     feats = pad_batch(rows)["features"]
-    assert feats.shape == (2, 3, 4) and feats[0].eq(1).all() and feats[1, 0].eq(2).all() and feats[1, 1:].eq(0).all()
+    assert (
+        feats.shape == (2, 3, 4)
+        and feats[0].eq(1).all()
+        and feats[1, 0].eq(2).all()
+        and feats[1, 1:].eq(0).all()
+    )
 
 
 def test_bad_inputs_are_clear_errors(tmp_path):
@@ -125,7 +157,9 @@ def test_tokenised_data_is_cached_and_memory_mapped(tmp_path, monkeypatch):
     first = load_examples(str(data), tiny_tokenizer(), 16)
     entries = list((tmp_path / "cache" / "tokenized").iterdir())
     assert len(entries) == 1 and (entries[0] / "state.json").is_file()
-    assert first.rows.cache_files and all(f["filename"].startswith(str(entries[0])) for f in first.rows.cache_files)
+    assert first.rows.cache_files and all(
+        f["filename"].startswith(str(entries[0])) for f in first.rows.cache_files
+    )
     calls = []
     monkeypatch.setattr(data_module.Packer, "__call__", lambda self, batch: calls.append(batch))
     again = load_examples(str(data), tiny_tokenizer(), 16)
@@ -156,8 +190,12 @@ def test_a_folder_saved_with_save_to_disk_is_read_as_a_dataset(tmp_path):
     table = datasets.Dataset.from_dict({"text": texts + [None], "messages": [None, None] + chats})
     table.save_to_disk(str(tmp_path / "one"))
     (tmp_path / "one" / "stray.json").write_text('{"not": "a record"}')  # never globbed as data
-    assert list(iter_records(str(tmp_path / "one"))) == [{"text": t} for t in texts] + [{"messages": chats[0]}]
-    datasets.DatasetDict({"train": table.select([0]), "validation": table.select([1])}).save_to_disk(str(tmp_path / "two"))
+    assert list(iter_records(str(tmp_path / "one"))) == [{"text": t} for t in texts] + [
+        {"messages": chats[0]}
+    ]
+    datasets.DatasetDict({"train": table.select([0]), "validation": table.select([1])}).save_to_disk(
+        str(tmp_path / "two")
+    )
     assert list(iter_records(str(tmp_path / "two"), split="validation")) == [{"text": texts[1]}]
     with pytest.raises(DataError, match="holds the splits train, validation, not 'test'"):
         list(iter_records(str(tmp_path / "two"), split="test"))
@@ -171,8 +209,12 @@ def test_examples_without_a_label_are_dropped_and_none_at_all_is_refused(capsys)
     from selfspec.train.loop.config import ConfigError
     from selfspec.train.loop.train_config import TrainConfig
 
-    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [1, 2], [1, 2, 3], [5, 6, 7, 8]],
-                                       "loss_mask": [[0, 0, 0, 1], [1, 1], [1, 1, 0], [1, 1, 1, 1]]})
+    rows = datasets.Dataset.from_dict(
+        {
+            "input_ids": [[1, 2, 3, 4], [1, 2], [1, 2, 3], [5, 6, 7, 8]],
+            "loss_mask": [[0, 0, 0, 1], [1, 1], [1, 1, 0], [1, 1, 1, 1]],
+        }
+    )
     kept = labelled(Examples(rows, "k"), TrainConfig(max_length=4), "training")
     assert kept.rows["input_ids"] == [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert "2 of 4 training examples carry no label within --max_length 4" in capsys.readouterr().err

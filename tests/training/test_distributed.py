@@ -30,16 +30,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(config: str, script: str, args: dict, processes: int = 2, succeed: bool = True,
-           env: dict | None = None) -> str:
+def launch(
+    config: str, script: str, args: dict, processes: int = 2, succeed: bool = True, env: dict | None = None
+) -> str:
     """Run `accelerate launch --config_file <config> train/<script>.py` with `args` (a name means
     configs/accelerate/<name>.yaml; a script ending in .py is a path from the repository root); returns its
     output, failing the test with the output's tail when it fails (or, with succeed=False, when it does not)."""
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-                        "TOKENIZERS_PARALLELISM": "false"} | (env or {})
+    env = (
+        os.environ
+        | {
+            "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1",
+            "DS_ACCELERATOR": "cpu",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        | (env or {})
+    )
     path = config if config.endswith(".yaml") else f"configs/accelerate/{config}.yaml"
-    cmd = [str(ACCELERATE), "launch", "--config_file", path,
-           "--num_processes", str(processes), "--main_process_port", str(free_port()), script if script.endswith(".py") else f"train/{script}.py"]
+    cmd = [
+        str(ACCELERATE),
+        "launch",
+        "--config_file",
+        path,
+        "--num_processes",
+        str(processes),
+        "--main_process_port",
+        str(free_port()),
+        script if script.endswith(".py") else f"train/{script}.py",
+    ]
     cmd += [x for k, v in args.items() for x in (f"--{k}", str(v))]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     text = out.stdout + out.stderr
@@ -49,10 +67,25 @@ def launch(config: str, script: str, args: dict, processes: int = 2, succeed: bo
 
 def run_args(kind: str, model_dir: Path, data: Path, out: Path, batch: int, **extra) -> dict:
     """A seconds-long run on the tiny target; `batch` per device."""
-    args = {"model": model_dir, "dataset": data, "output_dir": out, "max_length": 32, "max_steps": 6,
-            "per_device_train_batch_size": batch, "eval_steps": 6, "save_steps": 2, "save_total_limit": 0,
-            "learning_rate": 1e-2, "max_minutes": 0, "logging_steps": 1, "self_distill": "false",
-            "max_train_examples": 0, "mixed_precision": "no", "eval_batches": 4, "per_device_eval_batch_size": 2}
+    args = {
+        "model": model_dir,
+        "dataset": data,
+        "output_dir": out,
+        "max_length": 32,
+        "max_steps": 6,
+        "per_device_train_batch_size": batch,
+        "eval_steps": 6,
+        "save_steps": 2,
+        "save_total_limit": 0,
+        "learning_rate": 1e-2,
+        "max_minutes": 0,
+        "logging_steps": 1,
+        "self_distill": "false",
+        "max_train_examples": 0,
+        "mixed_precision": "no",
+        "eval_batches": 4,
+        "per_device_eval_batch_size": 2,
+    }
     if kind == "medusa":
         args |= {"num_heads": 2, "tree_nodes": 5, "share_lm_head": "false"}
     elif kind == "dflash":
@@ -65,8 +98,11 @@ def run_args(kind: str, model_dir: Path, data: Path, out: Path, batch: int, **ex
 
 
 def final_state(out: Path) -> dict:
-    return json.loads(sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))[-1]
-                      .joinpath("trainer_state.json").read_text())
+    return json.loads(
+        sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))[-1]
+        .joinpath("trainer_state.json")
+        .read_text()
+    )
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
@@ -119,20 +155,35 @@ def test_ddp_two_processes_equal_one_with_the_same_global_batch(tiny_model_dir, 
 def test_medusa2_ddp_two_processes_equal_one(tiny_model_dir, text_data, tmp_path):
     """Medusa-2 under DDP: the LoRA inside the target and the heads train as one process would (the adapted
     lm_head is called outside the wrapped forward, chunk by chunk); ZeRO-3 is refused in one line."""
-    medusa2 = {"medusa2": "true", "share_lm_head": "true", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
-               "learning_rate": 5e-3, "heads_only_steps": 2}  # a heads-only stage: DDP still sees every tensor
+    medusa2 = {
+        "medusa2": "true",
+        "share_lm_head": "true",
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "lora_dropout": 0.0,
+        "learning_rate": 5e-3,
+        "heads_only_steps": 2,
+    }  # a heads-only stage: DDP still sees every tensor
     one, two = tmp_path / "one", tmp_path / "two"
-    launch("cpu", "medusa", run_args("medusa", tiny_model_dir, text_data, one, batch=4, **medusa2), processes=1)
+    launch(
+        "cpu", "medusa", run_args("medusa", tiny_model_dir, text_data, one, batch=4, **medusa2), processes=1
+    )
     launch("cpu-2proc", "medusa", run_args("medusa", tiny_model_dir, text_data, two, batch=2, **medusa2))
     assert_same_weights(one, two, atol=1e-5)
     a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (one, two))
     assert a.keys() == b.keys() and any(v.abs().sum() > 0 for n, v in a.items() if "lora_B" in n)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=f"{name} differs")
-    saved = load_file(two / "checkpoints" / "step-6" / "model.safetensors")  # adapters and heads, no frozen target
+    saved = load_file(
+        two / "checkpoints" / "step-6" / "model.safetensors"
+    )  # adapters and heads, no frozen target
     assert saved and all("lora_" in n or n.startswith("heads.") for n in saved)
-    log = launch("deepspeed-zero3", "medusa", run_args("medusa", tiny_model_dir, text_data, tmp_path / "z3", batch=2,
-                                                       **medusa2), succeed=False)
+    log = launch(
+        "deepspeed-zero3",
+        "medusa",
+        run_args("medusa", tiny_model_dir, text_data, tmp_path / "z3", batch=2, **medusa2),
+        succeed=False,
+    )
     assert "error: Medusa-2 trains a LoRA inside the target" in log
 
 
@@ -140,8 +191,18 @@ def test_two_processes_share_the_self_distillation(tiny_model_dir, text_data, tm
     """Each rank regenerates its own shards of the items with its copy of the target (no rank waits while
     another does it all), and the merged result trains."""
     cache = tmp_path / "cache"
-    env_args = run_args("medusa", tiny_model_dir, text_data, tmp_path / "out", batch=2, self_distill="true",
-                        distill_prompt_tokens=8, max_train_examples=24, max_steps=2, eval_steps=2)
+    env_args = run_args(
+        "medusa",
+        tiny_model_dir,
+        text_data,
+        tmp_path / "out",
+        batch=2,
+        self_distill="true",
+        distill_prompt_tokens=8,
+        max_train_examples=24,
+        max_steps=2,
+        eval_steps=2,
+    )
     log = launch("cpu-2proc", "medusa", env_args, env={"SELFSPEC_CACHE": str(cache)})
     assert "step 2:" in log
     records = [json.loads(p.read_text()) for p in cache.glob("tokenized/regen-train-*/regeneration.json")]
@@ -179,12 +240,16 @@ def check_sharded_run(config: str, kind: str, model_dir: Path, data: Path, tmp_p
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     log = launch(config, script, run_args(kind, model_dir, data, full, batch=2, eval_steps=3))
     assert f"2 processes x 1 accumulation; {ENGINES[config]}" in log
-    at_step_0 = json.loads((full / "checkpoints/step-2/trainer_state.json").read_text())["metrics"]  # the last eval
+    at_step_0 = json.loads((full / "checkpoints/step-2/trainer_state.json").read_text())[
+        "metrics"
+    ]  # the last eval
     assert final_state(full)["metrics"]["loss"] < at_step_0["loss"]
     assert_target_untouched(model_dir, full)
     assert_decodes_like_target(model_dir, full)
     shutil.copytree(full / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
-    for best in (full / "checkpoints").glob("best-step-*.safetensors"):  # DFlash keeps its best validation's weights
+    for best in (full / "checkpoints").glob(
+        "best-step-*.safetensors"
+    ):  # DFlash keeps its best validation's weights
         shutil.copy(best, resumed / "checkpoints" / best.name)
     launch(config, script, run_args(kind, model_dir, data, resumed, batch=2, eval_steps=3, resume="latest"))
     assert_same_weights(full, resumed, atol=1e-6)
@@ -193,8 +258,12 @@ def check_sharded_run(config: str, kind: str, model_dir: Path, data: Path, tmp_p
 def test_fsdp_version_1_is_refused_in_one_line_before_training(tiny_model_dir, text_data, tmp_path):
     config = (ROOT / "configs/accelerate/fsdp.yaml").read_text().replace("fsdp_version: 2", "fsdp_version: 1")
     (tmp_path / "fsdp1.yaml").write_text(config)
-    log = launch(str(tmp_path / "fsdp1.yaml"), "medusa", run_args("medusa", tiny_model_dir, text_data, tmp_path / "o", 2),
-                 succeed=False)
+    log = launch(
+        str(tmp_path / "fsdp1.yaml"),
+        "medusa",
+        run_args("medusa", tiny_model_dir, text_data, tmp_path / "o", 2),
+        succeed=False,
+    )
     assert "train/medusa.py: error: FSDP version 1 is not supported: set `fsdp_version: 2`" in log
     assert "step 0:" not in log
 
@@ -203,25 +272,66 @@ def test_deepspeed_dropped_by_cpu_is_refused_in_one_line(tiny_model_dir, text_da
     """`accelerate launch --cpu` with a DeepSpeed config starts one plain process without DeepSpeed; the run
     must not go on as if it had ZeRO-3 on two processes."""
     env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [str(ACCELERATE), "launch", "--config_file", "configs/accelerate/deepspeed-zero3.yaml", "--num_processes", "2",
-           "--cpu", "train/medusa.py"]
-    cmd += [x for k, v in run_args("medusa", tiny_model_dir, text_data, tmp_path / "o", 2).items() for x in (f"--{k}", str(v))]
+    cmd = [
+        str(ACCELERATE),
+        "launch",
+        "--config_file",
+        "configs/accelerate/deepspeed-zero3.yaml",
+        "--num_processes",
+        "2",
+        "--cpu",
+        "train/medusa.py",
+    ]
+    cmd += [
+        x
+        for k, v in run_args("medusa", tiny_model_dir, text_data, tmp_path / "o", 2).items()
+        for x in (f"--{k}", str(v))
+    ]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     log = out.stdout + out.stderr
     assert out.returncode != 0
-    assert ("train/medusa.py: error: accelerate launch --config_file configs/accelerate/deepspeed-zero3.yaml asks for "
-            "DeepSpeed, but it is not in effect (--cpu drops that config): drop --cpu and set DS_ACCELERATOR=cpu") in log
+    assert (
+        "train/medusa.py: error: accelerate launch --config_file configs/accelerate/deepspeed-zero3.yaml asks for "
+        "DeepSpeed, but it is not in effect (--cpu drops that config): drop --cpu and set DS_ACCELERATOR=cpu"
+    ) in log
     assert "step 0:" not in log
 
 
-@pytest.mark.parametrize("cmdline, env, message", [
-    (["python", "/x/bin/accelerate", "launch", "--config_file", "configs/accelerate/fsdp.yaml", "--cpu", "t.py"],
-     {}, "asks for FSDP, but it is not in effect"),
-    (["python", "/x/bin/accelerate", "launch", "--config_file", "configs/accelerate/cpu-2proc.yaml", "t.py"],
-     {"WORLD_SIZE": "1"}, "asks for 2 processes, but 1 is running"),
-    (["python", "/x/bin/accelerate", "launch", "--num_processes=3", "t.py"], {"WORLD_SIZE": "2"},
-     "asks for 3 processes, but 2 is running"),
-])
+@pytest.mark.parametrize(
+    "cmdline, env, message",
+    [
+        (
+            [
+                "python",
+                "/x/bin/accelerate",
+                "launch",
+                "--config_file",
+                "configs/accelerate/fsdp.yaml",
+                "--cpu",
+                "t.py",
+            ],
+            {},
+            "asks for FSDP, but it is not in effect",
+        ),
+        (
+            [
+                "python",
+                "/x/bin/accelerate",
+                "launch",
+                "--config_file",
+                "configs/accelerate/cpu-2proc.yaml",
+                "t.py",
+            ],
+            {"WORLD_SIZE": "1"},
+            "asks for 2 processes, but 1 is running",
+        ),
+        (
+            ["python", "/x/bin/accelerate", "launch", "--num_processes=3", "t.py"],
+            {"WORLD_SIZE": "2"},
+            "asks for 3 processes, but 2 is running",
+        ),
+    ],
+)
 def test_a_launch_not_in_effect_is_named(cmdline, env, message):
     from selfspec.train.loop.config import ConfigError
     from selfspec.train.parallel.distributed import check_launch_in_effect, launch_request
@@ -234,21 +344,50 @@ def test_a_gpu_config_on_a_machine_without_gpus_is_refused_before_it_starts_8_cp
     from selfspec.train.loop.config import ConfigError
     from selfspec.train.parallel.distributed import check_launch_in_effect, launch_request
 
-    request = launch_request(["python", "/x/bin/accelerate", "launch", "--config_file", "configs/accelerate/ddp.yaml",
-                              "train/medusa.py"], str(ROOT))
-    with pytest.raises(ConfigError, match=r"ddp.yaml asks for 8 processes, but this machine has no GPU and 2 CPU "
-                                          r"cores, so they would all share those: launch with configs/accelerate/cpu"):
+    request = launch_request(
+        [
+            "python",
+            "/x/bin/accelerate",
+            "launch",
+            "--config_file",
+            "configs/accelerate/ddp.yaml",
+            "train/medusa.py",
+        ],
+        str(ROOT),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"ddp.yaml asks for 8 processes, but this machine has no GPU and 2 CPU "
+        r"cores, so they would all share those: launch with configs/accelerate/cpu",
+    ):
         check_launch_in_effect(request, {"WORLD_SIZE": "8"}, gpus=0, cores=2)
     check_launch_in_effect(request, {"WORLD_SIZE": "8"}, gpus=8, cores=2)  # where it belongs
     check_launch_in_effect(request, {"WORLD_SIZE": "8"}, gpus=0, cores=64)  # a big CPU machine may run them
 
 
-@pytest.mark.parametrize("cmdline, env", [
-    (["python", "/x/bin/accelerate", "launch", "--config_file", "configs/accelerate/deepspeed-zero3.yaml",
-      "--num_processes", "2", "t.py"], {"ACCELERATE_USE_DEEPSPEED": "true", "WORLD_SIZE": "2"}),
-    (["python", "/x/bin/accelerate", "launch", "--config_file", "configs/accelerate/cpu.yaml", "t.py"], {}),
-    (["python", "-m", "pytest", "-n", "2"], {}),  # not launched by accelerate: nothing to check
-])
+@pytest.mark.parametrize(
+    "cmdline, env",
+    [
+        (
+            [
+                "python",
+                "/x/bin/accelerate",
+                "launch",
+                "--config_file",
+                "configs/accelerate/deepspeed-zero3.yaml",
+                "--num_processes",
+                "2",
+                "t.py",
+            ],
+            {"ACCELERATE_USE_DEEPSPEED": "true", "WORLD_SIZE": "2"},
+        ),
+        (
+            ["python", "/x/bin/accelerate", "launch", "--config_file", "configs/accelerate/cpu.yaml", "t.py"],
+            {},
+        ),
+        (["python", "-m", "pytest", "-n", "2"], {}),  # not launched by accelerate: nothing to check
+    ],
+)
 def test_a_launch_in_effect_passes(cmdline, env):
     from selfspec.train.parallel.distributed import check_launch_in_effect, launch_request
 

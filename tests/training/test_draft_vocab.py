@@ -37,16 +37,28 @@ def chats(tmp_path, monkeypatch):
     return path
 
 
-def test_the_drafter_drafts_among_the_answers_tokens_only_and_decodes_exactly(eagle_dir, tiny_model_dir, chats,
-                                                                            tmp_path, capsys):
+def test_the_drafter_drafts_among_the_answers_tokens_only_and_decodes_exactly(
+    eagle_dir, tiny_model_dir, chats, tmp_path, capsys
+):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     # what the chat template adds for the answer (its header, the text, the end of turn): the trained-on tokens
     answer = set(tokenizer("<|assistant|>" + ANSWER + "<eos>", add_special_tokens=False).input_ids)
     user = set(tokenizer(USER, add_special_tokens=False).input_ids) - answer
     assert user
     out = tmp_path / "restricted"
-    cli(["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--size", str(len(answer)),
-         "--out", str(out)])
+    cli(
+        [
+            "draft-vocab",
+            "--heads",
+            str(eagle_dir),
+            "--dataset",
+            str(chats),
+            "--size",
+            str(len(answer)),
+            "--out",
+            str(out),
+        ]
+    )
     assert f"drafting among {len(answer)} of" in capsys.readouterr().out
     before, after = load_heads(eagle_dir), load_heads(out)
     assert after.config.draft_vocab_size == len(answer)
@@ -59,7 +71,10 @@ def test_the_drafter_drafts_among_the_answers_tokens_only_and_decodes_exactly(ea
     spec = SpeculativeModel.from_pretrained(out, model=model)
     drafted = []
     propose = spec.proposer.propose
-    spec.proposer.propose = lambda *a: (ds := propose(*a), drafted.extend(t for d in ds if d for t in d.tokens[1:].tolist()))[0]
+    spec.proposer.propose = lambda *a: (
+        ds := propose(*a),
+        drafted.extend(t for d in ds if d for t in d.tokens[1:].tolist()),
+    )[0]
     prompt = torch.tensor([tokenizer("def add(a, b):\n    return").input_ids])
     want = model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=[])
     assert torch.equal(spec.generate(prompt, max_new_tokens=20, eos_token_id=[]), want)
@@ -68,11 +83,35 @@ def test_the_drafter_drafts_among_the_answers_tokens_only_and_decodes_exactly(ea
 
 def test_a_published_drafter_is_restricted_for_the_target_given(eagle_dir, tiny_model_dir, chats, tmp_path):
     published = tmp_path / "safeailab"
-    cli(["export", "--heads", str(eagle_dir), "--format", "eagle1", "--model", str(tiny_model_dir),
-         "--out", str(published)])
+    cli(
+        [
+            "export",
+            "--heads",
+            str(eagle_dir),
+            "--format",
+            "eagle1",
+            "--model",
+            str(tiny_model_dir),
+            "--out",
+            str(published),
+        ]
+    )
     out = tmp_path / "restricted"
-    cli(["draft-vocab", "--heads", str(published), "--model", str(tiny_model_dir), "--dataset", str(chats),
-         "--size", "8", "--out", str(out)])  # published layouts keep no tree: the default top_k 8
+    cli(
+        [
+            "draft-vocab",
+            "--heads",
+            str(published),
+            "--model",
+            str(tiny_model_dir),
+            "--dataset",
+            str(chats),
+            "--size",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )  # published layouts keep no tree: the default top_k 8
     heads = load_heads(out)
     assert heads.config.draft_vocab_size == 8 and heads.config.base_model == str(tiny_model_dir)
 
@@ -93,48 +132,86 @@ def test_a_half_precision_drafter_stays_in_its_dtype_and_can_be_restricted_again
     assert set(load_heads(first).draft_ids.tolist()) < set(load_heads(second).draft_ids.tolist())
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--size", "0"], "--size: must be an integer >= 1, got 0"),
-    (["--size", "100000"], "--size 100000 must be below the target's vocabulary size (96)"),
-    ([], "the target's vocabulary has only 96 tokens, at most the default size 2048: give a --size below 96"),
-    (["--size", "2"], "--size 2 is fewer tokens than the drafter's tree takes per node (3, its top_k"),
-    (["--size", "60"], "holds only 16 distinct trained-on tokens, fewer than --size 60: give more data"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--size", "0"], "--size: must be an integer >= 1, got 0"),
+        (["--size", "100000"], "--size 100000 must be below the target's vocabulary size (96)"),
+        (
+            [],
+            "the target's vocabulary has only 96 tokens, at most the default size 2048: give a --size below 96",
+        ),
+        (["--size", "2"], "--size 2 is fewer tokens than the drafter's tree takes per node (3, its top_k"),
+        (["--size", "60"], "holds only 16 distinct trained-on tokens, fewer than --size 60: give more data"),
+    ],
+)
 def test_bad_sizes_are_one_line_errors(eagle_dir, chats, tmp_path, extra, message, capsys, quiet_datasets):
-    argv = ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--out", str(tmp_path / "o"), *extra]
+    argv = [
+        "draft-vocab",
+        "--heads",
+        str(eagle_dir),
+        "--dataset",
+        str(chats),
+        "--out",
+        str(tmp_path / "o"),
+        *extra,
+    ]
     assert message in user_error(capsys, argv)
 
 
-def test_what_cannot_be_restricted_is_refused_in_one_line(medusa_dir, eagle_dir, tiny_model_dir, chats, tmp_path,
-                                                            capsys):
+def test_what_cannot_be_restricted_is_refused_in_one_line(
+    medusa_dir, eagle_dir, tiny_model_dir, chats, tmp_path, capsys
+):
     out = ["--size", "16", "--out", str(tmp_path / "o")]
-    assert "are medusa heads; draft-vocab restricts drafters that read rows of the target's lm_head, such as EAGLE-1/2 (they draft over" in user_error(
-        capsys, ["draft-vocab", "--heads", str(medusa_dir), "--dataset", str(chats), *out])
+    assert (
+        "are medusa heads; draft-vocab restricts drafters that read rows of the target's lm_head, such as EAGLE-1/2 (they draft over"
+        in user_error(capsys, ["draft-vocab", "--heads", str(medusa_dir), "--dataset", str(chats), *out])
+    )
     eagle3 = tmp_path / "eagle3"
     Eagle3Draft(eagle3_config(AutoModelForCausalLM.from_pretrained(tiny_model_dir))).save_pretrained(eagle3)
     capsys.readouterr()  # the model's loading bar
-    assert "are eagle3 heads; draft-vocab restricts drafters that read rows of the target's lm_head, such as EAGLE-1/2 (they learn" in user_error(
-        capsys, ["draft-vocab", "--heads", str(eagle3), "--dataset", str(chats), *out])
+    assert (
+        "are eagle3 heads; draft-vocab restricts drafters that read rows of the target's lm_head, such as EAGLE-1/2 (they learn"
+        in user_error(capsys, ["draft-vocab", "--heads", str(eagle3), "--dataset", str(chats), *out])
+    )
     assert "already holds a checkpoint" in user_error(
-        capsys, ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--out", str(eagle_dir)])
+        capsys, ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--out", str(eagle_dir)]
+    )
     assert f"{chats} is a file, not a folder: give a folder path" in user_error(
-        capsys, ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--out", str(chats / "sub")])
+        capsys,
+        ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--out", str(chats / "sub")],
+    )
     assert "give a drafter's folder, not a model's" in user_error(
-        capsys, ["draft-vocab", "--heads", str(tiny_model_dir), "--dataset", str(chats), *out])
+        capsys, ["draft-vocab", "--heads", str(tiny_model_dir), "--dataset", str(chats), *out]
+    )
     # another model's tokenizer would count other ids: a model of another hidden size is refused
     other = tmp_path / "other-model"
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(other)
     config = json.loads((tiny_model_dir / "config.json").read_text())
     (other / "config.json").write_text(json.dumps(config | {"hidden_size": 2 * config["hidden_size"]}))
     assert "does not fit the drafter (hidden size" in user_error(
-        capsys, ["draft-vocab", "--heads", str(eagle_dir), "--model", str(other), "--dataset", str(chats), *out])
+        capsys,
+        ["draft-vocab", "--heads", str(eagle_dir), "--model", str(other), "--dataset", str(chats), *out],
+    )
     # a published drafter names no target
     published = tmp_path / "safeailab"
-    cli(["export", "--heads", str(eagle_dir), "--format", "eagle1", "--model", str(tiny_model_dir),
-         "--out", str(published)])
+    cli(
+        [
+            "export",
+            "--heads",
+            str(eagle_dir),
+            "--format",
+            "eagle1",
+            "--model",
+            str(tiny_model_dir),
+            "--out",
+            str(published),
+        ]
+    )
     capsys.readouterr()
-    assert "pass --model" in user_error(capsys, ["draft-vocab", "--heads", str(published), "--dataset", str(chats),
-                                                 *out])
+    assert "pass --model" in user_error(
+        capsys, ["draft-vocab", "--heads", str(published), "--dataset", str(chats), *out]
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -146,27 +223,57 @@ def test_a_published_token_map_restricts_a_published_drafter(eagle_dir, tiny_mod
     ours = load_heads(eagle_dir).with_draft_vocab(torch.tensor([5, 9, 17, 33, 40, 41, 60, 88]))
     published = tmp_path / "sglang"
     with pytest.warns(UserWarning, match="--speculative-token-map"):
-        export_eagle(ours, "sglang-eagle", published, torch.randn(ours.config.vocab_size, ours.config.hidden_size))
+        export_eagle(
+            ours, "sglang-eagle", published, torch.randn(ours.config.vocab_size, ours.config.hidden_size)
+        )
     assert torch.equal(import_eagle(published).draft_ids, ours.draft_ids)  # imported with its token map
     out = tmp_path / "restricted"
-    cli(["draft-vocab", "--heads", str(published), "--model", str(tiny_model_dir),
-         "--token-map", str(published / "token_map.pt"), "--out", str(out)])
+    cli(
+        [
+            "draft-vocab",
+            "--heads",
+            str(published),
+            "--model",
+            str(tiny_model_dir),
+            "--token-map",
+            str(published / "token_map.pt"),
+            "--out",
+            str(out),
+        ]
+    )
     assert torch.equal(load_heads(out).draft_ids, ours.draft_ids)
     ranked = tmp_path / "freq.pt"
     torch.save([70, 3, 12, 50, 7, 2], ranked)  # a list, most frequent first, as FR-Spec publishes them
-    cli(["draft-vocab", "--heads", str(eagle_dir), "--token-map", str(ranked), "--size", "4",
-         "--out", str(tmp_path / "first4")])
+    cli(
+        [
+            "draft-vocab",
+            "--heads",
+            str(eagle_dir),
+            "--token-map",
+            str(ranked),
+            "--size",
+            "4",
+            "--out",
+            str(tmp_path / "first4"),
+        ]
+    )
     assert load_heads(tmp_path / "first4").draft_ids.tolist() == [3, 12, 50, 70]
 
 
-@pytest.mark.parametrize("content, message", [
-    ("not a torch file", "cannot read it as a list of token ids"),
-    (torch.ones(2, 3, dtype=torch.long), "holds a torch.int64 tensor of shape (2, 3): it must be a 1-D list"),
-    ([1.5, 2.5, 3.5], "holds a torch.float32 tensor"),
-    ([1, 2, 3, 400], "token ids outside the target's vocabulary (0..95): it was made for another model"),
-    ([1, 2, 3, 3], "repeats token ids"),
-    ([1, 2], "holds 2 tokens, fewer than the drafter's tree takes per node (3"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("not a torch file", "cannot read it as a list of token ids"),
+        (
+            torch.ones(2, 3, dtype=torch.long),
+            "holds a torch.int64 tensor of shape (2, 3): it must be a 1-D list",
+        ),
+        ([1.5, 2.5, 3.5], "holds a torch.float32 tensor"),
+        ([1, 2, 3, 400], "token ids outside the target's vocabulary (0..95): it was made for another model"),
+        ([1, 2, 3, 3], "repeats token ids"),
+        ([1, 2], "holds 2 tokens, fewer than the drafter's tree takes per node (3"),
+    ],
+)
 def test_a_bad_token_map_is_one_line(eagle_dir, tmp_path, content, message, capsys):
     path = tmp_path / "map.pt"
     if isinstance(content, str):
@@ -182,4 +289,6 @@ def test_the_source_is_a_dataset_or_a_token_map(eagle_dir, chats, tmp_path, caps
     out = ["--out", str(tmp_path / "o")]
     assert "give --dataset" in user_error(capsys, ["draft-vocab", "--heads", str(eagle_dir), *out])
     assert "not allowed with argument" in user_error(
-        capsys, ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--token-map", "x.pt", *out])
+        capsys,
+        ["draft-vocab", "--heads", str(eagle_dir), "--dataset", str(chats), "--token-map", "x.pt", *out],
+    )

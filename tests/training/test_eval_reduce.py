@@ -45,7 +45,9 @@ def test_medusa_path_frequencies_are_reduced_with_the_rest(kind):
         reduced = method.evaluate(batches[:1], total=lambda t: t + sent[0])
     paths = {name: value for name, value in whole.items() if name.startswith("path/")}
     assert len(paths) > 20 and any(name.count(".") == 2 for name in paths)
-    assert {name: reduced[name] for name in reduced if name.startswith("path/")} == pytest.approx(paths, abs=1e-12)
+    assert {name: reduced[name] for name in reduced if name.startswith("path/")} == pytest.approx(
+        paths, abs=1e-12
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)

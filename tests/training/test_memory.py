@@ -17,8 +17,36 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-WORDS = ("def", "return", "class", "self", "value", "x", "y", "+", "=", "(", ")", ":", "for", "in", "range",
-         "print", "hello", "world", "point", "add", "a", "b", "0", "1", "10", "if", "else", "not")
+WORDS = (
+    "def",
+    "return",
+    "class",
+    "self",
+    "value",
+    "x",
+    "y",
+    "+",
+    "=",
+    "(",
+    ")",
+    ":",
+    "for",
+    "in",
+    "range",
+    "print",
+    "hello",
+    "world",
+    "point",
+    "add",
+    "a",
+    "b",
+    "0",
+    "1",
+    "10",
+    "if",
+    "else",
+    "not",
+)
 RUN = """
 import resource, sys
 from selfspec.train.medusa import main
@@ -37,8 +65,12 @@ def write_records(path: Path, count: int, seed: int = 0) -> None:
     with path.open("w") as f:
         for i in range(count):
             if i % 2:
-                record = {"messages": [{"role": "user", "content": words(rng.randint(5, 30))},
-                                       {"role": "assistant", "content": words(rng.randint(20, 80))}]}
+                record = {
+                    "messages": [
+                        {"role": "user", "content": words(rng.randint(5, 30))},
+                        {"role": "assistant", "content": words(rng.randint(20, 80))},
+                    ]
+                }
             else:
                 record = {"text": words(rng.randint(20, 120))}
             f.write(json.dumps(record) + "\n")
@@ -46,15 +78,35 @@ def write_records(path: Path, count: int, seed: int = 0) -> None:
 
 def peak_rss_mib(model: Path, data: Path, out: Path, cache: Path, steps: int = 4) -> float:
     """Peak RSS (MiB) of a fresh process that tokenises `data` into an empty cache and trains `steps` steps."""
-    args = {"model": model, "dataset": data, "output_dir": out, "max_length": 128, "max_steps": steps,
-            "per_device_train_batch_size": 8, "eval_steps": steps, "save_steps": steps, "eval_batches": 2,
-            "max_minutes": 0, "logging_steps": 1, "tree_nodes": 5, "self_distill": "false", "num_heads": 2,
-            "max_train_examples": 0, "mixed_precision": "no", "share_lm_head": "false"}
+    args = {
+        "model": model,
+        "dataset": data,
+        "output_dir": out,
+        "max_length": 128,
+        "max_steps": steps,
+        "per_device_train_batch_size": 8,
+        "eval_steps": steps,
+        "save_steps": steps,
+        "eval_batches": 2,
+        "max_minutes": 0,
+        "logging_steps": 1,
+        "tree_nodes": 5,
+        "self_distill": "false",
+        "num_heads": 2,
+        "max_train_examples": 0,
+        "mixed_precision": "no",
+        "share_lm_head": "false",
+    }
     argv = [x for k, v in args.items() for x in (f"--{k}", str(v))]
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "SELFSPEC_CACHE": str(cache),
-                        "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, "-c", RUN, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1200)
+    env = os.environ | {
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "SELFSPEC_CACHE": str(cache),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", RUN, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("peak_rss_kib"))
     return int(line.split()[1]) / 1024
@@ -66,7 +118,9 @@ def test_peak_rss_of_training_does_not_grow_with_the_dataset(tiny_model_dir, tmp
     for scale in (1, 10):
         data = tmp_path / f"records-{scale}x.jsonl"
         write_records(data, 2000 * scale)
-        peaks[scale] = peak_rss_mib(tiny_model_dir, data, tmp_path / f"out-{scale}", tmp_path / f"cache-{scale}")
+        peaks[scale] = peak_rss_mib(
+            tiny_model_dir, data, tmp_path / f"out-{scale}", tmp_path / f"cache-{scale}"
+        )
     print(f"peak RSS: 1x {peaks[1]:.0f} MiB, 10x {peaks[10]:.0f} MiB")
     assert peaks[10] <= 1.2 * peaks[1], peaks
 
@@ -86,7 +140,9 @@ def main() -> None:
             data = Path(tmp) / f"records-{count}.jsonl"
             write_records(data, count)
             peak = peak_rss_mib(model, data, Path(tmp) / f"out-{count}", Path(tmp) / f"cache-{count}")
-            print(f"{count} records ({data.stat().st_size / 2**20:.1f} MiB of jsonl): peak RSS {peak:.0f} MiB")
+            print(
+                f"{count} records ({data.stat().st_size / 2**20:.1f} MiB of jsonl): peak RSS {peak:.0f} MiB"
+            )
 
 
 if __name__ == "__main__":

@@ -47,9 +47,19 @@ def code_text(tmp_path):
 
 
 def common(data, out, **extra) -> list[str]:
-    args = {"model": "demo", "dataset": data, "output_dir": out, "max_steps": 3, "max_minutes": 0,
-            "eval_steps": 1000, "eval_batches": 1, "save_steps": 1000, "self_distill": False,
-            "max_train_examples": 0, "mixed_precision": "bf16"} | extra
+    args = {
+        "model": "demo",
+        "dataset": data,
+        "output_dir": out,
+        "max_steps": 3,
+        "max_minutes": 0,
+        "eval_steps": 1000,
+        "eval_batches": 1,
+        "save_steps": 1000,
+        "self_distill": False,
+        "max_train_examples": 0,
+        "mixed_precision": "bf16",
+    } | extra
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 
 
@@ -62,8 +72,19 @@ def test_eagle3_plan_matches_the_measured_peak(code_text, tmp_path, monkeypatch)
     from selfspec.train.eagle import run
     from selfspec.train.recipes.eagle import EagleConfig
 
-    cfg = load_config(EagleConfig, common(code_text, tmp_path / "out", version=3, max_length=192,
-                                          per_device_train_batch_size=8, depth=3, top_k=2, total_tokens=6))
+    cfg = load_config(
+        EagleConfig,
+        common(
+            code_text,
+            tmp_path / "out",
+            version=3,
+            max_length=192,
+            per_device_train_batch_size=8,
+            depth=3,
+            top_k=2,
+            total_tokens=6,
+        ),
+    )
     measured, result = measured_peak(run, cfg, monkeypatch)
     config = target_config(cfg.model)
     plan = memory_plan(cfg, config, "single", 1, [cfg.max_length], foreach=False)
@@ -74,7 +95,9 @@ def test_eagle3_plan_matches_the_measured_peak(code_text, tmp_path, monkeypatch)
     print(f"EAGLE-3 demo: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
     assert within(predicted, measured), (predicted, measured)
     # a model that forgot the training-time test's unrolled steps (one step, not 7) is caught
-    one_step = memory_plan(dataclasses.replace(cfg, ttt_steps=1), config, "single", 1, [cfg.max_length], foreach=False)
+    one_step = memory_plan(
+        dataclasses.replace(cfg, ttt_steps=1), config, "single", 1, [cfg.max_length], foreach=False
+    )
     assert not within(one_step.total(cfg.max_length), measured)
 
 
@@ -84,8 +107,17 @@ def test_medusa_plan_matches_the_measured_peak(code_text, tmp_path, monkeypatch)
     from selfspec.train.medusa import run
     from selfspec.train.recipes.medusa import MedusaConfig
 
-    cfg = load_config(MedusaConfig, common(code_text, tmp_path / "out", max_length=64, per_device_train_batch_size=2,
-                                           share_lm_head=False, tree_nodes=4))
+    cfg = load_config(
+        MedusaConfig,
+        common(
+            code_text,
+            tmp_path / "out",
+            max_length=64,
+            per_device_train_batch_size=2,
+            share_lm_head=False,
+            tree_nodes=4,
+        ),
+    )
     measured, result = measured_peak(run, cfg, monkeypatch)
     plan = memory_plan(cfg, target_config(cfg.model), "single", 1, [cfg.max_length], foreach=False)
     assert plan.drafter_params == sum(p.numel() for p in result["heads"].parameters())
@@ -97,9 +129,14 @@ def test_medusa_plan_matches_the_measured_peak(code_text, tmp_path, monkeypatch)
 
 def test_the_shipped_target_configs_are_the_published_models():
     """Llama-3.1-8B and Llama-3.3-70B built on the meta device have their published parameter counts."""
-    counts = {name: sum(p.numel() for p in meta_target(target_config(name)).parameters()) for name in SHIPPED_CONFIGS}
-    assert counts == {"meta-llama/Llama-3.1-8B-Instruct": 8_030_261_248,
-                      "meta-llama/Llama-3.3-70B-Instruct": 70_553_706_496}
+    counts = {
+        name: sum(p.numel() for p in meta_target(target_config(name)).parameters())
+        for name in SHIPPED_CONFIGS
+    }
+    assert counts == {
+        "meta-llama/Llama-3.1-8B-Instruct": 8_030_261_248,
+        "meta-llama/Llama-3.3-70B-Instruct": 70_553_706_496,
+    }
 
 
 def test_sharding_divides_the_target_and_the_states():
@@ -120,13 +157,19 @@ def test_sharding_divides_the_target_and_the_states():
 
 
 # (launch config, engine, recipe, target sharded): the peak each of 2 gloo processes measures at its second step
-RANK_RUNS = [("fsdp", "fsdp", "eagle3", True), ("deepspeed-zero3", "zero3", "eagle3", True),
-             ("fsdp", "fsdp", "medusa", True), ("deepspeed-zero3", "zero3", "medusa", True),
-             ("deepspeed-zero2", "zero2", "medusa", False)]
+RANK_RUNS = [
+    ("fsdp", "fsdp", "eagle3", True),
+    ("deepspeed-zero3", "zero3", "eagle3", True),
+    ("fsdp", "fsdp", "medusa", True),
+    ("deepspeed-zero3", "zero3", "medusa", True),
+    ("deepspeed-zero2", "zero2", "medusa", False),
+]
 
 
 @pytest.mark.parametrize("config, engine, kind, sharded", RANK_RUNS)
-def test_the_per_rank_plan_matches_each_ranks_measured_peak(config, engine, kind, sharded, code_text, tmp_path):
+def test_the_per_rank_plan_matches_each_ranks_measured_peak(
+    config, engine, kind, sharded, code_text, tmp_path
+):
     """2 CPU processes under the shipped launch configs, bf16: the plan for one rank against the peak each rank
     measures (tests/helpers/rank_peak.py). EAGLE-3's activations dominate; Medusa's peak is the engine's drafter states
     (sharded weights and AdamW, gathered bf16 weights, gradient buckets)."""
@@ -136,19 +179,26 @@ def test_the_per_rank_plan_matches_each_ranks_measured_peak(config, engine, kind
     from selfspec.train.recipes.medusa import MedusaConfig
 
     if kind == "eagle3":
-        cls, extra = EagleConfig, dict(version=3, max_length=192, per_device_train_batch_size=8, depth=3, top_k=2,
-                                       total_tokens=6)
+        cls, extra = (
+            EagleConfig,
+            dict(version=3, max_length=192, per_device_train_batch_size=8, depth=3, top_k=2, total_tokens=6),
+        )
     else:
-        cls, extra = MedusaConfig, dict(max_length=64, per_device_train_batch_size=2, share_lm_head=False,
-                                        tree_nodes=4)
+        cls, extra = (
+            MedusaConfig,
+            dict(max_length=64, per_device_train_batch_size=2, share_lm_head=False, tree_nodes=4),
+        )
     out = tmp_path / "out"
     argv = common(code_text, out, shard_target=sharded, **extra)
     options = {name.removeprefix("--"): value for name, value in zip(argv[::2], argv[1::2])}
     launch(config, "tests/helpers/rank_peak.py", {"kind": kind.rstrip("3")} | options)
     peaks = [json.loads((out / f"peak-rank{r}.json").read_text())["peak"] for r in range(2)]
     cfg = load_config(cls, argv)
-    predicted = memory_plan(cfg, target_config(cfg.model), engine, 2, [cfg.max_length], shard_target=sharded,
-                            foreach=False).total(cfg.max_length)
-    print(f"{kind} {engine}{' sharded' if sharded else ''}: predicted {predicted / 2**20:.1f} MiB, measured "
-          f"{', '.join(f'{p / 2**20:.1f}' for p in peaks)} MiB")
+    predicted = memory_plan(
+        cfg, target_config(cfg.model), engine, 2, [cfg.max_length], shard_target=sharded, foreach=False
+    ).total(cfg.max_length)
+    print(
+        f"{kind} {engine}{' sharded' if sharded else ''}: predicted {predicted / 2**20:.1f} MiB, measured "
+        f"{', '.join(f'{p / 2**20:.1f}' for p in peaks)} MiB"
+    )
     assert all(within(predicted, p) for p in peaks), (predicted, peaks)

@@ -73,7 +73,9 @@ def make(kind: str):
             batch = pad_batch([examples()[i] for i in range(len(LENGTHS))])
             with torch.no_grad():
                 choices = method.logits(method._unroll(batch)[2]).argmax(-1)
-            method.trainable.set_draft_vocab(draft_vocabulary([(choices, batch["attention_mask"])], VOCAB, VOCAB // 4))
+            method.trainable.set_draft_vocab(
+                draft_vocabulary([(choices, batch["attention_mask"])], VOCAB, VOCAB // 4)
+            )
         return method
     target = tiny_model("llama").requires_grad_(False)
     draft = random_dflash_draft(target, block=4).train()
@@ -101,7 +103,13 @@ def terms(method, kind: str, batch, monkeypatch) -> list[tuple[float, torch.Tens
         if kind == "eagle":
             return [(1.0, loss, method._predict(batch, 0.0)[0].shape[0])]
         labels = block_labels(batch, *every_anchor(batch), method.block)[1]
-        return [(1.0, loss, float((decay_weights(method.block, method.cfg.decay_gamma, labels.device) * labels).sum()))]
+        return [
+            (
+                1.0,
+                loss,
+                float((decay_weights(method.block, method.cfg.decay_gamma, labels.device) * labels).sum()),
+            )
+        ]
     count = method.cfg.num_heads if kind.startswith("medusa") else method.cfg.ttt_steps
     decay = method.cfg.head_decay if kind.startswith("medusa") else eagle3_module.STEP_DECAY
     out = []
@@ -161,7 +169,8 @@ def test_packed_rows_restart_positions_and_keep_loss_masks_and_features():
             at += n
         assert not batch["attention_mask"][r, at:].any() and not batch["loss_mask"][r, at:].any()
         assert (batch["seq_ids"][r, at:] == -1).all() and batch["position_ids"][r, at:].tolist() == list(
-            range(batch["input_ids"].shape[1] - at))
+            range(batch["input_ids"].shape[1] - at)
+        )
     with_features = type(data)(data.rows, data.key, lambda i: torch.full((LENGTHS[i], 3), float(i)))
     row = PackedExamples(with_features, MAX_LENGTH, seed=0)[0]
     assert row["features"][:, 0].tolist() == [float(i) for i in rows.rows[0] for _ in range(LENGTHS[i])]
@@ -181,7 +190,9 @@ def test_target_features_of_a_packed_row_are_each_examples_alone(arch, attn):
         for r, members in enumerate(rows):
             at = 0
             for i in members:
-                one = target_features(target, data[i]["input_ids"][None].long(), torch.ones(1, LENGTHS[i]), layers)
+                one = target_features(
+                    target, data[i]["input_ids"][None].long(), torch.ones(1, LENGTHS[i]), layers
+                )
                 torch.testing.assert_close(packed[r, at : at + LENGTHS[i]], one[0], rtol=1e-4, atol=1e-5)
                 at += LENGTHS[i]
 
@@ -229,15 +240,23 @@ def test_dropping_the_boundaries_breaks_the_equality(kind, dropped):
 def chat_file(path):
     """Conversations of varied lengths (the tiny tokenizer's chat template)."""
     lines = [line for line in TOKENIZER_TEXT.splitlines() if line]
-    rows = [{"messages": [{"role": "user", "content": lines[i % len(lines)]},
-                          {"role": "assistant", "content": "\n".join(lines[: 1 + i * 7 % len(lines)])}]}
-            for i in range(48)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": lines[i % len(lines)]},
+                {"role": "assistant", "content": "\n".join(lines[: 1 + i * 7 % len(lines)])},
+            ]
+        }
+        for i in range(48)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-REPORT = re.compile(r"throughput: ([\d,]+) tok/s, padding ([\d.]+)%; step time (\d+) ms: target forward (\d+) ms, "
-                    r"drafter forward\+backward (-?\d+) ms, optimizer (\d+) ms")
+REPORT = re.compile(
+    r"throughput: ([\d,]+) tok/s, padding ([\d.]+)%; step time (\d+) ms: target forward (\d+) ms, "
+    r"drafter forward\+backward (-?\d+) ms, optimizer (\d+) ms"
+)
 
 
 @pytest.mark.parametrize("recipe", ["eagle", "medusa"])
@@ -256,9 +275,14 @@ def test_a_packed_run_trains_and_reports_less_padding(recipe, tiny_model_dir, tm
     padding = {}
     for packing in (False, True):
         extra = {"max_length": 96, "max_steps": 3, "eval_steps": 3, "packing": packing, "eval_fraction": 0.1}
-        args = (eagle_args if recipe == "eagle" else medusa_args)(tiny_model_dir, data, tmp_path / f"{packing}", **extra)
-        history = (run_eagle(load_config(EagleConfig, args)) if recipe == "eagle"
-                   else run_medusa(load_config(MedusaConfig, args)))["history"]
+        args = (eagle_args if recipe == "eagle" else medusa_args)(
+            tiny_model_dir, data, tmp_path / f"{packing}", **extra
+        )
+        history = (
+            run_eagle(load_config(EagleConfig, args))
+            if recipe == "eagle"
+            else run_medusa(load_config(MedusaConfig, args))
+        )["history"]
         assert all(math.isfinite(metrics["loss"]) for _, metrics in history)
         printed = capsys.readouterr().out
         assert ("packed into" in printed) == packing

@@ -22,8 +22,10 @@ def test_auto_takes_bf16_only_on_a_cpu_with_amx(amx, expected, monkeypatch):
     assert config.mixed_precision == "auto" and config.precision == expected
     assert config.target_dtype == (torch.bfloat16 if amx else torch.float32)
     line = precision.precision_line("auto", expected)
-    assert line == f"mixed precision: {'bf16' if amx else 'float32'} (auto: the CPU " \
-                   f"({torch.backends.cpu.get_cpu_capability()}) has {'' if amx else 'no '}AMX bf16 tiles)"
+    assert (
+        line == f"mixed precision: {'bf16' if amx else 'float32'} (auto: the CPU "
+        f"({torch.backends.cpu.get_cpu_capability()}) has {'' if amx else 'no '}AMX bf16 tiles)"
+    )
 
 
 def test_auto_takes_bf16_on_a_gpu_with_bf16(monkeypatch):
@@ -39,14 +41,19 @@ def test_explicit_bf16_on_a_cpu_without_amx_warns_with_the_measured_cost(monkeyp
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert precision.bf16_slowdown(size=32, repeats=1) > 0  # the probe itself runs
     monkeypatch.setattr(precision, "bf16_slowdown", lambda: 61.7)
-    with pytest.warns(UserWarning, match=r"a bf16 matmul ran 61.7x slower than float32 here; --mixed_precision auto"):
+    with pytest.warns(
+        UserWarning, match=r"a bf16 matmul ran 61.7x slower than float32 here; --mixed_precision auto"
+    ):
         assert precision.precision_line("bf16", "bf16") == "mixed precision: bf16 (as asked)"
 
 
-def test_a_run_cut_by_its_time_budget_says_how_far_it_got(tiny_model_dir, text_data, tmp_path, monkeypatch, capsys):
+def test_a_run_cut_by_its_time_budget_says_how_far_it_got(
+    tiny_model_dir, text_data, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
-    args = medusa_args(tiny_model_dir, text_data, tmp_path / "heads", max_steps=40, max_minutes=1e-6,
-                       mixed_precision="auto")
+    args = medusa_args(
+        tiny_model_dir, text_data, tmp_path / "heads", max_steps=40, max_minutes=1e-6, mixed_precision="auto"
+    )
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     result = run(load_config(MedusaConfig, args))
     err = capsys.readouterr()

@@ -35,7 +35,9 @@ from selfspec.train.parallel.memory_plan import load_recipe, memory_plan, target
 from selfspec.train.parallel.target_shard import check_shard_target
 
 ENGINES = {"fsdp": "FSDP2", "deepspeed-zero3": "DeepSpeed ZeRO-3"}
-LINE = re.compile(r"target on this rank: ([\d.]+) MiB of ([\d.]+) MiB \((\d+) of (\d+) bytes; rank (\d) of 2\)")
+LINE = re.compile(
+    r"target on this rank: ([\d.]+) MiB of ([\d.]+) MiB \((\d+) of (\d+) bytes; rank (\d) of 2\)"
+)
 
 
 def expected_share(model_dir: Path) -> float:
@@ -44,8 +46,11 @@ def expected_share(model_dir: Path) -> float:
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    heads = {id(p): p.numel() for m in (target.get_input_embeddings(), target.get_output_embeddings())
-             for p in m.parameters()}
+    heads = {
+        id(p): p.numel()
+        for m in (target.get_input_embeddings(), target.get_output_embeddings())
+        for p in m.parameters()
+    }
     whole = sum(p.numel() for p in target.parameters())
     return (sum(heads.values()) + (whole - sum(heads.values())) / 2) / whole
 
@@ -54,7 +59,9 @@ def shares(log: str) -> dict[int, float]:
     """Each rank's printed share of the target, checked against its bytes."""
     found = {}
     for mib, whole_mib, local, whole, rank in LINE.findall(log):
-        assert abs(float(mib) - int(local) / 2**20) < 0.01 and abs(float(whole_mib) - int(whole) / 2**20) < 0.01
+        assert (
+            abs(float(mib) - int(local) / 2**20) < 0.01 and abs(float(whole_mib) - int(whole) / 2**20) < 0.01
+        )
         found[int(rank)] = int(local) / int(whole)
     return found
 
@@ -64,7 +71,9 @@ def test_a_sharded_target_trains_the_replicated_targets_drafter(config, tiny_mod
     """EAGLE-1 backpropagates through the frozen lm_head every step: the hardest case for a sharded target."""
     replicated, sharded = tmp_path / "replicated", tmp_path / "sharded"
     launch(config, "eagle", run_args("eagle", tiny_model_dir, text_data, replicated, batch=2))
-    log = launch(config, "eagle", run_args("eagle", tiny_model_dir, text_data, sharded, batch=2, shard_target="true"))
+    log = launch(
+        config, "eagle", run_args("eagle", tiny_model_dir, text_data, sharded, batch=2, shard_target="true")
+    )
     assert f"2 processes x 1 accumulation; {ENGINES[config]}" in log
     found = shares(log)
     assert sorted(found) == [0, 1], log[-2000:]
@@ -73,15 +82,24 @@ def test_a_sharded_target_trains_the_replicated_targets_drafter(config, tiny_mod
     assert_same_weights(replicated, sharded, atol=1e-6)
     assert_decodes_like_target(tiny_model_dir, sharded)
     # the memory plan's target share, from the config alone, is what each rank measured
-    plan = memory_plan(load_recipe(ROOT / "configs/medusa/demo.yaml", ["--mixed_precision", "no"]),
-                       target_config(str(tiny_model_dir)), "zero3" if "deepspeed" in config else "fsdp", 2, [32],
-                       shard_target=True)
+    plan = memory_plan(
+        load_recipe(ROOT / "configs/medusa/demo.yaml", ["--mixed_precision", "no"]),
+        target_config(str(tiny_model_dir)),
+        "zero3" if "deepspeed" in config else "fsdp",
+        2,
+        [32],
+        shard_target=True,
+    )
     local = [int(m[2]) for m in LINE.findall(log)]
     assert all(abs(plan.target - b) <= 0.01 * b for b in local), (plan.target, local)
 
 
-@pytest.mark.parametrize("config, kind", [("fsdp", "eagle3"), ("deepspeed-zero3", "medusa"), ("fsdp", "dflash")])
-def test_a_sharded_runs_tree_is_fitted_in_step_or_left_to_tune(config, kind, tiny_model_dir, text_data, tmp_path):
+@pytest.mark.parametrize(
+    "config, kind", [("fsdp", "eagle3"), ("deepspeed-zero3", "medusa"), ("fsdp", "dflash")]
+)
+def test_a_sharded_runs_tree_is_fitted_in_step_or_left_to_tune(
+    config, kind, tiny_model_dir, text_data, tmp_path
+):
     """No fixed tree: Medusa's fit times forwards with the sharded target on both ranks; EAGLE-3's and DFlash's
     would decode prompts (an EAGLE fit of a 30-step run took 14 minutes after 31 s of training), so they keep the
     default tree and say how to fit it."""
@@ -92,7 +110,13 @@ def test_a_sharded_runs_tree_is_fitted_in_step_or_left_to_tune(config, kind, tin
     if kind == "medusa":
         args |= {"tree_nodes": 0}
     else:
-        args |= {"tune_depths": 2, "tune_top_ks": 2, "tune_totals": 4, "tune_prompts": 2, "tune_new_tokens": 8}
+        args |= {
+            "tune_depths": 2,
+            "tune_top_ks": 2,
+            "tune_totals": 4,
+            "tune_prompts": 2,
+            "tune_new_tokens": 8,
+        }
     log = launch(config, {"eagle3": "eagle"}.get(kind, kind), args)
     if kind == "medusa":  # its fit times a few target forwards: done in step on every rank
         assert "fitted" in log, log[-2000:]
@@ -104,19 +128,35 @@ def test_a_sharded_runs_tree_is_fitted_in_step_or_left_to_tune(config, kind, tin
 
 
 @pytest.mark.parametrize("config", list(ENGINES))
-def test_a_sharded_run_killed_with_minus_9_resumes_to_the_uninterrupted_weights(config, tiny_model_dir, text_data,
-                                                                                 tmp_path):
+def test_a_sharded_run_killed_with_minus_9_resumes_to_the_uninterrupted_weights(
+    config, tiny_model_dir, text_data, tmp_path
+):
     full, killed = tmp_path / "full", tmp_path / "killed"
-    args = run_args("eagle3", tiny_model_dir, text_data, full, batch=2, shard_target="true", max_steps=40,
-                    eval_steps=40)
+    args = run_args(
+        "eagle3", tiny_model_dir, text_data, full, batch=2, shard_target="true", max_steps=40, eval_steps=40
+    )
     launch(config, "eagle", args)
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-                        "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [str(ACCELERATE), "launch", "--config_file", f"configs/accelerate/{config}.yaml", "--num_processes", "2",
-           "--main_process_port", str(free_port()), "train/eagle.py"]
+    env = os.environ | {
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    cmd = [
+        str(ACCELERATE),
+        "launch",
+        "--config_file",
+        f"configs/accelerate/{config}.yaml",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        "train/eagle.py",
+    ]
     cmd += [x for k, v in (args | {"output_dir": killed}).items() for x in (f"--{k}", str(v))]
-    run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)
+    run = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 300
     while not (killed / "checkpoints" / "step-4").is_dir() and run.poll() is None and time.time() < deadline:
         time.sleep(0.02)
@@ -128,9 +168,15 @@ def test_a_sharded_run_killed_with_minus_9_resumes_to_the_uninterrupted_weights(
 
 
 def test_a_sharded_target_under_ddp_is_refused_in_one_line(tiny_model_dir, text_data, tmp_path):
-    log = launch("cpu-2proc", "medusa", run_args("medusa", tiny_model_dir, text_data, tmp_path / "out", batch=2,
-                                                 shard_target="true"), succeed=False)
-    assert "train/medusa.py: error: --shard_target true needs an engine that shards weights: launch with" in log
+    log = launch(
+        "cpu-2proc",
+        "medusa",
+        run_args("medusa", tiny_model_dir, text_data, tmp_path / "out", batch=2, shard_target="true"),
+        succeed=False,
+    )
+    assert (
+        "train/medusa.py: error: --shard_target true needs an engine that shards weights: launch with" in log
+    )
     assert "step 0:" not in log and "target on this rank" not in log
 
 
@@ -172,8 +218,12 @@ def _fsdp2_worker(rank: int, arch: str, port: int, results: dict) -> None:
             got = model.base_model(input_ids=ids, output_hidden_states=True).hidden_states
             got_logits = model(input_ids=ids).logits
         local, whole = resident_bytes(model)
-        results[rank] = {"same": len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
-                         and torch.equal(got_logits, want_logits), "share": local / whole}
+        results[rank] = {
+            "same": len(got) == len(want)
+            and all(torch.equal(a, b) for a, b in zip(got, want))
+            and torch.equal(got_logits, want_logits),
+            "share": local / whole,
+        }
     finally:
         dist.destroy_process_group()
 

@@ -12,11 +12,29 @@ from conftest import medusa_args
 
 def test_two_runs_on_the_same_data_share_one_regeneration(tiny_model_dir, text_data, tmp_path):
     env = os.environ | {"SELFSPEC_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    runs = [subprocess.Popen([sys.executable, "-m", "selfspec.train.medusa",
-                              *medusa_args(tiny_model_dir, text_data, tmp_path / f"heads-{i}", max_steps=2,
-                                           self_distill=True, max_train_examples=48, distill_prompt_tokens=8)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for i in range(2)]
+    runs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "selfspec.train.medusa",
+                *medusa_args(
+                    tiny_model_dir,
+                    text_data,
+                    tmp_path / f"heads-{i}",
+                    max_steps=2,
+                    self_distill=True,
+                    max_train_examples=48,
+                    distill_prompt_tokens=8,
+                ),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = [run.communicate(timeout=900)[0] for run in runs]
     for run, log in zip(runs, logs):
         assert run.returncode == 0, log[-3000:]

@@ -16,7 +16,9 @@ def test_features_equal_output_hidden_states_without_asking_for_them(arch, layer
     target = Target(model, layers)
     asked = []
     forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda *a, **k: asked.append(k.get("output_hidden_states")) or forward(*a, **k))
+    monkeypatch.setattr(
+        model, "forward", lambda *a, **k: asked.append(k.get("output_hidden_states")) or forward(*a, **k)
+    )
     prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
     cache = new_cache(model, 32)
     logits, features = prefill_one(target, prompt, cache)
@@ -30,7 +32,9 @@ def test_features_equal_output_hidden_states_without_asking_for_them(arch, layer
     hs = ref.hidden_states
     want = hs[-1][0] if layers is None else torch.cat([hs[i][0] for i in layers], dim=-1)
     torch.testing.assert_close(features, want[:9], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(node_features[0], want[9], atol=1e-5, rtol=1e-5)  # the root, verified after the prompt
+    torch.testing.assert_close(
+        node_features[0], want[9], atol=1e-5, rtol=1e-5
+    )  # the root, verified after the prompt
     torch.testing.assert_close(logits, ref.logits[0, 8], atol=1e-5, rtol=1e-5)
     assert features.shape[-1] == model.config.hidden_size * (1 if layers is None else len(layers))
 

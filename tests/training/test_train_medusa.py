@@ -1,4 +1,3 @@
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -19,17 +18,34 @@ def test_labels_ahead_shift():
     assert labels[0, :4].tolist() == [12, 13, 14, 15]
     assert ok[0].tolist() == [True, True, False, True, False, False]
     labels, ok = labels_ahead(ids, mask, 1)
-    assert labels[0, :3].tolist() == [13, 14, 15] and ok[0].tolist() == [True, False, True, False, False, False]
+    assert labels[0, :3].tolist() == [13, 14, 15] and ok[0].tolist() == [
+        True,
+        False,
+        True,
+        False,
+        False,
+        False,
+    ]
     assert not labels_ahead(ids, mask, 4)[1].any()
 
 
 _args = medusa_args
 
 
-
-@pytest.mark.parametrize("variant", [{}, {"share_lm_head": True, "self_distill": True, "max_train_examples": 24, "mixed_precision": "bf16",
-                                      "distill_prompt_tokens": 8}],
-                         ids=["medusa1", "shared-lm-head+self-distill+bf16"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {
+            "share_lm_head": True,
+            "self_distill": True,
+            "max_train_examples": 24,
+            "mixed_precision": "bf16",
+            "distill_prompt_tokens": 8,
+        },
+    ],
+    ids=["medusa1", "shared-lm-head+self-distill+bf16"],
+)
 def test_training_lowers_loss_changes_heads_and_freezes_target(
     variant, tiny_model_dir, text_data, tmp_path, monkeypatch
 ):
@@ -55,7 +71,9 @@ def test_training_lowers_loss_changes_heads_and_freezes_target(
     assert len(list((out / "checkpoints").glob("step-*"))) == 2  # save_total_limit
 
 
-def test_resume_after_interruption_matches_uninterrupted_run(tiny_model_dir, text_data, tmp_path, monkeypatch):
+def test_resume_after_interruption_matches_uninterrupted_run(
+    tiny_model_dir, text_data, tmp_path, monkeypatch
+):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
 
     def run_to(out, **extra):
@@ -75,9 +93,13 @@ def test_unknown_and_mistyped_options_are_errors():
     assert cfg.num_heads == 3 and cfg.share_lm_head is True and cfg.resume == "latest"
 
 
-@pytest.mark.parametrize("reporter, written", [("wandb", "wandb/**/offline-run-*"),
-                                               ("tensorboard", "heads/**/events.out.tfevents.*")])
-def test_logging_backends_write_runs_offline(reporter, written, tiny_model_dir, text_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "reporter, written",
+    [("wandb", "wandb/**/offline-run-*"), ("tensorboard", "heads/**/events.out.tfevents.*")],
+)
+def test_logging_backends_write_runs_offline(
+    reporter, written, tiny_model_dir, text_data, tmp_path, monkeypatch
+):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))

@@ -34,9 +34,13 @@ def bits_per_byte(model: torch.nn.Module, tokenizer, texts: list[str], seq_len: 
 
 def main(argv: list[str] | None = None) -> None:
     def run(args: list[str]) -> None:
-        parser = argparse.ArgumentParser(prog="train/data/bits_per_byte.py", description=__doc__.split("\n")[0])
+        parser = argparse.ArgumentParser(
+            prog="train/data/bits_per_byte.py", description=__doc__.split("\n")[0]
+        )
         parser.add_argument("--model", help="a model name or path (default: the heads' target, else demo)")
-        parser.add_argument("--heads", help="score the target these heads decode with (Medusa-2: the adapted one)")
+        parser.add_argument(
+            "--heads", help="score the target these heads decode with (Medusa-2: the adapted one)"
+        )
         parser.add_argument("--split", default="test", choices=["train", "validation", "test"])
         parser.add_argument("--seq-len", type=int, default=512)
         opts = parser.parse_args(args)
@@ -52,7 +56,11 @@ def main(argv: list[str] | None = None) -> None:
             model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(name))
         bpb = bits_per_byte(model.eval(), tokenizer, stdlib_texts(opts.split), opts.seq_len)
-        print(json.dumps({"model": name, "heads": opts.heads, "split": opts.split, "bits_per_byte": round(bpb, 4)}))
+        print(
+            json.dumps(
+                {"model": name, "heads": opts.heads, "split": opts.split, "bits_per_byte": round(bpb, 4)}
+            )
+        )
 
     run_main(run, argv, prog="train/data/bits_per_byte.py")
 

@@ -27,20 +27,31 @@ if TYPE_CHECKING:
 
 
 @torch.no_grad()
-def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    layers: list[int] | None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def target_features(
+    target,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    layers: list[int] | None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """What the drafter learns from, without gradients: the target's last hidden states (B, T, H), or with
     `layers` (EAGLE-3) those hidden_states indices concatenated, then the last hidden states (B, T, (n+1)H).
     Packed rows (train.packing) pass their position_ids and no attention_mask."""
-    out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False, output_hidden_states=layers is not None)
+    out = target.base_model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        output_hidden_states=layers is not None,
+    )
     if layers is None:
         return out.last_hidden_state
     return torch.cat([out.hidden_states[i] for i in layers] + [out.last_hidden_state], dim=-1)
 
 
-def batch_features(target, batch: dict[str, torch.Tensor], layers: list[int] | None,
-                   timer: StepTimer = OFF) -> torch.Tensor:
+def batch_features(
+    target, batch: dict[str, torch.Tensor], layers: list[int] | None, timer: StepTimer = OFF
+) -> torch.Tensor:
     """A batch's target features (see `target_features`): read from the batch when cached on disk, else computed
     (its target forward timed as the "target" section), for padded or packed rows alike."""
     if "features" in batch:
@@ -51,15 +62,25 @@ def batch_features(target, batch: dict[str, torch.Tensor], layers: list[int] | N
         return target_features(target, batch["input_ids"], batch["attention_mask"], layers)
 
 
-def write_features(cfg: EagleConfig, target, examples: Examples, name: str, layers: list[int] | None = None,
-                   rank: int = 0, world: int = 1, batch_size: int = 16) -> tuple[Path, int]:
+def write_features(
+    cfg: EagleConfig,
+    target,
+    examples: Examples,
+    name: str,
+    layers: list[int] | None = None,
+    rank: int = 0,
+    world: int = 1,
+    batch_size: int = 16,
+) -> tuple[Path, int]:
     """Write rank `rank` of `world`'s share of the target's features of `examples` (train/data/features.py), keyed
     by the target's weights, the data, the layers and the dtype; rank 0 first prints the size on disk.
     Returns the cache folder and its examples per shard."""
     width = target.config.get_text_config().hidden_size * (len(layers) + 1 if layers else 1)
     dtype = next(target.parameters()).dtype
     size = cfg.feature_shard_examples or examples_per_shard(cfg.max_length, width, dtype)
-    digest = hashlib.sha1(f"{examples.key}|{cfg.model}|{dtype}|{layers}|{size}|{weights_fingerprint(target)}".encode())
+    digest = hashlib.sha1(
+        f"{examples.key}|{cfg.model}|{dtype}|{layers}|{size}|{weights_fingerprint(target)}".encode()
+    )
     folder = cache_dir() / f"features-{name}-{digest.hexdigest()[:16]}"
     n = len(examples)
     missing = missing_shards(folder, n, size)
@@ -69,24 +90,38 @@ def write_features(cfg: EagleConfig, target, examples: Examples, name: str, laye
     if rank == 0:
         tokens = int(lengths.sum())
         gb = tokens * width * torch.finfo(dtype).bits / 8 / 1e9
-        print(f"caching target features for {name}: {n} examples, {tokens} tokens x {width} ({dtype}) = {gb:.3f} GB "
-              f"on disk at {folder}, {shard_count(n, size)} shards of {size} examples written by {world} "
-              f"process(es); {len(missing)} to write")
+        print(
+            f"caching target features for {name}: {n} examples, {tokens} tokens x {width} ({dtype}) = {gb:.3f} GB "
+            f"on disk at {folder}, {shard_count(n, size)} shards of {size} examples written by {world} "
+            f"process(es); {len(missing)} to write"
+        )
 
     def compute(start: int, stop: int) -> Iterator[torch.Tensor]:
         for i in range(start, stop, batch_size):
             rows = [examples[j] for j in range(i, min(stop, i + batch_size))]
             batch = pad_batch(rows)
-            out = target_features(target, batch["input_ids"].to(target.device),
-                                  batch["attention_mask"].to(target.device), layers).cpu()
+            out = target_features(
+                target,
+                batch["input_ids"].to(target.device),
+                batch["attention_mask"].to(target.device),
+                layers,
+            ).cpu()
             yield from (f[: len(r["input_ids"])] for f, r in zip(out, rows))
 
     write_shards(folder, lengths, width, dtype, size, rank, world, compute, show_progress=rank == 0)
     return folder, size
 
 
-def cached_features(cfg: EagleConfig, target, examples: Examples, name: str, layers: list[int] | None = None,
-                    rank: int = 0, world: int = 1, wait: Callable[[], None] | None = None) -> Examples:
+def cached_features(
+    cfg: EagleConfig,
+    target,
+    examples: Examples,
+    name: str,
+    layers: list[int] | None = None,
+    rank: int = 0,
+    world: int = 1,
+    wait: Callable[[], None] | None = None,
+) -> Examples:
     """`examples` with the target's features, computed once into shards on disk by every rank in parallel
     and read a batch at a time afterwards; `wait` (all ranks) lets every rank finish its share first."""
     folder, size = write_features(cfg, target, examples, name, layers, rank, world)

@@ -40,8 +40,9 @@ from selfspec.train.data.records import (
 )
 
 # an example: its token ids and, per token, 1 where the loss is taken; no padding is stored
-EXAMPLE_FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
-                                      "loss_mask": datasets.List(datasets.Value("int8"))})
+EXAMPLE_FEATURES = datasets.Features(
+    {"input_ids": datasets.List(datasets.Value("int32")), "loss_mask": datasets.List(datasets.Value("int8"))}
+)
 WRITE_BATCH = 1000  # rows per Arrow record batch and per tokenising `map` batch
 
 
@@ -51,8 +52,10 @@ WRITE_BATCH = 1000  # rows per Arrow record batch and per tokenising `map` batch
 def require_chat_template(tokenizer) -> None:
     """Conversations are rendered with the tokenizer's chat template: refuse a tokenizer without one."""
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError("conversation data needs a tokenizer with a chat template (tokenizer.chat_template is empty):"
-                        " use the model's chat (instruct) variant, or plain text data")
+        raise DataError(
+            "conversation data needs a tokenizer with a chat template (tokenizer.chat_template is empty):"
+            " use the model's chat (instruct) variant, or plain text data"
+        )
 
 
 def chat_example(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
@@ -62,13 +65,17 @@ def chat_example(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], 
     and a token is trained on when it starts inside such a span.
     """
     if not getattr(tokenizer, "is_fast", False):
-        raise DataError("conversation data needs a fast tokenizer (character offsets); load it with use_fast=True")
+        raise DataError(
+            "conversation data needs a fast tokenizer (character offsets); load it with use_fast=True"
+        )
     require_chat_template(tokenizer)
     spans, previous = [], ""
     for i, msg in enumerate(messages):
         rendered = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not rendered.startswith(previous):
-            raise DataError("this chat template does not render conversations prefix by prefix; cannot mask turns")
+            raise DataError(
+                "this chat template does not render conversations prefix by prefix; cannot mask turns"
+            )
         if msg["role"] == "assistant":
             spans.append((len(previous), len(rendered)))
         previous = rendered
@@ -145,8 +152,14 @@ def save_examples(make: Callable[[Path], datasets.Dataset], path: Path) -> datas
     return datasets.load_from_disk(str(path), keep_in_memory=False)
 
 
-def build_examples(records: Iterable[dict[str, Any]], tokenizer, max_length: int, path: Path,
-                   batch_size: int = WRITE_BATCH, source: str = "the dataset") -> datasets.Dataset:
+def build_examples(
+    records: Iterable[dict[str, Any]],
+    tokenizer,
+    max_length: int,
+    path: Path,
+    batch_size: int = WRITE_BATCH,
+    source: str = "the dataset",
+) -> datasets.Dataset:
     """Tokenise records into examples saved at `path` (see Packer); records never all sit in RAM."""
 
     def make(scratch: Path) -> datasets.Dataset:
@@ -155,17 +168,31 @@ def build_examples(records: Iterable[dict[str, Any]], tokenizer, max_length: int
         def rows():
             for r in records:
                 seen["content"] = seen["content"] or bool(r.get("text") or r.get("messages"))
-                yield {"text": r.get("text"), "messages": json.dumps(r["messages"]) if "messages" in r else None}
+                yield {
+                    "text": r.get("text"),
+                    "messages": json.dumps(r["messages"]) if "messages" in r else None,
+                }
 
         table = write_arrow(rows(), scratch / "records.arrow", RECORD_FEATURES)
         if not seen["content"]:
-            raise DataError(f"{source} holds no text and no conversation: it is empty; give a file or folder with data")
-        examples = table.map(Packer(tokenizer, max_length), batched=True, batch_size=batch_size,
-                             remove_columns=table.column_names, features=EXAMPLE_FEATURES,
-                             cache_file_name=str(scratch / "examples.arrow"), new_fingerprint=path.name,
-                             writer_batch_size=WRITE_BATCH, desc="tokenising")
+            raise DataError(
+                f"{source} holds no text and no conversation: it is empty; give a file or folder with data"
+            )
+        examples = table.map(
+            Packer(tokenizer, max_length),
+            batched=True,
+            batch_size=batch_size,
+            remove_columns=table.column_names,
+            features=EXAMPLE_FEATURES,
+            cache_file_name=str(scratch / "examples.arrow"),
+            new_fingerprint=path.name,
+            writer_batch_size=WRITE_BATCH,
+            desc="tokenising",
+        )
         if len(examples) == 0:
-            raise DataError(f"the dataset yields no example of {max_length} tokens; lower --max_length or add data")
+            raise DataError(
+                f"the dataset yields no example of {max_length} tokens; lower --max_length or add data"
+            )
         return examples
 
     return save_examples(make, path)
@@ -183,9 +210,13 @@ def regenerated_token_rows(source: str, tokenizer) -> datasets.Dataset | None:
     try:
         recorded = json.loads(info.read_text()).get("tokenizer")
     except (OSError, json.JSONDecodeError, AttributeError):
-        raise DataError(f"{info} is damaged (not a JSON object); regenerate the data or delete that file") from None
+        raise DataError(
+            f"{info} is damaged (not a JSON object); regenerate the data or delete that file"
+        ) from None
     rows = load_shards(path) if shards else load_saved(path, "train")
-    if recorded != tokenizer_fingerprint(tokenizer) or not {"input_ids", "loss_mask"} <= set(rows.column_names):
+    if recorded != tokenizer_fingerprint(tokenizer) or not {"input_ids", "loss_mask"} <= set(
+        rows.column_names
+    ):
         return None
     return rows
 
@@ -196,16 +227,26 @@ def build_token_examples(rows: datasets.Dataset, max_length: int, path: Path) ->
 
     def cut(batch: dict[str, list]) -> dict[str, list]:
         keep = [i for i, mask in enumerate(batch["loss_mask"]) if any(mask[:max_length])]
-        return {"input_ids": [batch["input_ids"][i][:max_length] for i in keep],
-                "loss_mask": [batch["loss_mask"][i][:max_length] for i in keep]}
+        return {
+            "input_ids": [batch["input_ids"][i][:max_length] for i in keep],
+            "loss_mask": [batch["loss_mask"][i][:max_length] for i in keep],
+        }
 
     def make(scratch: Path) -> datasets.Dataset:
         examples = rows.select_columns(["input_ids", "loss_mask"]).map(
-            cut, batched=True, batch_size=WRITE_BATCH, features=EXAMPLE_FEATURES,
-            cache_file_name=str(scratch / "examples.arrow"), new_fingerprint=path.name, writer_batch_size=WRITE_BATCH,
-            desc="cutting to max_length")
+            cut,
+            batched=True,
+            batch_size=WRITE_BATCH,
+            features=EXAMPLE_FEATURES,
+            cache_file_name=str(scratch / "examples.arrow"),
+            new_fingerprint=path.name,
+            writer_batch_size=WRITE_BATCH,
+            desc="cutting to max_length",
+        )
         if len(examples) == 0:
-            raise DataError(f"no row of the dataset has a trained token in its first {max_length}; raise --max_length")
+            raise DataError(
+                f"no row of the dataset has a trained token in its first {max_length}; raise --max_length"
+            )
         return examples
 
     return save_examples(make, path)
@@ -228,7 +269,9 @@ def source_fingerprint(source: str, split: str, tokenizer, max_length: int) -> s
     h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()[:1_000_000])
     h.update(str(getattr(tokenizer, "chat_template", "")).encode())
     path = Path(source)
-    if path.is_dir() and is_regenerated_shards(path):  # checksummed shards: their manifest names the content, so a
+    if path.is_dir() and is_regenerated_shards(
+        path
+    ):  # checksummed shards: their manifest names the content, so a
         h.update((path / MANIFEST_FILE).read_bytes())  # fresh clone (new file times) finds its cache again
         return h.hexdigest()[:16]
     files = sorted(path.rglob("*")) if path.is_dir() else [path] if path.exists() else []
@@ -258,8 +301,9 @@ class Examples(torch.utils.data.Dataset):
     from disk; `pad_batch` pads them like the tokens.
     """
 
-    def __init__(self, rows: datasets.Dataset, key: str,
-                 features: Callable[[int], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, rows: datasets.Dataset, key: str, features: Callable[[int], torch.Tensor] | None = None
+    ) -> None:
         self.rows, self.key, self.features = rows, key, features
         self._tensors = rows.with_format("torch")
 
@@ -283,8 +327,10 @@ class Examples(torch.utils.data.Dataset):
     def lengths(self) -> np.ndarray:
         """Every row's token count (N,), read a batch at a time."""
         arrow = self.rows.with_format("arrow")
-        return np.concatenate([pc.list_value_length(b["input_ids"]).to_numpy() for b in arrow.iter(4096)]
-                              or [np.zeros(0, dtype=np.int32)])
+        return np.concatenate(
+            [pc.list_value_length(b["input_ids"]).to_numpy() for b in arrow.iter(4096)]
+            or [np.zeros(0, dtype=np.int32)]
+        )
 
     def token_batches(self, batch_size: int = 4096) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(ids, loss_mask) of `batch_size` rows at a time, flattened to (tokens,) each."""
@@ -353,7 +399,9 @@ def split_examples(examples: Examples, fraction: float, seed: int) -> tuple[Exam
     """Hold out a seeded `fraction` of examples (at least one) for validation."""
     n = len(examples)
     if n < 2:
-        raise DataError("need at least 2 examples to hold one out for validation; add data or lower --max_length")
+        raise DataError(
+            "need at least 2 examples to hold one out for validation; add data or lower --max_length"
+        )
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
     k = max(1, int(n * fraction))
     what = f"split {fraction} seed {seed}"

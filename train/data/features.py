@@ -25,7 +25,12 @@ from selfspec.heads.io import atomic_write
 
 SHARD_BYTES = 256 * 2**20  # a shard of full-length examples is about this big
 MAX_SHARD_EXAMPLES = 4096
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+}
 
 
 def examples_per_shard(max_length: int, width: int, dtype: torch.dtype) -> int:
@@ -47,15 +52,20 @@ def missing_shards(folder: Path, n: int, size: int) -> list[int]:
     return [k for k in range(shard_count(n, size)) if not shard_path(folder, k).is_file()]
 
 
-def write_safetensors(path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                      tensors: Iterable[torch.Tensor]) -> None:
+def write_safetensors(
+    path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, tensors: Iterable[torch.Tensor]
+) -> None:
     """A safetensors file written a tensor at a time: the header (every name's dtype, shape and byte range)
     from `shapes`, then `tensors` in the same order, each checked against its shape."""
     itemsize = torch.finfo(dtype).bits // 8
     header, offset = {}, 0
     for name, shape in shapes.items():
         size = math.prod(shape) * itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
@@ -65,15 +75,25 @@ def write_safetensors(path: str, shapes: dict[str, tuple[int, ...]], dtype: torc
         for tensor in tensors:
             name, shape = next(names)
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                raise ValueError(f"tensor {name}: expected {shape} {dtype}, got {tuple(tensor.shape)} {tensor.dtype}")
+                raise ValueError(
+                    f"tensor {name}: expected {shape} {dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
+                )
             f.write(tensor.contiguous().view(torch.uint8).numpy().data)
         if next(names, None) is not None:
             raise ValueError(f"{path}: fewer tensors than the header names")
 
 
-def write_shards(folder: Path, lengths: np.ndarray, width: int, dtype: torch.dtype, size: int, rank: int,
-                 world: int, compute: Callable[[int, int], Iterator[torch.Tensor]],
-                 show_progress: bool = True) -> list[int]:
+def write_shards(
+    folder: Path,
+    lengths: np.ndarray,
+    width: int,
+    dtype: torch.dtype,
+    size: int,
+    rank: int,
+    world: int,
+    compute: Callable[[int, int], Iterator[torch.Tensor]],
+    show_progress: bool = True,
+) -> list[int]:
     """Write this rank's missing shards of len(lengths) examples; `compute(start, stop)` yields the features
     of examples start..stop-1 in order, (lengths[i], width) each, a batch at a time. A temporary file a crash
     left for one of them is removed first. Returns the shards written."""
@@ -82,11 +102,15 @@ def write_shards(folder: Path, lengths: np.ndarray, width: int, dtype: torch.dty
     mine = [k for k in missing_shards(folder, n, size) if k % world == rank]
     for k in tqdm(mine, desc=f"features (rank {rank})", disable=not show_progress):
         path = shard_path(folder, k)
-        for stray in folder.glob(f".{path.name}.*"):  # atomic_write's temporary names; only this rank writes k
+        for stray in folder.glob(
+            f".{path.name}.*"
+        ):  # atomic_write's temporary names; only this rank writes k
             stray.unlink(missing_ok=True)
         start, stop = k * size, min(n, (k + 1) * size)
         shapes = {str(i): (int(lengths[i]), width) for i in range(start, stop)}
-        atomic_write(path, lambda tmp, a=start, b=stop, s=shapes: write_safetensors(tmp, s, dtype, compute(a, b)))
+        atomic_write(
+            path, lambda tmp, a=start, b=stop, s=shapes: write_safetensors(tmp, s, dtype, compute(a, b))
+        )
     return mine
 
 
@@ -96,8 +120,10 @@ class FeatureShards:
     def __init__(self, folder: Path, n: int, size: int) -> None:
         missing = missing_shards(folder, n, size)
         if missing:
-            raise RuntimeError(f"the feature cache {folder} lacks {len(missing)} shard(s) (first: {missing[0]}): a "
-                               "rank did not finish writing; run again, and the complete shards are kept")
+            raise RuntimeError(
+                f"the feature cache {folder} lacks {len(missing)} shard(s) (first: {missing[0]}): a "
+                "rank did not finish writing; run again, and the complete shards are kept"
+            )
         self.folder, self.n, self.size = folder, n, size
 
     def __call__(self, i: int) -> torch.Tensor:

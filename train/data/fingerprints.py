@@ -25,8 +25,12 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     tensors = [local_tensor(p) for name, p in model.named_parameters() if "lora_" not in name]
     if not tensors:
         return "empty"
-    sums = torch.stack([torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)]) for t in tensors])
-    if is_sharded(model):  # each rank holds a piece of every tensor: the digest is of every rank's sums, in order
+    sums = torch.stack(
+        [torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)]) for t in tensors]
+    )
+    if is_sharded(
+        model
+    ):  # each rank holds a piece of every tensor: the digest is of every rank's sums, in order
         pieces = [torch.empty_like(sums) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(pieces, sums)
         sums = torch.cat(pieces)
@@ -37,24 +41,59 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 # be extended or cut; the schedule then follows the new length, which resuming notes), where the data is (its cache
 # key stands for it), speed and memory only, and how the result is stored or its decoding defaults fitted. Every
 # other option is in a run's fingerprint.
-NOT_FINGERPRINTED = frozenset({
-    "output_dir", "overwrite_output_dir", "max_steps", "num_epochs", "max_minutes", "save_steps", "save_total_limit",
-    "eval_steps", "eval_batches", "per_device_eval_batch_size", "logging_steps", "resume", "resume_allow_changes",
-    "report_to", "run_name", "ddp_timeout_minutes", "dataset", "eval_dataset",
-    "tree_nodes", "merge", "gradient_checkpointing",  # Medusa: the stored tree, the output's form, memory only
-    "cache_features", "feature_shard_examples",  # EAGLE: the same features, read from disk
-    "depth", "top_k", "total_tokens", "tune_depths", "tune_top_ks", "tune_totals", "tune_prompts", "tune_new_tokens",
-})
+NOT_FINGERPRINTED = frozenset(
+    {
+        "output_dir",
+        "overwrite_output_dir",
+        "max_steps",
+        "num_epochs",
+        "max_minutes",
+        "save_steps",
+        "save_total_limit",
+        "eval_steps",
+        "eval_batches",
+        "per_device_eval_batch_size",
+        "logging_steps",
+        "resume",
+        "resume_allow_changes",
+        "report_to",
+        "run_name",
+        "ddp_timeout_minutes",
+        "dataset",
+        "eval_dataset",
+        "tree_nodes",
+        "merge",
+        "gradient_checkpointing",  # Medusa: the stored tree, the output's form, memory only
+        "cache_features",
+        "feature_shard_examples",  # EAGLE: the same features, read from disk
+        "depth",
+        "top_k",
+        "total_tokens",
+        "tune_depths",
+        "tune_top_ks",
+        "tune_totals",
+        "tune_prompts",
+        "tune_new_tokens",
+    }
+)
 
 
-def run_fingerprint(cfg: TrainConfig, accelerator: Accelerator, trainable: torch.nn.Module,
-                    train_data: Examples) -> dict[str, Any]:
+def run_fingerprint(
+    cfg: TrainConfig, accelerator: Accelerator, trainable: torch.nn.Module, train_data: Examples
+) -> dict[str, Any]:
     """What decides a run's result: resuming with any of these changed is refused. The data is named by its
     cache key (source files' sizes and times, tokenizer, selections), not read again."""
+
     def shapes_sha1(named: Iterator[tuple[str, torch.Tensor]]) -> str:
         return hashlib.sha1(repr([(n, tuple(t.shape)) for n, t in named]).encode()).hexdigest()
 
-    settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in NOT_FINGERPRINTED}
-    return settings | {"drafter_buffers_sha1": shapes_sha1(trainable.named_buffers()),  # e.g. EAGLE's d2t
-            "train_examples": len(train_data), "train_data": train_data.key,
-            "num_processes": accelerator.num_processes, "drafter_shapes_sha1": shapes_sha1(trainable.named_parameters())}
+    settings = {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in NOT_FINGERPRINTED
+    }
+    return settings | {
+        "drafter_buffers_sha1": shapes_sha1(trainable.named_buffers()),  # e.g. EAGLE's d2t
+        "train_examples": len(train_data),
+        "train_data": train_data.key,
+        "num_processes": accelerator.num_processes,
+        "drafter_shapes_sha1": shapes_sha1(trainable.named_parameters()),
+    }

@@ -61,7 +61,9 @@ class PackedExamples(torch.utils.data.Dataset):
 
     def __getitem__(self, r: int) -> dict[str, torch.Tensor]:
         parts = [self.examples[i] for i in self.rows[r]]
-        row = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}  # input_ids, loss_mask (, features)
+        row = {
+            key: torch.cat([p[key] for p in parts]) for key in parts[0]
+        }  # input_ids, loss_mask (, features)
         row["position_ids"] = torch.cat([torch.arange(len(p["input_ids"])) for p in parts])
         row["seq_ids"] = torch.cat([torch.full((len(p["input_ids"]),), j) for j, p in enumerate(parts)])
         return row
@@ -93,9 +95,9 @@ def target_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | No
 def reaches(seq: torch.Tensor, shift: int) -> torch.Tensor:
     """(B, T) bool: token t + shift exists and is a real token of t's example (seq (B, T) as `segments`).
 
-        seq        [0 0 0 1 1 -1]
-        shift 1    [T T F T F  F]
-        shift 2    [T F F F F  F]
+    seq        [0 0 0 1 1 -1]
+    shift 1    [T T F T F  F]
+    shift 2    [T F F F F  F]
     """
     out = torch.zeros_like(seq, dtype=torch.bool)
     if shift < seq.shape[1]:
@@ -132,5 +134,7 @@ def check_packed_target(target, length: int = 12) -> None:
     tol = 1e-2 if packed.dtype in (torch.float16, torch.bfloat16) else 1e-4
     alone = alone.float()
     if (packed[:, length:].float() - alone).norm() > tol * alone.norm():  # a leak moves them by O(1)
-        raise ValueError(f"this target's attention ({target.config._attn_implementation}) lets packed examples "
-                         "see each other: train without --packing, or load it with attn_implementation sdpa")
+        raise ValueError(
+            f"this target's attention ({target.config._attn_implementation}) lets packed examples "
+            "see each other: train without --packing, or load it with attn_implementation sdpa"
+        )

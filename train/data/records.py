@@ -18,13 +18,23 @@ from selfspec.heads.io import sha256_of
 from selfspec.shipped.stdlib_corpus import stdlib_texts
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst"}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
 # the roles a `messages` turn may have (OpenAI's layout); other names are refused, not trained as context
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # a record: plain text, or a conversation as the JSON of its [{"role", "content"}] turns (any content type)
 RECORD_FEATURES = datasets.Features({"text": datasets.Value("string"), "messages": datasets.Value("string")})
-REGENERATION_FILE = "regeneration.json"  # what train/regenerate.py writes beside its output (not a record file)
+REGENERATION_FILE = (
+    "regeneration.json"  # what train/regenerate.py writes beside its output (not a record file)
+)
 MANIFEST_FILE = "manifest.json"  # train/regenerate.py --output_format shards: the shards and their checksums
 
 
@@ -42,7 +52,9 @@ def _records_from_json(path: Path) -> Iterator[tuple[str, Any]]:
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise DataError(f"{path} line {number} is not valid JSON ({e.msg} at column {e.colno})") from None
+                        raise DataError(
+                            f"{path} line {number} is not valid JSON ({e.msg} at column {e.colno})"
+                        ) from None
                     yield f"{path} line {number}", record
         return
     try:
@@ -72,10 +84,15 @@ def iter_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
         return
     if path.is_dir():
         if unfinished_regeneration(path):
-            raise DataError(f"{path} holds an unfinished regeneration: run the same train/regenerate.py command "
-                            "again to finish it")
-        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES | {".json", ".jsonl"}
-                       and p.name != REGENERATION_FILE)
+            raise DataError(
+                f"{path} holds an unfinished regeneration: run the same train/regenerate.py command "
+                "again to finish it"
+            )
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.suffix in TEXT_SUFFIXES | {".json", ".jsonl"} and p.name != REGENERATION_FILE
+        )
         if not files:
             raise DataError(f"{path} holds no .txt/.md/.py/.json/.jsonl files")
         for f in files:
@@ -92,8 +109,10 @@ def iter_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
     try:
         ds = datasets.load_dataset(source, split=split)
     except Exception as err:  # the hub and local scripts raise many types; all mean the same to the user
-        raise DataError(f"could not load dataset {source!r} ({type(err).__name__}: {err}); give a local file, folder, "
-                        "or a `datasets` name that is cached (HF_HUB_OFFLINE=1 blocks downloads)") from err
+        raise DataError(
+            f"could not load dataset {source!r} ({type(err).__name__}: {err}); give a local file, folder, "
+            "or a `datasets` name that is cached (HF_HUB_OFFLINE=1 blocks downloads)"
+        ) from err
     yield from (_normalise(dict(r), f"{source} record {i}") for i, r in enumerate(ds))
 
 
@@ -103,13 +122,17 @@ def read_text(path: Path, limit: int | None = None) -> str:
     with open(path, "rb") as f:
         raw = f.read() if limit is None else f.read(limit)
     if b"\0" in raw:
-        raise DataError(f"{path} is a binary file, not text: give .txt/.md/.py text, .json/.jsonl records, or a "
-                        "saved dataset folder")
+        raise DataError(
+            f"{path} is a binary file, not text: give .txt/.md/.py text, .json/.jsonl records, or a "
+            "saved dataset folder"
+        )
     text = raw.decode("utf-8", errors="replace")
     bad = text.count("\ufffd")
     if bad > 0.01 * max(len(text), 1):
-        raise DataError(f"{path} does not read as UTF-8 text ({bad} of {len(text)} characters undecodable): "
-                        "convert it to UTF-8 or give another file")
+        raise DataError(
+            f"{path} does not read as UTF-8 text ({bad} of {len(text)} characters undecodable): "
+            "convert it to UTF-8 or give another file"
+        )
     return text
 
 
@@ -121,8 +144,15 @@ def check_source(source: str | None) -> None:
     path = Path(source)
     if not path.exists() or is_saved_dataset(path) or is_regenerated_shards(path):
         return  # a `datasets` name, a missing path (named when loaded), a saved dataset or regenerated shards
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES
-                                                 | {".json", ".jsonl"} and p.name != REGENERATION_FILE)
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(
+            p
+            for p in path.rglob("*")
+            if p.suffix in TEXT_SUFFIXES | {".json", ".jsonl"} and p.name != REGENERATION_FILE
+        )
+    )
     for f in files:
         if f.suffix in (".json", ".jsonl"):
             for _ in zip(range(8), iter_records(str(f))):
@@ -178,8 +208,10 @@ def _normalise(record: Any, where: str) -> dict[str, Any]:
             msgs = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
             for m in msgs:
                 if m["role"] not in MESSAGE_ROLES:
-                    raise DataError(f"{where}: unknown message role {m['role']!r}; use one of "
-                                    f"{', '.join(MESSAGE_ROLES)} (ShareGPT turns go in `conversations` as from/value)")
+                    raise DataError(
+                        f"{where}: unknown message role {m['role']!r}; use one of "
+                        f"{', '.join(MESSAGE_ROLES)} (ShareGPT turns go in `conversations` as from/value)"
+                    )
             return {"messages": msgs}
         if "conversations" in record:
             msgs = []
@@ -190,11 +222,15 @@ def _normalise(record: Any, where: str) -> dict[str, Any]:
                 msgs.append({"role": role, "content": turn["value"]})
             return {"messages": msgs}
     except (KeyError, TypeError, AttributeError) as e:
-        raise DataError(f"{where}: a turn needs `role`/`content` (messages) or `from`/`value` (ShareGPT); "
-                        f"{type(e).__name__}: {e}") from None
+        raise DataError(
+            f"{where}: a turn needs `role`/`content` (messages) or `from`/`value` (ShareGPT); "
+            f"{type(e).__name__}: {e}"
+        ) from None
     if "text" in record:
         return {"text": record["text"]}
-    raise DataError(f"{where}: records need a `text`, `messages` or `conversations` field; got {sorted(record)}")
+    raise DataError(
+        f"{where}: records need a `text`, `messages` or `conversations` field; got {sorted(record)}"
+    )
 
 
 # ---------------------------------------------------------------- regenerated shards (train/regeneration/shards.py)
@@ -204,11 +240,15 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     try:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
     except (OSError, json.JSONDecodeError):
-        raise DataError(f"{folder / MANIFEST_FILE} is missing or damaged: write the shards' manifest anew with "
-                        "`python -m selfspec.train.regeneration.shards FOLDER --write`") from None
+        raise DataError(
+            f"{folder / MANIFEST_FILE} is missing or damaged: write the shards' manifest anew with "
+            "`python -m selfspec.train.regeneration.shards FOLDER --write`"
+        ) from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
-        raise DataError(f"{folder / MANIFEST_FILE} lists no shards: write it anew with "
-                        "`python -m selfspec.train.regeneration.shards FOLDER --write`")
+        raise DataError(
+            f"{folder / MANIFEST_FILE} lists no shards: write it anew with "
+            "`python -m selfspec.train.regeneration.shards FOLDER --write`"
+        )
     return manifest
 
 
@@ -219,11 +259,15 @@ def check_shards(folder: Path) -> dict[str, Any]:
     for entry in manifest["shards"]:
         path = folder / entry["file"]
         if not path.is_file():
-            raise DataError(f"{path} is listed in {folder / MANIFEST_FILE} but missing: restore it (git checkout) "
-                            "or run the regeneration again to write it")
+            raise DataError(
+                f"{path} is listed in {folder / MANIFEST_FILE} but missing: restore it (git checkout) "
+                "or run the regeneration again to write it"
+            )
         if sha256_of(path) != entry["sha256"]:
-            raise DataError(f"{path} does not match its sha256 in {folder / MANIFEST_FILE}: restore it (git "
-                            "checkout) or delete it and run the regeneration again")
+            raise DataError(
+                f"{path} does not match its sha256 in {folder / MANIFEST_FILE}: restore it (git "
+                "checkout) or delete it and run the regeneration again"
+            )
     return manifest
 
 
@@ -234,4 +278,6 @@ def load_shards(folder: Path) -> datasets.Dataset:
         raise DataError(f"{folder} holds no finished shard yet: wait for the regeneration's first shard")
     files = [str(folder / e["file"]) for e in manifest["shards"]]
     rows = datasets.Dataset.from_parquet(files, keep_in_memory=False)
-    return rows.filter(lambda why: why is None, input_columns="skipped").remove_columns(["skipped", "dropped_turns"])
+    return rows.filter(lambda why: why is None, input_columns="skipped").remove_columns(
+        ["skipped", "dropped_turns"]
+    )

@@ -18,11 +18,15 @@ def token_counts(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_siz
     equal shapes one at a time, never the whole corpus at once."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for input_ids, loss_mask in batches:
-        counts += torch.bincount(input_ids[loss_mask.bool()].flatten().cpu(), minlength=vocab_size)[:vocab_size]
+        counts += torch.bincount(input_ids[loss_mask.bool()].flatten().cpu(), minlength=vocab_size)[
+            :vocab_size
+        ]
     return counts
 
 
-def draft_vocabulary(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, size: int) -> torch.Tensor:
+def draft_vocabulary(
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, size: int
+) -> torch.Tensor:
     """The `size` most frequent target tokens among the loss-bearing tokens (ties: the lower id), as ids (size,)
     (see `token_counts`). Tokens never seen fill the rest, lowest ids first, so the vocabulary always has `size`
     entries."""
@@ -48,7 +52,9 @@ def choose_mask_token(cfg: Any, tokenizer: Any, train_data: Examples, vocab: int
     else its highest special token (not BOS or EOS) that no training answer contains, the pad token last."""
     if cfg.mask_token_id is not None:
         if not 0 <= cfg.mask_token_id < vocab:
-            raise ConfigError(f"--mask_token_id {cfg.mask_token_id} is not a row of the target's embedding (0..{vocab - 1})")
+            raise ConfigError(
+                f"--mask_token_id {cfg.mask_token_id} is not a row of the target's embedding (0..{vocab - 1})"
+            )
         return cfg.mask_token_id
     if getattr(tokenizer, "mask_token_id", None) is not None and tokenizer.mask_token_id < vocab:
         return tokenizer.mask_token_id
@@ -58,6 +64,8 @@ def choose_mask_token(cfg: Any, tokenizer: Any, train_data: Examples, vocab: int
     taken = {tokenizer.bos_token_id, tokenizer.eos_token_id}
     free = [i for i in tokenizer.all_special_ids if i not in taken and i < vocab and not used[i]]
     if not free:
-        raise ConfigError("the tokenizer has no mask token, no spare embedding row and no unused special token: pass "
-                          "--mask_token_id, a token id the target never writes")
+        raise ConfigError(
+            "the tokenizer has no mask token, no spare embedding row and no unused special token: pass "
+            "--mask_token_id, a token id the target never writes"
+        )
     return max(free, key=lambda i: (i != tokenizer.pad_token_id, i))

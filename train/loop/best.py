@@ -28,9 +28,11 @@ class BestWeights:
         """The best evaluation a resumed checkpoint names; its weights must be on disk now, not found missing
         after the training."""
         if record is not None and not self.path(record["step"]).is_file():
-            raise FileNotFoundError(f"{self.path(record['step'])} (the weights of the best validation, which the "
-                                    "checkpoint resumed names) is missing: copy it from the run's checkpoints/ "
-                                    "folder next to the checkpoint, or train without resuming")
+            raise FileNotFoundError(
+                f"{self.path(record['step'])} (the weights of the best validation, which the "
+                "checkpoint resumed names) is missing: copy it from the run's checkpoints/ "
+                "folder next to the checkpoint, or train without resuming"
+            )
         self.record = record
 
     def path(self, step: int) -> Path:
@@ -38,7 +40,9 @@ class BestWeights:
         checkpoint still finds the best its state names."""
         return self.folder / BEST_PATTERN.format(step)
 
-    def offer(self, accelerator: Accelerator, prepared: torch.nn.Module, step: int, metrics: dict[str, float]) -> None:
+    def offer(
+        self, accelerator: Accelerator, prepared: torch.nn.Module, step: int, metrics: dict[str, float]
+    ) -> None:
         """After an evaluation on every rank (the metrics agree across ranks): keep these weights if they are the
         best yet. Gathering them is a collective under ZeRO-3 / FSDP, so every rank calls this."""
         if self.metric is None or self.metric not in metrics:
@@ -47,8 +51,10 @@ class BestWeights:
             return
         state = accelerator.get_state_dict(prepared)
         if accelerator.is_main_process:
-            tensors = {k: v.detach().float().contiguous().cpu() if v.is_floating_point() else v.detach().cpu()
-                       for k, v in state.items()}
+            tensors = {
+                k: v.detach().float().contiguous().cpu() if v.is_floating_point() else v.detach().cpu()
+                for k, v in state.items()
+            }
             self.folder.mkdir(parents=True, exist_ok=True)
             atomic_write(self.path(step), lambda tmp: save_file(tensors, tmp))
         self.record = {"step": step, "value": metrics[self.metric], "metrics": metrics}
@@ -62,12 +68,18 @@ class BestWeights:
         if self.record["step"] != step:
             path = self.path(self.record["step"])
             if not path.is_file():
-                raise FileNotFoundError(f"{path} (the weights of the best validation) is gone: resume from a checkpoint "
-                                        "that still has it, or train without resuming")
+                raise FileNotFoundError(
+                    f"{path} (the weights of the best validation) is gone: resume from a checkpoint "
+                    "that still has it, or train without resuming"
+                )
             state = load_file(path, device=str(next(module.parameters()).device))
-            module.load_state_dict({k: v.to(module.state_dict()[k].dtype) for k, v in state.items()}, strict=True)
-            print(f"saving the weights of step {self.record['step']}, the best validation "
-                  f"({self.metric} {self.record['value']:.4f})")
+            module.load_state_dict(
+                {k: v.to(module.state_dict()[k].dtype) for k, v in state.items()}, strict=True
+            )
+            print(
+                f"saving the weights of step {self.record['step']}, the best validation "
+                f"({self.metric} {self.record['value']:.4f})"
+            )
         return self.record["metrics"]
 
     def prune(self) -> None:

@@ -36,8 +36,10 @@ def check_writable(output_dir: Path) -> None:
         os.close(fd)
         os.remove(probe)
     except OSError as e:
-        raise ValueError(f"--output_dir {output_dir} cannot be written ({e.strerror or e}): choose a folder you "
-                         "can write to") from None
+        raise ValueError(
+            f"--output_dir {output_dir} cannot be written ({e.strerror or e}): choose a folder you "
+            "can write to"
+        ) from None
 
 
 def checkpoints(output_dir: Path, run_id: str | None = None) -> list[Path]:
@@ -53,8 +55,9 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return read_json_object(checkpoint / STATE_NAME)
 
 
-def prepare_output_dir(accelerator: Accelerator, output_dir: Path, resume: str | None, overwrite: bool,
-                       model: str | None = None) -> None:
+def prepare_output_dir(
+    accelerator: Accelerator, output_dir: Path, resume: str | None, overwrite: bool, model: str | None = None
+) -> None:
     """Check the folder is writable, is not the target's own, holds no model or drafter a new run would overwrite,
     and no other run's checkpoints (they would be mixed up with this run's on resume): refuse, unless `--resume`
     continues them or `--overwrite_output_dir` deletes them."""
@@ -64,12 +67,16 @@ def prepare_output_dir(accelerator: Accelerator, output_dir: Path, resume: str |
             check_resumable(resume, output_dir)
         target = Path(model).resolve() if model is not None and Path(model).is_dir() else None
         if target is not None and (target == output_dir.resolve() or output_dir.resolve() in target.parents):
-            raise ValueError(f"--output_dir {output_dir} holds the target model ({model}): saving there could "
-                             "overwrite it; choose another --output_dir")
+            raise ValueError(
+                f"--output_dir {output_dir} holds the target model ({model}): saving there could "
+                "overwrite it; choose another --output_dir"
+            )
         saved = saved_model_files(output_dir)
         if saved and not resume and not checkpoints(output_dir) and not overwrite:
-            raise ValueError(f"{output_dir} already holds a saved model's or drafter's files ({', '.join(saved[:3])}): "
-                             "choose another --output_dir, or replace them with --overwrite_output_dir true")
+            raise ValueError(
+                f"{output_dir} already holds a saved model's or drafter's files ({', '.join(saved[:3])}): "
+                "choose another --output_dir, or replace them with --overwrite_output_dir true"
+            )
         found = checkpoints(output_dir)
         if found and not resume:
             if not overwrite:
@@ -78,15 +85,19 @@ def prepare_output_dir(accelerator: Accelerator, output_dir: Path, resume: str |
                     "continue it with --resume latest, delete them with --overwrite_output_dir true, or choose "
                     "another --output_dir"
                 )
-            print(f"--overwrite_output_dir: deleting {len(found)} earlier checkpoint(s) in {output_dir}/checkpoints",
-                  file=sys.stderr)
+            print(
+                f"--overwrite_output_dir: deleting {len(found)} earlier checkpoint(s) in {output_dir}/checkpoints",
+                file=sys.stderr,
+            )
             shutil.rmtree(output_dir / "checkpoints")
     accelerator.wait_for_everyone()
 
 
 def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
-    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in files}
+    return {
+        p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in files
+    }
 
 
 def damage(checkpoint: Path) -> str | None:
@@ -123,12 +134,16 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: dict[str,
     accelerator.wait_for_everyone()
     try:
         # DeepSpeed would also write every frozen tensor the trained module holds (Medusa-2's whole target)
-        accelerator.save_state(str(tmp), **({"exclude_frozen_parameters": True}
-                                            if accelerator.state.deepspeed_plugin is not None else {}))
+        accelerator.save_state(
+            str(tmp),
+            **({"exclude_frozen_parameters": True} if accelerator.state.deepspeed_plugin is not None else {}),
+        )
         accelerator.wait_for_everyone()  # DeepSpeed: every rank writes its own shard; seal only after all did
         if accelerator.is_main_process:
             (tmp / STATE_NAME).write_text(json.dumps(state, indent=2))
-            for path in tmp.rglob("*"):  # some writers create files 0600; make them readable as the umask says
+            for path in tmp.rglob(
+                "*"
+            ):  # some writers create files 0600; make them readable as the umask says
                 path.chmod(file_mode(directory=path.is_dir()))
             (tmp / MANIFEST_NAME).write_text(json.dumps(_manifest(tmp), indent=2))
             if final.exists():
@@ -150,8 +165,10 @@ def check_resumable(resume: str, output_dir: Path) -> None:
     prepared (self-distillation can take an hour), not when the loop begins."""
     if resume in ("latest", "true", "auto"):
         if not checkpoints(output_dir):
-            raise FileNotFoundError(f"--resume latest: no checkpoint under {output_dir}/checkpoints (start without "
-                                    "--resume, or give the --output_dir of the run to continue)")
+            raise FileNotFoundError(
+                f"--resume latest: no checkpoint under {output_dir}/checkpoints (start without "
+                "--resume, or give the --output_dir of the run to continue)"
+            )
     elif not (Path(resume) / STATE_NAME).is_file():
         raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (no {STATE_NAME})")
 
@@ -168,8 +185,10 @@ def find_resume(resume: str | None, output_dir: Path) -> Path | None:
             problem = damage(candidate)
             if problem is None:
                 return candidate
-            print(f"warning: skipping checkpoint {candidate.name}: {problem}; trying the previous one",
-                  file=sys.stderr)
+            print(
+                f"warning: skipping checkpoint {candidate.name}: {problem}; trying the previous one",
+                file=sys.stderr,
+            )
         raise ValueError(f"--resume latest: every checkpoint under {output_dir}/checkpoints is damaged")
     path = Path(resume)
     problem = damage(path)
@@ -181,20 +200,29 @@ def find_resume(resume: str | None, output_dir: Path) -> Path | None:
 def check_same_run(checkpoint: Path, saved: dict[str, Any], now: dict[str, Any], allow: bool) -> None:
     """Refuse to resume when a setting that decides what the run computes changed (batch size, data, model):
     the result would no longer be the uninterrupted run. `allow` (--resume_allow_changes) only warns."""
-    changed = {key: f"{key} was {saved.get(key)!r}, now {value!r}" for key, value in now.items()
-               if key in saved and saved[key] != value}
+    changed = {
+        key: f"{key} was {saved.get(key)!r}, now {value!r}"
+        for key, value in now.items()
+        if key in saved and saved[key] != value
+    }
     if not changed:
         return
     named = [text for key, text in changed.items() if not key.endswith("_sha1")]
     what = "; ".join(named or list(changed.values()))  # a digest is named only when no setting explains it
-    if any(key.startswith("drafter_") for key in changed):  # the saved tensors cannot be loaded into other shapes
-        raise ValueError(f"--resume {checkpoint}: {what}, which changes the drafter's tensors, so its checkpoint "
-                         "cannot be loaded: resume with the run's own settings, or start a new run")
+    if any(
+        key.startswith("drafter_") for key in changed
+    ):  # the saved tensors cannot be loaded into other shapes
+        raise ValueError(
+            f"--resume {checkpoint}: {what}, which changes the drafter's tensors, so its checkpoint "
+            "cannot be loaded: resume with the run's own settings, or start a new run"
+        )
     if allow:
         print(f"warning: resuming {checkpoint} although {what} (--resume_allow_changes)", file=sys.stderr)
         return
-    raise ValueError(f"--resume {checkpoint}: {what}. Resume with the run's own settings, or pass "
-                     "--resume_allow_changes true to continue anyway (no longer equal to an uninterrupted run)")
+    raise ValueError(
+        f"--resume {checkpoint}: {what}. Resume with the run's own settings, or pass "
+        "--resume_allow_changes true to continue anyway (no longer equal to an uninterrupted run)"
+    )
 
 
 def check_rng_files(checkpoint: Path, process_index: int) -> None:
@@ -204,12 +232,16 @@ def check_rng_files(checkpoint: Path, process_index: int) -> None:
 
     path = checkpoint / f"random_states_{process_index}.pkl"
     if not path.is_file():
-        raise ValueError(f"--resume {checkpoint}: {path.name} is missing (the random state of process "
-                         f"{process_index}); resume with as many processes as the run had")
+        raise ValueError(
+            f"--resume {checkpoint}: {path.name} is missing (the random state of process "
+            f"{process_index}); resume with as many processes as the run had"
+        )
     try:
         states = load(path)  # as accelerate reads it: weights_only=True with numpy's RNG types allowed
     except Exception as e:  # unpickling raises many types; all mean the file is unusable
-        raise ValueError(f"--resume {checkpoint}: cannot read the random state {path} ({type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"--resume {checkpoint}: cannot read the random state {path} ({type(e).__name__}: {e})"
+        ) from None
     missing = [k for k in ("random_state", "numpy_random_seed", "torch_manual_seed") if k not in states]
     if missing:
         raise ValueError(f"--resume {checkpoint}: the random state {path} lacks {', '.join(missing)}")

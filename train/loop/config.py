@@ -71,7 +71,9 @@ def _check_keys(cls: type, keys: list[str], where: str) -> None:
         )
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:
+def option(
+    default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None
+) -> Any:
     """A config field with its `--help` line: `learning_rate: float = option(1e-3, "the peak learning rate")`;
     `factory` makes a fresh mutable default per config (a list)."""
     if factory is not None:
@@ -99,10 +101,14 @@ def help_text(cls: type, prog: str) -> str:
         shown = ",".join(map(str, default)) if isinstance(default, list) else default
         rows.append((f"--{f.name} {shown}", meanings.get(f.name, "")))
     width = max(len(left) for left, _ in rows) + 2
-    lines = [f"usage: {prog} [--config FILE.yaml] [--key value ...] [--debug]", "",
-             (cls.__doc__ or "").strip(), "",
-             "options (shown with their defaults; a YAML given with --config sets them too, the command line wins):",
-             f"  {'--config FILE.yaml'.ljust(width)}a run config (see configs/); keys are the options below"]
+    lines = [
+        f"usage: {prog} [--config FILE.yaml] [--key value ...] [--debug]",
+        "",
+        (cls.__doc__ or "").strip(),
+        "",
+        "options (shown with their defaults; a YAML given with --config sets them too, the command line wins):",
+        f"  {'--config FILE.yaml'.ljust(width)}a run config (see configs/); keys are the options below",
+    ]
     lines += [f"  {left.ljust(width)}{meaning}" for left, meaning in rows]
     lines.append(f"  {'--debug'.ljust(width)}show the full traceback of an error (also SELFSPEC_DEBUG=1)")
     return "\n".join(lines)
@@ -135,14 +141,17 @@ def recipe_path(name: str) -> Path:
     raise ConfigError(f"config file {path} does not exist (the shipped recipes are in {RECIPES})")
 
 
-def load_config(cls: type[T], argv: list[str] | None = None, config_path: str | None = None,
-                prog: str | None = None) -> T:
+def load_config(
+    cls: type[T], argv: list[str] | None = None, config_path: str | None = None, prog: str | None = None
+) -> T:
     """Build `cls` from its defaults, an optional YAML (`--config`), then `--key value` overrides.
     `--help` / `-h` prints every option with its default and meaning, and exits."""
     argv = list(argv or [])
     if "--help" in argv or "-h" in argv:
         script = Path(sys.argv[0])
-        prog = prog or (f"accelerate launch train/{script.name}" if script.parent.name == "train" else script.name)
+        prog = prog or (
+            f"accelerate launch train/{script.name}" if script.parent.name == "train" else script.name
+        )
         print(help_text(cls, prog))
         raise SystemExit(0)
     overrides: dict[str, Any] = {}

@@ -55,7 +55,9 @@ class Method(Protocol):
     trainable: torch.nn.Module  # what the optimizer trains (before the engine wraps it)
     target: torch.nn.Module  # the frozen target (checked unchanged at the end)
     label: str  # what is saved, for the closing message ("Medusa heads")
-    best_metric: str | None  # a validation metric (higher is better) whose best weights are saved; None: the last
+    best_metric: (
+        str | None
+    )  # a validation metric (higher is better) whose best weights are saved; None: the last
 
     def param_groups(self, lr: float) -> list:
         """The optimizer's parameter groups at learning rate `lr`."""

@@ -52,7 +52,11 @@ def precision_line(requested: str, resolved: str) -> str:
     if requested == "auto":
         return f"mixed precision: {'bf16' if resolved == 'bf16' else 'float32'} (auto: {why})"
     if resolved == "bf16" and not fast and not torch.cuda.is_available():
-        warnings.warn(f"--mixed_precision bf16 on a CPU without bf16 matrix units ({why}): a bf16 matmul ran "
-                      f"{bf16_slowdown():.1f}x slower than float32 here; --mixed_precision auto (or no) trains "
-                      "faster on this machine", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"--mixed_precision bf16 on a CPU without bf16 matrix units ({why}): a bf16 matmul ran "
+            f"{bf16_slowdown():.1f}x slower than float32 here; --mixed_precision auto (or no) trains "
+            "faster on this machine",
+            UserWarning,
+            stacklevel=2,
+        )
     return f"mixed precision: {resolved} (as asked)"

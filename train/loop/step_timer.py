@@ -68,9 +68,11 @@ def step_report(seconds: dict[str, float], steps: int, tokens: int, slots: int, 
     forward + backward (the forward and backward sections less the target's part) and optimizer."""
     per = {k: v / max(steps, 1) * 1000 for k, v in seconds.items()}  # ms per optimizer step
     target, both, opt = per.get("target", 0.0), per.get("forward_backward", 0.0), per.get("optimizer", 0.0)
-    return (f"throughput: {tokens / max(busy, 1e-9):,.0f} tok/s, padding {padding(tokens, slots):.1%}; step time "
-            f"{both + opt:.0f} ms: target forward {target:.0f} ms, drafter forward+backward {both - target:.0f} ms, "
-            f"optimizer {opt:.0f} ms")
+    return (
+        f"throughput: {tokens / max(busy, 1e-9):,.0f} tok/s, padding {padding(tokens, slots):.1%}; step time "
+        f"{both + opt:.0f} ms: target forward {target:.0f} ms, drafter forward+backward {both - target:.0f} ms, "
+        f"optimizer {opt:.0f} ms"
+    )
 
 
 def padding(tokens: int, slots: int) -> float:
@@ -84,7 +86,9 @@ class Pace:
 
     def __init__(self, start: float, first_step: int, device: torch.device) -> None:
         self.start, self.first_step, self.paused_s = start, first_step, 0.0
-        self.tokens = torch.zeros((), dtype=torch.long, device=device)  # summed on the device: no sync per step
+        self.tokens = torch.zeros(
+            (), dtype=torch.long, device=device
+        )  # summed on the device: no sync per step
         self.slots = 0
 
     def count(self, batch: dict[str, torch.Tensor]) -> None:

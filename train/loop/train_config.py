@@ -105,16 +105,42 @@ class TrainConfig:
         if self.report_to not in REPORTERS:
             raise ConfigError(f"--report_to must be one of {', '.join(REPORTERS)}, got {self.report_to!r}")
         if self.mixed_precision not in PRECISIONS:
-            raise ConfigError(f"--mixed_precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}")
+            raise ConfigError(
+                f"--mixed_precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}"
+            )
         if self.max_steps == 0 or self.max_steps < -1:
-            raise ConfigError(f"--max_steps must be > 0, or -1 to train num_epochs epochs; got {self.max_steps}")
+            raise ConfigError(
+                f"--max_steps must be > 0, or -1 to train num_epochs epochs; got {self.max_steps}"
+            )
         if self.max_steps == -1 and self.num_epochs <= 0:
             raise ConfigError(f"--num_epochs must be > 0 when max_steps is -1, got {self.num_epochs}")
-        check_at_least(self, ("save_steps", "eval_steps", "logging_steps", "gradient_accumulation_steps",
-                     "per_device_train_batch_size", "per_device_eval_batch_size", "eval_batches", "max_length",
-                     "distill_prompt_tokens"), 1)
-        check_at_least(self, ("max_train_examples", "save_total_limit", "max_minutes", "weight_decay", "max_grad_norm",
-                              "distill_temperature"), 0)
+        check_at_least(
+            self,
+            (
+                "save_steps",
+                "eval_steps",
+                "logging_steps",
+                "gradient_accumulation_steps",
+                "per_device_train_batch_size",
+                "per_device_eval_batch_size",
+                "eval_batches",
+                "max_length",
+                "distill_prompt_tokens",
+            ),
+            1,
+        )
+        check_at_least(
+            self,
+            (
+                "max_train_examples",
+                "save_total_limit",
+                "max_minutes",
+                "weight_decay",
+                "max_grad_norm",
+                "distill_temperature",
+            ),
+            0,
+        )
         if self.ddp_timeout_minutes <= 0:
             raise ConfigError(f"--ddp_timeout_minutes must be > 0, got {self.ddp_timeout_minutes}")
         if self.learning_rate <= 0:
@@ -127,5 +153,7 @@ class TrainConfig:
         if not 0 < self.eval_fraction < 1:
             raise ConfigError(f"--eval_fraction must be in (0, 1), got {self.eval_fraction}")
         if self.self_distill and self.distill_prompt_tokens >= self.max_length:
-            raise ConfigError(f"--distill_prompt_tokens ({self.distill_prompt_tokens}) must be below max_length "
-                              f"({self.max_length}): the rest of each example is what the target writes")
+            raise ConfigError(
+                f"--distill_prompt_tokens ({self.distill_prompt_tokens}) must be below max_length "
+                f"({self.max_length}): the rest of each example is what the target writes"
+            )

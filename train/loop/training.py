@@ -83,8 +83,9 @@ def start_run(cfg: TrainConfig) -> Accelerator:
     check_source(cfg.dataset)  # a file that is not text fails now, not after the target has loaded
     check_source(cfg.eval_dataset)
     accelerator = make_accelerator(cfg)
-    prepare_output_dir(accelerator, Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir,
-                       resolve_model(cfg.model))
+    prepare_output_dir(
+        accelerator, Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir, resolve_model(cfg.model)
+    )
     set_seed(cfg.seed)
     return accelerator
 
@@ -151,22 +152,28 @@ def train(
     return run.history, finish(run)
 
 
-def set_up(cfg: TrainConfig, accelerator: Accelerator, method: Method, train_data: Examples, eval_data: Examples
-           ) -> Run:
+def set_up(
+    cfg: TrainConfig, accelerator: Accelerator, method: Method, train_data: Examples, eval_data: Examples
+) -> Run:
     """The optimizer, schedule and loaders, prepared by accelerate with the trainable module; the run's
     fingerprint (what a resume must match) taken before ZeRO-3/FSDP shard the shapes."""
     params = [p for p in method.trainable.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the drafter has no trainable parameters")
-    optimizer = torch.optim.AdamW(method.param_groups(cfg.learning_rate), lr=cfg.learning_rate,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(
+        method.param_groups(cfg.learning_rate),
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.weight_decay,
+    )
     # packed rows (train/data/packing.py) for training; validation reads one example per row, so its numbers stay
     # comparable between packed and unpacked runs
     rows = PackedExamples(train_data, cfg.max_length, cfg.seed) if cfg.packing else train_data
     if cfg.packing:
         check_packed_target(method.target)
-    loader = DataLoader(rows, batch_size=cfg.per_device_train_batch_size, shuffle=True, drop_last=True,
-                        collate_fn=pad_batch)
+    loader = DataLoader(
+        rows, batch_size=cfg.per_device_train_batch_size, shuffle=True, drop_last=True, collate_fn=pad_batch
+    )
     eval_loader = DataLoader(eval_data, batch_size=cfg.per_device_eval_batch_size, collate_fn=pad_batch)
     per_epoch = len(loader) // (cfg.gradient_accumulation_steps * accelerator.num_processes)
     if per_epoch == 0:
@@ -177,15 +184,21 @@ def set_up(cfg: TrainConfig, accelerator: Accelerator, method: Method, train_dat
         )
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(per_epoch * cfg.num_epochs)
     ticks = scheduler_steps_per_update(accelerator)  # the prepared scheduler's steps per optimizer step
-    scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total) * ticks, total * ticks)
+    scheduler = get_cosine_schedule_with_warmup(
+        optimizer, int(cfg.warmup_ratio * total) * ticks, total * ticks
+    )
     fingerprint = run_fingerprint(cfg, accelerator, method.trainable, train_data)
     fingerprint["target_weights"] = weights_fingerprint(method.target)
     configure_deepspeed(accelerator, cfg.max_grad_norm)
     module, optimizer, loader, scheduler = accelerator.prepare(method.trainable, optimizer, loader, scheduler)
     expose_methods(accelerator, module)
-    timer = StepTimer(accelerator.device)  # target forward / drafter forward+backward / optimizer (train.step_timer)
+    timer = StepTimer(
+        accelerator.device
+    )  # target forward / drafter forward+backward / optimizer (train.step_timer)
     method.start(RunContext(module, max_over_ranks(accelerator), timer))
-    global_batch = cfg.per_device_train_batch_size * accelerator.num_processes * cfg.gradient_accumulation_steps
+    global_batch = (
+        cfg.per_device_train_batch_size * accelerator.num_processes * cfg.gradient_accumulation_steps
+    )
     accelerator.print(
         f"training {sum(p.numel() for p in params) / 1e6:.2f} M parameters for {total} steps "
         f"({len(train_data)} examples of up to {cfg.max_length} tokens"
@@ -193,8 +206,20 @@ def set_up(cfg: TrainConfig, accelerator: Accelerator, method: Method, train_dat
         f"global batch {global_batch} = {cfg.per_device_train_batch_size} per device x {accelerator.num_processes} "
         f"processes x {cfg.gradient_accumulation_steps} accumulation; {engine_name(accelerator)}"
     )
-    return Run(cfg, accelerator, method, module, optimizer, scheduler, loader, eval_loader, total, fingerprint,
-               BestWeights(method.best_metric, Path(cfg.output_dir)), timer)
+    return Run(
+        cfg,
+        accelerator,
+        method,
+        module,
+        optimizer,
+        scheduler,
+        loader,
+        eval_loader,
+        total,
+        fingerprint,
+        BestWeights(method.best_metric, Path(cfg.output_dir)),
+        timer,
+    )
 
 
 def resume(run: Run) -> None:
@@ -209,14 +234,18 @@ def resume(run: Run) -> None:
         accelerator.load_state(str(resume_from))
         run.step, run.epoch, run.batches_done = state["step"], state["epoch"], state["batches_done"]
         if state.get("total_steps", run.total) != run.total and accelerator.is_main_process:
-            print(f"note: resuming a run of {state['total_steps']} steps as one of {run.total}: the learning-rate "
-                  "schedule (and Medusa-2's heads weight) follows the new length from here", file=sys.stderr)
+            print(
+                f"note: resuming a run of {state['total_steps']} steps as one of {run.total}: the learning-rate "
+                "schedule (and Medusa-2's heads weight) follows the new length from here",
+                file=sys.stderr,
+            )
         run.run_id = state.get("run_id", run.run_id)
         run.metrics = state.get("metrics") or {}  # a final checkpoint's metrics decide the tree and the card
         run.history = [(run.step, run.metrics)] if run.metrics else []
         run.best.resume(state.get("best"))
-        accelerator.print(f"resumed from {resume_from} at step {run.step} (epoch {run.epoch}, batch "
-                          f"{run.batches_done})")
+        accelerator.print(
+            f"resumed from {resume_from} at step {run.step} (epoch {run.epoch}, batch {run.batches_done})"
+        )
     if cfg.report_to != "none":
         accelerator.init_trackers(cfg.run_name or Path(cfg.output_dir).name, config=dataclasses.asdict(cfg))
     if run.step == 0 and run.total > 0:
@@ -226,13 +255,20 @@ def resume(run: Run) -> None:
 def take_steps(run: Run) -> None:
     """Optimizer steps up to the planned total (or the time budget), validating and saving on schedule."""
     cfg, accelerator, module, timer = run.cfg, run.accelerator, run.module, run.timer
-    bar = tqdm(total=run.total, initial=run.step, disable=not accelerator.is_main_process, desc="train",
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=run.total,
+        initial=run.step,
+        disable=not accelerator.is_main_process,
+        desc="train",
+        dynamic_ncols=True,
+    )
     pace = Pace(time.time(), run.step, accelerator.device)
     stop = run.step >= run.total
     while not stop:
         run.loader.set_epoch(run.epoch)
-        batches = accelerator.skip_first_batches(run.loader, run.batches_done) if run.batches_done else run.loader
+        batches = (
+            accelerator.skip_first_batches(run.loader, run.batches_done) if run.batches_done else run.loader
+        )
         for batch in batches_keeping_rng(batches):
             module.train()
             with accelerator.accumulate(module), accelerator.autocast():
@@ -259,30 +295,50 @@ def take_steps(run: Run) -> None:
     bar.close()
     if run.step > pace.first_step:
         n = accelerator.num_processes
-        accelerator.print(step_report(timer.seconds(), run.step - pace.first_step, int(pace.tokens) * n,
-                                      pace.slots * n, pace.training_seconds()))
+        accelerator.print(
+            step_report(
+                timer.seconds(),
+                run.step - pace.first_step,
+                int(pace.tokens) * n,
+                pace.slots * n,
+                pace.training_seconds(),
+            )
+        )
 
 
 def after_step(run: Run, logs: dict[str, torch.Tensor], pace: Pace, bar: tqdm) -> bool:
     """Log, validate and save as scheduled after an optimizer step; whether the run stops here."""
     cfg, accelerator, step = run.cfg, run.accelerator, run.step
-    out_of_time = cfg.max_minutes > 0 and step % cfg.logging_steps == 0 and ranks_agree(
-        accelerator, time.time() - pace.start > cfg.max_minutes * 60)
+    out_of_time = (
+        cfg.max_minutes > 0
+        and step % cfg.logging_steps == 0
+        and ranks_agree(accelerator, time.time() - pace.start > cfg.max_minutes * 60)
+    )
     stop = step >= run.total or out_of_time
     if step % cfg.logging_steps == 0:
         logs = {"train/" + k: float(v) for k, v in logs.items()} | {"lr": run.scheduler.get_last_lr()[0]}
         rate = float(pace.tokens) * accelerator.num_processes / max(pace.training_seconds(), 1e-9)
-        bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{rate:,.0f}",
-                        pad=f"{padding(float(pace.tokens), pace.slots):.1%}")
+        bar.set_postfix(
+            loss=f"{logs['train/loss']:.3f}",
+            tok_s=f"{rate:,.0f}",
+            pad=f"{padding(float(pace.tokens), pace.slots):.1%}",
+        )
         accelerator.log(logs, step=step)
     with pace.paused():
         if step % cfg.eval_steps == 0 or stop:
             with run.timer.paused():  # the step split counts training steps only
                 validate(run, bar.write)
         if step % cfg.save_steps == 0 or stop:
-            state = {"step": step, "epoch": run.epoch, "batches_done": run.batches_done, "metrics": run.metrics,
-                     "run_id": run.run_id, "fingerprint": run.fingerprint, "total_steps": run.total,
-                     "best": run.best.record}
+            state = {
+                "step": step,
+                "epoch": run.epoch,
+                "batches_done": run.batches_done,
+                "metrics": run.metrics,
+                "run_id": run.run_id,
+                "fingerprint": run.fingerprint,
+                "total_steps": run.total,
+                "best": run.best.record,
+            }
             save_checkpoint(accelerator, Path(cfg.output_dir), state, cfg.save_total_limit)
             if accelerator.is_main_process:
                 run.best.prune()
@@ -297,8 +353,9 @@ def validate(run: Run, write: Callable[[str], None]) -> None:
     run.history.append((run.step, run.metrics))
     run.best.offer(run.accelerator, run.module, run.step, run.metrics)
     if run.step:
-        run.accelerator.log({"eval/" + k: v for k, v in run.metrics.items() if not k.startswith("path/")},
-                            step=run.step)
+        run.accelerator.log(
+            {"eval/" + k: v for k, v in run.metrics.items() if not k.startswith("path/")}, step=run.step
+        )
     write(f"step {run.step}: " + format_metrics(run.metrics))
 
 
@@ -307,8 +364,10 @@ def finish(run: Run) -> torch.nn.Module:
     method names a metric) with its card and recipe; returns it, unwrapped."""
     accelerator, method, cfg = run.accelerator, run.method, run.cfg
     if weights_fingerprint(method.target) != run.fingerprint["target_weights"]:
-        raise RuntimeError("the frozen target's weights changed during training: a drafter trained on a moving "
-                           "target is wrong; check that no optimizer or engine received the target's parameters")
+        raise RuntimeError(
+            "the frozen target's weights changed during training: a drafter trained on a moving "
+            "target is wrong; check that no optimizer or engine received the target's parameters"
+        )
     accelerator.wait_for_everyone()
     # every rank helps gather the weights (ZeRO-3 / FSDP shard them); rank 0 fits the tree and writes once. A
     # sharded target needs every rank in each of its forwards: then every rank fits the same tree in step (the
@@ -334,9 +393,11 @@ def finish(run: Run) -> torch.nn.Module:
 
 def cut_short(step: int, total: int, minutes: float) -> str:
     """What a run stopped by its time budget says: how far it got of what it planned, and how to go on."""
-    return (f"stopping at step {step} of {total} ({step / total:.0%}): the {minutes:g}-minute budget (--max_minutes) is "
-            "spent, so the drafter saved is trained that far only; --resume latest --max_minutes 0 goes on to the "
-            "planned steps")
+    return (
+        f"stopping at step {step} of {total} ({step / total:.0%}): the {minutes:g}-minute budget (--max_minutes) is "
+        "spent, so the drafter saved is trained that far only; --resume latest --max_minutes 0 goes on to the "
+        "planned steps"
+    )
 
 
 def batches_keeping_rng(loader: DataLoader):
@@ -361,7 +422,9 @@ def save_recipe(cfg: TrainConfig, output_dir: Path) -> None:
     script = Path(sys.argv[0])
     if script.parent.name == "train" and script.suffix == ".py":
         recipe["command"] = "accelerate launch " + " ".join([f"train/{script.name}", *sys.argv[1:]])
-    atomic_write(output_dir / "training_args.json", lambda tmp: Path(tmp).write_text(json.dumps(recipe, indent=2)))
+    atomic_write(
+        output_dir / "training_args.json", lambda tmp: Path(tmp).write_text(json.dumps(recipe, indent=2))
+    )
 
 
 def ranks_agree(accelerator: Accelerator, flag: bool) -> bool:
@@ -374,8 +437,9 @@ def ranks_agree(accelerator: Accelerator, flag: bool) -> bool:
 
 
 @torch.no_grad()
-def run_eval(method: Method, module: torch.nn.Module, loader: DataLoader, max_batches: int,
-             accelerator: Accelerator) -> dict[str, float]:
+def run_eval(
+    method: Method, module: torch.nn.Module, loader: DataLoader, max_batches: int, accelerator: Accelerator
+) -> dict[str, float]:
     """The first `max_batches` validation batches, split across ranks (rank r takes r, r + n, ...) and the
     sums reduced, so n ranks compute what one would, n times faster."""
     module.eval()
@@ -395,9 +459,14 @@ def run_eval(method: Method, module: torch.nn.Module, loader: DataLoader, max_ba
 
 def heads_config(cfg: TrainConfig, target, kind: str, **fields: Any) -> HeadsConfig:
     """The drafter's config: the target's shapes and name, the run's dtype (the default at inference)."""
-    return HeadsConfig(kind=kind, base_model=cfg.model, hidden_size=target.config.get_text_config().hidden_size,
-                       vocab_size=target.get_output_embeddings().weight.shape[0],
-                       dtype=str(cfg.target_dtype).removeprefix("torch."), **fields)
+    return HeadsConfig(
+        kind=kind,
+        base_model=cfg.model,
+        hidden_size=target.config.get_text_config().hidden_size,
+        vocab_size=target.get_output_embeddings().weight.shape[0],
+        dtype=str(cfg.target_dtype).removeprefix("torch."),
+        **fields,
+    )
 
 
 def report_saved(cfg: TrainConfig, history: list[tuple[int, dict[str, float]]], what: str) -> None:

@@ -10,11 +10,14 @@ from torch.utils.checkpoint import checkpoint
 
 from selfspec.train.data.packing import reaches
 
-CHUNK_ELEMENTS = 2**26  # float32 logits per loss chunk (256 MiB): positions per chunk = this // vocabulary size
+CHUNK_ELEMENTS = (
+    2**26
+)  # float32 logits per loss chunk (256 MiB): positions per chunk = this // vocabulary size
 
 
-def labels_ahead(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int,
-                  seq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def labels_ahead(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int, seq: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels for head k (0-based): the token k + 2 positions after each input position.
 
         input    [x0, x1, x2, x3, x4, x5]     hidden h_t has read x0..x_t
@@ -53,8 +56,9 @@ def chunks(rows: tuple[torch.Tensor, ...], chunk: int, calls: int = 0) -> list[t
     return parts + [tuple(r[:0] for r in rows)] * (calls - len(parts))
 
 
-def agreed_calls(rows: list[int], chunk: int,
-                 agree: Callable[[torch.Tensor], torch.Tensor] | None) -> list[int]:
+def agreed_calls(
+    rows: list[int], chunk: int, agree: Callable[[torch.Tensor], torch.Tensor] | None
+) -> list[int]:
     """Per group of rows, how many chunks to project (at least one): this rank's own count, or under ZeRO-3/FSDP
     (`agree`, train.distributed.max_over_ranks) the largest over ranks, so every rank calls the drafter's own
     projection equally often."""
@@ -62,8 +66,9 @@ def agreed_calls(rows: list[int], chunk: int,
     return (agree(counts) if agree is not None else counts).tolist()
 
 
-def chunked_sum(fn: Callable[..., torch.Tensor], rows: tuple[torch.Tensor, ...], chunk: int,
-                calls: int = 1) -> torch.Tensor:
+def chunked_sum(
+    fn: Callable[..., torch.Tensor], rows: tuple[torch.Tensor, ...], chunk: int, calls: int = 1
+) -> torch.Tensor:
     """fn(*rows) for a fn that sums over rows (a scalar or a vector of sums), computed `chunk` rows at a time.
 
     Only one chunk's vocabulary-sized tensors are alive at once: with gradients each chunk is

@@ -29,8 +29,9 @@ LOSSES = ("ce", "kl")
 WEIGHTINGS = ("decay", "dpace")
 
 
-def sample_anchors(carries: torch.Tensor, count: int, generator: torch.Generator | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    carries: torch.Tensor, count: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `count` random anchors per row among the positions a whose next token carries a loss
     (`carries` (B, T) bool at a), without repeats -> anchors (B, N) and whether each is real (B, N), N = min(count,
     T); a row with fewer candidates fills the rest with position 1, marked not real."""
@@ -50,8 +51,9 @@ def anchor_carries(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return carries & reaches(segments(batch), 1) & (positions(batch) >= 1)
 
 
-def block_labels(batch: dict[str, torch.Tensor], anchors: torch.Tensor, real: torch.Tensor, block: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def block_labels(
+    batch: dict[str, torch.Tensor], anchors: torch.Tensor, real: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The label token of each block position j >= 1, x_{a+j}, and whether it counts (B, N, block − 1) each: a
     loss-bearing token of the anchor's own example."""
     T = batch["input_ids"].shape[1]
@@ -83,9 +85,17 @@ class DFlashLoss:
     """The loss and validation sums for one batch of block outputs. `lm_head` is the target's frozen head; the
     outputs' label rows are projected onto the vocabulary `chunk` rows at a time (checkpointed with gradients)."""
 
-    def __init__(self, lm_head: torch.nn.Module, block: int, loss: str = "ce", weighting: str = "decay",
-                 gamma: float = 7.0, alpha: float = 0.5, chunk: int = 256,
-                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        lm_head: torch.nn.Module,
+        block: int,
+        loss: str = "ce",
+        weighting: str = "decay",
+        gamma: float = 7.0,
+        alpha: float = 0.5,
+        chunk: int = 256,
+        agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.lm_head, self.block, self.kind, self.weighting = lm_head, block, loss, weighting
         self.gamma, self.alpha, self.chunk, self.agree = gamma, alpha, chunk, agree
 
@@ -97,7 +107,9 @@ class DFlashLoss:
         target's states (C, H) that predict it."""
         return self._loss_of(self.logits(out), label, target)
 
-    def _loss_of(self, logits: torch.Tensor, label: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    def _loss_of(
+        self, logits: torch.Tensor, label: torch.Tensor, target: torch.Tensor | None
+    ) -> torch.Tensor:
         logq = torch.log_softmax(logits, dim=-1)
         if target is None:
             return -logq.gather(1, label[:, None])[:, 0]
@@ -114,8 +126,14 @@ class DFlashLoss:
     def _weighted_sum(self, out, label, target, weight) -> torch.Tensor:
         return (self._per_row(out, label, target if target.numel() else None) * weight).sum()
 
-    def rows(self, outputs: torch.Tensor, batch: dict[str, torch.Tensor], anchors: torch.Tensor, real: torch.Tensor,
-             last: torch.Tensor | None):
+    def rows(
+        self,
+        outputs: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+        anchors: torch.Tensor,
+        real: torch.Tensor,
+        last: torch.Tensor | None,
+    ):
         """The label rows: block outputs (R, H), label tokens (R,), the target's states before each label (R, H)
         (KL only, else (R, 0)) and where each row sits in counts (B, N, Bk − 1)."""
         labels, counts = block_labels(batch, anchors, real, self.block)
@@ -124,8 +142,14 @@ class DFlashLoss:
         target = last[b, anchors[b, n] + j] if self.kind == "kl" else out.new_zeros(out.shape[0], 0)
         return out, labels[b, n, j], target, counts
 
-    def loss(self, outputs: torch.Tensor, batch: dict[str, torch.Tensor], anchors: torch.Tensor, real: torch.Tensor,
-             last: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self,
+        outputs: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+        anchors: torch.Tensor,
+        real: torch.Tensor,
+        last: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """outputs (B, N, Bk, H) of `DFlashDraft.packed`, the batch, its anchors (B, N) and which are real, the
         target's last hidden states (B, T, H) for KL -> the weighted mean loss and its logs."""
         out, label, target, counts = self.rows(outputs, batch, anchors, real, last)
@@ -133,8 +157,13 @@ class DFlashLoss:
         if self.weighting != "decay":
             with torch.no_grad():
                 per = torch.zeros(counts.shape, dtype=torch.float32, device=out.device)
-                per[counts] = torch.cat([self._per_row(o, lab, t if t.numel() else None) for o, lab, t in
-                                         chunks((out, label, target), self.chunk)] or [per.new_zeros(0)])
+                per[counts] = torch.cat(
+                    [
+                        self._per_row(o, lab, t if t.numel() else None)
+                        for o, lab, t in chunks((out, label, target), self.chunk)
+                    ]
+                    or [per.new_zeros(0)]
+                )
         weights = self.weights(per, counts)
         w = weights[counts]
         total = chunked_sum(self._weighted_sum, (out, label, target, w), self.chunk)
@@ -145,12 +174,20 @@ class DFlashLoss:
     def argmax_tokens(self, last: torch.Tensor) -> torch.Tensor:
         """The target's greedy next token at every position (B, T), from its last hidden states (B, T, H)."""
         rows = last.flatten(0, 1)
-        return torch.cat([self.logits(r).argmax(-1) for r, in chunks((rows,), self.chunk)]).view(last.shape[:2])
+        return torch.cat([self.logits(r).argmax(-1) for (r,) in chunks((rows,), self.chunk)]).view(
+            last.shape[:2]
+        )
 
     @torch.no_grad()
-    def metrics(self, outputs: torch.Tensor, batch: dict[str, torch.Tensor], anchors: torch.Tensor,
-                real: torch.Tensor, last: torch.Tensor, target_next: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def metrics(
+        self,
+        outputs: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+        anchors: torch.Tensor,
+        real: torch.Tensor,
+        last: torch.Tensor,
+        target_next: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Validation sums (float64): [loss sum, 1, hits per position (Bk − 1), counted per position (Bk − 1)], and
         each block's streak (B, N): its leading right positions, −1 where its first drafted position has no
         label. A position is right when the drafter's top-1 is the target's own next token (its argmax at the

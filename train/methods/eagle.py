@@ -34,7 +34,9 @@ class EagleMethod(MethodBase):
         self.draft_ids = draft.draft_ids.clone() if rows else None
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
-        self.chunk = chunk_rows(self.lm_head.weight.shape[0])  # positions projected onto the vocabulary at a time
+        self.chunk = chunk_rows(
+            self.lm_head.weight.shape[0]
+        )  # positions projected onto the vocabulary at a time
 
     def features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The target's last hidden states (B, T, H), from the batch when cached on disk."""
@@ -54,8 +56,13 @@ class EagleMethod(MethodBase):
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
         seq = segments(batch)
         pairs = pair_segments(seq)  # (B, T-1): the example of each pair, -1 where x_{t+1} is not in it
-        pred = self.module(inputs, batch["input_ids"][:, 1:], self.embed, attention_mask=block_causal_mask(pairs),
-                              position_ids=positions(batch)[:, :-1])
+        pred = self.module(
+            inputs,
+            batch["input_ids"][:, 1:],
+            self.embed,
+            attention_mask=block_causal_mask(pairs),
+            position_ids=positions(batch)[:, :-1],
+        )
         keep = labels_ahead(batch["input_ids"], batch["loss_mask"], 0, seq)[1][:, :-1] & (pairs >= 0)
         return pred[keep], feats[:, 1:][keep]
 
@@ -70,7 +77,9 @@ class EagleMethod(MethodBase):
             return logits.topk(RANKS, dim=-1).indices
         ids = self.draft_ids.to(logits.device)
         ranked = ids[logits[:, ids].topk(min(RANKS, ids.numel()), dim=-1).indices]
-        return F.pad(ranked, (0, RANKS - ranked.shape[1]), value=-1)  # -1: no token, for vocabularies under RANKS
+        return F.pad(
+            ranked, (0, RANKS - ranked.shape[1]), value=-1
+        )  # -1: no token, for vocabularies under RANKS
 
     def _cls_sum(self, pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
         """The soft-label cross-entropy of a chunk of pairs, summed: the target's distribution at the true
@@ -86,29 +95,44 @@ class EagleMethod(MethodBase):
         reg = F.smooth_l1_loss(pred.float(), true.float(), reduction="none").mean(-1).sum()
         cls = -(target.softmax(-1) * logits.log_softmax(-1)).sum()
         hits = (self._ranked(logits) == target.argmax(-1, keepdim=True)).sum(0)
-        return torch.cat([torch.stack([reg, cls]).double(), reg.new_tensor([pred.shape[0]], dtype=torch.float64),
-                          hits.double()])
+        return torch.cat(
+            [
+                torch.stack([reg, cls]).double(),
+                reg.new_tensor([pred.shape[0]], dtype=torch.float64),
+                hits.double(),
+            ]
+        )
 
     def loss(self, batch: dict[str, torch.Tensor], step: StepContext = FIRST_STEP) -> StepOutput:
         pred, true = self._predict(batch, self.cfg.noise)
         if pred.shape[0] == 0:
             zero = pred.sum() * 0.0
-            return StepOutput(zero, {"loss": zero.detach(), "reg_loss": zero.detach(), "cls_loss": zero.detach()})
+            return StepOutput(
+                zero, {"loss": zero.detach(), "reg_loss": zero.detach(), "cls_loss": zero.detach()}
+            )
         reg = F.smooth_l1_loss(pred.float(), true.float())
         cls = chunked_sum(self._cls_sum, (pred, true), self.chunk) / pred.shape[0]
         total = reg + self.cfg.w_cls * cls
         return StepOutput(total, {"loss": total.detach(), "reg_loss": reg.detach(), "cls_loss": cls.detach()})
 
-    def evaluate(self, batches: list[dict[str, torch.Tensor]],
-                 total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+    def evaluate(
+        self,
+        batches: list[dict[str, torch.Tensor]],
+        total: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> dict[str, float]:
         """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share)."""
         sums = torch.zeros(3 + RANKS, dtype=torch.float64, device=self.lm_head.weight.device)
         for batch in batches:
             sums += chunked_sum(self._eval_sums, self._predict(batch, 0.0), self.chunk)
         sums = (total(sums) if total else sums).cpu()
         reg, cls, count, hits = float(sums[0]), float(sums[1]), max(float(sums[2]), 1.0), sums[3:]
-        metrics = {"loss": (reg + self.cfg.w_cls * cls) / count, "reg_loss": reg / count, "cls_loss": cls / count,
-                   "top1": float(hits[0] / count), "top5": float(hits[:5].sum() / count)}
+        metrics = {
+            "loss": (reg + self.cfg.w_cls * cls) / count,
+            "reg_loss": reg / count,
+            "cls_loss": cls / count,
+            "top1": float(hits[0] / count),
+            "top5": float(hits[:5].sum() / count),
+        }
         for r in range(RANKS):
             metrics[f"rank_acc/{r}"] = float(hits[r] / count)
         return metrics
@@ -117,8 +141,15 @@ class EagleMethod(MethodBase):
         """Fit the dynamic tree here (unless the recipe sets it) and save the drafter with its validation."""
         cfg = self.cfg
         grid = eagle_grid(cfg.tune_depths, cfg.tune_top_ks, cfg.tune_totals)
-        fit = (lambda: fit_dynamic_tree(self.target, draft, self.tune_prompts, grid, cfg.tune_new_tokens,
-                                        "dynamic tree")) if self.tune_prompts else None
+        fit = (
+            (
+                lambda: fit_dynamic_tree(
+                    self.target, draft, self.tune_prompts, grid, cfg.tune_new_tokens, "dynamic tree"
+                )
+            )
+            if self.tune_prompts
+            else None
+        )
         save_with_tree(draft, output_dir, cfg, metrics, self.summary(metrics), fit)
 
     def summary(self, metrics: dict[str, float]) -> str:
@@ -130,7 +161,9 @@ class Eagle3Method(EagleMethod):
 
     label = "the EAGLE-3 drafter"
 
-    def __init__(self, cfg: EagleConfig, target, draft: Eagle3Draft, tune_prompts: list[torch.Tensor]) -> None:
+    def __init__(
+        self, cfg: EagleConfig, target, draft: Eagle3Draft, tune_prompts: list[torch.Tensor]
+    ) -> None:
         super().__init__(cfg, target, draft, tune_prompts)
         self.layers = draft.config.feature_layers
 
@@ -139,22 +172,38 @@ class Eagle3Method(EagleMethod):
         features; the target's lm_head projects only the positions that carry a label (in StepLoss)."""
         feats = batch_features(self.target, batch, self.layers, self.timer)
         hidden = self.lm_head.weight.shape[1]
-        ttt = StepLoss(self.trainable, self.cfg.ttt_steps, self.lm_head, self.chunk, runner=self.module,
-                       agree=self.agree)
-        return ttt, ttt.unroll(feats[..., :-hidden], batch, self.embed, unroll=self.cfg.ttt_steps), feats[..., -hidden:]
+        ttt = StepLoss(
+            self.trainable, self.cfg.ttt_steps, self.lm_head, self.chunk, runner=self.module, agree=self.agree
+        )
+        return (
+            ttt,
+            ttt.unroll(feats[..., :-hidden], batch, self.embed, unroll=self.cfg.ttt_steps),
+            feats[..., -hidden:],
+        )
 
     def loss(self, batch: dict[str, torch.Tensor], step: StepContext = FIRST_STEP) -> StepOutput:
         ttt, outputs, target = self._unroll(batch)
         return StepOutput(*ttt.loss(outputs, target, batch))
 
-    def evaluate(self, batches: list[dict[str, torch.Tensor]],
-                 total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+    def evaluate(
+        self,
+        batches: list[dict[str, torch.Tensor]],
+        total: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> dict[str, float]:
         """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share).
         "loss" is the mean of the batch losses over batches with trained tokens."""
-        return step_metrics(batches, self._unroll, self.cfg.ttt_steps, self.lm_head.weight.device, total,
-                            lambda i: f"step{i}_top1")
+        return step_metrics(
+            batches,
+            self._unroll,
+            self.cfg.ttt_steps,
+            self.lm_head.weight.device,
+            total,
+            lambda i: f"step{i}_top1",
+        )
 
     def summary(self, metrics: dict[str, float]) -> str:
         steps = " / ".join(f"{metrics[f'step{i}_top1']:.3f}" for i in range(self.cfg.ttt_steps))
-        return (f"top-1 agreement with the target per draft step {steps}; simulated acceptance length "
-                f"{metrics['sim_accept']:.2f} (chain, teacher-forced)")
+        return (
+            f"top-1 agreement with the target per draft step {steps}; simulated acceptance length "
+            f"{metrics['sim_accept']:.2f} (chain, teacher-forced)"
+        )

@@ -37,8 +37,11 @@ JOINT_BINS = 2**20  # at most this many rank vectors counted in validation (the 
 
 def measured_paths(metrics: dict[str, float]) -> dict[tuple[int, ...], float]:
     """The rank paths validation counted (`MedusaMethod.evaluate`), from its metrics: path -> how often it was right."""
-    return {tuple(int(r) for r in key[len(PATH_PREFIX):].split(".")): value
-            for key, value in metrics.items() if key.startswith(PATH_PREFIX)}
+    return {
+        tuple(int(r) for r in key[len(PATH_PREFIX) :].split(".")): value
+        for key, value in metrics.items()
+        if key.startswith(PATH_PREFIX)
+    }
 
 
 def joint_width(num_heads: int) -> int:
@@ -57,21 +60,27 @@ class MedusaMethod(MethodBase):
         self.cfg, self.target, self.trainable = cfg, target, heads
         self.lm_head = target.get_output_embeddings()
         self.num_heads, self.shared = heads.config.num_heads, heads.config.share_lm_head
-        self.chunk = chunk_rows(heads.config.vocab_size)  # loss positions projected onto the vocabulary at a time
+        self.chunk = chunk_rows(
+            heads.config.vocab_size
+        )  # loss positions projected onto the vocabulary at a time
 
-    def _features(self, batch: dict[str, torch.Tensor],
-                  some: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def _features(
+        self, batch: dict[str, torch.Tensor], some: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The target's last hidden states (B, T, H) and the K heads' features at the `some` positions (M, H)."""
         hidden = self._hidden(batch)
         return hidden, self.module(hidden[some], project=False)  # one call through the (wrapped) heads
 
     def _hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad(), self.timer.section("target"):  # the frozen target; base_model skips its lm_head
-            out = self.target.base_model(input_ids=batch["input_ids"], use_cache=False, **target_inputs(batch))
+            out = self.target.base_model(
+                input_ids=batch["input_ids"], use_cache=False, **target_inputs(batch)
+            )
         return out.last_hidden_state  # (B, T, H)
 
-    def _per_head(self, batch: dict[str, torch.Tensor]
-                  ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor, int]]]:
+    def _per_head(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor, int]]]:
         """The target's hidden states (B, T, H), and per head k: its features at its loss positions only (M_k, H),
         before any vocabulary projection (done chunk by chunk in `_logits`), the labels (M_k,), and how many chunks
         to project them in."""
@@ -94,7 +103,9 @@ class MedusaMethod(MethodBase):
     def _ce_sum(self, k: int, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self._logits(k, outputs), labels, reduction="sum")
 
-    def _eval_head(self, k: int, outputs: torch.Tensor, labels: torch.Tensor, calls: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eval_head(
+        self, k: int, outputs: torch.Tensor, labels: torch.Tensor, calls: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Head k's summed cross-entropy (float64) and the rank of each label among its RANKS best (RANKS: not
         among them), the logits projected chunk by chunk."""
         ce, ranks = torch.zeros((), dtype=torch.float64, device=labels.device), []
@@ -110,18 +121,24 @@ class MedusaMethod(MethodBase):
         logs["loss"] = total.detach()
         return StepOutput(total, logs)
 
-    def _heads_loss(self, heads: list[tuple[int, torch.Tensor, torch.Tensor, int]]
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _heads_loss(
+        self, heads: list[tuple[int, torch.Tensor, torch.Tensor, int]]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """sum_k head_decay^k CE_k over each head's loss positions, and each CE_k detached for the logs."""
         total, logs = 0.0, {}
         for k, outputs, labels, calls in heads:
-            ce = chunked_sum(partial(self._ce_sum, k), (outputs, labels), self.chunk, calls) / max(labels.numel(), 1)
+            ce = chunked_sum(partial(self._ce_sum, k), (outputs, labels), self.chunk, calls) / max(
+                labels.numel(), 1
+            )
             total = total + self.cfg.head_decay**k * ce
             logs[f"head{k}_loss"] = ce.detach()
         return total, logs
 
-    def evaluate(self, batches: list[dict[str, torch.Tensor]],
-                 total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+    def evaluate(
+        self,
+        batches: list[dict[str, torch.Tensor]],
+        total: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> dict[str, float]:
         """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share). They
         include how often each of the most frequent rank paths of the heads was right (`measured_paths`), which
         the saved tree is fitted to."""
@@ -129,11 +146,15 @@ class MedusaMethod(MethodBase):
         width = joint_width(K)
         # per head, summed over batches, then over processes: cross-entropy, labels, hits at rank 0..RANKS-1
         sums = torch.zeros(K, 2 + RANKS, dtype=torch.float64, device=device)
-        joint = torch.zeros((width + 1) ** K if width else 1, dtype=torch.float64, device=device)  # positions per rank vector
+        joint = torch.zeros(
+            (width + 1) ** K if width else 1, dtype=torch.float64, device=device
+        )  # positions per rank vector
         for batch in batches:
             hidden, heads = self._per_head(batch)
             self._eval_extra(batch, hidden)
-            masks = [labels_ahead(batch["input_ids"], batch["loss_mask"], k, segments(batch))[1] for k in range(K)]
+            masks = [
+                labels_ahead(batch["input_ids"], batch["loss_mask"], k, segments(batch))[1] for k in range(K)
+            ]
             every = torch.stack(masks).all(0)  # (B, T): positions where every head has a label
             code = torch.zeros(int(every.sum()), dtype=torch.long, device=device)
             for (k, outputs, labels, calls), mask in zip(heads, masks):
@@ -145,7 +166,7 @@ class MedusaMethod(MethodBase):
             joint += torch.bincount(code, minlength=joint.numel()).double()
         both = torch.cat([sums.flatten(), joint])  # one reduction across processes
         both = (total(both) if total else both).cpu()
-        sums, joint = both[: sums.numel()].view_as(sums), both[sums.numel():]
+        sums, joint = both[: sums.numel()].view_as(sums), both[sums.numel() :]
         seen = joint.nonzero().squeeze(1)
         vectors = torch.stack([seen // (width + 1) ** k % (width + 1) for k in range(K)], 1)
         paths = path_frequencies(vectors, width, joint[seen]) if width else {}
@@ -167,7 +188,9 @@ class MedusaMethod(MethodBase):
         """Measure the target's forward time against tree size here and keep the fastest expected tree."""
         latency = forward_latency(self.target, [1, 4, 8, 12, 16, 24, 32, 48, 64])
         choices, rows = fit_tree(accuracy, latency)
-        print("tree fitted to this machine (expected tokens per step from how often each path was right in validation):")
+        print(
+            "tree fitted to this machine (expected tokens per step from how often each path was right in validation):"
+        )
         print(format_tree_rows(rows, choices))
         return choices
 
@@ -176,14 +199,20 @@ class MedusaMethod(MethodBase):
         K = self.cfg.num_heads
         if not metrics:  # the loop always evaluates before saving; never write a card of zeros or a null tree
             raise ValueError("no validation metrics to fit the tree to: evaluate before saving")
-        acc = torch.tensor([[metrics[f"rank_acc/{k}/{r}"] for r in range(RANKS)] for k in range(K)]).clamp(min=1e-6)
+        acc = torch.tensor([[metrics[f"rank_acc/{k}/{r}"] for r in range(RANKS)] for k in range(K)]).clamp(
+            min=1e-6
+        )
         # fitted to how often each rank path was right in the last evaluation (the heads' hits go together), else
         # to the product of per-head accuracies
         paths = measured_paths(metrics) or acc
         if self.cfg.tree_nodes > 0:
-            heads.config.tree = fill_choices(best_choices(paths, self.cfg.tree_nodes), acc, self.cfg.tree_nodes)
+            heads.config.tree = fill_choices(
+                best_choices(paths, self.cfg.tree_nodes), acc, self.cfg.tree_nodes
+            )
         else:
             heads.config.tree = self.fit_tree(paths)
-        table = "\n".join(f"| {k} | {metrics[f'head{k}_top1']:.3f} | {metrics[f'head{k}_loss']:.3f} |" for k in range(K))
+        table = "\n".join(
+            f"| {k} | {metrics[f'head{k}_top1']:.3f} | {metrics[f'head{k}_loss']:.3f} |" for k in range(K)
+        )
         card = f"\n## Validation (last evaluation)\n\n| head | top-1 | loss |\n|---|---|---|\n{table}\n"
         heads.save_pretrained(output_dir, card_extra=card)

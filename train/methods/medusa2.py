@@ -66,8 +66,12 @@ def lora_targets(model: nn.Module) -> list[str]:
     to the input embeddings (merging a LoRA into a tied lm_head would change the embeddings too)."""
     from transformers.pytorch_utils import Conv1D
 
-    names = {name.rsplit(".", 1)[-1] for layer in decoder_layers(model) for name, module in layer.named_modules()
-             if isinstance(module, (nn.Linear, Conv1D))}
+    names = {
+        name.rsplit(".", 1)[-1]
+        for layer in decoder_layers(model)
+        for name, module in layer.named_modules()
+        if isinstance(module, (nn.Linear, Conv1D))
+    }
     head = model.get_output_embeddings()
     if head is not None and head.weight is not model.get_input_embeddings().weight:
         names.add(next(n for n, m in model.named_modules() if m is head))
@@ -78,8 +82,14 @@ def add_lora(target: nn.Module, r: int, alpha: int, dropout: float) -> nn.Module
     """The target wrapped by peft with a LoRA on `lora_targets` (B = 0: it computes exactly the target at first)."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=lora_targets(target),
-                        bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=lora_targets(target),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(target, config)
 
 
@@ -96,27 +106,40 @@ class JointMedusa(nn.Module):
         self.register_state_dict_post_hook(_drop_frozen)
         self.register_load_state_dict_post_hook(_frozen_not_missing)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, some: torch.Tensor,
-                joint: bool = True, push: float = 1.0, position_ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        some: torch.Tensor,
+        joint: bool = True,
+        push: float = 1.0,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The adapted target's last hidden states (B, T, H) and the heads' features at `some` (M, H) each; with
         joint=False the target runs without gradients (the heads-only stage), else the heads' gradient reaches
         it scaled by `push` (lambda(t)). Packed rows: position_ids and no attention_mask (train.packing)."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and joint):
-            hidden = self.backbone.get_base_model().base_model(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=False).last_hidden_state
+            hidden = (
+                self.backbone.get_base_model()
+                .base_model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                )
+                .last_hidden_state
+            )
         return hidden, self.heads(scale_grad(hidden[some], push), project=False)
 
     def frozen(self, key: str) -> bool:
         """Whether a state-dict key (any wrapper's `module.` prefixes removed) names a frozen target tensor."""
         while key.startswith("module."):
-            key = key[len("module."):]
+            key = key[len("module.") :]
         return key not in self.trained
 
 
 def _drop_frozen(module: JointMedusa, state: dict, prefix: str, _metadata) -> None:
-    for key in [k for k in state if k.startswith(prefix) and module.frozen(k[len(prefix):])]:
+    for key in [k for k in state if k.startswith(prefix) and module.frozen(k[len(prefix) :])]:
         del state[key]
 
 
@@ -142,8 +165,11 @@ class Medusa2Method(MedusaMethod):
         if not self._joint_stage():
             return 0.0
         joint_steps = max(self.stage.total_steps - self.cfg.heads_only_steps, 1)
-        return heads_weight(self.cfg.heads_schedule, self.cfg.heads_coefficient,
-                            (self.stage.step - self.cfg.heads_only_steps) / joint_steps)
+        return heads_weight(
+            self.cfg.heads_schedule,
+            self.cfg.heads_coefficient,
+            (self.stage.step - self.cfg.heads_only_steps) / joint_steps,
+        )
 
     def param_groups(self, lr: float) -> list[dict]:
         """The adapters at the run's learning rate, the heads at head_lr_multiplier times it."""
@@ -156,8 +182,13 @@ class Medusa2Method(MedusaMethod):
 
     def _features(self, batch, some):
         with self.timer.section("target"):  # the adapted target's forward (its backward: the drafter's part)
-            return self.module(batch["input_ids"], some=some, joint=self._joint_stage() and torch.is_grad_enabled(),
-                                  push=self._heads_weight(), **target_inputs(batch))
+            return self.module(
+                batch["input_ids"],
+                some=some,
+                joint=self._joint_stage() and torch.is_grad_enabled(),
+                push=self._heads_weight(),
+                **target_inputs(batch),
+            )
 
     def _logits(self, k: int, outputs: torch.Tensor) -> torch.Tensor:
         if not self.shared:  # the heads' own projection, inside the joint module (DDP and DeepSpeed wrap it)
@@ -191,8 +222,13 @@ class Medusa2Method(MedusaMethod):
         mask = batch["loss_mask"][:, 1:].bool() & reaches(segments(batch), 1)[:, :-1]  # t predicts t + 1
         labels = batch["input_ids"][:, 1:][mask]
         with torch.no_grad(), self.backbone.disable_adapter(), self.timer.section("target"):
-            frozen = self.target.base_model(input_ids=batch["input_ids"], use_cache=False,
-                                            **target_inputs(batch)).last_hidden_state if self.kl else None
+            frozen = (
+                self.target.base_model(
+                    input_ids=batch["input_ids"], use_cache=False, **target_inputs(batch)
+                ).last_hidden_state
+                if self.kl
+                else None
+            )
         adapted = hidden[:, :-1][mask]
         return adapted, (frozen[:, :-1][mask] if frozen is not None else adapted.detach()), labels
 
@@ -204,7 +240,9 @@ class Medusa2Method(MedusaMethod):
             return torch.stack([torch.zeros_like(ce), ce])
         with torch.no_grad(), self.backbone.disable_adapter():
             reference = self.lm_head(frozen.to(self.lm_head.weight.dtype)).float().log_softmax(-1)
-        return torch.stack([F.kl_div(logits.log_softmax(-1), reference, log_target=True, reduction="sum"), ce])
+        return torch.stack(
+            [F.kl_div(logits.log_softmax(-1), reference, log_target=True, reduction="sum"), ce]
+        )
 
     def _l0_total(self, batch, hidden) -> tuple[torch.Tensor, int]:
         """[KL, cross-entropy] summed over the batch's trained positions, and how many there are."""
@@ -241,8 +279,10 @@ class Medusa2Method(MedusaMethod):
         kl, ce = self._l0_parts(batch, hidden)
         l0 = self._combine(kl, ce)
         # the objective is l0 + lambda * heads_loss: lambda is applied on the way back into the target
-        logs |= self._l0_logs(kl.detach(), ce.detach()) | {"heads_loss": heads_loss.detach(),
-                 "loss": (l0 + self._heads_weight() * heads_loss).detach()}
+        logs |= self._l0_logs(kl.detach(), ce.detach()) | {
+            "heads_loss": heads_loss.detach(),
+            "loss": (l0 + self._heads_weight() * heads_loss).detach(),
+        }
         return StepOutput(l0 + heads_loss, logs)
 
     def _eval_extra(self, batch, hidden) -> None:
@@ -262,7 +302,9 @@ class Medusa2Method(MedusaMethod):
         """The adapter (peft's format), then the heads with a tree fitted on the merged target; with `merge` the
         merged target (and tokenizer) next to them instead of the adapter."""
         backbone, heads = joint.backbone, joint.heads
-        stale = output_dir / (ADAPTER_DIR if self.cfg.merge else MERGED_DIR)  # a resumed run saved the other form
+        stale = output_dir / (
+            ADAPTER_DIR if self.cfg.merge else MERGED_DIR
+        )  # a resumed run saved the other form
         if stale.is_dir():
             shutil.rmtree(stale)
         if self.cfg.merge:

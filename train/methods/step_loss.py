@@ -35,9 +35,16 @@ class Labels:
     states (R, H) are kept: the soft labels are recomputed chunk by chunk where they are needed.
     """
 
-    def __init__(self, target: torch.Tensor, batch: dict[str, torch.Tensor],
-                 target_logits: Callable[[torch.Tensor], torch.Tensor], chunk: int) -> None:
-        carries = batch["loss_mask"][:, 2:].bool() & batch["attention_mask"][:, 2:].bool()  # (B, T-2): p = 1..T-2
+    def __init__(
+        self,
+        target: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+        target_logits: Callable[[torch.Tensor], torch.Tensor],
+        chunk: int,
+    ) -> None:
+        carries = (
+            batch["loss_mask"][:, 2:].bool() & batch["attention_mask"][:, 2:].bool()
+        )  # (B, T-2): p = 1..T-2
         self.b, p = carries.nonzero(as_tuple=True)
         self.p = p + 1  # (R,) each
         self.seq = segments(batch)  # (B, T): a path from t reaches label row p only inside t's example
@@ -64,9 +71,15 @@ class StepLoss:
     `draft` (the module itself) answers attribute reads.
     """
 
-    def __init__(self, draft: torch.nn.Module, steps: int, lm_head: torch.nn.Module | None = None,
-                 chunk: int | None = None, runner: torch.nn.Module | None = None,
-                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        draft: torch.nn.Module,
+        steps: int,
+        lm_head: torch.nn.Module | None = None,
+        chunk: int | None = None,
+        runner: torch.nn.Module | None = None,
+        agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.draft, self.steps, self.lm_head, self.agree = draft, steps, lm_head, agree
         self.runner = runner if runner is not None else draft
         self.chunk = chunk or chunk_rows(draft.t2d.numel())
@@ -80,7 +93,10 @@ class StepLoss:
                     self.label_weight, self.label_bias = lm_head.weight, bias
                 else:
                     ids = self.draft_ids.to(lm_head.weight.device)
-                    self.label_weight, self.label_bias = lm_head.weight[ids], None if bias is None else bias[ids]
+                    self.label_weight, self.label_bias = (
+                        lm_head.weight[ids],
+                        None if bias is None else bias[ids],
+                    )
 
     def target_logits(self, states: torch.Tensor) -> torch.Tensor:
         """The target's float32 logits over its whole vocabulary (C, V) at these states (C, H)."""
@@ -94,14 +110,22 @@ class StepLoss:
             return states.float().index_select(-1, self.draft_ids)
         return F.linear(states.to(self.label_weight.dtype), self.label_weight, self.label_bias).float()
 
-    def unroll(self, features: torch.Tensor, batch: dict[str, torch.Tensor], embed, **options) -> list[torch.Tensor]:
+    def unroll(
+        self, features: torch.Tensor, batch: dict[str, torch.Tensor], embed, **options
+    ) -> list[torch.Tensor]:
         """The drafter's outputs per step (B, T-1, H) each over the pairs (F_t, x_{t+1}); in packed rows each pair
         attends within its example (train.packing.block_causal_mask), at its position there. `options` go to the
         drafter's forward (EAGLE-3: unroll=steps; P-EAGLE: depths and anchors)."""
         context = block_causal_mask(pair_segments(segments(batch)))  # (B, 1, T-1, T-1)
         dtype = next(self.draft.parameters()).dtype
-        return self.runner(features[:, :-1].to(dtype), batch["input_ids"][:, 1:], embed, context,
-                           positions(batch)[:, :-1], **options)
+        return self.runner(
+            features[:, :-1].to(dtype),
+            batch["input_ids"][:, 1:],
+            embed,
+            context,
+            positions(batch)[:, :-1],
+            **options,
+        )
 
     def _calls(self, rows: list[int]) -> list[int]:
         return agreed_calls(rows, self.chunk, self.agree)
@@ -114,8 +138,13 @@ class StepLoss:
         logq = torch.log_softmax(self.draft.logits(outputs).float(), dim=-1)  # (C, N)
         return -(probs * logq).sum()
 
-    def loss(self, outputs: list[torch.Tensor], target: torch.Tensor, batch: dict[str, torch.Tensor],
-             keep: list[torch.Tensor | None] | None = None):
+    def loss(
+        self,
+        outputs: list[torch.Tensor],
+        target: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+        keep: list[torch.Tensor | None] | None = None,
+    ):
         """The weighted sum of the steps' soft cross-entropies and each step's, for logging; `keep` (B, T) bool per
         step (None: every position) limits a step to the positions its outputs were computed at."""
         total = outputs[0].sum() * 0.0
@@ -155,7 +184,9 @@ class StepLoss:
         calls = self._calls([labels.step(i)[0].numel() for i in range(len(outputs))])
         for i, out in enumerate(outputs):
             rows, b, t = labels.step(i)
-            guess = torch.cat([self.draft.logits(o).argmax(-1) for o, in chunks((out[b, t],), self.chunk, calls[i])])
+            guess = torch.cat(
+                [self.draft.logits(o).argmax(-1) for (o,) in chunks((out[b, t],), self.chunk, calls[i])]
+            )
             agree = self.draft.to_target(guess) == labels.argmax[rows]
             hits[i], counts[i] = agree.sum(), rows.numel()
             agreed = torch.zeros_like(streak)
@@ -165,9 +196,14 @@ class StepLoss:
         return hits, counts, accepted, positions
 
 
-def step_metrics(batches: list[dict[str, torch.Tensor]], unroll: Callable[[dict], tuple[StepLoss, list, torch.Tensor]],
-                 steps: int, device: torch.device, total: Callable[[torch.Tensor], torch.Tensor] | None,
-                 name: Callable[[int], str]) -> dict[str, float]:
+def step_metrics(
+    batches: list[dict[str, torch.Tensor]],
+    unroll: Callable[[dict], tuple[StepLoss, list, torch.Tensor]],
+    steps: int,
+    device: torch.device,
+    total: Callable[[torch.Tensor], torch.Tensor] | None,
+    name: Callable[[int], str],
+) -> dict[str, float]:
     """Validation of a per-step drafter over `batches`, each unrolled by `unroll(batch)` -> (loss, outputs, target
     states); `total` sums over processes (each evaluating its share). "loss" is the mean batch loss over batches
     with trained tokens, "sim_accept" the chain's teacher-forced acceptance length (1 + the leading steps whose
@@ -178,10 +214,16 @@ def step_metrics(batches: list[dict[str, torch.Tensor]], unroll: Callable[[dict]
         loss, outputs, target = unroll(batch)
         value = loss.loss(outputs, target, batch)[0].detach().double()
         hits, counts, accepted, positions = loss.agreement(outputs, target, batch)
-        counted = (positions > 0).double()  # a batch without trained tokens (a rank's filler) counts for nothing
+        counted = (
+            positions > 0
+        ).double()  # a batch without trained tokens (a rank's filler) counts for nothing
         sums += torch.cat([torch.stack([value, counted, accepted, positions]), hits, counts])
     sums = (total(sums) if total else sums).cpu()
     value, seen, accepted, positions = sums[:4].tolist()
     top = sums[4 : 4 + steps] / sums[4 + steps :].clamp(min=1)
-    metrics = {"loss": value / max(seen, 1), "top1": float(top[0]), "sim_accept": accepted / max(positions, 1)}
+    metrics = {
+        "loss": value / max(seen, 1),
+        "top1": float(top[0]),
+        "sim_accept": accepted / max(positions, 1),
+    }
     return metrics | {name(i): float(top[i]) for i in range(steps)}

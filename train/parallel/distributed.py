@@ -72,7 +72,8 @@ def fsdp_without_gpu(accelerator: Accelerator) -> None:
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or accelerator.distributed_type != (
-            DistributedType.MULTI_CPU):
+        DistributedType.MULTI_CPU
+    ):
         return
     plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* settings of the launch
     if accelerator.mixed_precision != "no":  # what accelerate does for a plugin it builds itself (GPUs)
@@ -87,9 +88,14 @@ def check_engine() -> None:
     projections outside its forward."""
     import os
 
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("FSDP_VERSION", "1") != "2":
-        raise ConfigError("FSDP version 1 is not supported: set `fsdp_version: 2` under fsdp_config "
-                          "(as configs/accelerate/fsdp.yaml does)")
+    if (
+        os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        and os.environ.get("FSDP_VERSION", "1") != "2"
+    ):
+        raise ConfigError(
+            "FSDP version 1 is not supported: set `fsdp_version: 2` under fsdp_config "
+            "(as configs/accelerate/fsdp.yaml does)"
+        )
 
 
 def launch_request(cmdline: list[str], cwd: str) -> dict[str, Any] | None:
@@ -97,10 +103,12 @@ def launch_request(cmdline: list[str], cwd: str) -> dict[str, Any] | None:
     of processes, from its --config_file and --num_processes; None when it is not an accelerate launch."""
     import yaml
 
-    if "launch" not in cmdline or not any(Path(a).name == "accelerate" or a.endswith("accelerate.commands.launch")
-                                          for a in cmdline[: cmdline.index("launch") + 1]):
+    if "launch" not in cmdline or not any(
+        Path(a).name == "accelerate" or a.endswith("accelerate.commands.launch")
+        for a in cmdline[: cmdline.index("launch") + 1]
+    ):
         return None
-    args = cmdline[cmdline.index("launch") + 1:]
+    args = cmdline[cmdline.index("launch") + 1 :]
 
     def option(name: str) -> str | None:
         for i, arg in enumerate(args):
@@ -118,8 +126,13 @@ def launch_request(cmdline: list[str], cwd: str) -> dict[str, Any] | None:
         except (OSError, yaml.YAMLError):
             config = {}
     kind = str(config.get("distributed_type", "")).upper()
-    engine = ("deepspeed" if kind == "DEEPSPEED" or "deepspeed_config" in config else
-              "fsdp" if kind == "FSDP" else None)
+    engine = (
+        "deepspeed"
+        if kind == "DEEPSPEED" or "deepspeed_config" in config
+        else "fsdp"
+        if kind == "FSDP"
+        else None
+    )
     processes = option("--num_processes") or config.get("num_processes") or 1
     try:
         processes = int(processes)
@@ -128,32 +141,48 @@ def launch_request(cmdline: list[str], cwd: str) -> dict[str, Any] | None:
     return {"config_file": path, "engine": engine, "num_processes": processes}
 
 
-def check_launch_in_effect(request: dict[str, Any] | None, env: dict[str, str], gpus: int | None = None,
-                           cores: int | None = None) -> None:
+def check_launch_in_effect(
+    request: dict[str, Any] | None, env: dict[str, str], gpus: int | None = None, cores: int | None = None
+) -> None:
     """Refuse a run whose launch asked for DeepSpeed, FSDP or several processes that are not in effect (accelerate
     launch --cpu silently drops a DeepSpeed or FSDP config and starts one plain process), or for more processes
     than a machine without GPUs has cores (a GPU config there starts them all as CPU processes). `gpus`, `cores`:
     this machine's (default: counted)."""
     if request is None:
         return
-    where = f"accelerate launch --config_file {request['config_file']}" if request["config_file"] else "accelerate launch"
-    flag = {"deepspeed": "ACCELERATE_USE_DEEPSPEED", "fsdp": "ACCELERATE_USE_FSDP"}.get(request["engine"] or "")
+    where = (
+        f"accelerate launch --config_file {request['config_file']}"
+        if request["config_file"]
+        else "accelerate launch"
+    )
+    flag = {"deepspeed": "ACCELERATE_USE_DEEPSPEED", "fsdp": "ACCELERATE_USE_FSDP"}.get(
+        request["engine"] or ""
+    )
     if flag and env.get(flag, "false").lower() != "true":
-        fix = ("drop --cpu and set DS_ACCELERATOR=cpu instead, as the README's CPU commands do"
-               if request["engine"] == "deepspeed" else "drop --cpu (FSDP2 runs on CPU without it)")
-        raise ConfigError(f"{where} asks for {'DeepSpeed' if flag.endswith('DEEPSPEED') else 'FSDP'}, but it is not "
-                          f"in effect (--cpu drops that config): {fix}")
+        fix = (
+            "drop --cpu and set DS_ACCELERATOR=cpu instead, as the README's CPU commands do"
+            if request["engine"] == "deepspeed"
+            else "drop --cpu (FSDP2 runs on CPU without it)"
+        )
+        raise ConfigError(
+            f"{where} asks for {'DeepSpeed' if flag.endswith('DEEPSPEED') else 'FSDP'}, but it is not "
+            f"in effect (--cpu drops that config): {fix}"
+        )
     running = int(env.get("WORLD_SIZE", "1"))
     if request["num_processes"] > running:
-        raise ConfigError(f"{where} asks for {request['num_processes']} processes, but {running} is running "
-                          "(--cpu with a GPU config starts one): launch with configs/accelerate/cpu-2proc.yaml, or "
-                          "without --cpu")
+        raise ConfigError(
+            f"{where} asks for {request['num_processes']} processes, but {running} is running "
+            "(--cpu with a GPU config starts one): launch with configs/accelerate/cpu-2proc.yaml, or "
+            "without --cpu"
+        )
     gpus = torch.cuda.device_count() if gpus is None else gpus
     cores = (os.cpu_count() or 1) if cores is None else cores
     if gpus == 0 and request["num_processes"] > cores:
-        raise ConfigError(f"{where} asks for {request['num_processes']} processes, but this machine has no GPU and "
-                          f"{cores} CPU cores, so they would all share those: launch with "
-                          "configs/accelerate/cpu.yaml (one process) or cpu-2proc.yaml (two), or pass --num_processes")
+        raise ConfigError(
+            f"{where} asks for {request['num_processes']} processes, but this machine has no GPU and "
+            f"{cores} CPU cores, so they would all share those: launch with "
+            "configs/accelerate/cpu.yaml (one process) or cpu-2proc.yaml (two), or pass --num_processes"
+        )
 
 
 def check_launch() -> None:
@@ -201,8 +230,9 @@ def max_over_ranks(accelerator: Accelerator) -> Callable[[torch.Tensor], torch.T
     return agree
 
 
-def expose_methods(accelerator: Accelerator, prepared: torch.nn.Module,
-                   names: tuple[str, ...] = ("logits", "project_head")) -> None:
+def expose_methods(
+    accelerator: Accelerator, prepared: torch.nn.Module, names: tuple[str, ...] = ("logits", "project_head")
+) -> None:
     """Let the losses call these drafter methods besides forward (EAGLE-3's `logits` and the Medusa heads'
     `project_head`, chunk by chunk): under
     FSDP2 they then gather the sharded weights as forward does. (ZeRO-3 hooks every submodule already.)"""
@@ -229,9 +259,11 @@ def configure_deepspeed(accelerator: Accelerator, max_grad_norm: float) -> None:
     if clip == "auto":
         config["gradient_clipping"] = float(max_grad_norm)
     elif float(clip) != float(max_grad_norm):
-        raise ConfigError(f"the DeepSpeed config sets gradient_clipping {clip} but --max_grad_norm is {max_grad_norm}: "
-                          'set "gradient_clipping": "auto" in the JSON (it then follows --max_grad_norm) or pass '
-                          f"--max_grad_norm {clip}")
+        raise ConfigError(
+            f"the DeepSpeed config sets gradient_clipping {clip} but --max_grad_norm is {max_grad_norm}: "
+            'set "gradient_clipping": "auto" in the JSON (it then follows --max_grad_norm) or pass '
+            f"--max_grad_norm {clip}"
+        )
 
 
 def scheduler_steps_per_update(accelerator: Accelerator) -> int:
@@ -240,8 +272,9 @@ def scheduler_steps_per_update(accelerator: Accelerator) -> int:
     return 1 if deepspeed_plugin(accelerator) is not None else accelerator.num_processes
 
 
-def gathered_module(accelerator: Accelerator, prepared: torch.nn.Module,
-                    everywhere: bool = False) -> torch.nn.Module | None:
+def gathered_module(
+    accelerator: Accelerator, prepared: torch.nn.Module, everywhere: bool = False
+) -> torch.nn.Module | None:
     """The trained drafter with its full weights, on the main process (None on the others; on every rank with
     `everywhere`, for work all ranks do with it in step, like fitting the tree on a sharded target).
 
@@ -260,7 +293,9 @@ def gathered_module(accelerator: Accelerator, prepared: torch.nn.Module,
     elif not accelerator.is_main_process:
         return None
     module = plain_class(inner)(inner.config)
-    module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+    module.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True
+    )
     return module.to(accelerator.device)
 
 

@@ -33,8 +33,12 @@ def _target_width(cfg: Any) -> int:
 
 def _shape(target: nn.Module) -> tuple[int, int, int, int]:
     text = target.config.get_text_config()
-    return (text.hidden_size, text.num_hidden_layers, getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
-            target.get_output_embeddings().weight.shape[0])
+    return (
+        text.hidden_size,
+        text.num_hidden_layers,
+        getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+        target.get_output_embeddings().weight.shape[0],
+    )
 
 
 def target_forward_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, length: int) -> int:
@@ -68,8 +72,12 @@ def eagle3_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, lengt
     n, hd = B * T, h * d  # k and v are repeated to h heads (repeat_kv) before they are saved
 
     def step(i: int) -> int:
-        norms = _norm(n, H, a, cast, True) + _norm(n, H, a, cast, False)  # hidden_norm, input_layernorm(embeds)
-        qkv_in = (3 * a * 2 * H if cast else F32 * 2 * H) * n  # q/k/v_proj each cast cat(normed embeds, hidden)
+        norms = _norm(n, H, a, cast, True) + _norm(
+            n, H, a, cast, False
+        )  # hidden_norm, input_layernorm(embeds)
+        qkv_in = (
+            3 * a * 2 * H if cast else F32 * 2 * H
+        ) * n  # q/k/v_proj each cast cat(normed embeds, hidden)
         # q, repeated k and v, the contiguous copies matmul makes of q, keys and values for its bmm, o_proj's input
         attn_proj = 7 * a * n * hd
         rope = 2 * a * B * T * d  # cos, sin
@@ -84,11 +92,17 @@ def eagle3_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, lengt
     outputs = steps * F32 * n * H  # the step outputs, float32 once they leave the prepared module
     label_rows = B * (T - 1)  # positions whose next token carries the loss (all of a packed text block)
     chunk = min(label_rows, chunk_rows(V))
-    labels = at * label_rows * H + min(label_rows, chunk) * V * (at + (F32 if at < F32 else 0))  # argmax chunk
+    labels = at * label_rows * H + min(label_rows, chunk) * V * (
+        at + (F32 if at < F32 else 0)
+    )  # argmax chunk
     kept = sum(B * (T - 1 - i) * H * (F32 + at) for i in range(steps))  # checkpointed chunks' inputs
     ce_chunk = chunk * N * (3 * F32 + a + at)  # soft labels, logits, log-softmax of the live chunk
-    loss = saved + features + outputs + at * label_rows * H + max(labels - at * label_rows * H, kept + ce_chunk)
-    backward = saved + kept + outputs + B * h * T * (T + steps) * (a + 2 * F32)  # the last step's softmax grads
+    loss = (
+        saved + features + outputs + at * label_rows * H + max(labels - at * label_rows * H, kept + ce_chunk)
+    )
+    backward = (
+        saved + kept + outputs + B * h * T * (T + steps) * (a + 2 * F32)
+    )  # the last step's softmax grads
     return max(unroll_end + steps * F32 * n * H, loss, backward)
 
 
@@ -103,7 +117,9 @@ def medusa_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, lengt
     hidden = at * B * T * H + at * M * H  # the target's last hidden states and their loss positions
     blocks = K * layers * 2 * a * M * H  # per residual block: the SiLU's input and the block's output
     outputs = K * F32 * M * H  # the heads' features, float32 once they leave the prepared module
-    kept = sum(F32 * B * (T - 2 - k) * H for k in range(K))  # each head's loss positions, held by its checkpoint
+    kept = sum(
+        F32 * B * (T - 2 - k) * H for k in range(K)
+    )  # each head's loss positions, held by its checkpoint
     chunk = min(M, chunk_rows(V))
     ce_chunk = chunk * V * (a + 2 * F32) + chunk * H * a  # bf16 logits, float32 copy, log-softmax
     return hidden + blocks + outputs + kept + ce_chunk
@@ -112,8 +128,14 @@ def medusa_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, lengt
 def activation_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, length: int) -> int:
     """Peak activation bytes of one micro-batch of `rows` sequences of `length` tokens (the drafter's side)."""
     drafter_family = family(draft.config.kind)
-    title = "Medusa-2 (a LoRA trained inside the target)" if getattr(cfg, "medusa2", False) else drafter_family.title
+    title = (
+        "Medusa-2 (a LoRA trained inside the target)"
+        if getattr(cfg, "medusa2", False)
+        else drafter_family.title
+    )
     if drafter_family.activation_bytes is None or getattr(cfg, "medusa2", False):
-        raise ValueError(f"no activation model for {title} drafters yet: Medusa-1 and EAGLE-3 are modelled "
-                         "(docs/memory.md)")
+        raise ValueError(
+            f"no activation model for {title} drafters yet: Medusa-1 and EAGLE-3 are modelled "
+            "(docs/memory.md)"
+        )
     return drafter_family.load("activation_bytes")(cfg, target, draft, rows, length)

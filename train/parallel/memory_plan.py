@@ -36,8 +36,10 @@ from selfspec.train.parallel.memory_activations import activation_bytes, target_
 
 GIB = 2**30
 # configs of published targets that ship with selfspec, so that a plan needs no hub: hub id -> configs/models/*.json
-SHIPPED_CONFIGS = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b-instruct.json",
-                   "meta-llama/Llama-3.3-70B-Instruct": "llama-3.3-70b-instruct.json"}
+SHIPPED_CONFIGS = {
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b-instruct.json",
+    "meta-llama/Llama-3.3-70B-Instruct": "llama-3.3-70b-instruct.json",
+}
 # bytes per drafter parameter on each rank: (held whole by every rank, held 1/N), with bf16 mixed precision.
 # "bf16" entries become float32 (4 bytes) without mixed precision; docs/memory.md gives the sources.
 ENGINES: dict[str, tuple[dict[str, int], dict[str, int]]] = {
@@ -48,8 +50,10 @@ ENGINES: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # ZeRO-2 in bf16: bf16 weights and grads whole; fp32 master weights, AdamW and fp32 grads sharded
     "zero2": ({"weights (bf16)": 2, "grads (bf16)": 2}, {"master weights": 4, "adam": 8, "grads (fp32)": 4}),
     # ZeRO-3: bf16 weights gathered for the step and bf16 grads before their reduce-scatter, whole; the rest sharded
-    "zero3": ({"gathered weights (bf16)": 2, "grads (bf16)": 2},
-              {"weights (bf16)": 2, "master weights": 4, "adam": 8, "grads (fp32)": 4}),
+    "zero3": (
+        {"gathered weights (bf16)": 2, "grads (bf16)": 2},
+        {"weights (bf16)": 2, "master weights": 4, "adam": 8, "grads (fp32)": 4},
+    ),
     # FSDP2, one unit per drafter (configs/accelerate/fsdp.yaml): unsharded bf16 weights and grads during the step
     "fsdp": ({"gathered weights (bf16)": 2, "grads (bf16)": 2}, {"weights": 4, "grads": 4, "adam": 8}),
 }
@@ -108,12 +112,16 @@ def parameter_bytes(module: nn.Module, dtype: torch.dtype | None = None) -> int:
     """Bytes of a module's parameters and buffers (tied weights once), in `dtype` where given (floating ones)."""
     total = 0
     for t in list(module.parameters()) + list(module.buffers()):
-        size = torch.finfo(dtype).bits // 8 if dtype is not None and t.is_floating_point() else t.element_size()
+        size = (
+            torch.finfo(dtype).bits // 8 if dtype is not None and t.is_floating_point() else t.element_size()
+        )
         total += t.numel() * size
     return total
 
 
-def drafter_state_bytes(params: int, engine: str, gpus: int, mixed_precision: str, hidden: int = 0) -> dict[str, int]:
+def drafter_state_bytes(
+    params: int, engine: str, gpus: int, mixed_precision: str, hidden: int = 0
+) -> dict[str, int]:
     """Bytes per rank of `params` trainable drafter parameters under `engine` on `gpus` ranks, by what holds them
     (`hidden`: the drafter's hidden size, which sizes DeepSpeed's gradient buckets)."""
     if engine not in ENGINES:
@@ -128,7 +136,9 @@ def drafter_state_bytes(params: int, engine: str, gpus: int, mixed_precision: st
                 size = 4
             parts[name] = -(-params * size // share)
     if engine in GRADIENT_BUCKETS:
-        parts["gradient buckets"] = GRADIENT_BUCKETS[engine] * hidden * hidden * (4 if mixed_precision == "no" else 2)
+        parts["gradient buckets"] = (
+            GRADIENT_BUCKETS[engine] * hidden * hidden * (4 if mixed_precision == "no" else 2)
+        )
     parts["initial copy"] = params * INITIAL_COPY
     return parts
 
@@ -154,22 +164,34 @@ class Plan:
         return self.total(length) <= self.gpu_memory
 
 
-def memory_plan(cfg: Any, config: Any, engine: str, gpus: int, contexts: list[int], shard_target: bool = False,
-                gpu_memory_gib: float = 80.0, rows: int | None = None, foreach: bool = True) -> Plan:
+def memory_plan(
+    cfg: Any,
+    config: Any,
+    engine: str,
+    gpus: int,
+    contexts: list[int],
+    shard_target: bool = False,
+    gpu_memory_gib: float = 80.0,
+    rows: int | None = None,
+    foreach: bool = True,
+) -> Plan:
     """The per-rank plan of recipe `cfg` on the target of `config`: `engine` in ENGINES, `gpus` ranks, micro-batches
     of `rows` rows (default: the recipe's per_device_train_batch_size) at each of `contexts` tokens. `foreach`: AdamW
     steps all tensors at once (torch's default on GPUs: one float32 denominator per parameter), else one tensor at a
     time (on CPUs: the sqrt and the denominator of the largest tensor)."""
     if shard_target and engine not in ("zero3", "fsdp"):
-        raise ValueError("the target is sharded under ZeRO-3 or FSDP2 only (--shard_target): use --engine zero3 "
-                         "or fsdp")
+        raise ValueError(
+            "the target is sharded under ZeRO-3 or FSDP2 only (--shard_target): use --engine zero3 or fsdp"
+        )
     target = meta_target(config)
     draft = meta_drafter(cfg, target)
     dtype = cfg.target_dtype
     whole = parameter_bytes(target, dtype)
     params = sum(p.numel() for p in draft.parameters())
     rows = rows or cfg.per_device_train_batch_size
-    layer = parameter_bytes(target.base_model.layers[0], dtype) if shard_target else 0  # gathered one at a time
+    layer = (
+        parameter_bytes(target.base_model.layers[0], dtype) if shard_target else 0
+    )  # gathered one at a time
     acts = {}
     for length in contexts:
         drafter_side = activation_bytes(cfg, target, draft, rows, length)
@@ -179,24 +201,39 @@ def memory_plan(cfg: Any, config: Any, engine: str, gpus: int, contexts: list[in
     local = -(-params // gpus) if sharded else params
     step = 4 * local if foreach else 2 * 4 * max(p.numel() for p in draft.parameters())
     # --shard_target keeps the embedding and the lm_head whole on every rank: the losses call them outside the target
-    kept = parameter_bytes(nn.ModuleList({id(m): m for m in (target.get_input_embeddings(),
-                                                              target.get_output_embeddings())}.values()), dtype)
+    kept = parameter_bytes(
+        nn.ModuleList(
+            {id(m): m for m in (target.get_input_embeddings(), target.get_output_embeddings())}.values()
+        ),
+        dtype,
+    )
     on_rank = -(-(whole - kept) // gpus) + kept if shard_target else whole
-    return Plan(sum(p.numel() for p in target.parameters()), params, on_rank,
-                drafter_state_bytes(params, engine, gpus, cfg.precision, config.get_text_config().hidden_size), acts, step, rows,
-                int(gpu_memory_gib * GIB))
+    return Plan(
+        sum(p.numel() for p in target.parameters()),
+        params,
+        on_rank,
+        drafter_state_bytes(params, engine, gpus, cfg.precision, config.get_text_config().hidden_size),
+        acts,
+        step,
+        rows,
+        int(gpu_memory_gib * GIB),
+    )
 
 
 def format_plan(plan: Plan, name: str) -> str:
     """The plan as the script prints it."""
     gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
-    lines = [f"{name}: target {plan.target_params / 1e9:.2f} B parameters, drafter {plan.drafter_params / 1e6:.1f} M",
-             f"  target on this rank             {gib(plan.target)}"]
+    lines = [
+        f"{name}: target {plan.target_params / 1e9:.2f} B parameters, drafter {plan.drafter_params / 1e6:.1f} M",
+        f"  target on this rank             {gib(plan.target)}",
+    ]
     lines += [f"  drafter {part:<24}{gib(size)}" for part, size in plan.drafter.items()]
     for length, act in plan.activations.items():
-        lines.append(f"  activations at {length:>6} tokens x {plan.rows} row(s): {gib(act)} "
-                     f"({act / (length * plan.rows) / 2**20:.2f} MiB per token); total {gib(plan.total(length))} of "
-                     f"{gib(plan.gpu_memory)}: {'fits' if plan.fits(length) else 'does NOT fit'}")
+        lines.append(
+            f"  activations at {length:>6} tokens x {plan.rows} row(s): {gib(act)} "
+            f"({act / (length * plan.rows) / 2**20:.2f} MiB per token); total {gib(plan.total(length))} of "
+            f"{gib(plan.gpu_memory)}: {'fits' if plan.fits(length) else 'does NOT fit'}"
+        )
     return "\n".join(lines)
 
 
@@ -209,16 +246,26 @@ def markdown_rows(name: str, placement: str, plan: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m selfspec.train.parallel.memory_plan", description=__doc__.split("\n")[0])
-    parser.add_argument("--recipe", required=True, help="a drafter recipe YAML (configs/eagle/..., configs/medusa/...)")
-    parser.add_argument("--model", help="the target: config.json, folder, short name or hub id (default: the recipe's)")
+    parser = argparse.ArgumentParser(
+        prog="python -m selfspec.train.parallel.memory_plan", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--recipe", required=True, help="a drafter recipe YAML (configs/eagle/..., configs/medusa/...)"
+    )
+    parser.add_argument(
+        "--model", help="the target: config.json, folder, short name or hub id (default: the recipe's)"
+    )
     parser.add_argument("--engine", default="ddp", choices=list(ENGINES))
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--gpu_memory_gib", type=float, default=80.0)
     parser.add_argument("--context", type=int, nargs="+", default=[2048, 4096, 8192])
-    parser.add_argument("--rows", type=int, default=None, help="micro-batch rows (default: the recipe's batch size)")
+    parser.add_argument(
+        "--rows", type=int, default=None, help="micro-batch rows (default: the recipe's batch size)"
+    )
     parser.add_argument("--shard_target", action="store_true", help="the target sharded 1/N (ZeRO-3, FSDP2)")
-    parser.add_argument("--markdown", action="store_true", help="print the README table's rows, both placements")
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the README table's rows, both placements"
+    )
     args, overrides = parser.parse_known_args(argv)
     cfg = load_recipe(args.recipe, overrides)
     if cfg.mixed_precision == "auto":  # the plan is for GPUs, where auto means bf16, not for this machine
@@ -226,18 +273,28 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model or cfg.model
     config = target_config(model)
     if args.markdown:
-        print("| target | target placement | target GiB | drafter + grads + AdamW GiB | activations GiB (MiB/token) "
-              f"{' / '.join(f'{n // 1024}K' for n in args.context)} | total GiB (fits {args.gpu_memory_gib:g}) |")
+        print(
+            "| target | target placement | target GiB | drafter + grads + AdamW GiB | activations GiB (MiB/token) "
+            f"{' / '.join(f'{n // 1024}K' for n in args.context)} | total GiB (fits {args.gpu_memory_gib:g}) |"
+        )
         print("|---|---|---|---|---|---|")
         for shard in (False, True):
-            plan = memory_plan(cfg, config, args.engine, args.gpus, args.context, shard, args.gpu_memory_gib,
-                               args.rows)
-            print(markdown_rows(model.split("/")[-1], "sharded 1/" + str(args.gpus) if shard else "replicated", plan))
+            plan = memory_plan(
+                cfg, config, args.engine, args.gpus, args.context, shard, args.gpu_memory_gib, args.rows
+            )
+            print(
+                markdown_rows(
+                    model.split("/")[-1], "sharded 1/" + str(args.gpus) if shard else "replicated", plan
+                )
+            )
         return
-    plan = memory_plan(cfg, config, args.engine, args.gpus, args.context, args.shard_target, args.gpu_memory_gib,
-                       args.rows)
-    print(f"{args.engine} on {args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, {cfg.precision} mixed "
-          f"precision, target {'sharded' if args.shard_target else 'replicated'}")
+    plan = memory_plan(
+        cfg, config, args.engine, args.gpus, args.context, args.shard_target, args.gpu_memory_gib, args.rows
+    )
+    print(
+        f"{args.engine} on {args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, {cfg.precision} mixed "
+        f"precision, target {'sharded' if args.shard_target else 'replicated'}"
+    )
     print(format_plan(plan, model))
 
 

@@ -35,14 +35,20 @@ def check_shard_target(cfg: Any, accelerator: Accelerator) -> None:
     from accelerate.utils import DistributedType
 
     if zero_stage(accelerator) != 3 and accelerator.distributed_type != DistributedType.FSDP:
-        raise ConfigError("--shard_target true needs an engine that shards weights: launch with --config_file "
-                          "configs/accelerate/deepspeed-zero3.yaml or configs/accelerate/fsdp.yaml")
-    for name, why in (("self_distill", "regenerate the data first with train/regenerate.py"),
-                      ("cache_features", "read the features from the target as it trains (--cache_features false)"),
-                      ("medusa2", "Medusa-2 trains a LoRA inside the target")):
+        raise ConfigError(
+            "--shard_target true needs an engine that shards weights: launch with --config_file "
+            "configs/accelerate/deepspeed-zero3.yaml or configs/accelerate/fsdp.yaml"
+        )
+    for name, why in (
+        ("self_distill", "regenerate the data first with train/regenerate.py"),
+        ("cache_features", "read the features from the target as it trains (--cache_features false)"),
+        ("medusa2", "Medusa-2 trains a LoRA inside the target"),
+    ):
         if getattr(cfg, name, False):
-            raise ConfigError(f"--{name} true does not work with --shard_target true (every rank must call a sharded "
-                              f"target equally often): {why}")
+            raise ConfigError(
+                f"--{name} true does not work with --shard_target true (every rank must call a sharded "
+                f"target equally often): {why}"
+            )
 
 
 def load_training_target(cfg: Any, accelerator: Accelerator):
@@ -61,8 +67,11 @@ def load_training_target(cfg: Any, accelerator: Accelerator):
         target, tokenizer = load_frozen_target(cfg.model, torch.device("cpu"), cfg.target_dtype)
         fsdp2_target(target, accelerator.device)
     local, whole = resident_bytes(target)
-    print(f"target on this rank: {local / MIB:.2f} MiB of {whole / MIB:.2f} MiB ({local} of {whole} bytes; rank "
-          f"{accelerator.process_index} of {accelerator.num_processes})", flush=True)
+    print(
+        f"target on this rank: {local / MIB:.2f} MiB of {whole / MIB:.2f} MiB ({local} of {whole} bytes; rank "
+        f"{accelerator.process_index} of {accelerator.num_processes})",
+        flush=True,
+    )
     return target, tokenizer
 
 
@@ -105,15 +114,28 @@ def target_engine_config(target: torch.nn.Module, accelerator: Accelerator, cfg:
     zero = config.setdefault("zero_optimization", {})
     hidden = target.config.get_text_config().hidden_size
     # accelerate fills the configs' "auto" bucket sizes for the drafter's engine only: the same rule (hidden^2) here
-    zero.update({"stage": 3, "stage3_param_persistence_threshold": 10 * hidden, "stage3_max_reuse_distance": 0,
-                 "reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden)})
+    zero.update(
+        {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 10 * hidden,
+            "stage3_max_reuse_distance": 0,
+            "reduce_bucket_size": hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        }
+    )
     for key in ("offload_optimizer", "stage3_gather_16bit_weights_on_model_save"):
         zero.pop(key, None)
     batch = cfg.per_device_train_batch_size
-    config.update({"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-                   "train_batch_size": batch * accelerator.num_processes, "gradient_clipping": 0.0,
-                   "bf16": {"enabled": cfg.target_dtype == torch.bfloat16},
-                   "fp16": {"enabled": cfg.target_dtype == torch.float16}})
+    config.update(
+        {
+            "train_micro_batch_size_per_gpu": batch,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": batch * accelerator.num_processes,
+            "gradient_clipping": 0.0,
+            "bf16": {"enabled": cfg.target_dtype == torch.bfloat16},
+            "fp16": {"enabled": cfg.target_dtype == torch.float16},
+        }
+    )
     return config
 
 
@@ -127,8 +149,10 @@ def fsdp2_target(target: torch.nn.Module, device: torch.device) -> None:
     inner = target.base_model
     layers = [m for m in inner.modules() if type(m).__name__ in layer_classes]
     if not layers:
-        raise ConfigError(f"--shard_target true found no decoder layers in {type(target).__name__} "
-                          "(its _no_split_modules names none): use the replicated target (--shard_target false)")
+        raise ConfigError(
+            f"--shard_target true found no decoder layers in {type(target).__name__} "
+            "(its _no_split_modules names none): use the replicated target (--shard_target false)"
+        )
     for layer in layers:
         fully_shard(layer, reshard_after_forward=True)
     plain = type(inner)

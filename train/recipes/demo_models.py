@@ -60,10 +60,28 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         check_finite(self)
-        check_at_least(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                     "seq_len", "batch_size", "max_steps", "eval_every", "eval_batches", "threads"), 1)
+        check_at_least(
+            self,
+            (
+                "vocab_size",
+                "hidden_size",
+                "num_layers",
+                "num_heads",
+                "num_kv_heads",
+                "intermediate_size",
+                "seq_len",
+                "batch_size",
+                "max_steps",
+                "eval_every",
+                "eval_batches",
+                "threads",
+            ),
+            1,
+        )
         if self.learning_rate <= 0 or self.max_minutes < 0 or self.warmup_steps < 0 or self.weight_decay < 0:
-            raise ConfigError("--learning_rate must be > 0 and --max_minutes, --warmup_steps, --weight_decay >= 0")
+            raise ConfigError(
+                "--learning_rate must be > 0 and --max_minutes, --warmup_steps, --weight_decay >= 0"
+            )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
@@ -74,7 +92,10 @@ def build_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerFast:
         return PreTrainedTokenizerFast.from_pretrained(resolve_model(cfg.tokenizer))
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(
-        stdlib_texts("train"), vocab_size=cfg.vocab_size, min_frequency=2, special_tokens=list(SPECIAL.values())
+        stdlib_texts("train"),
+        vocab_size=cfg.vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL.values()),
     )
     return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, **SPECIAL)
 
@@ -98,8 +119,13 @@ def lr_at(step: int, progress: float, cfg: TargetConfig) -> float:
 
 
 @torch.no_grad()
-def stream_nll(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int, max_windows: int | None = None,
-               autocast: bool = True) -> tuple[float, int]:
+def stream_nll(
+    model: LlamaForCausalLM,
+    ids: torch.Tensor,
+    seq_len: int,
+    max_windows: int | None = None,
+    autocast: bool = True,
+) -> tuple[float, int]:
     """Summed next-token NLL (nats) over consecutive windows of a stream, and the count of predicted tokens.
     With `autocast` the matmuls run in bf16 (fast on CPUs with AMX; very slow on CPUs without bf16 units)."""
     model.eval()
@@ -154,16 +180,16 @@ and quality tests: a real model that exists without a model hub.
 - Corpus: every `.py` file of the interpreter's standard library (Python {platform.python_version()}),
   site-packages excluded, split by `int(sha1(relative_path), 16) % 100`: < 90 train, 90-94 validation,
   >= 95 test. Only the train split is trained on.
-- Tokenizer: byte-level BPE, vocabulary {info['vocab_size']}, special tokens {', '.join(SPECIAL.values())}.
-- Parameters: {info['params'] / 1e6:.2f} M (hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads,
+- Tokenizer: byte-level BPE, vocabulary {info["vocab_size"]}, special tokens {", ".join(SPECIAL.values())}.
+- Parameters: {info["params"] / 1e6:.2f} M (hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads,
   MLP {cfg.intermediate_size}, tied embeddings); weights stored in bfloat16.
-- Training: {info['steps']} steps x {cfg.batch_size} x {cfg.seq_len} tokens = {info['tokens'] / 1e6:.1f} M tokens
-  ({info['epochs']:.2f} epochs of {info['train_tokens'] / 1e6:.1f} M train tokens), AdamW (0.9, 0.95) lr {cfg.learning_rate},
+- Training: {info["steps"]} steps x {cfg.batch_size} x {cfg.seq_len} tokens = {info["tokens"] / 1e6:.1f} M tokens
+  ({info["epochs"]:.2f} epochs of {info["train_tokens"] / 1e6:.1f} M train tokens), AdamW (0.9, 0.95) lr {cfg.learning_rate},
   weight decay {cfg.weight_decay}, {cfg.warmup_steps} warm-up steps, then cosine to {cfg.min_lr_ratio:g}x over the
   {cfg.max_minutes:g}-minute wall-clock budget; bf16 autocast; random {cfg.seq_len}-token windows, seed {cfg.seed}.
-  The step count depends on the machine's speed; `--max_minutes 0 --max_steps {info['steps']}` replays the same
+  The step count depends on the machine's speed; `--max_minutes 0 --max_steps {info["steps"]}` replays the same
   number of steps with a step-based cosine.
-- Time and hardware: {info['minutes']:.1f} minutes on {info['hardware']} ({cfg.threads} threads), torch {torch.__version__}.{info.get('note', '')}
+- Time and hardware: {info["minutes"]:.1f} minutes on {info["hardware"]} ({cfg.threads} threads), torch {torch.__version__}.{info.get("note", "")}
 
 ## Validation loss (nats per token, {cfg.eval_batches} windows)
 
@@ -175,11 +201,11 @@ and quality tests: a real model that exists without a model hub.
 
 | model | bits per byte |
 |---|---|
-| this model | {info['test_bpb']:.3f} |
-| gzip -9 | {comp['gzip -9']:.3f} |
-| xz -9e | {comp['xz -9e']:.3f} |
+| this model | {info["test_bpb"]:.3f} |
+| gzip -9 | {comp["gzip -9"]:.3f} |
+| xz -9e | {comp["xz -9e"]:.3f} |
 
-Measured on the whole test split ({info['test_bytes'] / 1e6:.2f} MB, {info['test_tokens']} tokens, windows of
+Measured on the whole test split ({info["test_bytes"] / 1e6:.2f} MB, {info["test_tokens"]} tokens, windows of
 {cfg.seq_len} tokens with no context carried across windows).
 
 ```python
@@ -201,7 +227,9 @@ def train_target(cfg: TargetConfig, argv: list[str]) -> None:
     tok = build_tokenizer(cfg)
     train_ids, _ = encode_split(tok, "train")
     val_ids, _ = encode_split(tok, "validation")
-    print(f"tokenizer: {len(tok)} tokens; train {len(train_ids)} tokens, validation {len(val_ids)}", flush=True)
+    print(
+        f"tokenizer: {len(tok)} tokens; train {len(train_ids)} tokens, validation {len(val_ids)}", flush=True
+    )
 
     model_cfg = LlamaConfig(
         vocab_size=len(tok),
@@ -223,7 +251,8 @@ def train_target(cfg: TargetConfig, argv: list[str]) -> None:
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.learning_rate, betas=(0.9, 0.95),
+        lr=cfg.learning_rate,
+        betas=(0.9, 0.95),
     )
     gen = torch.Generator().manual_seed(cfg.seed)
     curve: list[tuple[int, float, float]] = []
@@ -251,7 +280,9 @@ def train_target(cfg: TargetConfig, argv: list[str]) -> None:
         if step % cfg.eval_every == 0 or done:
             nll, n = stream_nll(model, val_ids, cfg.seq_len, cfg.eval_batches)
             curve.append((step, elapsed / 60, nll / n))
-            print(f"step {step}  train {loss.item():.3f}  val {nll / n:.3f}  {elapsed / 60:.1f} min", flush=True)
+            print(
+                f"step {step}  train {loss.item():.3f}  val {nll / n:.3f}  {elapsed / 60:.1f} min", flush=True
+            )
     minutes = (time.time() - start) / 60
 
     model.to(torch.bfloat16).save_pretrained(out)
@@ -277,5 +308,7 @@ def train_target(cfg: TargetConfig, argv: list[str]) -> None:
     }
     (out / "training_info.json").write_text(json.dumps(info, indent=2))
     write_card(out, cfg, info)
-    print(f"saved to {out}; test bits/byte {info['test_bpb']:.3f} "
-          f"(gzip -9 {info['compressors']['gzip -9']:.3f}, xz -9e {info['compressors']['xz -9e']:.3f})")
+    print(
+        f"saved to {out}; test bits/byte {info['test_bpb']:.3f} "
+        f"(gzip -9 {info['compressors']['gzip -9']:.3f}, xz -9e {info['compressors']['xz -9e']:.3f})"
+    )

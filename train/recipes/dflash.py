@@ -102,31 +102,45 @@ class DFlashConfig(TrainConfig):
         check_at_least(self, ("anchors", "num_target_layers", "tune_prompts", "tune_new_tokens"), 1)
         check_at_least(self, ("num_layers", "depth", "top_k", "total_tokens", "feature_shard_examples"), 0)
         if self.block_size < 2:
-            raise ConfigError(f"--block_size must be >= 2 (the last accepted token and a mask), got {self.block_size}")
+            raise ConfigError(
+                f"--block_size must be >= 2 (the last accepted token and a mask), got {self.block_size}"
+            )
         if self.loss not in LOSSES:
             raise ConfigError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.loss_weighting not in WEIGHTINGS:
-            raise ConfigError(f"--loss_weighting must be one of {', '.join(WEIGHTINGS)}, got {self.loss_weighting!r}")
+            raise ConfigError(
+                f"--loss_weighting must be one of {', '.join(WEIGHTINGS)}, got {self.loss_weighting!r}"
+            )
         if self.decay_gamma is None:
             self.decay_gamma = 7.0 * (self.block_size - 1) / 15
         if self.decay_gamma <= 0 or not 0 <= self.dpace_alpha <= 1:
-            raise ConfigError(f"--decay_gamma must be > 0 and --dpace_alpha in [0, 1], got {self.decay_gamma} and "
-                              f"{self.dpace_alpha}")
+            raise ConfigError(
+                f"--decay_gamma must be > 0 and --dpace_alpha in [0, 1], got {self.decay_gamma} and "
+                f"{self.dpace_alpha}"
+            )
         if self.tune_depths is None:
             self.tune_depths = sorted({max(1, self.block_size // 2 - 1), self.block_size - 1})
         for name in ("tune_depths", "tune_top_ks", "tune_totals"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
-                raise ConfigError(f"--{name} must list positive numbers (e.g. 1,2,4), got {getattr(self, name)}")
+                raise ConfigError(
+                    f"--{name} must list positive numbers (e.g. 1,2,4), got {getattr(self, name)}"
+                )
         deepest = max(self.tune_depths + [self.depth])
         if deepest > self.block_size - 1:
-            raise ConfigError(f"a block of {self.block_size} drafts {self.block_size - 1} positions: depth {deepest} "
-                              f"is deeper (--tune_depths, --depth)")
+            raise ConfigError(
+                f"a block of {self.block_size} drafts {self.block_size - 1} positions: depth {deepest} "
+                f"is deeper (--tune_depths, --depth)"
+            )
         given = [self.depth > 0, self.top_k > 0, self.total_tokens > 0]
         if any(given) and not all(given):
-            raise ConfigError("set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)")
+            raise ConfigError(
+                "set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)"
+            )
         ids = self.target_layer_ids
         if ids is not None and (not ids or min(ids) < 0 or any(b <= a for a, b in zip(ids, ids[1:]))):
-            raise ConfigError(f"--target_layer_ids must be distinct decoder layer indices from low to high, got {ids}")
+            raise ConfigError(
+                f"--target_layer_ids must be distinct decoder layer indices from low to high, got {ids}"
+            )
 
     def grid(self) -> list[tuple[int, int, int]]:
         """The (depth, top_k, total_tokens) settings fitted: the chain at each depth, trees of each size."""
@@ -145,11 +159,20 @@ def build_drafter(cfg: DFlashConfig, target, tokenizer, train_data: Examples) ->
     L = text.num_hidden_layers
     ids = cfg.target_layer_ids or default_target_layer_ids(L, cfg.num_target_layers)
     if max(ids) > L - 2:
-        raise ConfigError(f"--target_layer_ids must be decoder layers 0..{L - 2} of this {L}-layer target (the last "
-                          f"one's output is already normed), got {ids}")
+        raise ConfigError(
+            f"--target_layer_ids must be decoder layers 0..{L - 2} of this {L}-layer target (the last "
+            f"one's output is already normed), got {ids}"
+        )
     vocab = target.get_output_embeddings().weight.shape[0]
-    fields = dict(num_layers=cfg.num_layers or (5 if L >= 24 else 2), layer=layer_fields(target.config),
-                  feature_layers=[i + 1 for i in ids], block_size=cfg.block_size, qk_norm=cfg.qk_norm,
-                  mask_token_id=choose_mask_token(cfg, tokenizer, train_data, vocab),
-                  depth=cfg.block_size - 1, top_k=1, total_tokens=cfg.block_size - 1)
+    fields = dict(
+        num_layers=cfg.num_layers or (5 if L >= 24 else 2),
+        layer=layer_fields(target.config),
+        feature_layers=[i + 1 for i in ids],
+        block_size=cfg.block_size,
+        qk_norm=cfg.qk_norm,
+        mask_token_id=choose_mask_token(cfg, tokenizer, train_data, vocab),
+        depth=cfg.block_size - 1,
+        top_k=1,
+        total_tokens=cfg.block_size - 1,
+    )
     return DFlashDraft(heads_config(cfg, target, "dflash", **fields))

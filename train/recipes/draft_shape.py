@@ -21,8 +21,10 @@ def draft_vocab_size(requested: int | None, vocab: int, default: bool = True) ->
     """The drafter's vocabulary size for a target of `vocab` tokens from `--draft_vocab_size` (None: the default
     size when `default`, else the whole vocabulary); 0 when it is the whole vocabulary."""
     if requested is not None and requested > vocab:
-        raise ConfigError(f"--draft_vocab_size {requested} is above the target's vocabulary of {vocab} tokens: use "
-                          f"at most {vocab}, or 0 for the whole vocabulary")
+        raise ConfigError(
+            f"--draft_vocab_size {requested} is above the target's vocabulary of {vocab} tokens: use "
+            f"at most {vocab}, or 0 for the whole vocabulary"
+        )
     size = requested if requested is not None else default_draft_vocab_size(vocab) if default else 0
     return size if 0 < size < vocab else 0
 
@@ -33,6 +35,8 @@ def fused_layers(requested: list[int] | None, target: Any) -> list[int]:
     layers_in = target.config.get_text_config().num_hidden_layers
     layers = requested or default_feature_layers(layers_in)
     if max(layers) >= layers_in or min(layers) < 0:
-        raise ConfigError(f"--feature_layers must be hidden_states indices in [0, {layers_in - 1}] "
-                          f"(the last, {layers_in}, is already normed), got {layers}")
+        raise ConfigError(
+            f"--feature_layers must be hidden_states indices in [0, {layers_in - 1}] "
+            f"(the last, {layers_in}, is already normed), got {layers}"
+        )
     return layers

@@ -108,40 +108,56 @@ class EagleConfig(TrainConfig):
             self.max_minutes = 20.0 if self.version == 3 else 10.5
         super().__post_init__()
         check_at_least(self, ("num_layers", "tune_prompts", "tune_new_tokens"), 1)
-        check_at_least(self, ("w_cls", "noise", "depth", "top_k", "total_tokens", "feature_shard_examples"), 0)
+        check_at_least(
+            self, ("w_cls", "noise", "depth", "top_k", "total_tokens", "feature_shard_examples"), 0
+        )
         for name in ("tune_depths", "tune_top_ks", "tune_totals"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
-                raise ConfigError(f"--{name} must list positive numbers (e.g. 2,4,8), got {getattr(self, name)}")
+                raise ConfigError(
+                    f"--{name} must list positive numbers (e.g. 2,4,8), got {getattr(self, name)}"
+                )
         if self.version not in (1, 3):
             raise ConfigError(f"--version must be 1 (EAGLE-1/2) or 3 (EAGLE-3), got {self.version}")
         if self.ttt_steps < 1:
             raise ConfigError(f"--ttt_steps must be >= 1, got {self.ttt_steps}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
-            raise ConfigError(f"--draft_vocab_size must be >= 0 (0: the target's whole vocabulary), got "
-                              f"{self.draft_vocab_size}")
+            raise ConfigError(
+                f"--draft_vocab_size must be >= 0 (0: the target's whole vocabulary), got "
+                f"{self.draft_vocab_size}"
+            )
         widest = max(self.tune_top_ks + [self.top_k])
         if self.draft_vocab_size and self.draft_vocab_size < widest:
-            raise ConfigError(f"--draft_vocab_size {self.draft_vocab_size} is below top_k {widest} (the tree drafts "
-                              f"top_k tokens per node): use at least {widest}, or 0 for the whole vocabulary")
+            raise ConfigError(
+                f"--draft_vocab_size {self.draft_vocab_size} is below top_k {widest} (the tree drafts "
+                f"top_k tokens per node): use at least {widest}, or 0 for the whole vocabulary"
+            )
         for name in ("norm_before_residual", "norm_before_fc"):
             if self.version == 1 and getattr(self, name):
                 raise ConfigError(f"--{name} is an EAGLE-3 variant: add --version 3, or leave it false")
         if self.version == 1 and (self.ttt_steps != 7 or self.feature_layers is not None):
-            raise ConfigError("--ttt_steps and --feature_layers apply to EAGLE-3: add --version 3, or drop them")
+            raise ConfigError(
+                "--ttt_steps and --feature_layers apply to EAGLE-3: add --version 3, or drop them"
+            )
         if self.version == 3 and (self.num_layers != 1 or self.fc_bias):
-            raise ConfigError("an EAGLE-3 drafter has one decoder layer and no fc bias (the layout vLLM and SGLang "
-                              "load): drop --num_layers and --fc_bias, or use --version 1")
+            raise ConfigError(
+                "an EAGLE-3 drafter has one decoder layer and no fc bias (the layout vLLM and SGLang "
+                "load): drop --num_layers and --fc_bias, or use --version 1"
+            )
         if self.fc_bias is None:
             self.fc_bias = self.version == 1
         layers = self.feature_layers
         if layers is not None and (not layers or any(b <= a for a, b in zip(layers, layers[1:]))):
-            raise ConfigError(f"--feature_layers must be distinct hidden_states indices from low to high (e.g. "
-                              f"2,4,5), got {layers}")
+            raise ConfigError(
+                f"--feature_layers must be distinct hidden_states indices from low to high (e.g. "
+                f"2,4,5), got {layers}"
+            )
         if self.version == 3 and self.output_dir == "outputs/eagle-demo":
             self.output_dir = "outputs/eagle3-demo"  # the default folder names the method
         given = [self.depth > 0, self.top_k > 0, self.total_tokens > 0]
         if any(given) and not all(given):
-            raise ConfigError("set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)")
+            raise ConfigError(
+                "set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)"
+            )
 
 
 def new_draft(cfg: EagleConfig, target) -> EagleDraft | Eagle3Draft:
@@ -150,12 +166,32 @@ def new_draft(cfg: EagleConfig, target) -> EagleDraft | Eagle3Draft:
     vocab = target.get_output_embeddings().weight.shape[0]
     size = draft_vocab_size(cfg.draft_vocab_size, vocab, default=cfg.version == 3)
     if cfg.version == 1:
-        return EagleDraft(heads_config(cfg, target, "eagle", num_layers=cfg.num_layers, fc_bias=cfg.fc_bias,
-                                       layer=layer_fields(target.config), draft_vocab_size=size))
+        return EagleDraft(
+            heads_config(
+                cfg,
+                target,
+                "eagle",
+                num_layers=cfg.num_layers,
+                fc_bias=cfg.fc_bias,
+                layer=layer_fields(target.config),
+                draft_vocab_size=size,
+            )
+        )
     layers = fused_layers(cfg.feature_layers, target)
-    return Eagle3Draft(heads_config(cfg, target, "eagle3", num_layers=1, fc_bias=False,
-                                    layer=layer_fields(target.config), feature_layers=layers, draft_vocab_size=size,
-                                    norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.norm_before_fc))
+    return Eagle3Draft(
+        heads_config(
+            cfg,
+            target,
+            "eagle3",
+            num_layers=1,
+            fc_bias=False,
+            layer=layer_fields(target.config),
+            feature_layers=layers,
+            draft_vocab_size=size,
+            norm_before_residual=cfg.norm_before_residual,
+            norm_before_fc=cfg.norm_before_fc,
+        )
+    )
 
 
 def build_drafter(cfg: EagleConfig, target, train_data: Examples) -> EagleDraft | Eagle3Draft:

@@ -32,8 +32,11 @@ def calibration_prompts(eval_data: Examples, count: int, length: int) -> list[to
     return prompts
 
 
-def run_feature_drafter(cfg: TrainConfig, build: Callable[[Any, Any, Examples], torch.nn.Module],
-                        make_method: Callable[[Any, torch.nn.Module, list[torch.Tensor]], Any]) -> dict:
+def run_feature_drafter(
+    cfg: TrainConfig,
+    build: Callable[[Any, Any, Examples], torch.nn.Module],
+    make_method: Callable[[Any, torch.nn.Module, list[torch.Tensor]], Any],
+) -> dict:
     """Set up, train and save (`cfg` a recipe with cache_features and tune_prompts): `build(target, tokenizer,
     train_data)` makes the drafter, `make_method(target,
     drafter, tune_prompts)` its training method. Returns the target, the trained drafter, its initial weights and
@@ -51,9 +54,11 @@ def run_feature_drafter(cfg: TrainConfig, build: Callable[[Any, Any, Examples], 
     initial = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     prompts = calibration_prompts(eval_data, cfg.tune_prompts, cfg.distill_prompt_tokens)
     if cfg.shard_target and not (cfg.depth and cfg.top_k and cfg.total_tokens):
-        accelerator.print(f"--shard_target: the tree is not fitted at the end of this run (each of its timed decodes "
-                          "would gather the sharded target again, minutes on end); the drafter keeps its default tree. "
-                          f"Fit it afterwards on one copy of the target: selfspec tune --heads {cfg.output_dir}")
+        accelerator.print(
+            f"--shard_target: the tree is not fitted at the end of this run (each of its timed decodes "
+            "would gather the sharded target again, minutes on end); the drafter keeps its default tree. "
+            f"Fit it afterwards on one copy of the target: selfspec tune --heads {cfg.output_dir}"
+        )
         prompts = []
     method = make_method(target, draft, prompts)
     history, trained = train(cfg, accelerator, method, train_data, eval_data)

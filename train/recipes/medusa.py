@@ -13,8 +13,19 @@ from selfspec.train.loop.training import heads_config
 from selfspec.train.regeneration.run import written_by
 
 # the options only Medusa-2 reads: set on a Medusa-1 run they would be ignored, so they are refused
-MEDUSA2_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "head_lr_multiplier", "heads_coefficient", "heads_schedule",
-                   "heads_only_steps", "backbone_loss", "backbone_ce_weight", "merge", "gradient_checkpointing")
+MEDUSA2_OPTIONS = (
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "head_lr_multiplier",
+    "heads_coefficient",
+    "heads_schedule",
+    "heads_only_steps",
+    "backbone_loss",
+    "backbone_ce_weight",
+    "merge",
+    "gradient_checkpointing",
+)
 
 
 SCHEDULES = ("constant", "linear", "sine")  # Medusa-2's heads' weight over the run
@@ -107,25 +118,37 @@ class MedusaConfig(TrainConfig):
         check_at_least(self, ("num_heads", "num_layers", "lora_r", "lora_alpha"), 1)
         check_at_least(self, ("heads_only_steps",), 0)
         if self.heads_schedule not in SCHEDULES:
-            raise ConfigError(f"--heads_schedule must be one of {', '.join(SCHEDULES)}, got {self.heads_schedule!r}")
+            raise ConfigError(
+                f"--heads_schedule must be one of {', '.join(SCHEDULES)}, got {self.heads_schedule!r}"
+            )
         if self.backbone_loss not in BACKBONE_LOSSES:
-            raise ConfigError(f"--backbone_loss must be one of {', '.join(BACKBONE_LOSSES)}, got {self.backbone_loss!r}")
+            raise ConfigError(
+                f"--backbone_loss must be one of {', '.join(BACKBONE_LOSSES)}, got {self.backbone_loss!r}"
+            )
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.head_lr_multiplier <= 0 or self.heads_coefficient < 0 or self.backbone_ce_weight < 0:
-            raise ConfigError("--head_lr_multiplier must be > 0, --heads_coefficient and --backbone_ce_weight >= 0")
+            raise ConfigError(
+                "--head_lr_multiplier must be > 0, --heads_coefficient and --backbone_ce_weight >= 0"
+            )
         if self.backbone_ce_weight and self.medusa2 and not uses_kl(self):
-            raise ConfigError("--backbone_ce_weight adds cross-entropy to the KL on the target's own text, but L0 "
-                              "is the cross-entropy already (--backbone_loss ce, or data the target did not write): "
-                              "drop it, or add --self_distill true")
+            raise ConfigError(
+                "--backbone_ce_weight adds cross-entropy to the KL on the target's own text, but L0 "
+                "is the cross-entropy already (--backbone_loss ce, or data the target did not write): "
+                "drop it, or add --self_distill true"
+            )
         if not self.medusa2:
             for field in dataclasses.fields(self):
                 if field.name in MEDUSA2_OPTIONS and getattr(self, field.name) != field.default:
-                    raise ConfigError(f"--{field.name} applies to Medusa-2 (a LoRA-adapted target): add --medusa2 "
-                                      "true or drop it")
+                    raise ConfigError(
+                        f"--{field.name} applies to Medusa-2 (a LoRA-adapted target): add --medusa2 "
+                        "true or drop it"
+                    )
         elif 0 < self.max_steps <= self.heads_only_steps:
-            raise ConfigError(f"--heads_only_steps ({self.heads_only_steps}) leaves no joint step of --max_steps "
-                              f"({self.max_steps}): the LoRA would not train; lower it or raise max_steps")
+            raise ConfigError(
+                f"--heads_only_steps ({self.heads_only_steps}) leaves no joint step of --max_steps "
+                f"({self.max_steps}): the LoRA would not train; lower it or raise max_steps"
+            )
         if not 0 < self.head_decay <= 1:
             raise ConfigError(f"--head_decay must be in (0, 1], got {self.head_decay}")
         if self.tree_nodes < 0:
@@ -135,8 +158,16 @@ class MedusaConfig(TrainConfig):
 def new_heads(cfg: MedusaConfig, target) -> MedusaHeads:
     """The recipe's heads for this target, freshly initialised (training starts from them after copying the
     target's lm_head in; the memory planner builds them on the meta device)."""
-    return MedusaHeads(heads_config(cfg, target, "medusa", num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-                                    share_lm_head=cfg.share_lm_head))
+    return MedusaHeads(
+        heads_config(
+            cfg,
+            target,
+            "medusa",
+            num_heads=cfg.num_heads,
+            num_layers=cfg.num_layers,
+            share_lm_head=cfg.share_lm_head,
+        )
+    )
 
 
 def self_generated(cfg) -> bool:

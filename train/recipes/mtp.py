@@ -71,13 +71,19 @@ class MtpConfig(TrainConfig):
         check_at_least(self, ("new_layers", "depth", "top_k", "total_tokens", "feature_shard_examples"), 0)
         for name in ("tune_depths", "tune_top_ks", "tune_totals"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
-                raise ConfigError(f"--{name} must list positive numbers (e.g. 2,4,8), got {getattr(self, name)}")
+                raise ConfigError(
+                    f"--{name} must list positive numbers (e.g. 2,4,8), got {getattr(self, name)}"
+                )
         if self.new_layers > 1:
-            raise ConfigError("--new_layers above 1: drafting runs MTP layer 0 at every depth (docs/mtp.md), so "
-                              "further new layers would stay untrained; use --new_layers 1")
+            raise ConfigError(
+                "--new_layers above 1: drafting runs MTP layer 0 at every depth (docs/mtp.md), so "
+                "further new layers would stay untrained; use --new_layers 1"
+            )
         given = [self.depth > 0, self.top_k > 0, self.total_tokens > 0]
         if any(given) and not all(given):
-            raise ConfigError("set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)")
+            raise ConfigError(
+                "set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)"
+            )
 
     def grid(self) -> list[tuple[int, int, int]]:
         """The (depth, top_k, total_tokens) settings fitted: chains of each depth and trees of each size."""
@@ -91,7 +97,9 @@ def new_layers(cfg: MtpConfig, target, count: int) -> MtpDraft:
     the shapes agree (transformers' initialisation elsewhere)."""
     from selfspec.heads.mtp import mtp_config_for
 
-    config = mtp_config_for(target, cfg.model, layers=count, dtype=str(cfg.target_dtype).removeprefix("torch."))
+    config = mtp_config_for(
+        target, cfg.model, layers=count, dtype=str(cfg.target_dtype).removeprefix("torch.")
+    )
     draft = MtpDraft(config)
     last = target.get_decoder().layers[-1].state_dict()
     for layer in draft.mtp.layers:
@@ -107,10 +115,14 @@ def build_drafter(cfg: MtpConfig, target) -> MtpDraft:
     if cfg.new_layers or not own:
         count = cfg.new_layers or 1
         if not cfg.new_layers:
-            print(f"{cfg.model} has no MTP layers of its own: training {count} new one (--new_layers to choose)")
+            print(
+                f"{cfg.model} has no MTP layers of its own: training {count} new one (--new_layers to choose)"
+            )
         draft = new_layers(cfg, target, count)
     else:
         draft = load_target_mtp(target, cfg.model)
-    for later in draft.mtp.layers[1:]:  # kept as the checkpoint has them: drafting runs layer 0 at every depth
+    for later in draft.mtp.layers[
+        1:
+    ]:  # kept as the checkpoint has them: drafting runs layer 0 at every depth
         later.requires_grad_(False)
     return draft.to(torch.float32).bind(target.get_output_embeddings())

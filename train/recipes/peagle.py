@@ -93,20 +93,30 @@ class PEagleConfig(TrainConfig):
         check_at_least(self, ("depths", "tune_prompts", "tune_new_tokens"), 1)
         check_at_least(self, ("depth", "top_k", "total_tokens", "feature_shard_examples"), 0)
         if not 0 < self.cod_min_ratio <= 1 or not 0 < self.cod_ratio <= 1:
-            raise ConfigError(f"--cod_ratio and --cod_min_ratio must be in (0, 1], got {self.cod_ratio} and "
-                              f"{self.cod_min_ratio}")
+            raise ConfigError(
+                f"--cod_ratio and --cod_min_ratio must be in (0, 1], got {self.cod_ratio} and "
+                f"{self.cod_min_ratio}"
+            )
         for name in ("tune_top_ks", "tune_totals"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
-                raise ConfigError(f"--{name} must list positive numbers (e.g. 1,2,4), got {getattr(self, name)}")
+                raise ConfigError(
+                    f"--{name} must list positive numbers (e.g. 1,2,4), got {getattr(self, name)}"
+                )
         if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
-            raise ConfigError(f"--draft_vocab_size must be >= 0 (0: the whole vocabulary), got {self.draft_vocab_size}")
+            raise ConfigError(
+                f"--draft_vocab_size must be >= 0 (0: the whole vocabulary), got {self.draft_vocab_size}"
+            )
         given = [self.depth > 0, self.top_k > 0, self.total_tokens > 0]
         if any(given) and not all(given):
-            raise ConfigError("set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)")
+            raise ConfigError(
+                "set all of depth, top_k and total_tokens (a fixed tree) or none of them (fit here)"
+            )
         layers = self.feature_layers
         if layers is not None and (not layers or any(b <= a for a, b in zip(layers, layers[1:]))):
-            raise ConfigError(f"--feature_layers must be distinct hidden_states indices from low to high (e.g. "
-                              f"2,4,5), got {layers}")
+            raise ConfigError(
+                f"--feature_layers must be distinct hidden_states indices from low to high (e.g. "
+                f"2,4,5), got {layers}"
+            )
 
     def grid(self) -> list[tuple[int, int, int]]:
         """The (depth, top_k, total_tokens) settings fitted: chains of half and all the depths, trees of each size."""
@@ -122,11 +132,24 @@ def new_draft(cfg: PEagleConfig, target, mask_token_id: int) -> PEagleDraft:
     """The recipe's drafter for this target, freshly initialised, its draft vocabulary sized but not chosen."""
     size = draft_vocab_size(cfg.draft_vocab_size, target.get_output_embeddings().weight.shape[0])
     layers = fused_layers(cfg.feature_layers, target)
-    return PEagleDraft(heads_config(
-        cfg, target, "peagle", num_layers=1, fc_bias=False, layer=layer_fields(target.config), feature_layers=layers,
-        draft_vocab_size=size, norm_before_residual=cfg.norm_before_residual,
-        norm_before_fc=cfg.norm_before_fc, mask_token_id=mask_token_id, depth=cfg.depths, top_k=1,
-        total_tokens=cfg.depths))
+    return PEagleDraft(
+        heads_config(
+            cfg,
+            target,
+            "peagle",
+            num_layers=1,
+            fc_bias=False,
+            layer=layer_fields(target.config),
+            feature_layers=layers,
+            draft_vocab_size=size,
+            norm_before_residual=cfg.norm_before_residual,
+            norm_before_fc=cfg.norm_before_fc,
+            mask_token_id=mask_token_id,
+            depth=cfg.depths,
+            top_k=1,
+            total_tokens=cfg.depths,
+        )
+    )
 
 
 def build_drafter(cfg: PEagleConfig, target, tokenizer, train_data: Examples) -> PEagleDraft:

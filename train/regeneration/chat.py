@@ -10,7 +10,9 @@ from typing import Any
 from selfspec.train.data.records import DataError
 from selfspec.train.loop.config import ConfigError
 
-ANSWER = "\ue000answer {}\ue001"  # stands for the i-th answer while the template renders (private-use characters)
+ANSWER = (
+    "\ue000answer {}\ue001"  # stands for the i-th answer while the template renders (private-use characters)
+)
 
 
 def end_of_turn_token(tokenizer) -> int | None:
@@ -22,8 +24,10 @@ def end_of_turn_token(tokenizer) -> int | None:
     if not getattr(tokenizer, "chat_template", None):
         return None
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"},
-                                              {"role": "assistant", "content": ANSWER.format(0)}], tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ANSWER.format(0)}],
+            tokenize=False,
+        )
     except jinja2.TemplateError:
         return None
     if text.count(ANSWER.format(0)) != 1:
@@ -41,8 +45,10 @@ def stop_token_ids(tokenizer, generation_eos: int | list[int] | None) -> list[in
     extra = generation_eos if isinstance(generation_eos, list) else [generation_eos]
     ids = {tokenizer.eos_token_id, end_of_turn_token(tokenizer), *extra} - {None}
     if not ids:
-        raise ConfigError("the tokenizer and the generation config name no end-of-sequence token: an answer could "
-                          "never end; set eos_token_id in the model's generation_config.json")
+        raise ConfigError(
+            "the tokenizer and the generation config name no end-of-sequence token: an answer could "
+            "never end; set eos_token_id in the model's generation_config.json"
+        )
     return sorted(ids)
 
 
@@ -73,7 +79,9 @@ class Chat:
     answers: list[str] = dataclasses.field(default_factory=list)
     ids: list[int] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
-    stopped: bool = False  # whether the last answer ended with a stop token (its end-of-turn is then trained on)
+    stopped: bool = (
+        False  # whether the last answer ended with a stop token (its end-of-turn is then trained on)
+    )
     dropped: int = 0  # answers left out because the conversation outgrew max_length / the model's positions
 
     def render(self, tokenizer, answered: int, generation_prompt: bool) -> str:
@@ -85,7 +93,9 @@ class Chat:
         for s in self.slots[:stop]:
             messages.append(s if s is not None else {"role": "assistant", "content": ANSWER.format(k)})
             k += s is None
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def next_text(self, tokenizer, generation_prompt: bool = True) -> str:
         """The template text that follows the stream so far: up to the next generation prompt, or (without one)
@@ -96,8 +106,10 @@ class Chat:
             return text
         mark = ANSWER.format(answered - 1)
         if text.count(mark) != 1:
-            raise DataError("the chat template does not render earlier assistant turns as they are (it drops or "
-                            "rewrites them), so answers cannot be regenerated turn by turn; use another template")
+            raise DataError(
+                "the chat template does not render earlier assistant turns as they are (it drops or "
+                "rewrites them), so answers cannot be regenerated turn by turn; use another template"
+            )
         return text.split(mark)[1]
 
     def follow(self, tokenizer, text: str, stops: set[int]) -> tuple[list[int], list[int]]:
@@ -114,8 +126,10 @@ class Chat:
         ids, mask = self.follow(tokenizer, self.next_text(tokenizer, generation_prompt=False), stops)
         ends = [i for i, s in enumerate(self.slots) if s is None]
         answers = iter(self.answers)
-        turns = [s if s is not None else {"role": "assistant", "content": next(answers)}
-                 for s in self.slots[: ends[len(self.answers) - 1] + 1]]
+        turns = [
+            s if s is not None else {"role": "assistant", "content": next(answers)}
+            for s in self.slots[: ends[len(self.answers) - 1] + 1]
+        ]
         return {"messages": turns, "input_ids": ids, "loss_mask": mask, "dropped_turns": self.dropped}
 
 

@@ -70,14 +70,28 @@ class RegenerateConfig:
         check_finite(self)
         for name, allowed in (("backend", BACKENDS), ("output_format", FORMATS), ("dtype", DTYPES)):
             if getattr(self, name) not in allowed:
-                raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+                raise ConfigError(
+                    f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
         if self.temperature < 0:
             raise ConfigError(f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
-        check_at_least(self, ("max_new_tokens", "max_length", "prompt_tokens", "batch_size", "shard_size",
-                              "tensor_parallel_size"), 1)
+        check_at_least(
+            self,
+            (
+                "max_new_tokens",
+                "max_length",
+                "prompt_tokens",
+                "batch_size",
+                "shard_size",
+                "tensor_parallel_size",
+            ),
+            1,
+        )
         check_at_least(self, ("max_examples",), 0)
         if self.prompt_tokens >= self.max_length:
-            raise ConfigError(f"--prompt_tokens ({self.prompt_tokens}) must be below --max_length ({self.max_length}):"
-                              " the rest of each text window is what the target writes")
+            raise ConfigError(
+                f"--prompt_tokens ({self.prompt_tokens}) must be below --max_length ({self.max_length}):"
+                " the rest of each text window is what the target writes"
+            )

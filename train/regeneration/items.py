@@ -24,10 +24,16 @@ from selfspec.train.data.examples import (
 from selfspec.train.data.records import RECORD_FEATURES, DataError, iter_records
 
 # a work item: a conversation (its messages as JSON) or a text window (its token ids); `item` numbers them in order
-ITEM_FEATURES = datasets.Features({"messages": datasets.Value("string"),
-                                   "input_ids": datasets.List(datasets.Value("int32")),
-                                   "item": datasets.Value("int64")})
-PACKED_FEATURES = datasets.Features({k: v for k, v in ITEM_FEATURES.items() if k != "item"})  # before numbering
+ITEM_FEATURES = datasets.Features(
+    {
+        "messages": datasets.Value("string"),
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "item": datasets.Value("int64"),
+    }
+)
+PACKED_FEATURES = datasets.Features(
+    {k: v for k, v in ITEM_FEATURES.items() if k != "item"}
+)  # before numbering
 
 
 @dataclasses.dataclass
@@ -43,8 +49,10 @@ class Items:
 
     def select(self, indices: Iterable[int] | np.ndarray, what: str) -> Items:
         """The items at `indices`, in that order; `what` (e.g. "subset 64 seed 0") extends the key."""
-        return Items(self.rows.select(indices, keep_in_memory=True),
-                     hashlib.sha1(f"{self.key}|{what}".encode()).hexdigest()[:16])
+        return Items(
+            self.rows.select(indices, keep_in_memory=True),
+            hashlib.sha1(f"{self.key}|{what}".encode()).hexdigest()[:16],
+        )
 
 
 class ItemPacker:
@@ -59,7 +67,9 @@ class ItemPacker:
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         texts = [t for t in batch["text"] if t is not None]
         for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []:
-            self.stream += ids + ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+            self.stream += ids + (
+                [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+            )
         full = len(self.stream) // self.max_length * self.max_length
         windows = [self.stream[i : i + self.max_length] for i in range(0, full, self.max_length)]
         del self.stream[:full]
@@ -77,16 +87,27 @@ def load_items(source: str, split: str, tokenizer, max_length: int) -> Items:
         return Items(datasets.load_from_disk(str(path), keep_in_memory=False), key)
 
     def make(scratch: Path) -> datasets.Dataset:
-        records = ({"text": r.get("text"), "messages": json.dumps(r["messages"]) if "messages" in r else None}
-                   for r in iter_records(source, split))
+        records = (
+            {"text": r.get("text"), "messages": json.dumps(r["messages"]) if "messages" in r else None}
+            for r in iter_records(source, split)
+        )
         table = write_arrow(records, scratch / "records.arrow", RECORD_FEATURES)
-        items = table.map(ItemPacker(tokenizer, max_length), batched=True, batch_size=WRITE_BATCH,
-                          remove_columns=table.column_names, features=PACKED_FEATURES,
-                          cache_file_name=str(scratch / "items.arrow"), new_fingerprint=key,
-                          writer_batch_size=WRITE_BATCH, desc="reading items")
+        items = table.map(
+            ItemPacker(tokenizer, max_length),
+            batched=True,
+            batch_size=WRITE_BATCH,
+            remove_columns=table.column_names,
+            features=PACKED_FEATURES,
+            cache_file_name=str(scratch / "items.arrow"),
+            new_fingerprint=key,
+            writer_batch_size=WRITE_BATCH,
+            desc="reading items",
+        )
         if len(items) == 0:
-            raise DataError(f"{source} yields no conversation and no text window of {max_length} tokens; "
-                            "lower --max_length or add data")
+            raise DataError(
+                f"{source} yields no conversation and no text window of {max_length} tokens; "
+                "lower --max_length or add data"
+            )
         return items.add_column("item", np.arange(len(items), dtype=np.int64))
 
     return Items(save_examples(make, path), key)

@@ -25,23 +25,34 @@ from selfspec.train.regeneration.shards import SUFFIX, write_manifest, write_par
 
 JSONL_FILE = "regenerated.jsonl"
 # a regenerated row: messages (conversations) or text (windows), the exact tokens and where the loss is taken
-ROW_FEATURES = datasets.Features({
-    "item": datasets.Value("int64"),
-    "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
-    "text": datasets.Value("string"),
-    "input_ids": datasets.List(datasets.Value("int32")),
-    "loss_mask": datasets.List(datasets.Value("int8")),
-    "skipped": datasets.Value("string"),  # in shards only: why an item gave no row
-    "dropped_turns": datasets.Value("int32"),  # in shards only: later answers cut because the chat outgrew the window
-})
+ROW_FEATURES = datasets.Features(
+    {
+        "item": datasets.Value("int64"),
+        "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+        "text": datasets.Value("string"),
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "loss_mask": datasets.List(datasets.Value("int8")),
+        "skipped": datasets.Value("string"),  # in shards only: why an item gave no row
+        "dropped_turns": datasets.Value(
+            "int32"
+        ),  # in shards only: later answers cut because the chat outgrew the window
+    }
+)
 
-def describe_run(cfg: RegenerateConfig, tokenizer, items: Items, target: dict[str, str],
-                 stops: list[int]) -> dict[str, Any]:
+
+def describe_run(
+    cfg: RegenerateConfig, tokenizer, items: Items, target: dict[str, str], stops: list[int]
+) -> dict[str, Any]:
     """What regeneration.json records; a resume must match it in everything but `versions` and the counts."""
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "output_dir"}
-    return {"target": target, "tokenizer": tokenizer_fingerprint(tokenizer),
-            "settings": settings | {"items": len(items), "items_key": items.key, "stop_token_ids": stops},
-            "backend": cfg.backend, "versions": versions(cfg.backend), "complete": False}
+    return {
+        "target": target,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "settings": settings | {"items": len(items), "items_key": items.key, "stop_token_ids": stops},
+        "backend": cfg.backend,
+        "versions": versions(cfg.backend),
+        "complete": False,
+    }
 
 
 def versions(backend: str) -> dict[str, str]:
@@ -64,8 +75,10 @@ def check_output_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output_dir {out} is a file: give a folder (new or empty, or one to resume)")
     if out.is_dir() and any(out.iterdir()) and not (out / REGENERATION_FILE).is_file():
-        raise ConfigError(f"--output_dir {out} already holds other files and no {REGENERATION_FILE}: give a new or "
-                          "empty folder (a regeneration resumes only in its own folder)")
+        raise ConfigError(
+            f"--output_dir {out} already holds other files and no {REGENERATION_FILE}: give a new or "
+            "empty folder (a regeneration resumes only in its own folder)"
+        )
 
 
 def open_output(out: Path, record: dict[str, Any]) -> str:
@@ -78,13 +91,19 @@ def open_output(out: Path, record: dict[str, Any]) -> str:
             old = json.loads(path.read_text())
         except json.JSONDecodeError:
             raise DataError(f"{path} is damaged (not JSON): delete {out} and start again") from None
-        differ = [f"{k} {old.get(part, {}).get(k)!r} there, {v!r} now" for part in ("target", "settings")
-                  for k, v in record[part].items() if old.get(part, {}).get(k) != v]
+        differ = [
+            f"{k} {old.get(part, {}).get(k)!r} there, {v!r} now"
+            for part in ("target", "settings")
+            for k, v in record[part].items()
+            if old.get(part, {}).get(k) != v
+        ]
         if old.get("tokenizer") != record["tokenizer"]:
             differ.append("another tokenizer")
         if differ:
-            raise ConfigError(f"--output_dir {out} holds a regeneration with other settings ({'; '.join(differ[:3])}):"
-                              " resume it with the same options, or give another --output_dir")
+            raise ConfigError(
+                f"--output_dir {out} holds a regeneration with other settings ({'; '.join(differ[:3])}):"
+                " resume it with the same options, or give another --output_dir"
+            )
         return "complete" if old.get("complete") else "started"
     return "new"
 
@@ -119,34 +138,62 @@ def merge(out: Path, shards: int, output_format: str, record: dict[str, Any], re
             raise DataError("no item could be regenerated (every one was skipped)")
         write_json(out / REGENERATION_FILE, record | {"complete": True, "rows": counts["rows"]})
         if report:
-            print(f"regenerated {counts['rows']} items into {out}: {manifest['shards_done']} shards, "
-                  f"{counts['answer_tokens']} answer tokens (manifest.json lists their checksums)")
+            print(
+                f"regenerated {counts['rows']} items into {out}: {manifest['shards_done']} shards, "
+                f"{counts['answer_tokens']} answer tokens (manifest.json lists their checksums)"
+            )
         return
-    parts = datasets.concatenate_datasets([datasets.Dataset.from_file(str(shard_path(out, s))) for s in range(shards)])
+    parts = datasets.concatenate_datasets(
+        [datasets.Dataset.from_file(str(shard_path(out, s))) for s in range(shards)]
+    )
     skipped = Counter(r for r in parts["skipped"] if r is not None)
     dropped = parts.filter(lambda why, n: why is None and n > 0, input_columns=["skipped", "dropped_turns"])
-    kept = parts.filter(lambda why: why is None, input_columns="skipped").remove_columns(["skipped", "dropped_turns"])
+    kept = parts.filter(lambda why: why is None, input_columns="skipped").remove_columns(
+        ["skipped", "dropped_turns"]
+    )
     if len(kept) == 0:
-        raise DataError(f"no item could be regenerated ({', '.join(f'{n} x {why}' for why, n in skipped.items())})")
+        raise DataError(
+            f"no item could be regenerated ({', '.join(f'{n} x {why}' for why, n in skipped.items())})"
+        )
     if output_format == "jsonl":
+
         def lines(tmp: str) -> None:
             with open(tmp, "w") as f:
                 for row in kept.select_columns(["messages", "text"]):
-                    f.write(json.dumps({"messages": row["messages"]} if row["messages"] is not None
-                                       else {"text": row["text"]}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {"messages": row["messages"]}
+                            if row["messages"] is not None
+                            else {"text": row["text"]}
+                        )
+                        + "\n"
+                    )
+
         atomic_write(out / JSONL_FILE, lines)
     else:
         save_dataset(kept, out)
     cut = {"conversations": len(dropped), "turns": sum(dropped["dropped_turns"])}
-    write_json(out / REGENERATION_FILE, record | {"complete": True, "rows": len(kept), "skipped": dict(skipped),
-                                                  "dropped_turns": cut})
+    write_json(
+        out / REGENERATION_FILE,
+        record | {"complete": True, "rows": len(kept), "skipped": dict(skipped), "dropped_turns": cut},
+    )
     shutil.rmtree(out / "shards")
     if report:
-        print(f"regenerated {len(kept)} items into {out}" + (f" ({sum(skipped.values())} skipped: "
-              + ", ".join(f"{n} x {why}" for why, n in skipped.items()) + ")" if skipped else ""))
+        print(
+            f"regenerated {len(kept)} items into {out}"
+            + (
+                f" ({sum(skipped.values())} skipped: "
+                + ", ".join(f"{n} x {why}" for why, n in skipped.items())
+                + ")"
+                if skipped
+                else ""
+            )
+        )
         if cut["turns"]:
-            print(f"note: {cut['conversations']} conversations outgrew --max_length or the model's positions and end "
-                  f"early: {cut['turns']} later answers were not regenerated")
+            print(
+                f"note: {cut['conversations']} conversations outgrew --max_length or the model's positions and end "
+                f"early: {cut['turns']} later answers were not regenerated"
+            )
 
 
 def save_dataset(rows: datasets.Dataset, out: Path) -> None:

@@ -72,21 +72,42 @@ from selfspec.train.regeneration.output import (
 from selfspec.train.regeneration.shards import write_manifest
 
 
-def regenerate_shard(generator: Generator, tokenizer, rows: dict[str, list], cfg: RegenerateConfig,
-                     stops: list[int], progress: Callable[[int], None]) -> list[dict[str, Any]]:
+def regenerate_shard(
+    generator: Generator,
+    tokenizer,
+    rows: dict[str, list],
+    cfg: RegenerateConfig,
+    stops: list[int],
+    progress: Callable[[int], None],
+) -> list[dict[str, Any]]:
     """The regenerated rows of one shard's items (one row per item; a skipped item's says why in `skipped`)."""
     n = len(rows["item"])
-    out: list[dict[str, Any]] = [{"item": rows["item"][i], "messages": None, "text": None, "input_ids": None,
-                                  "loss_mask": None, "skipped": None, "dropped_turns": 0} for i in range(n)]
+    out: list[dict[str, Any]] = [
+        {
+            "item": rows["item"][i],
+            "messages": None,
+            "text": None,
+            "input_ids": None,
+            "loss_mask": None,
+            "skipped": None,
+            "dropped_turns": 0,
+        }
+        for i in range(n)
+    ]
     windows = [i for i in range(n) if rows["input_ids"][i] is not None]
     for start in range(0, len(windows), cfg.batch_size):  # prompts alike in length: one budget, no padding
         batch = windows[start : start + cfg.batch_size]
         prompts = [rows["input_ids"][i][: cfg.prompt_tokens] for i in batch]
         new = min(cfg.max_new_tokens, len(rows["input_ids"][batch[0]]) - cfg.prompt_tokens)
-        for i, prompt, (tokens, _) in zip(batch, prompts, generator(prompts, [new] * len(prompts), exact=True)):
+        for i, prompt, (tokens, _) in zip(
+            batch, prompts, generator(prompts, [new] * len(prompts), exact=True)
+        ):
             ids = prompt + tokens
-            out[i] |= {"text": tokenizer.decode(ids), "input_ids": ids,
-                       "loss_mask": [0] * len(prompt) + [1] * len(tokens)}
+            out[i] |= {
+                "text": tokenizer.decode(ids),
+                "input_ids": ids,
+                "loss_mask": [0] * len(prompt) + [1] * len(tokens),
+            }
         progress(len(batch))
     chats = []
     for i in range(n):
@@ -106,7 +127,9 @@ def regenerate_shard(generator: Generator, tokenizer, rows: dict[str, list], cfg
     return out
 
 
-def regenerate_chats(generator: Generator, tokenizer, chats: list[Chat], cfg: RegenerateConfig, stops: set[int]):
+def regenerate_chats(
+    generator: Generator, tokenizer, chats: list[Chat], cfg: RegenerateConfig, stops: set[int]
+):
     """Answer the chats' turns round by round, batched across conversations (prompts sorted by length); yields
     (chat, None) for each finished chat, (chat, reason) for one that gives no row."""
     import jinja2
@@ -120,14 +143,22 @@ def regenerate_chats(generator: Generator, tokenizer, chats: list[Chat], cfg: Re
             except jinja2.TemplateError as e:
                 yield chat, f"the chat template refused it: {e}"
                 continue
-            if len(prompt) >= cfg.max_length:  # the conversation outgrew the window: it ends with its last answer
+            if (
+                len(prompt) >= cfg.max_length
+            ):  # the conversation outgrew the window: it ends with its last answer
                 chat.dropped = chat.slots.count(None) - len(chat.answers)
-                yield chat, (None if chat.answers else f"the first prompt has {len(prompt)} >= max_length tokens")
+                yield (
+                    chat,
+                    (None if chat.answers else f"the first prompt has {len(prompt)} >= max_length tokens"),
+                )
                 continue
             asks.append((chat, prompt, mask))
         asks.sort(key=lambda a: len(a[1]))
-        answers = generator([p for _, p, _ in asks],
-                            [min(cfg.max_new_tokens, cfg.max_length - len(p)) for _, p, _ in asks], exact=False)
+        answers = generator(
+            [p for _, p, _ in asks],
+            [min(cfg.max_new_tokens, cfg.max_length - len(p)) for _, p, _ in asks],
+            exact=False,
+        )
         active = []
         for (chat, prompt, mask), (tokens, stopped) in zip(asks, answers):
             chat.ids, chat.mask = prompt + tokens, mask + [1] * len(tokens)
@@ -139,9 +170,19 @@ def regenerate_chats(generator: Generator, tokenizer, chats: list[Chat], cfg: Re
                 active.append(chat)
 
 
-def regenerate(make_generator: Callable[[], Generator], tokenizer, items: Items, cfg: RegenerateConfig, out: Path,
-               target: dict[str, str], stops: list[int], rank: int = 0, world: int = 1,
-               barrier: Callable[[], None] | None = None, show_progress: bool = True) -> Path:
+def regenerate(
+    make_generator: Callable[[], Generator],
+    tokenizer,
+    items: Items,
+    cfg: RegenerateConfig,
+    out: Path,
+    target: dict[str, str],
+    stops: list[int],
+    rank: int = 0,
+    world: int = 1,
+    barrier: Callable[[], None] | None = None,
+    show_progress: bool = True,
+) -> Path:
     """Regenerate `items` into `out` (see the module docstring); every rank calls it, `barrier` waits for all.
     The generator is made only when this rank has shards left to write. Returns `out`."""
     barrier = barrier or (lambda: None)
@@ -162,8 +203,14 @@ def regenerate(make_generator: Callable[[], Generator], tokenizer, items: Items,
         share = sum(min(cfg.shard_size, len(items) - s * cfg.shard_size) for s in mine)
         done = share - sum(min(cfg.shard_size, len(items) - s * cfg.shard_size) for s in todo)
         desc = "regenerate" + (f" (rank 0 of {world})" if world > 1 else "")
-        with tqdm(total=share, initial=done, unit="item", desc=desc, dynamic_ncols=True,
-                  disable=not show_progress or rank != 0) as bar:
+        with tqdm(
+            total=share,
+            initial=done,
+            unit="item",
+            desc=desc,
+            dynamic_ncols=True,
+            disable=not show_progress or rank != 0,
+        ) as bar:
             for s in todo:
                 generator.start(derived_seed(cfg.seed, s))
                 rows = items.rows[s * cfg.shard_size : (s + 1) * cfg.shard_size]
@@ -178,14 +225,34 @@ def regenerate(make_generator: Callable[[], Generator], tokenizer, items: Items,
     return out
 
 
-def regenerate_with_model(model, tokenizer, items: Items, cfg: RegenerateConfig, out: Path, target: dict[str, str],
-                          rank: int = 0, world: int = 1, barrier: Callable[[], None] | None = None) -> Path:
+def regenerate_with_model(
+    model,
+    tokenizer,
+    items: Items,
+    cfg: RegenerateConfig,
+    out: Path,
+    target: dict[str, str],
+    rank: int = 0,
+    world: int = 1,
+    barrier: Callable[[], None] | None = None,
+) -> Path:
     """Regenerate with a target already loaded in this process (self-distillation in train/data/run_data.py); progress is
     shown by the launch's first process only."""
     stops = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    return regenerate(lambda: TransformersGenerator(model, cfg, stops, pad), tokenizer, items, cfg, out, target,
-                      stops, rank, world, barrier, show_progress=os.environ.get("RANK", "0") == "0")
+    return regenerate(
+        lambda: TransformersGenerator(model, cfg, stops, pad),
+        tokenizer,
+        items,
+        cfg,
+        out,
+        target,
+        stops,
+        rank,
+        world,
+        barrier,
+        show_progress=os.environ.get("RANK", "0") == "0",
+    )
 
 
 def model_files(path: str) -> str:
@@ -243,16 +310,19 @@ def run(cfg: RegenerateConfig) -> Path:
         if (why := vllm_missing()) is not None:
             raise ConfigError(why)
         if world > 1:
-            raise ConfigError("--backend vllm runs in one process (vLLM batches on its own; "
-                              "--tensor_parallel_size spans GPUs): launch it without several processes")
+            raise ConfigError(
+                "--backend vllm runs in one process (vLLM batches on its own; "
+                "--tensor_parallel_size spans GPUs): launch it without several processes"
+            )
     multi_cpu = world > 1 and not torch.cuda.is_available()  # several CPU processes talk over gloo
     state = PartialState(cpu=multi_cpu, **({"backend": "gloo"} if multi_cpu else {}))
     path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     cfg = within_positions(cfg, AutoConfig.from_pretrained(path), state.is_main_process)
     with state.main_process_first():
-        items = random_subset(load_items(cfg.dataset, cfg.split, tokenizer, cfg.max_length), cfg.max_examples,
-                              cfg.seed)
+        items = random_subset(
+            load_items(cfg.dataset, cfg.split, tokenizer, cfg.max_length), cfg.max_examples, cfg.seed
+        )
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:  # no generation_config.json
@@ -268,8 +338,18 @@ def run(cfg: RegenerateConfig) -> Path:
         return TransformersGenerator(model, cfg, stops, pad)
 
     target = {"model": cfg.model, "files": model_files(path)}
-    return regenerate(make_generator, tokenizer, items, cfg, out, target, stops, state.process_index,
-                      state.num_processes, state.wait_for_everyone)
+    return regenerate(
+        make_generator,
+        tokenizer,
+        items,
+        cfg,
+        out,
+        target,
+        stops,
+        state.process_index,
+        state.num_processes,
+        state.wait_for_everyone,
+    )
 
 
 def within_positions(cfg: RegenerateConfig, config, report: bool = True) -> RegenerateConfig:
@@ -282,8 +362,12 @@ def within_positions(cfg: RegenerateConfig, config, report: bool = True) -> Rege
     if limit is None or cfg.max_length <= limit:
         return cfg
     if cfg.prompt_tokens >= limit:
-        raise ConfigError(f"--prompt_tokens ({cfg.prompt_tokens}) must be below the model's {limit} positions")
+        raise ConfigError(
+            f"--prompt_tokens ({cfg.prompt_tokens}) must be below the model's {limit} positions"
+        )
     if report:
-        print(f"note: --max_length {cfg.max_length} is more than the model's {limit} positions: prompts and "
-              f"answers are kept within {limit} tokens (conversations end there, text windows are {limit} tokens)")
+        print(
+            f"note: --max_length {cfg.max_length} is more than the model's {limit} positions: prompts and "
+            f"answers are kept within {limit} tokens (conversations end there, text windows are {limit} tokens)"
+        )
     return dataclasses.replace(cfg, max_length=limit)

@@ -45,9 +45,14 @@ def shard_entry(path: Path) -> dict[str, Any]:
     table = pq.read_table(path, columns=["skipped", "input_ids", "loss_mask"])
     kept = [why is None for why in table.column("skipped").to_pylist()]
     ids, mask = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
-    return {"file": f"shards/{path.name}", "sha256": sha256_of(path), "rows": sum(kept), "skipped": len(kept) - sum(kept),
-            "tokens": sum(len(i) for i, k in zip(ids, kept) if k),
-            "answer_tokens": sum(sum(m) for m, k in zip(mask, kept) if k)}
+    return {
+        "file": f"shards/{path.name}",
+        "sha256": sha256_of(path),
+        "rows": sum(kept),
+        "skipped": len(kept) - sum(kept),
+        "tokens": sum(len(i) for i, k in zip(ids, kept) if k),
+        "answer_tokens": sum(sum(m) for m, k in zip(mask, kept) if k),
+    }
 
 
 def write_manifest(folder: Path) -> dict[str, Any]:
@@ -56,8 +61,13 @@ def write_manifest(folder: Path) -> dict[str, Any]:
     record = json.loads((folder / REGENERATION_FILE).read_text())
     settings = record["settings"]
     shards = -(-settings["items"] // settings["shard_size"])
-    extra = {"target": record["target"], "tokenizer": record["tokenizer"], "backend": record["backend"],
-             "versions": record["versions"], "recipe": settings}
+    extra = {
+        "target": record["target"],
+        "tokenizer": record["tokenizer"],
+        "backend": record["backend"],
+        "versions": record["versions"],
+        "recipe": settings,
+    }
     old = read_manifest(folder) if (folder / MANIFEST_FILE).is_file() else {}
     known = {e["file"]: e for e in old.get("shards", [])}
     entries = []
@@ -67,9 +77,16 @@ def write_manifest(folder: Path) -> dict[str, Any]:
             entry = shard_entry(path)
         entries.append(entry)
     totals = {k: sum(e[k] for e in entries) for k in ("rows", "skipped", "tokens", "answer_tokens")}
-    manifest = extra | {"shards_total": shards, "shards_done": len(entries), "complete": len(entries) == shards,
-                        "counts": totals, "shards": entries}
-    atomic_write(folder / MANIFEST_FILE, lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=1) + "\n"))
+    manifest = extra | {
+        "shards_total": shards,
+        "shards_done": len(entries),
+        "complete": len(entries) == shards,
+        "counts": totals,
+        "shards": entries,
+    }
+    atomic_write(
+        folder / MANIFEST_FILE, lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=1) + "\n")
+    )
     return manifest
 
 
@@ -80,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("folder")
-    p.add_argument("--write", action="store_true", help="write manifest.json anew from the shards in the folder")
+    p.add_argument(
+        "--write", action="store_true", help="write manifest.json anew from the shards in the folder"
+    )
     args = p.parse_args(argv)
     folder = Path(args.folder)
     try:
@@ -92,8 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
     c = manifest["counts"]
-    print(f"{folder}: {manifest['shards_done']} of {manifest['shards_total']} shards, all checksums match; "
-          f"{c['rows']} rows ({c['skipped']} skipped), {c['answer_tokens']} answer tokens of {c['tokens']}")
+    print(
+        f"{folder}: {manifest['shards_done']} of {manifest['shards_total']} shards, all checksums match; "
+        f"{c['rows']} rows ({c['skipped']} skipped), {c['answer_tokens']} answer tokens of {c['tokens']}"
+    )
 
 
 if __name__ == "__main__":
