@@ -39,7 +39,8 @@ class HeadsConfig:
         "float32"  # the dtype the drafter was trained with and its tree fitted for; the default at inference
     )
     tree: list[list[int]] | None = None  # default static tree ("choices"); None uses infer's default
-    # Medusa-2 (trained jointly with a LoRA on the target): the heads decode with the adapted target, not base_model
+    # Medusa-2 (trained jointly with a LoRA on the target): the heads decode with the adapted target, not
+    # base_model
     adapter: str | None = None  # subfolder holding the LoRA adapter (peft's format) applied to base_model
     merged_target: str | None = None  # subfolder holding the adapted target merged into a full model
     # EAGLE only
@@ -50,8 +51,9 @@ class HeadsConfig:
     depth: int = 6  # EAGLE-2 dynamic tree: draft steps
     top_k: int = 8  # EAGLE-2 dynamic tree: frontier width and children per expanded node
     total_tokens: int = 32  # EAGLE-2 dynamic tree: drafted nodes kept for verification (root not counted)
-    # EAGLE-1/2 and EAGLE-3: the target tokens drafted among (d2t maps draft ids to target ids); 0 = the target's
-    # whole vocabulary. EAGLE-3 has an lm_head of this size; EAGLE-1/2 reads these rows of the target's lm_head
+    # EAGLE-1/2 and EAGLE-3: the target tokens drafted among (d2t maps draft ids to target ids); 0 = the
+    # target's whole vocabulary. EAGLE-3 has an lm_head of this size; EAGLE-1/2 reads these rows of the
+    # target's lm_head
     draft_vocab_size: int = 0
     # EAGLE-3 only
     feature_layers: list[int] | None = (
@@ -118,7 +120,8 @@ class HeadsConfig:
                 )
 
     def _check_types(self) -> None:
-        """A config.json edited by hand (or written by another tool) fails here, naming the field, not deep inside."""
+        """A config.json edited by hand (or written by another tool) fails here, naming the field, not deep
+        inside."""
         for f in dataclasses.fields(self):
             value, hint = getattr(self, f.name), str(f.type)
             if value is None and "None" in hint:
@@ -155,9 +158,9 @@ class HeadsConfig:
                 ""
                 if "kind" in data
                 else (
-                    " Without `kind` this is no selfspec config: a published Medusa/EAGLE checkpoint loads as it is "
-                    "with heads.registry.load_heads, SpeculativeModel.from_pretrained or --heads, and `selfspec "
-                    "import` writes it in this layout"
+                    " Without `kind` this is no selfspec config: a published Medusa/EAGLE checkpoint loads "
+                    "as it is with heads.registry.load_heads, SpeculativeModel.from_pretrained or --heads, "
+                    "and `selfspec import` writes it in this layout"
                 )
             )
             raise ValueError(
@@ -206,8 +209,8 @@ def check_compatible(config: HeadsConfig, target: Any) -> None:
         ]
         if differ:
             raise ValueError(
-                f"these heads were trained on {config.base_model}, whose architecture differs from the target's "
-                f"({'; '.join(differ)}): use them with the model they were trained on"
+                f"these heads were trained on {config.base_model}, whose architecture differs from the "
+                f"target's ({'; '.join(differ)}): use them with the model they were trained on"
             )
     hidden = target.config.get_text_config().hidden_size
     vocab = target.get_output_embeddings().weight.shape[0]

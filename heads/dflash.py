@@ -1,10 +1,10 @@
 """DFlash drafter: one forward fills a whole block of masked positions (block-parallel drafting).
 
-    target hidden_states hs[l_1..l_K]      (C, K·H) --fc--> hidden_norm --> ctx (C, H)     (context features)
-    block                                   [last accepted token, MASK × (B − 1)] at positions p .. p + B − 1
-    each draft layer                        queries from the block only; keys/values from [ctx ; block] through
-                                            the same k/v projections; no causal mask inside the block
-    output at block position j ≥ 1          final norm, the target's lm_head: the token AT position p + j
+    target hidden_states hs[l_1..l_K]    (C, K·H) --fc--> hidden_norm --> ctx (C, H)     (context features)
+    block                                 [last accepted token, MASK × (B − 1)] at positions p .. p + B − 1
+    each draft layer                      queries from the block only; keys/values from [ctx ; block] through
+                                          the same k/v projections; no causal mask inside the block
+    output at block position j ≥ 1        final norm, the target's lm_head: the token AT position p + j
 
 The context features are the target's, never the drafter's own: their keys/values per layer go into a
 `DraftCache` that only ever holds confirmed positions, and a step drafts all B − 1 tokens in one call.
@@ -35,9 +35,9 @@ DEFAULT_FEATURES = 5  # target layers fused (K), fewer for shallow targets
 
 
 def default_target_layer_ids(num_layers: int, count: int = DEFAULT_FEATURES) -> list[int]:
-    """The published spacing of the K decoder layers whose outputs DFlash reads: round(1 + i (L − 4) / (K − 1)),
-    i < K (layers 1 .. L − 3); for targets under 5 layers, evenly over 0 .. L − 2 (the last layer's output is
-    already normed: never read)."""
+    """The published spacing of the K decoder layers whose outputs DFlash reads:
+    round(1 + i (L − 4) / (K − 1)), i < K (layers 1 .. L − 3); for targets under 5 layers, evenly over
+    0 .. L − 2 (the last layer's output is already normed: never read)."""
     first, last = (1, num_layers - 3) if num_layers >= 5 else (0, max(num_layers - 2, 0))
     count = max(1, min(count, last - first + 1))
     if count == 1:
@@ -48,16 +48,18 @@ def default_target_layer_ids(num_layers: int, count: int = DEFAULT_FEATURES) -> 
 def block_embeds(
     first: torch.Tensor, config: HeadsConfig, embed: nn.Module, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The blocks [embed(first), embed(MASK) × (B − 1)] (..., B, H) for first tokens (...,), through the target's
-    own embedding module (which may scale its rows, as Gemma's does), in training and decoding alike."""
+    """The blocks [embed(first), embed(MASK) × (B − 1)] (..., B, H) for first tokens (...,), through the
+    target's own embedding module (which may scale its rows, as Gemma's does), in training and decoding
+    alike."""
     ids = first[..., None].repeat_interleave(config.block_size, dim=-1)
     ids[..., 1:] = config.mask_token_id
     return embed(ids).to(dtype)
 
 
 class DFlashDraft(PretrainedHeads):
-    """fc (K·H -> H) + hidden_norm on the target's fused layers, L Llama/Qwen3 decoder layers attending from the
-    block to [context ; block], final norm; logits through the target's frozen lm_head. See the module docstring."""
+    """fc (K·H -> H) + hidden_norm on the target's fused layers, L Llama/Qwen3 decoder layers attending from
+    the block to [context ; block], final norm; logits through the target's frozen lm_head. See the module
+    docstring."""
 
     kind = "dflash"  # the family (heads/families) whose configs this class builds
 
@@ -89,7 +91,8 @@ class DFlashDraft(PretrainedHeads):
         return self.hidden_norm(self.fc(features))
 
     def logits(self, out: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Block outputs (..., H) -> the target's logits over its vocabulary (..., V) through its frozen lm_head."""
+        """Block outputs (..., H) -> the target's logits over its vocabulary (..., V) through its frozen
+        lm_head."""
         return apply_head(lm_head, out.to(lm_head.weight.dtype))
 
     def block_embeds(self, first: torch.Tensor, embed: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -97,7 +100,8 @@ class DFlashDraft(PretrainedHeads):
         return block_embeds(first, self.config, embed, dtype)
 
     def _project(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x (B, T, H) -> rotated q (B, h, T, d), k and v (B, kv, T, d), with Qwen3's per-head norms where present."""
+        """x (B, T, H) -> rotated q (B, h, T, d), k and v (B, kv, T, d), with Qwen3's per-head norms where
+        present."""
         shape = (*x.shape[:-1], -1, attn.head_dim)
         q, k, v = (proj(x).view(shape) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         if self.config.qk_norm:
@@ -106,7 +110,8 @@ class DFlashDraft(PretrainedHeads):
         return q, k, v.transpose(1, 2)
 
     def _context_kv(self, attn: nn.Module, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """The context's keys and values (B, kv, C, d) for one layer: the k/v projections of the fused features."""
+        """The context's keys and values (B, kv, C, d) for one layer: the k/v projections of the fused
+        features."""
         shape = (*ctx.shape[:-1], -1, attn.head_dim)
         k, v = attn.k_proj(ctx).view(shape), attn.v_proj(ctx).view(shape)
         if self.config.qk_norm:
@@ -176,18 +181,18 @@ class DFlashDraft(PretrainedHeads):
         positions: torch.Tensor | None = None,
         segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Training: N blocks per sequence in one attention pass per layer. features (B, T, K·H) the target's fused
-        layers at every position, block (B, N·Bk, H) the embedded blocks (`block_embeds` of x at the anchors),
-        anchors (B, N) positions a (1 <= a < T) -> block outputs (B, N, Bk, H), final norm applied; block n's
-        position j predicts x_{a_n + j}.
+        """Training: N blocks per sequence in one attention pass per layer. features (B, T, K·H) the target's
+        fused layers at every position, block (B, N·Bk, H) the embedded blocks (`block_embeds` of x at the
+        anchors), anchors (B, N) positions a (1 <= a < T) -> block outputs (B, N, Bk, H), final norm applied;
+        block n's position j predicts x_{a_n + j}.
 
-        Block n is [x_a, MASK...] at positions a .. a + Bk − 1; its queries see the context keys at positions < a
-        and its own Bk keys, in one softmax: what the inference forward of that block after the context 0 .. a − 1
-        computes, at O(N·Bk·(T + Bk)) instead of attention over every block's keys.
+        Block n is [x_a, MASK...] at positions a .. a + Bk − 1; its queries see the context keys at
+        positions < a and its own Bk keys, in one softmax: what the inference forward of that block after the
+        context 0 .. a − 1 computes, at O(N·Bk·(T + Bk)) instead of attention over every block's keys.
 
         Rows holding several sequences (packed training rows) pass each position's `positions` (B, T) in its
-        sequence (default 0 .. T − 1) and its sequence id `segments` (B, T): a block then sees the context of its
-        anchor's sequence only, at that sequence's positions."""
+        sequence (default 0 .. T − 1) and its sequence id `segments` (B, T): a block then sees the context of
+        its anchor's sequence only, at that sequence's positions."""
         B, T = features.shape[:2]
         N, Bk = anchors.shape[1], self.block_size
         ctx = self.fuse(features)  # (B, T, H)

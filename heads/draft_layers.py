@@ -1,6 +1,6 @@
 """Building blocks every drafter with decoder layers of its own shares (EAGLE-1/2, EAGLE-3, P-EAGLE, DFlash):
-the draft layer's Llama shape for any target, its preallocated KV cache, attention over that cache with RoPE in
-float32, and a draft vocabulary (d2t) inside the target's.
+the draft layer's Llama shape for any target, its preallocated KV cache, attention over that cache with RoPE
+in float32, and a draft vocabulary (d2t) inside the target's.
 
 They live apart from any one family so that no family's module imports another's (docs/adding-a-drafter.md).
 """
@@ -114,9 +114,9 @@ class DraftCache:
             buffer.scatter_(3, dst[None, :, None, :, None].expand(shape), moved)
 
     def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
-        """Keep only the batch rows `keep` (in that order; `index`: the same on the device) as rows 0 .. n - 1:
-        the rest of a batch has stopped. Their valid part moves down in place (nothing when they are the first
-        rows already)."""
+        """Keep only the batch rows `keep` (in that order; `index`: the same on the device) as rows
+        0 .. n - 1: the rest of a batch has stopped. Their valid part moves down in place (nothing when they
+        are the first rows already)."""
         n = len(keep)
         if keep != list(range(n)):
             for storage, buffer in zip(self.storage, (self.keys, self.values)):
@@ -128,7 +128,8 @@ class DraftCache:
         return self.keys.shape[3]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v (B, kv, T, d) at positions length .. length + T -> every valid key and value (B, kv, length + T, d)."""
+        """k, v (B, kv, T, d) at positions length .. length + T -> every valid key and value
+        (B, kv, length + T, d)."""
         end = self.length + k.shape[2]
         if end > self.capacity:
             raise ValueError(f"the drafter's cache holds {self.capacity} positions; {end} needed")
@@ -210,7 +211,8 @@ class Float32RotaryEmbedding(LlamaRotaryEmbedding):
         return self
 
     def at(self, x: torch.Tensor, position_ids: torch.Tensor, bound: int | None = None):
-        """cos, sin (B, T, d) in x's dtype for position_ids (B, T); `bound` > every position enables the table."""
+        """cos, sin (B, T, d) in x's dtype for position_ids (B, T); `bound` > every position enables the
+        table."""
         if bound is None:
             return self(x, position_ids)
         if self._table is None or self._table[0].shape[0] < bound:
@@ -263,8 +265,9 @@ class DraftVocabulary:
 
 
 def draft_targets(d2t: torch.Tensor, vocab: int, where: object) -> torch.Tensor:
-    """The target ids draft ids 0..N-1 map to (id + d2t[id]), checked distinct and inside the vocabulary: a tree's
-    siblings are a node's top-k draft ids, and sampled verification assumes siblings are distinct tokens."""
+    """The target ids draft ids 0..N-1 map to (id + d2t[id]), checked distinct and inside the vocabulary: a
+    tree's siblings are a node's top-k draft ids, and sampled verification assumes siblings are distinct
+    tokens."""
     targets = torch.arange(d2t.numel(), device=d2t.device) + d2t.long()
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
         raise ValueError(f"{where}: d2t maps draft ids to target ids outside [0, {vocab})")

@@ -47,8 +47,9 @@ class EagleDraft(DraftVocabulary, PretrainedHeads):
         self.rotary_emb = Float32RotaryEmbedding(
             lc
         )  # inv_freq is a non-persistent buffer: not in the weights
-        # frequency-ranked drafting: top-k over the draft vocabulary's rows of the target's lm_head only, which
-        # cuts the lm_head read of every draft call by vocab / draft_vocab_size (verification is unchanged)
+        # frequency-ranked drafting: top-k over the draft vocabulary's rows of the target's lm_head only,
+        # which cuts the lm_head read of every draft call by vocab / draft_vocab_size (verification is
+        # unchanged)
         if config.draft_vocab_size:
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self._head_rows: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
@@ -58,8 +59,8 @@ class EagleDraft(DraftVocabulary, PretrainedHeads):
         return features
 
     def logits(self, out: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Predicted features (..., H) -> logits through the target's frozen lm_head, over the draft vocabulary
-        (..., N) where the drafter has one, else over the target's whole vocabulary."""
+        """Predicted features (..., H) -> logits through the target's frozen lm_head, over the draft
+        vocabulary (..., N) where the drafter has one, else over the target's whole vocabulary."""
         out = out.to(lm_head.weight.dtype)
         if self.config.draft_vocab_size == 0:
             return apply_head(lm_head, out)

@@ -1,5 +1,6 @@
-"""EAGLE-3 draft model (Li et al. 2025): the fused-feature body (heads/fused_draft.py) trained with the training-time
-test, which `unrolled` computes over whole sequences; decoding is the body's forward, one draft step a call.
+"""EAGLE-3 draft model (Li et al. 2025): the fused-feature body (heads/fused_draft.py) trained with the
+training-time test, which `unrolled` computes over whole sequences; decoding is the body's forward, one draft
+step a call.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ class Eagle3Draft(FusedDraft):
         unroll: int = 0,
     ) -> torch.Tensor | list[torch.Tensor]:
         """FusedDraft.forward, or with `unroll` > 0 training: hidden is the target's features (B, T, nH),
-        attention_mask and position_ids as `unrolled` reads them, and the result its list of step outputs. It goes
-        through forward so that DDP, DeepSpeed and FSDP wrappers see (and synchronise) the call."""
+        attention_mask and position_ids as `unrolled` reads them, and the result its list of step outputs. It
+        goes through forward so that DDP, DeepSpeed and FSDP wrappers see (and synchronise) the call."""
         if unroll > 0:
             return self.unrolled(hidden, input_ids, embed, attention_mask, unroll, position_ids)
         return super().forward(hidden, input_ids, embed, attention_mask, position_ids, cache)
@@ -46,8 +47,8 @@ class Eagle3Draft(FusedDraft):
     ) -> list[torch.Tensor]:
         """The training-time test: `steps` draft steps over a whole sequence in one masked attention each.
 
-            step 0  at t: hidden = fc(features_t),  token x_{t+1},   position t       -> o0_t  (predicts x_{t+2})
-            step i  at t: hidden = o(i-1)_t,        token x_{t+1+i}, position t + i   -> oi_t  (predicts x_{t+2+i})
+            step 0 at t: hidden = fc(features_t), token x_{t+1},   position t     -> o0_t (predicts x_{t+2})
+            step i at t: hidden = o(i-1)_t,       token x_{t+1+i}, position t + i -> oi_t (predicts x_{t+2+i})
 
         The query of step i at t sees step 0's keys at positions <= t (the context, from target features)
         and step j's key at t for j = 1..i (its own earlier drafts along this path): what the drafter

@@ -42,7 +42,8 @@ def describe(error: BaseException) -> str:
 
 
 def run_main(main: Callable[[list[str]], object], argv: list[str] | None = None, prog: str = "") -> None:
-    """Call `main(argv)`; a user error prints `error: ...` on one line and exits 2 (tracebacks with --debug)."""
+    """Call `main(argv)`; a user error prints `error: ...` on one line and exits 2 (tracebacks with
+    --debug)."""
     debug, argv = debug_requested(sys.argv[1:] if argv is None else list(argv))
     try:
         main(argv)

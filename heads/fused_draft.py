@@ -1,5 +1,6 @@
-"""The body EAGLE-3 and P-EAGLE share: fc over a fusion of target layers' hidden states, one decoder layer whose
-attention reads [normed embedding; normed hidden], a final norm and an lm_head of its own over a draft vocabulary.
+"""The body EAGLE-3 and P-EAGLE share: fc over a fusion of target layers' hidden states, one decoder layer
+whose attention reads [normed embedding; normed hidden], a final norm and an lm_head of its own over a draft
+vocabulary.
 
     target hidden_states hs[l1], hs[l2], hs[l3]   (B, T, 3H)  --fc-->  h (B, T, H)      (target features only)
     layer input   cat(input_layernorm(embed(x_{t+1})), hidden_norm(h))        (B, T, 2H) -> q, k, v
@@ -66,7 +67,8 @@ class Eagle3Layer(nn.Module):
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
 
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """Residual from the un-normed hidden state (norm_before_residual: the normed one), then the MLP block."""
+        """Residual from the un-normed hidden state (norm_before_residual: the normed one), then the MLP
+        block."""
         residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden  # (B, T, H)
         hidden = residual + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -104,7 +106,8 @@ class FusedDraft(DraftVocabulary, PretrainedHeads):
         return self.fc(features)
 
     def logits(self, out: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """Layer outputs (..., H) -> logits over the draft vocabulary (..., N) (the target's lm_head is unused)."""
+        """Layer outputs (..., H) -> logits over the draft vocabulary (..., N) (the target's lm_head is
+        unused)."""
         return apply_head(self.lm_head, self.norm(out))
 
     def forward(
@@ -118,9 +121,9 @@ class FusedDraft(DraftVocabulary, PretrainedHeads):
     ) -> torch.Tensor:
         """hidden (B, T, H) (fused target features through `fuse`, or the drafter's own outputs), input_ids
         (B, T) = the next tokens -> layer outputs (B, T, H), before the final norm. `attention_mask`
-        (B, 1, T, past + T) is boolean (True = visible) or additive; None means causal over the cache and these T
-        positions. `cache` (a `DraftCache`) keeps the keys and values across calls; `position_ids` default to
-        continuing from the cached length."""
+        (B, 1, T, past + T) is boolean (True = visible) or additive; None means causal over the cache and
+        these T positions. `cache` (a `DraftCache`) keeps the keys and values across calls; `position_ids`
+        default to continuing from the cached length."""
         return self.run_layer(hidden, embed(input_ids).to(hidden.dtype), attention_mask, position_ids, cache)
 
     def run_layer(
@@ -153,9 +156,10 @@ def attend_with_own(
     own_values: list[torch.Tensor],
     scale: float,
 ) -> torch.Tensor:
-    """Training attention of draft steps over whole sequences: one softmax over the masked context keys (B, h, T, T)
-    (`context` (B, 1, T, T) bool, True = visible) and, per position, its own keys of the later steps (B, h, T, d)
-    each: the same as attention over all of them with the block mask, at O(T^2 + iT). q (B, h, T, d) -> (B, h, T, d)."""
+    """Training attention of draft steps over whole sequences: one softmax over the masked context keys
+    (B, h, T, T) (`context` (B, 1, T, T) bool, True = visible) and, per position, its own keys of the later
+    steps (B, h, T, d) each: the same as attention over all of them with the block mask, at O(T^2 + iT).
+    q (B, h, T, d) -> (B, h, T, d)."""
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
     scores = scores.masked_fill(~context, torch.finfo(torch.float32).min)
     own = [(q * k).sum(-1, keepdim=True).float() * scale for k in own_keys]  # (B, h, T, 1) each

@@ -9,9 +9,9 @@ a mask: the CPU's flash kernel), or the G query heads that share a key head are 
     mask (B, 1, T, S)  -> (B, 1, G*T, S)       the T rows repeated G times: G*T*S, not 2*H*S*D
 
 so that any SDPA kernel (flash, memory-efficient, cuDNN) runs plain multi-head attention over the Hkv heads.
-A mask may have one row for every query (DFlash's (B, 1, 1, S)): it is broadcast to T rows before the fold. The
-kernel's output may be laid out transposed underneath (CUDA's memory-efficient kernel writes (B, T, H, Dv)), so
-the unfold reshapes rather than views.
+A mask may have one row for every query (DFlash's (B, 1, 1, S)): it is broadcast to T rows before the fold.
+The kernel's output may be laid out transposed underneath (CUDA's memory-efficient kernel writes
+(B, T, H, Dv)), so the unfold reshapes rather than views.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def native_gqa(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> boo
 
 @functools.cache
 def gqa_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> SDPBackend | None:
-    """The CUDA backend that runs grouped heads under a boolean mask on a fused kernel, asked once of the running
-    torch (`can_use_*_attention`); None where only the math kernel would (then the fold is cheaper)."""
+    """The CUDA backend that runs grouped heads under a boolean mask on a fused kernel, asked once of the
+    running torch (`can_use_*_attention`); None where only the math kernel would (then the fold is
+    cheaper)."""
     if device.type != "cuda":
         return None
     query = torch.zeros(1, 8, 4, 64, device=device, dtype=dtype)
@@ -45,7 +46,8 @@ def gqa_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> SD
 
 
 def fused_backend(params: torch.backends.cuda.SDPAParams) -> SDPBackend | None:
-    """The first fused kernel that takes `params` (memory-efficient before cuDNN, as SDPA itself ranks them)."""
+    """The first fused kernel that takes `params` (memory-efficient before cuDNN, as SDPA itself ranks
+    them)."""
     if torch.backends.cuda.can_use_efficient_attention(params):
         return SDPBackend.EFFICIENT_ATTENTION
     if torch.backends.cuda.can_use_cudnn_attention(params):
@@ -71,8 +73,8 @@ def grouped_kernel(
 
 def fold_mask(mask: torch.Tensor, groups: int, queries: int | None = None) -> torch.Tensor:
     """mask (B, 1, T or 1, S) bool or additive -> (B, 1, groups*T, S): the rows repeated per folded query head
-    (a one-row mask first broadcast to the `queries` T), in one copy whose row stride is a multiple of ALIGN (so
-    the kernel does not pad it again)."""
+    (a one-row mask first broadcast to the `queries` T), in one copy whose row stride is a multiple of ALIGN
+    (so the kernel does not pad it again)."""
     B, _, rows, S = mask.shape
     T = queries if queries is not None else rows
     mask = mask.expand(B, 1, T, S)
@@ -100,8 +102,8 @@ def grouped_sdpa(
 ) -> torch.Tensor:
     """query (B, Hkv*G, T, D), key and value (B, Hkv, S, D), mask (B or 1, 1, T, S) bool (True = visible) or
     additive -> (B, Hkv*G, T, Dv), query head i reading key head i // G (as repeat_kv pairs them), always on a
-    fused kernel's inputs. `fold` True: fold the groups into the query length; False: `enable_gqa`; None: by the
-    device and the sizes (the grouped kernel where `native_gqa`, else the fold where it copies less than
+    fused kernel's inputs. `fold` True: fold the groups into the query length; False: `enable_gqa`; None: by
+    the device and the sizes (the grouped kernel where `native_gqa`, else the fold where it copies less than
     repeating the keys and values, else those repeated)."""
     B, H, T, D = query.shape
     groups = H // key.shape[1]

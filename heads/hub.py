@@ -20,7 +20,8 @@ from selfspec.shipped.models import shipped_drafter
 WEIGHTS_NAME = "model.safetensors"
 HEAD_FILES = ["config.json", WEIGHTS_NAME, "README.md"]
 # The weights of a published drafter, fetched with HEAD_FILES so that it loads as it is: FasterDecoding's
-# medusa_lm_head.pt / .safetensors, SafeAILab's pytorch_model.bin, shards and their index (not optimizer states).
+# medusa_lm_head.pt / .safetensors, SafeAILab's pytorch_model.bin, shards and their index (not optimizer
+# states).
 PUBLISHED_FILES = [
     "medusa_lm_head.*",
     "model*.safetensors",
@@ -28,7 +29,8 @@ PUBLISHED_FILES = [
     "pytorch_model*.bin",
     "pytorch_model.bin.index.json",
 ]
-# A Medusa-2 checkpoint's adapted target: the LoRA adapter (peft's files), or the merged model (HeadsConfig fields)
+# A Medusa-2 checkpoint's adapted target: the LoRA adapter (peft's files), or the merged model (HeadsConfig
+# fields)
 TARGET_FOLDERS = ["adapter/*", "target/*"]
 RECIPE_NAME = "training_args.json"  # written next to the heads by the training loop
 BENCH_NAME = "bench.json"  # `selfspec bench --json DIR/bench.json`
@@ -43,7 +45,8 @@ tags: [speculative-decoding, {config.kind}, selfspec]
 ---
 # {config.kind} drafter for {base}
 
-{family(config.kind).describe(config)}, hidden size {config.hidden_size}, vocabulary {config.vocab_size}. Decoding with them is lossless: greedy output is token-identical to the
+{family(config.kind).describe(config)}, hidden size {config.hidden_size}, vocabulary {config.vocab_size}. \
+Decoding with them is lossless: greedy output is token-identical to the
 target's own, sampled output has the target's distribution.
 
 ```python
@@ -56,8 +59,9 @@ model = SpeculativeModel.from_pretrained("path/to/this/folder")
 def resolve_heads(
     name_or_path: str | Path, revision: str | None = None, token: str | bool | None = None
 ) -> Path:
-    """A drafter the repository ships, by its short name (`smollm2-eagle3`); a local heads directory as is; otherwise a Hub repo id, downloaded (or found in the HF cache) at `revision`
-    with the files either selfspec's layout or a published checkpoint's needs."""
+    """A drafter the repository ships, by its short name (`smollm2-eagle3`); a local heads directory as is;
+    otherwise a Hub repo id, downloaded (or found in the HF cache) at `revision` with the files either
+    selfspec's layout or a published checkpoint's needs."""
     if (shipped := shipped_drafter(str(name_or_path))) is not None and not Path(name_or_path).is_dir():
         if not (shipped / "config.json").is_file():
             raise FileNotFoundError(
@@ -89,8 +93,8 @@ def resolve_heads(
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         why = "HF_HUB_OFFLINE=1 forbids downloading" if offline else "the Hub could not be reached"
         raise FileNotFoundError(
-            f"{name_or_path} is not a local directory and not in the Hugging Face cache, and {why}: download it "
-            f"where the Hub is reachable (hf download {name_or_path}) or pass a local directory"
+            f"{name_or_path} is not a local directory and not in the Hugging Face cache, and {why}: "
+            f"download it where the Hub is reachable (hf download {name_or_path}) or pass a local directory"
         ) from None
     except (RepositoryNotFoundError, HfHubHTTPError) as e:
         raise FileNotFoundError(f"{name_or_path}: no such local directory, and the Hub says: {e}") from None
@@ -132,8 +136,9 @@ def card_for(directory: str | Path) -> str:
 
 @contextlib.contextmanager
 def hub_reached(api) -> Iterator[None]:
-    """Within: a failure to reach the Hub (no network, a proxy, DNS) is one OSError naming the endpoint and the
-    fix, not the HTTP client's own traceback (its class varies with huggingface_hub's client: requests, httpx)."""
+    """Within: a failure to reach the Hub (no network, a proxy, DNS) is one OSError naming the endpoint and
+    the fix, not the HTTP client's own traceback (its class varies with huggingface_hub's client: requests,
+    httpx)."""
     try:
         yield
     except Exception as e:

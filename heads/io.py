@@ -35,7 +35,8 @@ def saved_model_files(directory: Path) -> list[str]:
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Named tensors from a .safetensors file, or from a pickle read only with torch.load(weights_only=True)."""
+    """Named tensors from a .safetensors file, or from a pickle read only with
+    torch.load(weights_only=True)."""
     if path.name.endswith(".safetensors"):
         try:
             state = load_file(str(path), device="cpu")
@@ -48,9 +49,10 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # weights_only raises UnpicklingError and others for anything but tensors
             raise ValueError(
-                f"cannot read the weights in {path} with torch.load(weights_only=True): {type(e).__name__}: {e}. "
-                "It must be a plain state_dict of tensors; unpickling arbitrary objects is refused. Convert it "
-                "once, where you trust the file, to safetensors (safetensors.torch.save_file)"
+                f"cannot read the weights in {path} with torch.load(weights_only=True): "
+                f"{type(e).__name__}: {e}. It must be a plain state_dict of tensors; unpickling arbitrary "
+                "objects is refused. Convert it once, where you trust the file, to safetensors "
+                "(safetensors.torch.save_file)"
             ) from None
     if not isinstance(state, dict) or not all(
         isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()
@@ -115,7 +117,8 @@ class PretrainedHeads(nn.Module):
             )
 
     def save_pretrained(self, directory: str | Path, card_extra: str = "") -> None:
-        """config.json, model.safetensors and a card; a Medusa-2 checkpoint's adapted-target folder comes along."""
+        """config.json, model.safetensors and a card; a Medusa-2 checkpoint's adapted-target folder comes
+        along."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         sub = self.config.adapter or self.config.merged_target
@@ -151,7 +154,8 @@ class PretrainedHeads(nn.Module):
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
             raise ValueError(
-                f"{weights} does not match its config.json ({config.kind}): missing {missing[:5]}, unexpected {unexpected[:5]}"
+                f"{weights} does not match its config.json ({config.kind}): missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
             )
         model.load_state_dict(state, strict=True)
         if hasattr(model, "check_draft_vocab"):  # EAGLE drafters with a draft vocabulary: d2t one-to-one

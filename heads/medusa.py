@@ -56,9 +56,9 @@ class MedusaHeads(PretrainedHeads):
     def forward(
         self, hidden: torch.Tensor, lm_head: nn.Module | None = None, project: bool = True
     ) -> tuple[torch.Tensor, ...]:
-        """hidden (..., H) -> K logits tensors (..., V), one per head. `lm_head` is the target's, needed when shared.
-        With project=False: the K heads' features before any vocabulary projection (..., H), for a loss that
-        projects them a chunk of positions at a time (`project_head`).
+        """hidden (..., H) -> K logits tensors (..., V), one per head. `lm_head` is the target's, needed when
+        shared. With project=False: the K heads' features before any vocabulary projection (..., H), for a
+        loss that projects them a chunk of positions at a time (`project_head`).
 
         Training calls this (not the heads one by one) so that a DDP wrapper syncs gradients.
         """

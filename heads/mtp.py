@@ -1,13 +1,14 @@
-"""The target's own multi-token-prediction (MTP) layers as a drafter: DeepSeek-V3's MTP modules, GLM-4.5's NextN
-layers and the other architectures whose config has `num_mtp_layers`. The layers are transformers' own `MtpLayer`s
-(transformers.modeling_layers), built for the target's architecture from its config; the embedding and the lm_head
-are the target's, bound at run time and never stored.
+"""The target's own multi-token-prediction (MTP) layers as a drafter: DeepSeek-V3's MTP modules, GLM-4.5's
+NextN layers and the other architectures whose config has `num_mtp_layers`. The layers are transformers' own
+`MtpLayer`s (transformers.modeling_layers), built for the target's architecture from its config; the embedding
+and the lm_head are the target's, bound at run time and never stored.
 
-One MTP step reads the target's last hidden state at t (what its lm_head reads) and the embedding of x_{t+1}, and
-predicts x_{t+2}: EAGLE-1's pair, so it decodes through the shared feature drafter (infer/drafters/feature_drafter.py).
-Every tree depth runs MTP layer 0 on its own previous output, as serving engines reuse a checkpoint's one layer for
-several speculative tokens; the checkpoint's further layers (where it has them) are kept and exported unchanged.
-Training (train/mtp.py) unrolls the same reuse (EAGLE-3's training-time test).
+One MTP step reads the target's last hidden state at t (what its lm_head reads) and the embedding of x_{t+1},
+and predicts x_{t+2}: EAGLE-1's pair, so it decodes through the shared feature drafter
+(infer/drafters/feature_drafter.py). Every tree depth runs MTP layer 0 on its own previous output, as serving
+engines reuse a checkpoint's one layer for several speculative tokens; the checkpoint's further layers (where
+it has them) are kept and exported unchanged. Training (train/mtp.py) unrolls the same reuse (EAGLE-3's
+training-time test).
 """
 
 from __future__ import annotations
@@ -88,20 +89,22 @@ class MtpDraft(PretrainedHeads):
         with torch.device("meta"):  # only the layer classes and the config are read from it
             skeleton = AutoModelForCausalLM.from_config(main_config)
         mtp = mtp_model_class()(skeleton, config.num_layers)
-        # the target family's own initialisation (MtpModel's generic one leaves e.g. MoE routers uninitialised)
+        # the target family's own initialisation (MtpModel's generic one leaves e.g. MoE routers
+        # uninitialised)
         mtp.layers.apply(skeleton._init_weights)
         rotary = mtp.rotary_emb
         for name in ("embed_tokens", "shared_head", "rotary_emb"):  # the target's, bound at run time
             delattr(mtp, name)
         mtp.config._attn_implementation = "sdpa"  # the explicit masks of tree drafting and of training
         self.mtp = mtp
-        # RoPE (non-persistent buffers only): the skeleton's lives on the meta device, so a real one of its class
+        # RoPE (non-persistent buffers only): the skeleton's lives on the meta device, so a real one of
+        # its class
         self.rotary = type(rotary)(config=mtp.config) if rotary is not None else None
         self._bound: tuple[nn.Module, ...] = ()
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
-        """Moves and casts (`.to`, `.cuda`, `.half`) leave RoPE's frequencies in float32, as the target keeps its
-        own: in bf16 the draft's angles would drift from the target's at long positions."""
+        """Moves and casts (`.to`, `.cuda`, `.half`) leave RoPE's frequencies in float32, as the target keeps
+        its own: in bf16 the draft's angles would drift from the target's at long positions."""
         frequencies = dict(self.rotary.named_buffers()) if self.rotary is not None else {}
         super()._apply(fn, recurse)
         if frequencies:
@@ -148,13 +151,14 @@ class MtpDraft(PretrainedHeads):
         """One pass of MTP layer 0: hidden (B, T, H) at t, the tokens x_{t+1} (B, T), a 4D mask over `cache`'s
         keys then these (additive or boolean), positions (B, T) -> outputs (B, T, H), each predicting x_{t+2}.
 
-        The outputs are the decoder block's, before the layer's output norm: what the next MTP step reads as its
-        hidden state (DeepSeek-V3's sequential modules; vLLM's and SGLang's MTP drafting), while `logits` applies
-        the norm (MtpLayer.forward would apply it before handing the state on). The layer's own parts are called
-        in MtpLayer.forward's order. The pair at position 0 reads a zero embedding (the engines' convention)."""
+        The outputs are the decoder block's, before the layer's output norm: what the next MTP step reads as
+        its hidden state (DeepSeek-V3's sequential modules; vLLM's and SGLang's MTP drafting), while `logits`
+        applies the norm (MtpLayer.forward would apply it before handing the state on). The layer's own parts
+        are called in MtpLayer.forward's order. The pair at position 0 reads a zero embedding (the engines'
+        convention)."""
         layer = self.mtp.layers[0]
-        # the pair at position 0 reads no token embedding, as vLLM's and SGLang's MTP layers have it (measured: with
-        # it, vLLM 0.32 accepts exactly our drafts; without, a few later drafts differ)
+        # the pair at position 0 reads no token embedding, as vLLM's and SGLang's MTP layers have it
+        # (measured: with it, vLLM 0.32 accepts exactly our drafts; without, a few later drafts differ)
         embeds = embed(input_ids).to(hidden.dtype).masked_fill(position_ids[..., None] == 0, 0)
         rope = self.rotary(embeds, position_ids=position_ids) if self.rotary is not None else None
         parts = [layer.enorm(embeds), layer.hnorm(hidden)]
@@ -186,8 +190,8 @@ class MtpDraft(PretrainedHeads):
         cache: Any = None,
         unroll: int = 0,
     ) -> torch.Tensor | list[torch.Tensor]:
-        """Decoding: one step over `cache` (a transformers Cache). Training (`unroll` > 0): `unroll` steps over whole
-        sequences (`unrolled`); through forward so that DDP, DeepSpeed and FSDP see the call."""
+        """Decoding: one step over `cache` (a transformers Cache). Training (`unroll` > 0): `unroll` steps
+        over whole sequences (`unrolled`); through forward so that DDP, DeepSpeed and FSDP see the call."""
         if unroll > 0:
             return self.unrolled(hidden, input_ids, embed, attention_mask, unroll, position_ids)
         return self.step(hidden, input_ids, embed, attention_mask, position_ids, cache)
@@ -203,11 +207,12 @@ class MtpDraft(PretrainedHeads):
     ) -> list[torch.Tensor]:
         """The training-time test over whole sequences, as decoding reuses the layer:
 
-            step 0 at t: the target's hidden state at t, token x_{t+1},   position t      -> o0_t (predicts x_{t+2})
-            step i at t: o(i-1)_t,                       token x_{t+1+i}, position t + i  -> oi_t (predicts x_{t+2+i})
+            step 0 at t: the target's hidden state at t, token x_{t+1}, position t -> o0_t (predicts x_{t+2})
+            step i at t: o(i-1)_t, token x_{t+1+i}, position t + i -> oi_t (predicts x_{t+2+i})
 
         Step i at t attends to step 0's keys at the positions `context` (B, 1, T, T) bool shows it (its causal
-        past) and to its own earlier steps' keys at t: what a depth-i draft node sees. Returns each step's outputs.
+        past) and to its own earlier steps' keys at t: what a depth-i draft node sees. Returns each step's
+        outputs.
         """
         from transformers import DynamicCache
 
@@ -224,7 +229,8 @@ class MtpDraft(PretrainedHeads):
         return outputs
 
     def logits(self, out: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """Logits over the target's vocabulary: the layer's output norm, then the target's lm_head (shared)."""
+        """Logits over the target's vocabulary: the layer's output norm, then the target's lm_head
+        (shared)."""
         head = lm_head if lm_head is not None else self.lm_head
         return head(self.output_norm(out).to(head.weight.dtype))
 
@@ -247,8 +253,8 @@ class MtpDraft(PretrainedHeads):
 def mtp_config_for(
     target: nn.Module, base_model: str, layers: int | None = None, dtype: str = "float32", **tree: int
 ) -> HeadsConfig:
-    """The HeadsConfig of `target`'s MTP layers (its own count, or `layers` new ones); the tree by default a chain
-    of 3 (DEFAULT_TREE), as engines draft with a checkpoint's one MTP layer."""
+    """The HeadsConfig of `target`'s MTP layers (its own count, or `layers` new ones); the tree by default a
+    chain of 3 (DEFAULT_TREE), as engines draft with a checkpoint's one MTP layer."""
     text = target.config.get_text_config()
     fields = text.to_dict()
     fields["model_type"] = text.model_type

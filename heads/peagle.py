@@ -1,8 +1,8 @@
 """P-EAGLE (parallel EAGLE): the EAGLE-3 body (heads/fused_draft.py) drafting every depth in one forward.
 
-After the confirmed pairs (target features f_t, token x_{t+1}) come K - 1 parallel slots, each reading a learned
-token embedding `mask_embedding` and a learned pre-fc feature `mask_hidden` in place of a token and a target
-feature, at the next positions, under ordinary causal attention:
+After the confirmed pairs (target features f_t, token x_{t+1}) come K - 1 parallel slots, each reading a
+learned token embedding `mask_embedding` and a learned pre-fc feature `mask_hidden` in place of a token and a
+target feature, at the next positions, under ordinary causal attention:
 
     slot        input                               position   output predicts
     last pair   (fc(f_p), x_{p+1})                  p          x_{p+2}        depth 1
@@ -11,9 +11,9 @@ feature, at the next positions, under ordinary causal attention:
 Slot j sees the context, the last pair and the slots before it; no drafted token feeds a later depth, so one
 drafter forward gives all K distributions (a chain of their argmaxes, or a tree of each depth's top-k).
 
-This is the layout vLLM 0.32 serves with `parallel_drafting` (docs/design/peagle-vllm-0.32.md): its `mask_hidden`
-buffer is the same pre-fc (n * H) vector, and its slot token is `mask_token_id`, whose row of the exported
-`embed_tokens` is `mask_embedding`.
+This is the layout vLLM 0.32 serves with `parallel_drafting` (docs/design/peagle-vllm-0.32.md): its
+`mask_hidden` buffer is the same pre-fc (n * H) vector, and its slot token is `mask_token_id`, whose row of
+the exported `embed_tokens` is `mask_embedding`.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class PEagleDraft(FusedDraft):
         self._slots: tuple | None = None  # (weights' key, fc(mask_hidden), mask_embedding) for decoding
 
     def slot_inputs(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The parallel slots' hidden state (after fc) and token embedding, (H,) each. Without grad (decoding) they
-        are computed once per weight version and dtype, not at every step."""
+        """The parallel slots' hidden state (after fc) and token embedding, (H,) each. Without grad (decoding)
+        they are computed once per weight version and dtype, not at every step."""
         if torch.is_grad_enabled():
             return self.fuse(self.mask_hidden.to(dtype)), self.mask_embedding.to(dtype)
         reads = (
@@ -69,9 +69,10 @@ class PEagleDraft(FusedDraft):
         depths: int = 0,
         anchors: list[torch.Tensor | None] | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
-        """Decoding: hidden (B, M, H) (fused target features through `fuse`) and input_ids (B, M) of the confirmed
-        pairs, then `slots` parallel slots -> the layer's outputs (B, M + slots, H). attention_mask (B, 1, M + slots,
-        past + M + slots) and position_ids (B, M + slots) cover the slots too (see the module docstring).
+        """Decoding: hidden (B, M, H) (fused target features through `fuse`) and input_ids (B, M) of the
+        confirmed pairs, then `slots` parallel slots -> the layer's outputs (B, M + slots, H). attention_mask
+        (B, 1, M + slots, past + M + slots) and position_ids (B, M + slots) cover the slots too (see the
+        module docstring).
 
         `depths` > 0 is training (`parallel`): hidden is the target's features (B, T, nH), attention_mask the
         pairs' context mask, and the result one output tensor per depth. It goes through forward so that DDP,
@@ -98,12 +99,13 @@ class PEagleDraft(FusedDraft):
     ) -> list[torch.Tensor]:
         """Every depth over whole sequences, as decoding computes them:
 
-            depth 0 at t: the pair (fc(features_t), x_{t+1}), position t, sees the pairs <= t     -> predicts x_{t+2}
-            depth j at t: slot j of anchor t, position t + j, sees the pairs <= t and slots 1..j -> x_{t+2+j}
+        depth 0 at t: the pair (fc(features_t), x_{t+1}), position t, sees the pairs <= t -> predicts x_{t+2}
+        depth j at t: slot j of anchor t, position t + j, sees the pairs <= t and slots 1..j -> x_{t+2+j}
 
-        features (B, T, nH), input_ids (B, T) = x_{t+1}, context (B, 1, T, T) bool (True = visible; packed rows
-        pass their block mask), position_ids (B, T). `anchors` (B, T) bool per depth (None: every position) limits a
-        depth's MLP to the positions trained (P-EAGLE's depth subsampling); elsewhere its outputs are 0."""
+        features (B, T, nH), input_ids (B, T) = x_{t+1}, context (B, 1, T, T) bool (True = visible; packed
+        rows pass their block mask), position_ids (B, T). `anchors` (B, T) bool per depth (None: every
+        position) limits a depth's MLP to the positions trained (P-EAGLE's depth subsampling); elsewhere its
+        outputs are 0."""
         B, T = input_ids.shape
         layer, attn = self.midlayer, self.midlayer.self_attn
         if position_ids is None:

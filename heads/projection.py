@@ -4,8 +4,8 @@ A draft call projects a few rows (the heads, a tree frontier) onto the vocabular
 GEMM computes that 2-4x faster as W @ x.T than as x @ W.T (`F.linear`) when x has 2-64 rows: an 8192 x 384
 head with 8 rows takes 3.9 ms through `F.linear` and 1.7 ms the other way round on the 2-core AMD EPYC this
 was measured on, and no case measured is slower (bfloat16 and float16 are unaffected, so they keep
-`F.linear`). Only the summation order can differ. The target's own lm_head goes through it too during prefill and tree
-verification (infer.target.Target.vocab_layout), as a tree's few rows are the same case.
+`F.linear`). Only the summation order can differ. The target's own lm_head goes through it too during prefill
+and tree verification (infer.target.Target.vocab_layout), as a tree's few rows are the same case.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from torch import nn
 
 
 def vocab_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., H) -> x @ weight.T + bias (..., V), as `F.linear`; float32 on CPU without autograd uses W @ x.T."""
+    """x (..., H) -> x @ weight.T + bias (..., V), as `F.linear`; float32 on CPU without autograd uses
+    W @ x.T."""
     if (
         x.dtype != torch.float32
         or x.device.type != "cpu"
@@ -34,7 +35,8 @@ def vocab_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def is_plain_linear(head: nn.Module) -> bool:
     """Whether `head(x)` is exactly x @ weight.T + bias: an `nn.Linear` itself, not a subclass (quantised
-    layers), and without hooks (accelerate offload, weight_norm, pruning) that would change or move its weight."""
+    layers), and without hooks (accelerate offload, weight_norm, pruning) that would change or move its
+    weight."""
     return (
         type(head) is nn.Linear
         and not getattr(head, "_hf_hook", None)

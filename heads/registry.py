@@ -35,8 +35,8 @@ def load_heads(
 
     `base_model` is the target (a name or path) a published checkpoint is loaded for: its config then names
     that one (published EAGLE checkpoints name none), and EAGLE-3 checkpoints that name no fused layers take
-    the target's default ones. selfspec's own directories keep the target they name. `revision` and `token` are
-    the Hub's, for a repo id."""
+    the target's default ones. selfspec's own directories keep the target they name. `revision` and `token`
+    are the Hub's, for a repo id."""
     checkpoint = Checkpoint.read(resolve_heads(name_or_path, revision=revision, token=token))
     if is_published(checkpoint):
         return import_heads(checkpoint, base_model=base_model or None).to(device)

@@ -18,7 +18,8 @@ ADAPTED = "_selfspec_adapter"  # attribute marking a model load_target adapted: 
 
 
 def adapted_target_dir(config: HeadsConfig, directory: Path | None) -> Path | None:
-    """The checkpoint's adapter or merged-target folder, checked to exist; None for heads of an unchanged target."""
+    """The checkpoint's adapter or merged-target folder, checked to exist; None for heads of an unchanged
+    target."""
     sub = config.adapter or config.merged_target
     if sub is None:
         return None
@@ -32,7 +33,8 @@ def adapted_target_dir(config: HeadsConfig, directory: Path | None) -> Path | No
 
 
 def apply_adapter(model: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
-    """`model` with the LoRA adapter in `adapter_dir` merged into its weights (no adapter cost per forward)."""
+    """`model` with the LoRA adapter in `adapter_dir` merged into its weights (no adapter cost per
+    forward)."""
     try:
         from peft import PeftModel
     except ImportError:
@@ -81,8 +83,8 @@ def load_target(heads: Any, name: str | None = None, load: Any = None, **kwargs:
 
 
 def check_adapted(config: HeadsConfig, model: torch.nn.Module) -> None:
-    """Refuse a model passed for heads trained with a LoRA adapter unless load_target adapted it: the base model
-    alone decodes exactly but accepts little, silently."""
+    """Refuse a model passed for heads trained with a LoRA adapter unless load_target adapted it: the base
+    model alone decodes exactly but accepts little, silently."""
     if (config.adapter or config.merged_target) and not getattr(model, ADAPTED, None):
         raise ValueError(
             "these Medusa-2 heads were trained with a LoRA adapter on the target: leave the model out "

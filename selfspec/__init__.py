@@ -1,5 +1,6 @@
-"""selfspec: train Medusa / EAGLE-1/2/3 / P-EAGLE / DFlash drafters on a frozen Hugging Face causal LM, or fine-tune its
-own MTP layers, and decode with them losslessly (a draft model and prompt lookup run in the same loop).
+"""selfspec: train Medusa / EAGLE-1/2/3 / P-EAGLE / DFlash drafters on a frozen Hugging Face causal LM, or
+fine-tune its own MTP layers, and decode with them losslessly (a draft model and prompt lookup run in the same
+loop).
 
     from selfspec import SpeculativeModel
     spec = SpeculativeModel.from_pretrained("outputs/eagle3-llama3.1-8b", device_map="cuda", dtype="bfloat16")
@@ -35,7 +36,8 @@ __all__ = [*PUBLIC, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use (`selfspec.SpeculativeModel`, `from selfspec import ...`)."""
+    """Import a public name's module on first use (`selfspec.SpeculativeModel`, `from selfspec import
+    ...`)."""
     if name == "__version__":
         from importlib.metadata import PackageNotFoundError, version
 

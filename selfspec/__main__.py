@@ -1,4 +1,5 @@
-"""`python -m selfspec generate | bench | tune | import | export | push | draft-vocab` (the `selfspec` command)."""
+"""`python -m selfspec generate | bench | tune | import | export | push | draft-vocab` (the `selfspec`
+command)."""
 
 from selfspec.cli import main
 

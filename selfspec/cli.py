@@ -1,4 +1,5 @@
-"""The `selfspec` command (also `python -m selfspec`): infer's commands and train's draft-vocab in one command line.
+"""The `selfspec` command (also `python -m selfspec`): infer's commands and train's draft-vocab in one command
+line.
 
 The table is assembled here, above both packages, so that infer never imports train.
 """
@@ -21,6 +22,6 @@ COMMANDS = insert_after(infer_cli.COMMANDS, "export", "draft-vocab", DRAFT_VOCAB
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> None:
-    """`selfspec ...` on `argv` (default: the process's arguments); a user error ends in one `error: ...` line and
-    exit status 2 (`--debug`: the traceback)."""
+    """`selfspec ...` on `argv` (default: the process's arguments); a user error ends in one `error: ...` line
+    and exit status 2 (`--debug`: the traceback)."""
     infer_cli.main(argv, prog, COMMANDS)

@@ -122,7 +122,10 @@ MATH = [
     "There are {x} students in a class and {y} of them are absent. What percentage of the class is present?",
     "{a} is {x} years old. {b} is {y} years older than {a}. How old will {b} be in {z} years?",
     "A shop sells {g} in packs of {y}. {a} needs {w} {g}. How many packs must {a} buy?",
-    "{a} runs {x} km on Monday, {y} km on Tuesday and {z} km on Wednesday. What is the average distance per day?",
+    (
+        "{a} runs {x} km on Monday, {y} km on Tuesday and {z} km on Wednesday. "
+        "What is the average distance per day?"
+    ),
     "A recipe needs {y} eggs for {x} people. How many eggs are needed for {w} people?",
     "{a} and {b} share {w} {g} in the ratio {x}:{y}. How many does each get?",
     "A shirt costs ${w}. It is on sale for {x}% off. What is the sale price?",

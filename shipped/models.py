@@ -34,7 +34,8 @@ def shipped_drafter(name: str) -> Path | None:
 
 
 def resolve_model(name_or_path: str) -> str:
-    """Map the short names `demo` / `demo-draft` / `smollm2` to their model folders; pass anything else through."""
+    """Map the short names `demo` / `demo-draft` / `smollm2` to their model folders; pass anything else
+    through."""
     if name_or_path in SHORT_NAMES:
         path = MODELS_DIR / SHORT_NAMES[name_or_path]
         if not (path / "config.json").is_file() and path.name in BUILT:

@@ -53,8 +53,8 @@ def tiny_config(arch: str, vocab: int = VOCAB):
 
 
 def randomized(model: torch.nn.Module, scale: float = 0.3) -> torch.nn.Module:
-    """`model` with every weight matrix drawn from N(0, scale) (so its greedy output is not one repeated token),
-    in eval mode."""
+    """`model` with every weight matrix drawn from N(0, scale) (so its greedy output is not one repeated
+    token), in eval mode."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
@@ -66,7 +66,8 @@ WEIGHT_FILES = {"bin": "pytorch_model.bin", "safetensors": "model.safetensors"}
 
 
 def write_checkpoint(path, config: dict, state: dict, weights: str) -> None:
-    """A published-style checkpoint written by hand: config.json and the state dict as `weights` (bin/safetensors)."""
+    """A published-style checkpoint written by hand: config.json and the state dict as `weights`
+    (bin/safetensors)."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
@@ -78,13 +79,15 @@ def write_checkpoint(path, config: dict, state: dict, weights: str) -> None:
 
 
 def prefill_one(target, prompt: torch.Tensor, cache, hidden: bool = True):
-    """One prompt (1, T) through a `Target` -> its last logits (V,) and features (T, ·) (None without `hidden`)."""
+    """One prompt (1, T) through a `Target` -> its last logits (V,) and features (T, ·) (None without
+    `hidden`)."""
     logits, features = target.prefill_rows(prompt, cache, hidden=hidden)
     return logits[0], features[0] if hidden else None
 
 
 def verify_one(target, tokens: torch.Tensor, tree, prefix_len: int, cache):
-    """One tree's tokens (N,) through a `Target` after a cached prefix -> logits (N, V) and features (N, ·)."""
+    """One tree's tokens (N,) through a `Target` after a cached prefix -> logits (N, V) and features
+    (N, ·)."""
     from selfspec.infer.core.mask import RowMask
 
     mask = RowMask(1, tree.size, prefix_len + tree.size, target.dtype, target.device)
@@ -108,7 +111,8 @@ def propose_one(drafter, context: torch.Tensor, hiddens: torch.Tensor, max_lengt
 def tiny_model(
     arch: str, vocab: int = VOCAB, seed: int = 0, attn: str = "sdpa", scale: float = 0.3
 ) -> torch.nn.Module:
-    """A 2-layer, 48-wide random model; weights of std `scale` so its greedy output is not one repeated token."""
+    """A 2-layer, 48-wide random model; weights of std `scale` so its greedy output is not one repeated
+    token."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab), attn_implementation=attn)
     return randomized(model, scale)
@@ -186,7 +190,8 @@ def tiny_model_dir(tmp_path):
 
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():
-    """accelerate keeps process-wide singletons; tests that build Accelerators of different settings need them reset."""
+    """accelerate keeps process-wide singletons; tests that build Accelerators of different settings need them
+    reset."""
     yield
     from accelerate.state import AcceleratorState, GradientState
 

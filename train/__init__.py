@@ -1,1 +1,2 @@
-"""Training: the launch scripts (train/<recipe>.py) over the shared loop, data, methods and recipes below them."""
+"""Training: the launch scripts (train/<recipe>.py) over the shared loop, data, methods and recipes below
+them."""

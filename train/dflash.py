@@ -1,13 +1,13 @@
 """Train a DFlash block-parallel drafter on a frozen causal LM.
 
-    accelerate launch train/dflash.py                        # demo target, self-distilled stdlib, CPU, ~20 min
+    accelerate launch train/dflash.py                       # demo target, self-distilled stdlib, CPU, ~20 min
     accelerate launch train/dflash.py --config configs/dflash/qwen3-8b-dflash.yaml
 
 The frozen target computes its fused layers (target_layer_ids) online, without gradients. Each sequence
 gives `anchors` random blocks [x_a, MASK...], all drafted in one masked attention pass (heads.dflash
-DFlashDraft.packed); the loss is position-weighted (train/methods/dflash_loss.py). Validation drafts a block at every
-position and reports each block position's top-1 agreement with the target and the tokens per step of a
-teacher-forced chain decoding over the sequences (`sim_accept`), and the checkpoint
+DFlashDraft.packed); the loss is position-weighted (train/methods/dflash_loss.py). Validation drafts a block
+at every position and reports each block position's top-1 agreement with the target and the tokens per step of
+a teacher-forced chain decoding over the sequences (`sim_accept`), and the checkpoint
 with the best one is what is saved. At the end the chain/tree (depth, top_k, total_tokens) is fitted to this
 machine by decoding validation prompts.
 """

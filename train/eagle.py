@@ -1,7 +1,8 @@
 """Train an EAGLE draft model (EAGLE-1/2, or EAGLE-3 with --version 3) on a frozen causal LM.
 
     accelerate launch train/eagle.py                        # demo target, stdlib corpus, CPU, < 15 min
-    accelerate launch train/eagle.py --version 3            # EAGLE-3 on the demo, about 20 min (heads/eagle3.py, train/methods/step_loss.py)
+    accelerate launch train/eagle.py --version 3            # EAGLE-3 on the demo, about 20 min
+                                                              (heads/eagle3.py, train/methods/step_loss.py)
     accelerate launch train/eagle.py --config configs/eagle/llama3-8b-sharegpt.yaml
 
 The frozen target computes features f (its last hidden states, what its lm_head reads) online,

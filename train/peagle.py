@@ -3,13 +3,14 @@
     accelerate launch train/peagle.py                        # demo target, its own answers, CPU, about 20 min
     accelerate launch train/peagle.py --config configs/peagle/demo.yaml
 
-The drafter is EAGLE-3's body; one forward drafts `depths` tokens: depth 0 from the pairs (fused target features,
-next token), depths 1 .. K - 1 from parallel slots reading a learned mask embedding and hidden state. Training runs
-every depth over whole sequences in one pass (PEagleDraft.parallel), with the depth subsampling of P-EAGLE's
-recipe (speculators' "COD"): depth 0 trains at every position, depth d at a random max(ratio^d, min_ratio) of the
-positions depth d - 1 kept, so deep depths cost a fraction of a full pass. Depth d at position t learns the
-target's distribution for x_{t+2+d}, restricted to the draft vocabulary (train/methods/step_loss.py, weights 0.8^d).
-At the end the chain or tree (depth, top_k, total_tokens) is fitted to this machine by decoding validation prompts.
+The drafter is EAGLE-3's body; one forward drafts `depths` tokens: depth 0 from the pairs (fused target
+features, next token), depths 1 .. K - 1 from parallel slots reading a learned mask embedding and hidden
+state. Training runs every depth over whole sequences in one pass (PEagleDraft.parallel), with the depth
+subsampling of P-EAGLE's recipe (speculators' "COD"): depth 0 trains at every position, depth d at a random
+max(ratio^d, min_ratio) of the positions depth d - 1 kept, so deep depths cost a fraction of a full pass.
+Depth d at position t learns the target's distribution for x_{t+2+d}, restricted to the draft vocabulary
+(train/methods/step_loss.py, weights 0.8^d). At the end the chain or tree (depth, top_k, total_tokens) is
+fitted to this machine by decoding validation prompts.
 """
 
 from __future__ import annotations

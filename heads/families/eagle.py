@@ -10,7 +10,10 @@ from selfspec.heads.family import Family, check_layer
 
 def describe(config: Any) -> str:
     vocab = f", drafting among {config.draft_vocab_size} tokens" if config.draft_vocab_size else ""
-    return f"EAGLE draft model: fc (2H -> H) + {config.num_layers} Llama decoder layer(s) on the target's features{vocab}"
+    return (
+        f"EAGLE draft model: fc (2H -> H) + {config.num_layers} Llama decoder layer(s) on the target's "
+        f"features{vocab}"
+    )
 
 
 FAMILY = Family(

@@ -1,6 +1,6 @@
-"""P-EAGLE (parallel EAGLE): the EAGLE-3 body drafting every depth in one forward, the later depths from a learned
-mask embedding and hidden state; decoded as a chain or a tree of each depth's top-k, served by vLLM with
-`parallel_drafting`."""
+"""P-EAGLE (parallel EAGLE): the EAGLE-3 body drafting every depth in one forward, the later depths from a
+learned mask embedding and hidden state; decoded as a chain or a tree of each depth's top-k, served by vLLM
+with `parallel_drafting`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from selfspec.heads.family import Family, check_fused
 def describe(config: Any) -> str:
     return (
         f"P-EAGLE parallel drafter: fc over target layers {config.feature_layers} + one decoder layer, "
-        f"{config.depth} depths per forward, draft vocabulary of {config.draft_vocab_size or config.vocab_size} "
-        f"tokens (mask token {config.mask_token_id})"
+        f"{config.depth} depths per forward, draft vocabulary of "
+        f"{config.draft_vocab_size or config.vocab_size} tokens (mask token {config.mask_token_id})"
     )
 
 

@@ -1,11 +1,12 @@
 """Published drafter checkpoints in, serving-engine layouts out: one entry point for every format.
 
 Import detects the layout from the files (FasterDecoding Medusa v1/v2, vLLM Medusa, SafeAILab
-EAGLE-1, SGLang EAGLE, SafeAILab / SGLang EAGLE-3, vllm-project/speculators EAGLE-3, z-lab and speculators DFlash);
-export writes what each engine loads (fastdecoding-medusa, vllm-medusa, eagle1, sglang-eagle, eagle3,
+EAGLE-1, SGLang EAGLE, SafeAILab / SGLang EAGLE-3, vllm-project/speculators EAGLE-3, z-lab and speculators
+DFlash); export writes what each engine loads (fastdecoding-medusa, vllm-medusa, eagle1, sglang-eagle, eagle3,
 speculators-eagle3, dflash, speculators-dflash). The layouts and their sources are in the modules beside this
 one, one per family (medusa.py, eagle.py, eagle3.py, dflash.py). A folder
-is read once (`Checkpoint`: its config.json and tensor names) and each layout is asked in turn whether it holds it.
+is read once (`Checkpoint`: its config.json and tensor names) and each layout is asked in turn whether it
+holds it.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from selfspec.heads.formats.checkpoint import Checkpoint
 from selfspec.heads.io import PretrainedHeads
 
 EXPORT_FORMATS = export_formats()
-# Of a drafter's target and decoding defaults, what each layout's files carry back to an importer (each family's
-# `carried`, from its format modules' sources). The rest is left behind.
+# Of a drafter's target and decoding defaults, what each layout's files carry back to an importer (each
+# family's `carried`, from its format modules' sources). The rest is left behind.
 CARRIED = {fmt: carried for f in FAMILIES.values() for fmt, carried in f.carried.items()}
 
 
@@ -112,9 +113,9 @@ def export_heads(
 
 
 def left_behind(heads: PretrainedHeads, fmt: str, base_model: str | None = None) -> list[str]:
-    """The settings of `heads` an export in `fmt` does not carry (CARRIED), each as `name=value`: its fitted tree
-    (a static tree; EAGLE's and DFlash's depth / top_k / total_tokens, DFlash's only when not the block's chain)
-    and the target it names."""
+    """The settings of `heads` an export in `fmt` does not carry (CARRIED), each as `name=value`: its fitted
+    tree (a static tree; EAGLE's and DFlash's depth / top_k / total_tokens, DFlash's only when not the block's
+    chain) and the target it names."""
     c = heads.config
     settings: dict[str, object] = {"base_model": base_model or c.base_model}
     if c.tree is not None:

@@ -2,19 +2,20 @@
 
 `DFlashDraft` already uses the published tensor names (`fc.weight`, `hidden_norm.weight`, `norm.weight`,
 `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.self_attn.{q,k}_norm.weight`,
-`layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`) and computes
-the published layer, so no tensor is converted; a layout is its config.json and which of the target's tensors it
-carries. Sources (read for this module, versions named):
+`layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`) and
+computes the published layer, so no tensor is converted; a layout is its config.json and which of the target's
+tensors it carries. Sources (read for this module, versions named):
 
 `dflash` — z-lab's layout (z-lab/*-DFlash on the Hub; the checkpoints SpecForge writes).
-  - config.json: a Qwen3 config of the draft layers (`model_type: "qwen3"`, `num_hidden_layers` = draft layers,
-    `layer_types`), `architectures: ["DFlashDraftModel"]`, `block_size` at the top level (Qwen3.5-era checkpoints
-    put it in `dflash_config`), `num_target_layers`, and `dflash_config: {mask_token_id, target_layer_ids}`; the
-    weights carry neither the embedding nor an lm_head (the target's are used).
+  - config.json: a Qwen3 config of the draft layers (`model_type: "qwen3"`, `num_hidden_layers` = draft
+    layers, `layer_types`), `architectures: ["DFlashDraftModel"]`, `block_size` at the top level (Qwen3.5-era
+    checkpoints put it in `dflash_config`), `num_target_layers`, and `dflash_config: {mask_token_id,
+    target_layer_ids}`; the weights carry neither the embedding nor an lm_head (the target's are used).
   - Layer ids: `target_layer_ids` name decoder layers; the drafter reads each one's OUTPUT, transformers'
-    hidden_states[id + 1] (z-lab `extract_context_feature`; vLLM 0.32.0 `model_executor/models/qwen3_dflash.py`
-    and `v1/worker/gpu_model_runner.py` add 1; speculators' converter writes id + 1; SGLang's `dflash.py`
-    captures layer id + 1). Our `feature_layers` are hidden_states indices: target_layer_ids + 1.
+    hidden_states[id + 1] (z-lab `extract_context_feature`; vLLM 0.32.0
+    `model_executor/models/qwen3_dflash.py` and `v1/worker/gpu_model_runner.py` add 1; speculators' converter
+    writes id + 1; SGLang's `dflash.py` captures layer id + 1). Our `feature_layers` are hidden_states
+    indices: target_layer_ids + 1.
   - vLLM 0.32.0 (the PyPI wheel) `qwen3_dflash.py`: the registry maps DFlashDraftModel there; the context's
     keys/values are the k/v projections (k_norm, RoPE) of `hidden_norm(fc(features))`; the block's queries,
     keys and values go through `input_layernorm`; q_norm is required (Qwen3 layers); a layer is causal when
@@ -26,15 +27,16 @@ carries. Sources (read for this module, versions named):
     `speculators_model_type: "dflash"`, `architectures: ["DFlashSpeculator"]`, `transformer_layer_config` (a
     Qwen3 config), `draft_vocab_size`, `block_size`, `target_hidden_size`, `aux_hidden_state_layer_ids`,
     `mask_token_id`, `sliding_window_non_causal`, `sample_from_anchor`; `speculators_config` as for EAGLE-3
-    with `speculative_tokens` = block_size − 1. `models/dflash/core.py`: fc over `len(aux_hidden_state_layer_ids)`
-    hidden states; the embedding is the verifier's; `convert/dflash/converter.py`: aux ids = z-lab ids + 1
-    (hidden_states indices). We write the target's `embed_tokens.weight` and `lm_head.weight` too: the file
-    then decodes in a loader that does not fetch the verifier.
+    with `speculative_tokens` = block_size − 1. `models/dflash/core.py`: fc over
+    `len(aux_hidden_state_layer_ids)` hidden states; the embedding is the verifier's;
+    `convert/dflash/converter.py`: aux ids = z-lab ids + 1 (hidden_states indices). We write the target's
+    `embed_tokens.weight` and `lm_head.weight` too: the file then decodes in a loader that does not fetch the
+    verifier.
   - vLLM 0.32.0 `transformers_utils/configs/speculators/algos.py` `update_dflash`: DFlashDraftModel with
     `eagle_aux_hidden_state_layer_ids` = aux ids and `dflash_config.target_layer_ids` = aux ids − 1, and
     `dflash_config.causal = not sliding_window_non_causal` with the flag TRUE WHEN ABSENT — an explicit false
-    makes vLLM run every layer causally, so export writes true (speculators applies it to sliding-window layers
-    only; ours are all full attention).
+    makes vLLM run every layer causally, so export writes true (speculators applies it to sliding-window
+    layers only; ours are all full attention).
 
 Refused on import, in one line naming it: sliding-window or causal layers, `sample_from_anchor`, a separate
 mask embedding, a draft vocabulary (d2t/t2d), fused qkv projections, a target hidden size other than the
@@ -110,7 +112,8 @@ def detect_dflash_format(directory: str | Path | Checkpoint) -> str | None:
 
 
 def _settings(raw: dict[str, Any], fmt: str, where: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the draft layers' Qwen3 config, the DFlash fields: block_size, mask_token_id, feature_layers, verifier)."""
+    """(the draft layers' Qwen3 config, the DFlash fields: block_size, mask_token_id, feature_layers,
+    verifier)."""
     if fmt == "speculators-dflash":
         layer_json = raw.get("transformer_layer_config")
         if not isinstance(layer_json, dict):

@@ -1,5 +1,6 @@
-"""DFlash drafters written in the `dflash` (z-lab) and `speculators-dflash` layouts: the config.json each engine's
-loader reads and the weights under the published names (the layouts and their sources: heads/formats/dflash.py)."""
+"""DFlash drafters written in the `dflash` (z-lab) and `speculators-dflash` layouts: the config.json each
+engine's loader reads and the weights under the published names (the layouts and their sources:
+heads/formats/dflash.py)."""
 
 from __future__ import annotations
 

@@ -69,8 +69,9 @@ from selfspec.heads.formats.medusa import load_strict
 from selfspec.heads.io import atomic_write
 
 EMBED_KEY = "embed_tokens.weight"
-# a draft vocabulary as SGLang takes it for EAGLE-2 (`--speculative-token-map`, FR-Spec's hot token ids; read by
-# sglang/srt/speculative/eagle_worker.py `load_token_map` as torch.load(path, weights_only=True), sglang v0.5.x)
+# a draft vocabulary as SGLang takes it for EAGLE-2 (`--speculative-token-map`, FR-Spec's hot token ids; read
+# by sglang/srt/speculative/eagle_worker.py `load_token_map` as torch.load(path, weights_only=True), sglang
+# v0.5.x)
 TOKEN_MAP = "token_map.pt"
 # Tensors a file may hold that the drafter does not use: lm_head (SGLang skips it too; every engine uses the
 # target's) and the RoPE caches some old checkpoints saved.
@@ -122,7 +123,8 @@ EAGLE_FORMATS = tuple(LAYOUTS)
 
 
 def write_weights(state: dict[str, torch.Tensor], out: Path, weights: str) -> None:
-    """The state dict as `model.safetensors` or `pytorch_model.bin`, refusing a folder that holds the other."""
+    """The state dict as `model.safetensors` or `pytorch_model.bin`, refusing a folder that holds the
+    other."""
     other = next(name for kind, name in WEIGHTS.items() if kind != weights)
     if (out / other).exists():
         raise ValueError(
@@ -136,7 +138,8 @@ def write_weights(state: dict[str, torch.Tensor], out: Path, weights: str) -> No
 
 
 def check_target(config: HeadsConfig, target: nn.Module, embed: torch.Tensor | None, directory: Path) -> None:
-    """The target must fit the drafter; an embedding the checkpoint carries should be the target's (else warn)."""
+    """The target must fit the drafter; an embedding the checkpoint carries should be the target's (else
+    warn)."""
     check_compatible(config, target)
     mine = target.get_input_embeddings().weight.detach()
     if embed is not None and (
@@ -302,8 +305,8 @@ def import_eagle(
 
 
 def read_token_map(path: str | Path, vocab: int) -> torch.Tensor:
-    """The target ids of an FR-Spec / SGLang token map (a torch-saved 1-D list or tensor of distinct token ids,
-    most frequent first), checked against a vocabulary of `vocab` tokens."""
+    """The target ids of an FR-Spec / SGLang token map (a torch-saved 1-D list or tensor of distinct token
+    ids, most frequent first), checked against a vocabulary of `vocab` tokens."""
     try:
         ids = torch.as_tensor(torch.load(path, weights_only=True))
     except Exception as e:  # not a file, not a torch file, or not plain data

@@ -65,9 +65,9 @@ module, versions named):
     `model.py`: `d2t`/`t2d` exist only when `draft_vocab_size` differs from the verifier's;
     `embed_tokens.weight` (the verifier's) is saved, and export writes it: speculators 0.9.0's
     `Eagle3DraftModel` lists it in `_keys_to_ignore_on_load_missing`, so a file without it loads with the
-    embedding uninitialised and no warning (vLLM shares the target's embedding either way). `models/utils.py` `resolve_target_layer_ids`: default
-    [2, L // 2, L - 3], given to vLLM to extract the training features, so the ids are vLLM's (hidden_states
-    indices).
+    embedding uninitialised and no warning (vLLM shares the target's embedding either way). `models/utils.py`
+    `resolve_target_layer_ids`: default [2, L // 2, L - 3], given to vLLM to extract the training features, so
+    the ids are vLLM's (hidden_states indices).
   - vLLM 0.32.0: `transformers_utils/config.py`: a config.json with `speculators_config` and no `model_type`
     is a `SpeculatorsConfig` (`configs/speculators/base.py`: needs `speculators_config.proposal_methods[0]
     .speculative_tokens`, `speculators_config.verifier.name_or_path`, a dict `transformer_layer_config`).
@@ -89,14 +89,14 @@ speculators verifier) to know L.
 Variants. `FLAGS` (norm_before_residual, norm_before_fc) are HeadsConfig fields Eagle3Draft computes: import
 reads them where the layout's engines do (speculators-eagle3: the top level, norm_before_residual TRUE when
 absent, as vLLM reads it, with a warning since speculators' own config class defaults it to false; eagle3:
-norm_before_fc from `eagle_config`, else the top level, and norm_before_residual from the top level, which only
-vLLM reads), and export writes them there. SGLang ignores norm_before_residual, so an `eagle3` export of a
-drafter with it is refused (export speculators-eagle3, which vLLM serves); SafeAILab's loader reads neither
+norm_before_fc from `eagle_config`, else the top level, and norm_before_residual from the top level, which
+only vLLM reads), and export writes them there. SGLang ignores norm_before_residual, so an `eagle3` export of
+a drafter with it is refused (export speculators-eagle3, which vLLM serves); SafeAILab's loader reads neither
 flag and skips `input_norm.weight`. The other flags, in `VARIANTS`, change what the drafter computes in ways
-Eagle3Draft does not; one at a value other than Eagle3Draft's is refused, naming it. So are a draft layer count
-other than 1, a non-Llama draft layer, a `target_hidden_size` other than the hidden size, and a checkpoint
-without its own lm_head. `tie_word_embeddings` is ignored: only SGLang reads it, and the file's lm_head is what
-was trained.
+Eagle3Draft does not; one at a value other than Eagle3Draft's is refused, naming it. So are a draft layer
+count other than 1, a non-Llama draft layer, a `target_hidden_size` other than the hidden size, and a
+checkpoint without its own lm_head. `tie_word_embeddings` is ignored: only SGLang reads it, and the file's
+lm_head is what was trained.
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ LAYER_PARAMS = (
 )
 # RoPE caches some checkpoints saved; no loader reads them.
 IGNORED = re.compile(r".*rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
-# Draft-layer architectures computing Eagle3Draft's Llama layer: SGLang's and vLLM's class names, and the plain
-# Llama name SafeAILab's training config carries.
+# Draft-layer architectures computing Eagle3Draft's Llama layer: SGLang's and vLLM's class names, and the
+# plain Llama name SafeAILab's training config carries.
 LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
 
 
@@ -188,9 +188,9 @@ def theirs_name(fmt: str):
 
 
 def detect_eagle3_format(directory: str | Path | Checkpoint) -> str | None:
-    """ "eagle3" or "speculators-eagle3" for an EAGLE-3 checkpoint directory; None for anything else (a selfspec
-    heads directory, an EAGLE-1 drafter, a full model, no config or weights). A config.json that is not JSON,
-    or weights that cannot be read, are errors naming the file."""
+    """ "eagle3" or "speculators-eagle3" for an EAGLE-3 checkpoint directory; None for anything else (a
+    selfspec heads directory, an EAGLE-1 drafter, a full model, no config or weights). A config.json that is
+    not JSON, or weights that cannot be read, are errors naming the file."""
     checkpoint = Checkpoint.read(directory)
     raw = checkpoint.config
     if raw is None or checkpoint.is_selfspec or not checkpoint.weight_files:
@@ -214,7 +214,8 @@ def import_eagle3(
     base_model: str | None = None,
     target: nn.Module | None = None,
 ) -> Eagle3Draft:
-    """Build an `Eagle3Draft` from an `eagle3` (SafeAILab / SGLang) or `speculators-eagle3` checkpoint directory.
+    """Build an `Eagle3Draft` from an `eagle3` (SafeAILab / SGLang) or `speculators-eagle3` checkpoint
+    directory.
 
     Shapes come from the weights and config.json, the fused layers from the ids config.json names (see the
     module docstring), else from the target's default layers, which needs `target` or `base_model` (the

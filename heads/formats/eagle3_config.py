@@ -81,8 +81,8 @@ def refuse_variants(settings: dict[str, tuple[Any, bool]], fmt: str, where: Path
 
 
 def flags(settings: dict[str, tuple[Any, bool]], fmt: str, where: Path) -> dict[str, bool]:
-    """The FLAGS Eagle3Draft computes, as HeadsConfig fields; an absent one that the layout's engine reads as true
-    is warned about (speculators' own config class reads it as false)."""
+    """The FLAGS Eagle3Draft computes, as HeadsConfig fields; an absent one that the layout's engine reads as
+    true is warned about (speculators' own config class reads it as false)."""
     flags = {}
     for flag in FLAGS:
         value, stated = settings[flag]
@@ -131,9 +131,9 @@ def feature_layers(raw: dict[str, Any], fmt: str, num_layers: int | None, where:
             layers = [i + 1 for i in int_list(ids, "eagle_config.eagle_aux_hidden_state_layer_ids", where)]
             if top is not None and sorted(top) != sorted(layers):
                 raise ValueError(
-                    f"{where}: SGLang fuses hidden_states {sorted(layers)} (eagle_config ids {ids} + 1) but vLLM "
-                    f"{sorted(top)} (the top-level eagle_aux_hidden_state_layer_ids); which the drafter was "
-                    "trained on is unknown: remove the wrong field"
+                    f"{where}: SGLang fuses hidden_states {sorted(layers)} (eagle_config ids {ids} + 1) but "
+                    f"vLLM {sorted(top)} (the top-level eagle_aux_hidden_state_layer_ids); which the drafter "
+                    "was trained on is unknown: remove the wrong field"
                 )
     if layers is None:
         if num_layers is None:
@@ -161,7 +161,8 @@ def feature_layers(raw: dict[str, Any], fmt: str, num_layers: int | None, where:
 def draft_vocab_maps(
     d2t: torch.Tensor | None, t2d: torch.Tensor | None, size: int, vocab: int, where: Path
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """d2t as the engines decode with it (zeros when absent: draft id i is target id i), and t2d rebuilt from it."""
+    """d2t as the engines decode with it (zeros when absent: draft id i is target id i), and t2d rebuilt from
+    it."""
     d2t = torch.zeros(size, dtype=torch.long) if d2t is None else d2t
     if d2t.shape != (size,) or d2t.is_floating_point() or d2t.is_complex():
         raise ValueError(

@@ -1,5 +1,6 @@
 """EAGLE-3 drafters written in the `eagle3` and `speculators-eagle3` layouts: the config.json each engine's
-loader reads and the weights under the layout's names (the layouts and their sources: heads/formats/eagle3.py)."""
+loader reads and the weights under the layout's names (the layouts and their sources:
+heads/formats/eagle3.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ from selfspec.heads.formats.checkpoint import WEIGHTS
 from selfspec.heads.formats.eagle import CONFIG_FIELDS, rope_scaling_json, write_weights
 from selfspec.heads.formats.eagle3 import EAGLE3_FORMATS, EMBED_KEY, LAYOUTS, layout_keys, theirs_name
 from selfspec.heads.formats.eagle3_config import VARIANTS
-from selfspec.heads.formats.medusa import base_model_field
+from selfspec.heads.formats.medusa_export import base_model_field
 from selfspec.heads.io import PretrainedHeads, atomic_write
 
 
 def llama_layer_json(draft: PretrainedHeads) -> dict[str, Any]:
-    """The draft layer's Llama config, as both layouts' loaders read it (LlamaConfig fields, SafeAILab's RoPE)."""
+    """The draft layer's Llama config, as both layouts' loaders read it (LlamaConfig fields, SafeAILab's
+    RoPE)."""
     cfg = draft.config
     lc, rope = llama_config(cfg), dict((cfg.layer or {}).get("rope_parameters") or {})
     config: dict[str, Any] = {"model_type": "llama"} | {field: getattr(lc, field) for field in CONFIG_FIELDS}
@@ -37,8 +39,8 @@ def llama_layer_json(draft: PretrainedHeads) -> dict[str, Any]:
 
 
 def verifier_name(base_model: str) -> str:
-    """What a speculators config.json names as the verifier, with a warning when that is a path on this machine
-    (speculators reads it when it loads the drafter)."""
+    """What a speculators config.json names as the verifier, with a warning when that is a path on this
+    machine (speculators reads it when it loads the drafter)."""
     base = base_model_field(base_model, required=False)
     if Path(base).is_absolute():
         warnings.warn(
@@ -51,7 +53,8 @@ def verifier_name(base_model: str) -> str:
 
 
 def speculators_config(algorithm: str, tokens: int, base_model: str, architectures: list[str] | None) -> dict:
-    """speculators' `speculators_config`: a greedy proposal of `tokens` tokens and the verifier it was trained for."""
+    """speculators' `speculators_config`: a greedy proposal of `tokens` tokens and the verifier it was trained
+    for."""
     proposal = {
         "proposal_type": "greedy",
         "speculative_tokens": tokens,
@@ -100,8 +103,8 @@ def eagle3_config_json(
 
 
 def fused_layers_for(draft: PretrainedHeads, target: nn.Module | None) -> int | None:
-    """The drafter's fused layers checked for an engine (strictly increasing; below the target's depth when the
-    target is given) -> the target's layer count L, or None without a target."""
+    """The drafter's fused layers checked for an engine (strictly increasing; below the target's depth when
+    the target is given) -> the target's layer count L, or None without a target."""
     layers = list(draft.config.feature_layers or [])
     if layers != sorted(set(layers)):
         raise ValueError(
@@ -122,8 +125,8 @@ def fused_layers_for(draft: PretrainedHeads, target: nn.Module | None) -> int | 
 def target_tensor(
     weight: torch.Tensor, what: str, draft: PretrainedHeads, dtype: torch.dtype
 ) -> torch.Tensor:
-    """A (vocabulary, width) tensor of the target's that a layout carries, as a CPU copy of its own (tied targets
-    share one tensor for two names), refused when its shape is not the drafter's."""
+    """A (vocabulary, width) tensor of the target's that a layout carries, as a CPU copy of its own (tied
+    targets share one tensor for two names), refused when its shape is not the drafter's."""
     cfg = draft.config
     if tuple(weight.shape) != (cfg.vocab_size, cfg.hidden_size):
         raise ValueError(
@@ -235,5 +238,6 @@ def export_as(
     base_model: str | None = None,
     weights: str | None = None,
 ) -> None:
-    """`export_heads` for the EAGLE-3 layouts (SafeAILab's names no target; speculators' names the verifier)."""
+    """`export_heads` for the EAGLE-3 layouts (SafeAILab's names no target; speculators' names the
+    verifier)."""
     export_eagle3(draft, fmt, out_dir, weights=weights or "safetensors", base_model=base_model, target=target)

@@ -1,14 +1,18 @@
-"""MTP layers in the target's own checkpoint: read with transformers' MtpModel loader, written back under the key
-names the published checkpoints use, so that the folder serves as it is (vLLM / SGLang `method: "mtp"`).
+"""MTP layers in the target's own checkpoint: read with transformers' MtpModel loader, written back under the
+key names the published checkpoints use, so that the folder serves as it is (vLLM / SGLang `method: "mtp"`).
 
 The layout written (DeepSeek-V3, GLM-4.5 / 4.6 / 4.7 and the others that store MTP layer k as decoder layer
 num_hidden_layers + k; checked against transformers 5.25's conversion_mapping "MtpModel" entry and vLLM 0.11's
 deepseek_mtp / glm4_moe_mtp loaders):
 
-    model.layers.{L+k}.enorm.weight, .hnorm.weight, .eh_proj.weight     the MTP layer's own input norms and projection
-    model.layers.{L+k}.shared_head.norm.weight                         its output norm (MtpLayer.post_norm)
-    model.layers.{L+k}.self_attn.* / .mlp.* / .*_layernorm.*           its decoder block, named as the target's layers
-    model.layers.{L+k}.embed_tokens.weight, .shared_head.head.weight   copies of the target's embedding and lm_head
+    model.layers.{L+k}.enorm.weight, .hnorm.weight, .eh_proj.weight
+        the MTP layer's own input norms and projection
+    model.layers.{L+k}.shared_head.norm.weight
+        its output norm (MtpLayer.post_norm)
+    model.layers.{L+k}.self_attn.* / .mlp.* / .*_layernorm.*
+        its decoder block, named as the target's layers
+    model.layers.{L+k}.embed_tokens.weight, .shared_head.head.weight
+        copies of the target's embedding and lm_head
 
 The decoder block's tensors go through transformers' own reverse conversions (MoE experts one by one, as the
 target's layers are stored).
@@ -45,9 +49,10 @@ def layers_layout(target: nn.Module) -> bool:
 
 
 def own_mtp_keys(target: nn.Module, call: Callable | None = None) -> Any:
-    """Within (a context manager), or around each call of `call`: transformers' MTP loader also finds this target's
-    MTP layers stored as decoder layers num_hidden_layers + k. Its model classes name only the published sizes'
-    layer numbers (GLM-4.5's 92 and 46, DeepSeek-V3's 61), so a smaller or a new target's would go unread."""
+    """Within (a context manager), or around each call of `call`: transformers' MTP loader also finds this
+    target's MTP layers stored as decoder layers num_hidden_layers + k. Its model classes name only the
+    published sizes' layer numbers (GLM-4.5's 92 and 46, DeepSeek-V3's 61), so a smaller or a new target's
+    would go unread."""
     hidden = target.config.get_text_config().num_hidden_layers
     own = [rf"model\.layers\.{hidden + k}\..*" for k in range(max(mtp_layer_count(target.config), 1))]
 
@@ -72,8 +77,8 @@ def own_mtp_keys(target: nn.Module, call: Callable | None = None) -> Any:
 
 
 def load_target_mtp(target: nn.Module, base_model: str, device: str | torch.device = "cpu") -> MtpDraft:
-    """The target's own MTP layers, read from its checkpoint (config.name_or_path) by transformers' MtpModel loader;
-    a target without them is a one-line error."""
+    """The target's own MTP layers, read from its checkpoint (config.name_or_path) by transformers' MtpModel
+    loader; a target without them is a one-line error."""
     mtp_model = mtp_model_class()  # an older transformers is named first
     layers = mtp_layer_count(target.config)
     if not layers:
@@ -131,7 +136,8 @@ def export_as(
     weights: str | None = None,
 ) -> None:
     """Write the target with these MTP layers as one model folder (its config, tokenizer and weights, the MTP
-    tensors among them: in model.safetensors, or a shard of their own listed in the index of a sharded target)."""
+    tensors among them: in model.safetensors, or a shard of their own listed in the index of a sharded
+    target)."""
     if fmt not in LAYOUTS:
         raise ValueError(f"unknown MTP format {fmt!r}; choose one of {', '.join(LAYOUTS)}")
     if target is None:
@@ -173,8 +179,8 @@ def export_as(
 
 
 def save_tokenizer(target: nn.Module, out: Path) -> None:
-    """The target's tokenizer (and chat template) beside it, as the engines load it; a warning where it cannot be
-    read (a Hub target offline)."""
+    """The target's tokenizer (and chat template) beside it, as the engines load it; a warning where it cannot
+    be read (a Hub target offline)."""
     import warnings
 
     from transformers import AutoTokenizer

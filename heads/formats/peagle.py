@@ -1,14 +1,17 @@
-"""P-EAGLE drafters in the layouts vLLM 0.32 serves with `parallel_drafting` (docs/design/peagle-vllm-0.32.md).
+"""P-EAGLE drafters in the layouts vLLM 0.32 serves with `parallel_drafting`
+(docs/design/peagle-vllm-0.32.md).
 
 A P-EAGLE checkpoint is an EAGLE-3 checkpoint (heads/formats/eagle3.py) plus what its parallel slots read:
-    mask_hidden           (1, n * H)  the pre-fc feature of every parallel slot (vLLM's `mask_hidden` buffer)
-    embed_tokens.weight   (V, H)      the target's input embedding with row `mask_token_id` = our mask_embedding
-    mask_token_id         config.json, top level: the token id vLLM feeds the slots (llm_base_proposer.py:356-380)
+    mask_hidden         (1, n * H)  the pre-fc feature of every parallel slot (vLLM's `mask_hidden` buffer)
+    embed_tokens.weight (V, H)      the target's input embedding with row `mask_token_id` = our mask_embedding
+    mask_token_id       config.json, top level: the token id vLLM feeds the slots
+                        (llm_base_proposer.py:356-380)
 Layouts:
     peagle              SafeAILab/vLLM EAGLE-3 names (LlamaForCausalLMEagle3, `midlayer.*`); served with
                         speculative_config {"method": "eagle3", "parallel_drafting": true, ...}
-    speculators-peagle  speculators 0.9's (`speculators_model_type: "peagle"`, `layers.0.*`); vLLM turns it into
-                        eagle3 + parallel_drafting itself (transformers_utils/configs/speculators/base.py:128-134)
+    speculators-peagle  speculators 0.9's (`speculators_model_type: "peagle"`, `layers.0.*`); vLLM turns it
+                        into eagle3 + parallel_drafting itself
+                        (transformers_utils/configs/speculators/base.py:128-134)
 The EAGLE-3 part is written and read by the EAGLE-3 layouts' own code, so the two never drift apart.
 """
 
@@ -73,8 +76,9 @@ def import_peagle(
     base_model: str | None = None,
     target: nn.Module | None = None,
 ) -> PEagleDraft:
-    """Build a `PEagleDraft` from a `peagle` or `speculators-peagle` checkpoint directory (what `export_as` writes,
-    and speculators 0.9 saves); the EAGLE-3 part is read as import_eagle3 reads it (its arguments are the same)."""
+    """Build a `PEagleDraft` from a `peagle` or `speculators-peagle` checkpoint directory (what `export_as`
+    writes, and speculators 0.9 saves); the EAGLE-3 part is read as import_eagle3 reads it (its arguments are
+    the same)."""
     checkpoint = Checkpoint.read(directory)
     fmt = format or detect_peagle_format(checkpoint)
     if fmt not in LAYOUTS:
@@ -121,8 +125,8 @@ def export_as(
     base_model: str | None = None,
     weights: str | None = None,
 ) -> None:
-    """Write `draft` as a `peagle` or `speculators-peagle` checkpoint (see the module docstring). The target is
-    needed: its input embedding, with the mask token's row learned, is part of the checkpoint."""
+    """Write `draft` as a `peagle` or `speculators-peagle` checkpoint (see the module docstring). The target
+    is needed: its input embedding, with the mask token's row learned, is part of the checkpoint."""
     if fmt not in LAYOUTS:
         raise ValueError(f"unknown P-EAGLE format {fmt!r}; choose one of {', '.join(LAYOUTS)}")
     if target is None:

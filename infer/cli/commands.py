@@ -1,5 +1,5 @@
-"""`selfspec generate | bench | tune | recipes`, and the command table of infer's commands: speculative decoding
-from the command line (import, export and push are infer/cli/formats.py's).
+"""`selfspec generate | bench | tune | recipes`, and the command table of infer's commands: speculative
+decoding from the command line (import, export and push are infer/cli/formats.py's).
 
 Drafters: trained heads directories (`--heads`, Medusa or EAGLE), a separate small draft model
 (`--draft-model`, the seed paper's algorithm) or prompt lookup (`--prompt-lookup`). The `selfspec` command
@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 
 
 def method_names(specs: list[SpeculativeModel]) -> list[str]:
-    """Each drafter's method name (`medusa2` for Medusa-2 heads, which decode an adapted target), numbered from
-    the second of a kind (medusa, medusa#2)."""
+    """Each drafter's method name (`medusa2` for Medusa-2 heads, which decode an adapted target), numbered
+    from the second of a kind (medusa, medusa#2)."""
     names, seen = [], {}
     for spec in specs:
         base = spec.drafter.name
@@ -100,8 +100,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
             raise ValueError(f"--prompt: {e}") from None
         if budget < args.max_new_tokens:
             print(
-                f"note: --max-new-tokens {args.max_new_tokens} clipped to {budget}: the prompt is {length} tokens "
-                f"and the model takes at most {limit} positions",
+                f"note: --max-new-tokens {args.max_new_tokens} clipped to {budget}: the prompt is "
+                f"{length} tokens and the model takes at most {limit} positions",
                 file=sys.stderr,
             )
             args.max_new_tokens = budget
@@ -110,7 +110,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     truncating = [
         flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None
     ]
-    # the command line's rule: --temperature above 0 samples, 0 is greedy, none leaves it to the generation config
+    # the command line's rule: --temperature above 0 samples, 0 is greedy, none leaves it to the generation
+    # config
     do_sample = None if args.temperature is None else args.temperature > 0
     sampling = {
         k: v
@@ -238,8 +239,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     trees = ", ".join(f"{name} {size}" for name, size in tree_nodes.items())
     batches = f"batch size{'s' if len(sizes) > 1 else ''} {', '.join(map(str, sizes))}"
     print(
-        f"benchmarking {len(prompts)} prompts x {n} new tokens, {batches}, {args.dtype}, {torch.get_num_threads()} "
-        f"threads, trees of at most {trees or 'no'} nodes",
+        f"benchmarking {len(prompts)} prompts x {n} new tokens, {batches}, {args.dtype}, "
+        f"{torch.get_num_threads()} threads, trees of at most {trees or 'no'} nodes",
         file=sys.stderr,
     )
     batch_one = [name for name in ("hf_assisted", "hf_prompt_lookup", "hf_mtp") if name in runners]
@@ -247,8 +248,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if batch_one and larger:
         sizes_s = f"size{'s' if len(larger) > 1 else ''} {', '.join(map(str, larger))}"
         print(
-            f"note: {' and '.join(batch_one)} skipped at batch {sizes_s}: transformers' assisted generation takes "
-            "one prompt at a time",
+            f"note: {' and '.join(batch_one)} skipped at batch {sizes_s}: transformers' assisted generation "
+            "takes one prompt at a time",
             file=sys.stderr,
         )
     chains = frozenset(name for name in tree_nodes if name.split("-")[0] in ("draft_model", "prompt_lookup"))
@@ -297,8 +298,8 @@ def calibration_texts(path: str | None, count: int) -> list[Any]:
 
 
 def calibration_prompts(tokenizer, texts: list[Any], length: int | None = 32) -> list[torch.Tensor]:
-    """The first `length` tokens of each calibration text (all of them with None, as for a prompts file: a chat
-    rendered by its template is mostly system prompt in its first 32 tokens)."""
+    """The first `length` tokens of each calibration text (all of them with None, as for a prompts file: a
+    chat rendered by its template is mostly system prompt in its first 32 tokens)."""
     from selfspec.infer.measure.bench import encode_prompt, render_prompts
 
     return [encode_prompt(tokenizer, t)[0, :length] for t in render_prompts(texts, tokenizer)]
@@ -341,7 +342,8 @@ def cmd_tune(args: argparse.Namespace) -> None:
         grid = family(config.kind).load("tune_grid")(config)
         best, rows = tune_eagle(model, drafter, prompts, grid, args.max_new_tokens, args.batch_size)
         print(
-            f"{family(config.kind).title} dynamic tree, measured by greedy decoding (tau, 20th-percentile step time):"
+            f"{family(config.kind).title} dynamic tree, measured by greedy decoding "
+            "(tau, 20th-percentile step time):"
         )
         print(format_rows(rows, best))
         config.depth, config.top_k, config.total_tokens = best["depth"], best["top_k"], best["total_tokens"]
@@ -359,19 +361,21 @@ def cmd_tune(args: argparse.Namespace) -> None:
     if args.mtp:
         print(
             f"the fastest here: --depth {config.depth} --draft-top-k {config.top_k} --total-tokens "
-            f"{config.total_tokens} (with --mtp; train/mtp.py saves fine-tuned layers with a tree of their own)"
+            f"{config.total_tokens} (with --mtp; train/mtp.py saves fine-tuned layers with a tree of their "
+            "own)"
         )
         return
     atomic_write(Path(args.heads, "config.json"), lambda tmp: Path(tmp).write_text(config.to_json()))
     print(
-        f"stored {chosen} as the default in {args.heads}/config.json (the most tokens per second measured here, "
-        f"at batch size {args.batch_size})"
+        f"stored {chosen} as the default in {args.heads}/config.json (the most tokens per second "
+        f"measured here, at batch size {args.batch_size})"
     )
 
 
 def cmd_recipes(args: argparse.Namespace) -> None:
-    """The shipped configs' folder (`accelerate launch --config_file "$(selfspec recipes)/accelerate/ddp.yaml"`),
-    or a copy of them to edit."""
+    """The shipped configs' folder
+    (`accelerate launch --config_file "$(selfspec recipes)/accelerate/ddp.yaml"`), or a copy of them
+    to edit."""
     import shutil
 
     from selfspec.shipped.recipes import RECIPES
@@ -398,8 +402,8 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None, prog: str = PROG, commands: dict[str, Command] = COMMANDS) -> None:
-    """The command line of `commands` (default: infer's own; `selfspec` adds draft-vocab): a user error ends in one
-    `error: ...` line and exit status 2 (`--debug`: the traceback)."""
+    """The command line of `commands` (default: infer's own; `selfspec` adds draft-vocab): a user error ends
+    in one `error: ...` line and exit status 2 (`--debug`: the traceback)."""
 
     def run(args: list[str]) -> None:
         parsed = build_parser(commands, prog).parse_args(args)
@@ -411,7 +415,8 @@ def main(argv: list[str] | None = None, prog: str = PROG, commands: dict[str, Co
 
 @contextlib.contextmanager
 def plain_warnings(prog: str) -> Iterator[None]:
-    """Within: a warning prints as one `prog: warning: ...` line, not Python's file:line and source-line form."""
+    """Within: a warning prints as one `prog: warning: ...` line, not Python's file:line and source-line
+    form."""
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         print(f"{prog}: warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True)
@@ -425,7 +430,8 @@ def plain_warnings(prog: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def quiet_libraries(quiet: bool) -> Iterator[None]:
-    """With `quiet`: transformers' and datasets' progress bars ("Loading weights") and info logs off within."""
+    """With `quiet`: transformers' and datasets' progress bars ("Loading weights") and info logs off
+    within."""
     if not quiet:
         yield
         return

@@ -14,7 +14,8 @@ from selfspec.heads.io import saved_model_files
 
 def refuse_to_overwrite(out: str) -> None:
     """A checkpoint already in `out` (trained heads, an earlier export) is never written over: a mix of two
-    checkpoints' files would load as neither. A path that cannot become a folder fails here, before any work."""
+    checkpoints' files would load as neither. A path that cannot become a folder fails here, before any
+    work."""
     blocked = next((p for p in (Path(out), *Path(out).parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:
         raise ValueError(f"--out {out}: {blocked} is a file, not a folder: give a folder path")
@@ -49,8 +50,9 @@ def cmd_export(args: argparse.Namespace) -> None:
     adapted = heads.config.adapter or heads.config.merged_target
     if adapted:
         print(
-            f"note: {args.heads} are Medusa-2 heads: serve them with their adapted target (train with --merge true "
-            "and serve its target/ folder, or merge the adapter into the base with peft), not the original model",
+            f"note: {args.heads} are Medusa-2 heads: serve them with their adapted target (train with "
+            "--merge true and serve its target/ folder, or merge the adapter into the base with peft), not "
+            "the original model",
             file=sys.stderr,
         )
     if (

@@ -29,7 +29,8 @@ EAGLE_OPTIONS = {
 
 
 def load_pretrained(option: str, name: str, loader: Callable[..., Any], path: str, **kwargs: Any) -> Any:
-    """`loader(path, **kwargs)` (a from_pretrained); a model that does not load is one line naming it and why."""
+    """`loader(path, **kwargs)` (a from_pretrained); a model that does not load is one line naming it and
+    why."""
     if path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():  # a path, not a Hub id
         raise ValueError(f"{option} {name}: no such folder")
     try:

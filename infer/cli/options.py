@@ -20,11 +20,15 @@ from selfspec.infer.core.arguments import unavailable_device
 from selfspec.infer.core.verify import SamplingParams
 
 PROG = "selfspec"
-DESCRIPTION = """Speculative decoding from the command line: generate, bench, tune, import, export, push.
-
-Drafters: trained drafter directories (--heads: Medusa, EAGLE, EAGLE-3, P-EAGLE, DFlash, fine-tuned MTP layers), the
-target's own MTP layers (--mtp), a separate small draft model (--draft-model, the seed paper's algorithm) or prompt
-lookup (--prompt-lookup)."""
+DESCRIPTION = (
+    "Speculative decoding from the command line: generate, bench, tune, import, export, push.\n"
+    "\n"
+    "Drafters: trained drafter directories (--heads: Medusa, EAGLE, EAGLE-3, P-EAGLE, DFlash, fine-tuned MTP "
+    "layers), the\n"
+    "target's own MTP layers (--mtp), a separate small draft model (--draft-model, the seed paper's "
+    "algorithm) or prompt\n"
+    "lookup (--prompt-lookup)."
+)
 NUM_DRAFT_TOKENS = 4  # a draft model's proposal length when --num-draft-tokens is not given
 PROMPT_LOOKUP_TOKENS = 10  # prompt lookup's longest proposal when --prompt-lookup-tokens is not given
 BENCH_PROMPTS = 16  # built-in prompts bench decodes when neither --num-prompts nor --prompts is given
@@ -32,7 +36,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse reporting a usage error in one line, like every other error here (the usage is one --help away)."""
+    """argparse reporting a usage error in one line, like every other error here (the usage is one --help
+    away)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -143,8 +148,8 @@ def drafter_options(p: argparse.ArgumentParser, several: bool) -> None:
         p.add_argument(
             "--heads",
             action="append",
-            help="a trained drafter directory (Medusa, EAGLE, EAGLE-3, P-EAGLE, DFlash or MTP); repeat it to compare "
-            "several drafters of one target in the same run",
+            help="a trained drafter directory (Medusa, EAGLE, EAGLE-3, P-EAGLE, DFlash or MTP); repeat it "
+            "to compare several drafters of one target in the same run",
         )
     else:
         p.add_argument(
@@ -412,8 +417,8 @@ def export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     exp.add_argument(
         "--model",
         help="the target whose weights a layout carries: the lm_head copied into heads that "
-        "share it, the EAGLE and P-EAGLE embedding, the speculators layouts' embedding and lm_head (default: --base-model, else the heads' "
-        "base_model)",
+        "share it, the EAGLE and P-EAGLE embedding, the speculators layouts' embedding and lm_head "
+        "(default: --base-model, else the heads' base_model)",
     )
     exp.add_argument(
         "--base-model",
@@ -425,8 +430,8 @@ def export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     exp.add_argument(
         "--weights",
         choices=["safetensors", "bin"],
-        help="EAGLE and DFlash layouts: model.safetensors (default; vLLM, SGLang, SafeAILab's current code) or "
-        "pytorch_model.bin (SafeAILab's original EAGLE-1 code)",
+        help="EAGLE and DFlash layouts: model.safetensors (default; vLLM, SGLang, SafeAILab's current "
+        "code) or pytorch_model.bin (SafeAILab's original EAGLE-1 code)",
     )
     exp.add_argument("--out", required=True, help="the directory to write (config.json and the weights)")
     return exp

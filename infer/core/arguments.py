@@ -10,8 +10,8 @@ import torch
 
 
 def unavailable_device(text: str) -> str | None:
-    """Why a device named `text` cannot hold a model on this machine (no such kind, or none of it here), in a line
-    that says what to use instead; None when it can."""
+    """Why a device named `text` cannot hold a model on this machine (no such kind, or none of it here), in a
+    line that says what to use instead; None when it can."""
     try:
         kind = torch.device(text).type
     except RuntimeError as e:
@@ -55,7 +55,8 @@ def fit_budget(prompt_len: int, max_new_tokens: int, limit: int | None) -> int:
 
 def check_drafter_device(drafter: Any, device: torch.device) -> None:
     """A drafter reading the target's hidden states must sit where they come out (the device of the target's
-    last layer, also under device_map="auto"); a clear error now instead of a device mismatch mid-generation."""
+    last layer, also under device_map="auto"); a clear error now instead of a device mismatch
+    mid-generation."""
     if drafter.weights_device is not None and drafter.weights_device != device:
         raise ValueError(
             f"the drafter's weights are on {drafter.weights_device} but the target's last layer is on "
@@ -75,7 +76,8 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def check_generator(generator: torch.Generator | None, device: torch.device) -> None:
-    """Sampling draws on the target's device: a generator made for another device would fail mid-generation."""
+    """Sampling draws on the target's device: a generator made for another device would fail
+    mid-generation."""
     if generator is not None and not same_device(torch.device(generator.device), device):
         raise ValueError(
             f"the random generator is on {generator.device} but the target runs on {device}: create it "
@@ -84,8 +86,8 @@ def check_generator(generator: torch.Generator | None, device: torch.device) -> 
 
 
 def token_ids(value: Any, name: str) -> list[int]:
-    """Token ids as model.generate takes them -- an int, a list of them, a tensor or a numpy array or integer --
-    as a list of ints; anything else (floats, bools, strings) is a one-line error."""
+    """Token ids as model.generate takes them -- an int, a list of them, a tensor or a numpy array or integer
+    -- as a list of ints; anything else (floats, bools, strings) is a one-line error."""
     if hasattr(value, "reshape") and hasattr(value, "tolist"):  # torch and numpy, any shape
         value = value.reshape(-1).tolist()
     values = list(value) if isinstance(value, (list, tuple, set)) else [value]

@@ -81,8 +81,8 @@ def model_configs(model: nn.Module) -> list:
 
 @contextlib.contextmanager
 def using_grouped_attention(configs: list) -> Iterator[None]:
-    """Within: every config in `configs` that says "sdpa" says ATTENTION; each is restored on exit (a model loaded
-    with "eager" or a flash kernel keeps its own)."""
+    """Within: every config in `configs` that says "sdpa" says ATTENTION; each is restored on exit
+    (a model loaded with "eager" or a flash kernel keeps its own)."""
     switched = [c for c in configs if c._attn_implementation == "sdpa"]
     for config in switched:
         set_implementation(config, ATTENTION)
@@ -94,8 +94,8 @@ def using_grouped_attention(configs: list) -> Iterator[None]:
 
 
 def set_implementation(config, name: str) -> None:
-    """Set one config's attention implementation, not its sub-configs' (the property's setter recurses into them;
-    `model_configs` lists each config a module reads on its own)."""
+    """Set one config's attention implementation, not its sub-configs' (the property's setter recurses into
+    them; `model_configs` lists each config a module reads on its own)."""
     if "_attn_implementation_internal" in vars(config):
         config._attn_implementation_internal = name
     else:

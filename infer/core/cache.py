@@ -21,8 +21,9 @@ from selfspec.infer.core.exactness import check_length
 
 
 class LayerStorage:
-    """Every layer's keys and values in one tensor each, (L, B, H, max_length, D), handed out a layer at a time;
-    a layer whose shapes differ from the first layer's (a heterogeneous model) allocates its own instead."""
+    """Every layer's keys and values in one tensor each, (L, B, H, max_length, D), handed out a layer at a
+    time; a layer whose shapes differ from the first layer's (a heterogeneous model) allocates its own
+    instead."""
 
     def __init__(self, num_layers: int | None) -> None:
         self.num_layers = num_layers
@@ -32,16 +33,16 @@ class LayerStorage:
     def slot(
         self, index: int, key_states: torch.Tensor, value_states: torch.Tensor, max_length: int
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layer `index`'s (B, H, max_length, D) key and value buffers, zeroed when new; None where it must hold
-        its own (no layer count given, past it, or shapes unlike layer 0's). Layer 0 (re)allocates."""
+        """Layer `index`'s (B, H, max_length, D) key and value buffers, zeroed when new; None where it must
+        hold its own (no layer count given, past it, or shapes unlike layer 0's). Layer 0 (re)allocates."""
         if self.num_layers is None or index >= self.num_layers:
             return None
         B, H, _, D = key_states.shape
         keys = (self.num_layers, B, H, max_length, D)
         values = (self.num_layers, B, value_states.shape[1], max_length, value_states.shape[-1])
         if index == 0:
-            # zeros, not empty: a fixed-shape forward attends over the whole buffer (masked), and masked garbage
-            # that happens to be NaN would still poison the attention's weighted sum
+            # zeros, not empty: a fixed-shape forward attends over the whole buffer (masked), and masked
+            # garbage that happens to be NaN would still poison the attention's weighted sum
             self.keys, self.values = key_states.new_zeros(keys), value_states.new_zeros(values)
         if (
             self.keys is None
@@ -95,7 +96,8 @@ class PreallocatedLayer(DynamicLayer):
             self.value_storage = value_states.new_zeros(
                 B, value_states.shape[1], self.max_length, value_states.shape[-1]
             )
-        # fixed addresses for a compiled verify: CUDA graphs read them in place instead of copying them per replay
+        # fixed addresses for a compiled verify: CUDA graphs read them in place instead of copying them per
+        # replay
         torch._dynamo.mark_static_address(self.key_storage)
         torch._dynamo.mark_static_address(self.value_storage)
         self.key_buffer, self.value_buffer = (
@@ -115,9 +117,9 @@ class PreallocatedLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new positions after the filled part; return views of everything filled (the attention's keys).
-        In fixed-shape mode (`PreallocatedCache.fixed`): write at `write_at` and return the whole buffers, so
-        every call has the same shapes (the mask hides what is not filled)."""
+        """Write the new positions after the filled part; return views of everything filled (the attention's
+        keys). In fixed-shape mode (`PreallocatedCache.fixed`): write at `write_at` and return the whole
+        buffers, so every call has the same shapes (the mask hides what is not filled)."""
         if self.write_at is not None:
             at = self.write_at + torch.arange(key_states.shape[-2], device=self.write_at.device)
             self.key_buffer.index_copy_(2, at, key_states)
@@ -151,11 +153,13 @@ class PreallocatedLayer(DynamicLayer):
         return self.length
 
     def get_max_length(self) -> int:
+        """The capacity: some transformers models (Bloom, Voxtral realtime) still ask a cache for it."""
         return self.max_length
 
     def keep_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
-        """Per row b, move the entries at positions src[b] (B, W) to dst[b] (reads all happen before writes, so
-        the two may overlap), then count `length` positions as filled (rows past their own end are masked)."""
+        """Per row b, move the entries at positions src[b] (B, W) to dst[b] (reads all happen before writes,
+        so the two may overlap), then count `length` positions as filled (rows past their own end are
+        masked)."""
         if not self.is_initialized:
             return
         device = self.key_buffer.device
@@ -168,9 +172,9 @@ class PreallocatedLayer(DynamicLayer):
         self._set_length(length)
 
     def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
-        """Keep only the batch rows `keep` (in that order; `index`: the same on the device) as rows 0 .. n - 1: a
-        batch whose other rows have stopped. Their filled part moves down in place (nothing when they are the
-        first rows already); later forwards take the smaller batch."""
+        """Keep only the batch rows `keep` (in that order; `index`: the same on the device) as rows
+        0 .. n - 1: a batch whose other rows have stopped. Their filled part moves down in place (nothing when
+        they are the first rows already); later forwards take the smaller batch."""
         if not self.is_initialized:
             return
         n = len(keep)
@@ -214,8 +218,8 @@ class PreallocatedCache(Cache):
             layer.reset()
 
     def keep_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
-        """Every layer's `PreallocatedLayer.keep_rows`: one gather and one scatter of the stacked keys and of the
-        stacked values for all layers together where they share a LayerStorage, else layer by layer."""
+        """Every layer's `PreallocatedLayer.keep_rows`: one gather and one scatter of the stacked keys and of
+        the stacked values for all layers together where they share a LayerStorage, else layer by layer."""
         layers = self.layers
         if not self.storage.holds(layers):
             for layer in layers:
@@ -233,8 +237,9 @@ class PreallocatedCache(Cache):
             layer._set_length(length)
 
     def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
-        """Keep only the batch rows `keep`, in that order (see `PreallocatedLayer.select_rows`): for all layers
-        in one copy of the stacked keys and one of the stacked values where they share a LayerStorage."""
+        """Keep only the batch rows `keep`, in that order (see `PreallocatedLayer.select_rows`): for all
+        layers in one copy of the stacked keys and one of the stacked values where they share a
+        LayerStorage."""
         layers = self.layers
         if not self.storage.holds(layers):
             for layer in layers:
@@ -254,8 +259,8 @@ class PreallocatedCache(Cache):
     @contextlib.contextmanager
     def fixed(self, at: torch.Tensor) -> Iterator[None]:
         """Within: every layer writes its new positions at `at` (a 0-dim tensor) and attends over its whole
-        buffer, so a forward's shapes never change from step to step (what torch.compile needs to compile once).
-        The filled length is left as it was: the caller sets it when it keeps what it accepted."""
+        buffer, so a forward's shapes never change from step to step (what torch.compile needs to compile
+        once). The filled length is left as it was: the caller sets it when it keeps what it accepted."""
         for layer in self.layers:
             layer.write_at = at
         try:
@@ -271,10 +276,10 @@ WIDTH_STEP = (
 
 
 def new_cache(model: torch.nn.Module, max_length: int) -> PreallocatedCache:
-    """An empty cache of at least `max_length` positions for `model` (rounded up to a multiple of WIDTH_STEP: a
-    mask as wide as the cache then has a row stride SDPA's memory-efficient kernel takes without padding it per
-    layer); fails early where the target's attention or RoPE would make tree verification differ from plain
-    decoding within that length (infer/core/exactness.py)."""
+    """An empty cache of at least `max_length` positions for `model` (rounded up to a multiple of WIDTH_STEP:
+    a mask as wide as the cache then has a row stride SDPA's memory-efficient kernel takes without padding it
+    per layer); fails early where the target's attention or RoPE would make tree verification differ from
+    plain decoding within that length (infer/core/exactness.py)."""
     check_length(model.config, max_length)
     layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
     return PreallocatedCache(-(-max_length // WIDTH_STEP) * WIDTH_STEP, layers)

@@ -1,8 +1,8 @@
 """One generation's decode state and its step: propose -> verify -> accept (the one host read) -> commit.
 
 Every row's tree is written at one shared cache column and each row's accepted path moves down to its own end
-(`infer.rows`), so rows accept different lengths without copying any prefix. How a step's tensors are shaped is
-one strategy chosen per generation: `Shapes` (as small as the step needs; stopped rows leave the batch) or
+(`infer.rows`), so rows accept different lengths without copying any prefix. How a step's tensors are shaped
+is one strategy chosen per generation: `Shapes` (as small as the step needs; stopped rows leave the batch) or
 `FixedShapes` (the same shapes at every step, for a compiled verify).
 """
 
@@ -27,9 +27,9 @@ COMPILED_CACHE_STEP = 256  # a compiled verify attends over the whole cache, who
 
 
 class Shapes:
-    """Each step's tensors as small as it needs: rows that stopped leave the batch (the running ones move down to
-    the first slots of the cache, the mask and the drafter's state, once per stop), trees stack to the widest
-    one, the mask ends at the tree."""
+    """Each step's tensors as small as it needs: rows that stopped leave the batch (the running ones move down
+    to the first slots of the cache, the mask and the drafter's state, once per stop), trees stack to the
+    widest one, the mask ends at the tree."""
 
     def cache_length(self, needed: int) -> int:
         """The KV cache's length for a generation that needs `needed` columns."""
@@ -40,7 +40,8 @@ class Shapes:
         return 0
 
     def leave_stopped(self, state: DecodeState) -> None:
-        """Drop the rows that stopped from every per-row structure, so that later forwards carry only the rest."""
+        """Drop the rows that stopped from every per-row structure, so that later forwards carry only the
+        rest."""
         rows = state.rows
         if not any(rows.done):
             return
@@ -67,8 +68,9 @@ class Shapes:
 
 
 class FixedShapes(Shapes):
-    """The same shapes at every step, for a compiled verify: the cache in steps of COMPILED_CACHE_STEP columns,
-    every tree padded to the largest, the mask over the whole cache, and stopped rows stay as padding."""
+    """The same shapes at every step, for a compiled verify: the cache in steps of COMPILED_CACHE_STEP
+    columns, every tree padded to the largest, the mask over the whole cache, and stopped rows stay as
+    padding."""
 
     def cache_length(self, needed: int) -> int:
         return -(-needed // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP
@@ -104,8 +106,8 @@ class Proposal:
 
 @dataclasses.dataclass
 class Verified:
-    """The target's verdict on a step's trees, written at cache column `at`: logits (B, N, V) and the features the
-    drafter reads (B, N, ·)."""
+    """The target's verdict on a step's trees, written at cache column `at`: logits (B, N, V) and the features
+    the drafter reads (B, N, ·)."""
 
     at: int
     logits: torch.Tensor
@@ -114,8 +116,9 @@ class Verified:
 
 @dataclasses.dataclass
 class Accepted:
-    """Per row the accepted path: node indices (B, D + 1) root first, their tokens, the depth reached (B, 1), the
-    bonus token (B,), the features at the path's nodes, and the step's one host copy (depth, path tokens, bonus)."""
+    """Per row the accepted path: node indices (B, D + 1) root first, their tokens, the depth reached (B, 1),
+    the bonus token (B,), the features at the path's nodes, and the step's one host copy (depth, path tokens,
+    bonus)."""
 
     paths: torch.Tensor
     path_tokens: torch.Tensor
@@ -127,10 +130,10 @@ class Accepted:
 
 
 class DecodeState:
-    """Everything one generation's steps read and update, and the steps. Tokens, trees and the rows' state live
-    where drafts are made (`device`: the drafter sits by the lm_head); what the model reads (ids, positions, mask)
-    where its input embedding is (`feed`); outputs are used where they come out (under accelerate's device_map
-    the logits return to the input's device)."""
+    """Everything one generation's steps read and update, and the steps. Tokens, trees and the rows' state
+    live where drafts are made (`device`: the drafter sits by the lm_head); what the model reads
+    (ids, positions, mask) where its input embedding is (`feed`); outputs are used where they come out
+    (under accelerate's device_map the logits return to the input's device)."""
 
     def __init__(
         self,
@@ -167,9 +170,9 @@ class DecodeState:
         eos: set[int],
         generators: list[torch.Generator | None],
     ) -> list[int]:
-        """The prompts (B, T) (host copy: `prompts`), left-padded at `starts`, through the target once into the
-        emptied cache; their last logits give each row's first token (its first tree root), returned (read to
-        the host: the prefill's one sync)."""
+        """The prompts (B, T) (host copy: `prompts`), left-padded at `starts`, through the target once into
+        the emptied cache; their last logits give each row's first token (its first tree root), returned
+        (read to the host: the prefill's one sync)."""
         B, T = input_ids.shape
         max_len = T + max(budgets) + self.max_nodes
         self.context = torch.empty(
@@ -201,8 +204,8 @@ class DecodeState:
         return first
 
     def propose(self) -> Proposal:
-        """Each running row's tree below its root, from the drafter; a row near the position limit, or stopped,
-        gets its root alone (padding)."""
+        """Each running row's tree below its root, from the drafter; a row near the position limit, or
+        stopped, gets its root alone (padding)."""
         rows, context = self.rows, self.context
         contexts = [context[b, s : f + 1] for b, (s, f) in enumerate(zip(rows.starts, rows.filled))]
         drafts = self.drafter.propose(rows.drafting(self.last_tree_at), contexts, rows.hiddens)
@@ -227,8 +230,8 @@ class DecodeState:
         return Verified(at, logits, features)
 
     def accept(self, proposal: Proposal, verified: Verified) -> Accepted:
-        """Per row the deepest node whose path the target agrees with, plus a bonus token (on the logits' device:
-        the drafts move there, not the logits), then the step's one host read."""
+        """Per row the deepest node whose path the target agrees with, plus a bonus token (on the logits'
+        device: the drafts move there, not the logits), then the step's one host read."""
         trees, tokens, rows, logits = proposal.trees, proposal.tokens, self.rows, verified.logits
         on = logits.device
         if self.params.greedy:

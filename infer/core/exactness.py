@@ -4,8 +4,8 @@ Verification runs the target once over a whole tree with a full KV cache and pos
 That equals one-token decoding only where attention depends on nothing but the causal prefix and each
 position's own rotary frequencies:
   - sliding-window and chunked attention drop positions a full cache keeps (past the window or chunk);
-  - LongRoPE and dynamic NTK RoPE choose their frequencies from the largest position of the forward: past their
-    switch point the tree's nodes get other frequencies than plain decoding gives them;
+  - LongRoPE and dynamic NTK RoPE choose their frequencies from the largest position of the forward: past
+    their switch point the tree's nodes get other frequencies than plain decoding gives them;
   - ALiBi biases and linear-attention / state-space layers (hybrids included) keep no per-position KV cache
     a tree could branch in.
 Every setting is read from the text config (a composite config, e.g. Gemma-3's, holds it there).
@@ -83,8 +83,8 @@ def check_architecture(config: Any) -> None:
 
 
 def check_length(config: Any, max_length: int) -> None:
-    """Refuse a generation of `max_length` positions (prompt, new tokens and the tree) that would cross a point
-    where the target's attention or rotary frequencies stop matching one-token decoding."""
+    """Refuse a generation of `max_length` positions (prompt, new tokens and the tree) that would cross a
+    point where the target's attention or rotary frequencies stop matching one-token decoding."""
     text = text_config(config)
     layers = [str(t) for t in (getattr(text, "layer_types", None) or [])]
     window = getattr(text, "sliding_window", None)

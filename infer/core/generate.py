@@ -42,10 +42,10 @@ Item = TypeVar("Item")
 
 
 def without_grad(steps: Iterator[Item]) -> Iterator[Item]:
-    """`steps` advanced under torch.no_grad, each item yielded outside it (the caller's grad mode stays its own).
-    Unlike torch.no_grad on a generator, closing it builds no grad-mode object, so a stream still open when the
-    interpreter exits closes quietly. An exception thrown into it closes `steps` (runs its `finally` blocks)
-    instead of being raised inside them."""
+    """`steps` advanced under torch.no_grad, each item yielded outside it (the caller's grad mode stays
+    its own). Unlike torch.no_grad on a generator, closing it builds no grad-mode object, so a stream still
+    open when the interpreter exits closes quietly. An exception thrown into it closes `steps`
+    (runs its `finally` blocks) instead of being raised inside them."""
     try:
         while True:
             with torch.no_grad():
@@ -68,10 +68,11 @@ class SpeculativeModel:
     def __init__(
         self, model: torch.nn.Module, proposer: Drafter | SequenceDrafter, compile: bool | str = False
     ) -> None:
-        """`proposer`: a drafter of a whole batch (selfspec.infer.drafters.drafter.Drafter), or of one sequence at a time
-        (then each row gets its own copy). `compile`: verify trees through torch.compile (fixed shapes: every
-        step verifies the largest tree over the whole cache; the first steps pay the compilation); True is
-        torch.compile's default mode, a string names the mode ("reduce-overhead": CUDA graphs on CUDA)."""
+        """`proposer`: a drafter of a whole batch (selfspec.infer.drafters.drafter.Drafter), or of one
+        sequence at a time (then each row gets its own copy). `compile`: verify trees through torch.compile
+        (fixed shapes: every step verifies the largest tree over the whole cache; the first steps pay the
+        compilation); True is torch.compile's default mode, a string names the mode ("reduce-overhead": CUDA
+        graphs on CUDA)."""
         self.drafter = as_drafter(proposer)  # what the loop drives
         self.target = Target(model, self.drafter.feature_layers)
         if compile:
@@ -111,20 +112,21 @@ class SpeculativeModel:
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> SpeculativeModel:
-        """Load a drafter and the target its config names, as `AutoModelForCausalLM.from_pretrained` would load it.
+        """Load a drafter and the target its config names, as `AutoModelForCausalLM.from_pretrained` would
+        load it.
 
-        `pretrained_model_name_or_path`: a selfspec drafter directory, a published Medusa / EAGLE checkpoint as it
-        is (converted in memory: see `selfspec.load_heads`), a Hub repo id of either (at `draft_revision`), or a
-        drafter already loaded. The target takes `device_map` (default: the CPU, as transformers), `dtype`
-        (`torch_dtype` is its old name; default: the drafter's training dtype), `attn_implementation`,
-        `revision`, `token` and `trust_remote_code`; the drafter goes where the target's lm_head is.
-        `model`: use this target instead, as it is: it is never moved, cast or otherwise changed (a
-        `device_map` or `dtype` it does not match is an error). `device` is a single-device `device_map`.
-        `tree` fixes a static tree (Medusa choices; EAGLE-1 style for EAGLE); `draft_depth`, `draft_top_k`
-        and `draft_total_tokens` shape EAGLE's dynamic tree (default: the drafter's fitted tree);
-        `mtp=True` drafts with the target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.5, ... ; read
-        from its checkpoint): `pretrained_model_name_or_path` (or `model`) is then the target itself.
-        `compile` verifies through torch.compile (see __init__).
+        `pretrained_model_name_or_path`: a selfspec drafter directory, a published Medusa / EAGLE checkpoint
+        as it is (converted in memory: see `selfspec.load_heads`), a Hub repo id of either
+        (at `draft_revision`), or a drafter already loaded. The target takes `device_map` (default: the CPU,
+        as transformers), `dtype` (`torch_dtype` is its old name; default: the drafter's training dtype),
+        `attn_implementation`, `revision`, `token` and `trust_remote_code`; the drafter goes where the
+        target's lm_head is. `model`: use this target instead, as it is: it is never moved, cast or otherwise
+        changed (a `device_map` or `dtype` it does not match is an error). `device` is a single-device
+        `device_map`. `tree` fixes a static tree (Medusa choices; EAGLE-1 style for EAGLE); `draft_depth`,
+        `draft_top_k` and `draft_total_tokens` shape EAGLE's dynamic tree (default: the drafter's fitted
+        tree); `mtp=True` drafts with the target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.5,
+        ... ; read from its checkpoint): `pretrained_model_name_or_path` (or `model`) is then the target
+        itself. `compile` verifies through torch.compile (see __init__).
         """
         refuse_unknown(kwargs)
         device_map, dtype = target_placement(device_map, device, dtype, torch_dtype)
@@ -165,8 +167,8 @@ class SpeculativeModel:
     def decode(
         self, input_ids: torch.Tensor, max_new_tokens: int | None = None, **kwargs: Any
     ) -> Iterator[list[int]]:
-        """Yield the new token ids of each step (the first from prefill) for one prompt (T,) or (1, T), stopping
-        at EOS or the budget. See `decode_batch`, which this is for a batch of one."""
+        """Yield the new token ids of each step (the first from prefill) for one prompt (T,) or (1, T),
+        stopping at EOS or the budget. See `decode_batch`, which this is for a batch of one."""
         input_ids = check_ids("input_ids", input_ids)
         attention_mask = kwargs.pop("attention_mask", None)
         if attention_mask is not None:
@@ -190,17 +192,17 @@ class SpeculativeModel:
     ) -> Iterator[list[list[int]]]:
         """Decode a left-padded batch (B, T) (`attention_mask` 0 on the padding, as a tokenizer with
         padding_side="left" gives it; None: inferred as model.generate does, 0 where input_ids hold the pad id
-        unless that is an EOS id). Yields per step each row's new token ids ([] once the row has stopped), rows
-        stopping independently at EOS or their budget.
+        unless that is an EOS id). Yields per step each row's new token ids ([] once the row has stopped),
+        rows stopping independently at EOS or their budget.
 
         Settings (`generation_config`, and transformers' generation arguments as keywords: do_sample,
-        temperature, top_k, top_p, max_new_tokens, max_length, eos_token_id, pad_token_id, ...) are resolved as
-        model.generate resolves them, and checked here, before the first step (ValueError). A model that embeds
-        at most `limit` positions (`max_positions`) gets prompt + new tokens <= limit per row: a longer budget is
-        clipped to that, with a warning, and a prompt that leaves no room is an error. Drafted trees stay inside
-        the limit too: a row whose tree could reach past it verifies its root alone, exactly as plain decoding.
-        `generator` may be one per row: then each row's draws come from its own stream, and a seeded row's output
-        does not depend on the rest of the batch.
+        temperature, top_k, top_p, max_new_tokens, max_length, eos_token_id, pad_token_id, ...) are resolved
+        as model.generate resolves them, and checked here, before the first step (ValueError). A model that
+        embeds at most `limit` positions (`max_positions`) gets prompt + new tokens <= limit per row: a longer
+        budget is clipped to that, with a warning, and a prompt that leaves no room is an error. Drafted trees
+        stay inside the limit too: a row whose tree could reach past it verifies its root alone, exactly as
+        plain decoding. `generator` may be one per row: then each row's draws come from its own stream, and a
+        seeded row's output does not depend on the rest of the batch.
         """
         if max_new_tokens is not None:
             kwargs["max_new_tokens"] = max_new_tokens
@@ -319,8 +321,8 @@ class SpeculativeModel:
         eos: set[int],
         generators: list[torch.Generator | None],
     ) -> Iterator[list[list[int]]]:
-        """The decode loop on checked arguments (see `decode_batch`): prefill, then per step propose -> verify ->
-        accept -> commit (`infer.decode_step`). Rows that stop leave the batch at the next step (unless the
+        """The decode loop on checked arguments (see `decode_batch`): prefill, then per step propose -> verify
+        -> accept -> commit (`infer.decode_step`). Rows that stop leave the batch at the next step (unless the
         shapes are fixed for a compiled verify)."""
         stats = self.last_stats = GenerationStats()
         t0 = time.perf_counter()
@@ -360,15 +362,15 @@ class SpeculativeModel:
         generator: torch.Generator | list[torch.Generator] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor | GenerateOutput:
-        """Like `model.generate`: (B, T) left-padded prompts (with their attention_mask) -> (B, T + new) token ids,
-        rows that stopped early filled with the pad id (the generation config's, else the first EOS id).
+        """Like `model.generate`: (B, T) left-padded prompts (with their attention_mask) -> (B, T + new) token
+        ids, rows that stopped early filled with the pad id (the generation config's, else the first EOS id).
 
         `generation_config` and transformers' generation arguments (do_sample, temperature, top_k, top_p,
         max_new_tokens, max_length, eos_token_id, pad_token_id, return_dict_in_generate) are resolved as
         model.generate resolves them; anything else is refused in one line. `streamer` follows transformers'
         protocol (`put` the prompt, then each step's tokens; `end`), so TextStreamer and TextIteratorStreamer
-        work as with model.generate (a batch of one). `return_dict_in_generate=True` returns a `GenerateOutput`:
-        `.sequences` and `.stats`. `generator` (one, or one per row) seeds sampling.
+        work as with model.generate (a batch of one). `return_dict_in_generate=True` returns a
+        `GenerateOutput`: `.sequences` and `.stats`. `generator` (one, or one per row) seeds sampling.
         """
         if input_ids is None:
             input_ids = kwargs.pop("inputs", None)

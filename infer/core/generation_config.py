@@ -1,11 +1,11 @@
 """How a generate call's settings are resolved, by model.generate's rules (transformers 5).
 
-The call's `generation_config` (default: an empty one) is copied, its unset fields are filled from the target's
-`generation_config`, then from transformers' global defaults, and the call's keyword arguments override the result.
-`do_sample` alone decides greedy or sampling (a temperature without `do_sample=True` stays greedy, as in
-transformers); `max_new_tokens`, else `max_length`, bounds the length. What this loop cannot apply exactly (a
-repetition penalty, beams, scores in the output, ...) is refused in one line naming the setting: decoding without
-it would silently differ from `model.generate`.
+The call's `generation_config` (default: an empty one) is copied, its unset fields are filled from the
+target's `generation_config`, then from transformers' global defaults, and the call's keyword arguments
+override the result. `do_sample` alone decides greedy or sampling (a temperature without `do_sample=True`
+stays greedy, as in transformers); `max_new_tokens`, else `max_length`, bounds the length. What this loop
+cannot apply exactly (a repetition penalty, beams, scores in the output, ...) is refused in one line naming
+the setting: decoding without it would silently differ from `model.generate`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import selfspec
 from selfspec.infer.core.arguments import token_ids
 from selfspec.infer.core.verify import SamplingParams
 
-# Settings that change the next-token distribution in ways this loop does not reproduce, with their neutral values.
+# Settings that change the next-token distribution in ways this loop does not reproduce, with their neutral
+# values.
 NOT_APPLIED: dict[str, Any] = {
     "repetition_penalty": 1.0,
     "encoder_repetition_penalty": 1.0,
@@ -87,8 +88,8 @@ class Settings:
     default_length: bool = False  # nothing set the length: model.generate's 20 new tokens, with its warning
 
     def warn_default_length(self) -> None:
-        """transformers' warning for a call that set no length, pointed at the caller's line (generate warns it;
-        resolving settings to check them does not)."""
+        """transformers' warning for a call that set no length, pointed at the caller's line (generate warns
+        it; resolving settings to check them does not)."""
         if self.default_length:
             warnings.warn(
                 f"Using the model-agnostic default `max_length` (={self.max_new_tokens}) to control the "
@@ -108,7 +109,8 @@ class Settings:
         return self.pad_token_id if self.pad_token_id is not None else (self.eos_ids or [0])[0]
 
     def budget(self, prompt_width: int) -> int:
-        """New tokens per row: max_new_tokens, else max_length minus the (padded) prompt, as model.generate."""
+        """New tokens per row: max_new_tokens, else max_length minus the (padded) prompt, as
+        model.generate."""
         if self.max_new_tokens is not None:
             return self.max_new_tokens
         if prompt_width >= self.max_length:
@@ -123,7 +125,8 @@ def merged_config(
     model_config: GenerationConfig | None, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
 ) -> tuple[GenerationConfig, dict[str, Any]]:
     """The call's config (a copy: the caller's object is never changed) completed from the model's config and
-    transformers' defaults, the call's keyword arguments applied; and the keyword arguments that are no field."""
+    transformers' defaults, the call's keyword arguments applied; and the keyword arguments that are no
+    field."""
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise ValueError(
             f"generation_config must be a transformers.GenerationConfig, got "
@@ -157,8 +160,9 @@ def caller_level() -> int:
 def no_max_length(
     model_config: GenerationConfig | None, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
 ) -> bool:
-    """Whether neither the call, its generation_config nor the model's sets max_length: model.generate then makes
-    the default max_length (20) of *new* tokens, past the prompt (transformers 5's `has_default_max_length`)."""
+    """Whether neither the call, its generation_config nor the model's sets max_length: model.generate then
+    makes the default max_length (20) of *new* tokens, past the prompt (transformers 5's
+    `has_default_max_length`)."""
     return (
         all(c is None or c.max_length is None for c in (model_config, generation_config))
         and kwargs.get("max_length") is None
@@ -186,7 +190,8 @@ def check_applicable(config: GenerationConfig) -> None:
 
 
 def sampling_params(config: GenerationConfig) -> SamplingParams:
-    """Greedy unless the resolved config says do_sample, as model.generate; then its temperature, top-k, top-p."""
+    """Greedy unless the resolved config says do_sample, as model.generate; then its temperature, top-k,
+    top-p."""
     SamplingParams(
         float(config.temperature or 0), int(config.top_k or 0), float(config.top_p or 1.0)
     )  # checked
@@ -213,8 +218,8 @@ def check_call(kwargs: dict[str, Any]) -> None:
 def resolve(
     model_config: GenerationConfig | None, generation_config: GenerationConfig | None = None, **kwargs: Any
 ) -> Settings:
-    """A call's settings by model.generate's rules; an argument that is neither a generation setting nor one of
-    generate's own (`CALL_ARGUMENTS`) is refused in one line naming it."""
+    """A call's settings by model.generate's rules; an argument that is neither a generation setting nor one
+    of generate's own (`CALL_ARGUMENTS`) is refused in one line naming it."""
     check_call(kwargs)
     kwargs = {
         k: v for k, v in kwargs.items() if k != "tokenizer"

@@ -1,5 +1,6 @@
 """What `SpeculativeModel.from_pretrained` loads: the drafter, and the target it names with transformers'
-loading options (device_map, dtype, attn_implementation, revision, token), or the caller's own model as it is."""
+loading options (device_map, dtype, attn_implementation, revision, token), or the caller's own model as it
+is."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from selfspec.infer.drafters.proposers import TREE_OPTIONS
 
 
 def as_dtype(value: torch.dtype | str | None) -> torch.dtype | str | None:
-    """A dtype as transformers takes it: a torch.dtype, its name ("bfloat16", "torch.bfloat16"), "auto" or None."""
+    """A dtype as transformers takes it: a torch.dtype, its name ("bfloat16", "torch.bfloat16"), "auto" or
+    None."""
     if value is None or isinstance(value, torch.dtype) or value == "auto":
         return value
     name = str(value).removeprefix("torch.")
@@ -58,7 +60,8 @@ def target_placement(
 
 
 def refuse_unknown(kwargs: dict[str, Any]) -> None:
-    """One line naming the first argument from_pretrained does not take (and the right name for the old ones)."""
+    """One line naming the first argument from_pretrained does not take (and the right name for the old
+    ones)."""
     if not kwargs:
         return
     name = next(iter(kwargs))
@@ -76,8 +79,8 @@ def refuse_unknown(kwargs: dict[str, Any]) -> None:
 
 
 def check_given_model(model: torch.nn.Module, device_map: Any, dtype: torch.dtype | str | None) -> None:
-    """The caller's model is used as it is, never moved or cast: a device_map or dtype it does not already match
-    is an error saying so."""
+    """The caller's model is used as it is, never moved or cast: a device_map or dtype it does not already
+    match is an error saying so."""
     weight = model.get_output_embeddings().weight
     if device_map is not None:
         if isinstance(device_map, dict) or device_map == "auto":
@@ -110,7 +113,8 @@ def proposer_for(
 
 
 def given_options(target_options: dict[str, Any], device_map: Any) -> dict[str, Any]:
-    """The target's from_pretrained options the caller gave (None: left to transformers), with its device_map."""
+    """The target's from_pretrained options the caller gave (None: left to transformers), with its
+    device_map."""
     options = {k: v for k, v in target_options.items() if v is not None}
     if device_map is not None:
         options["device_map"] = device_map
@@ -147,7 +151,8 @@ def load_parts(
     check_adapted(heads.config, model)
     check_compatible(heads.config, model)
     # the drafter reads the hidden states where the lm_head is (the last device under a device_map), in the
-    # target's dtype (on CPU too: bf16 halves its weight reads, measured 6.8 vs 10.3 ms per EAGLE-3 draft on the demo)
+    # target's dtype (on CPU too: bf16 halves its weight reads, measured 6.8 vs 10.3 ms per EAGLE-3 draft on
+    # the demo)
     weight = model.get_output_embeddings().weight
     heads = heads.to(device=weight.device, dtype=weight.dtype)
     return model, proposer_for(heads, model, tree, **{TREE_OPTIONS[k]: v for k, v in tree_options.items()})
@@ -162,7 +167,8 @@ def load_mtp_parts(
     tree: list[list[int]] | None,
     tree_options: dict[str, int | None],
 ) -> tuple[torch.nn.Module, Drafter]:
-    """The target and the proposer of `SpeculativeModel.from_pretrained(target, mtp=True)`: its own MTP layers."""
+    """The target and the proposer of `SpeculativeModel.from_pretrained(target, mtp=True)`: its own MTP
+    layers."""
     from transformers import AutoModelForCausalLM
 
     from selfspec.heads.formats.mtp import load_target_mtp

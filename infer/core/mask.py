@@ -11,11 +11,11 @@ import torch
 
 
 class RowMask:
-    """The target's additive mask for a batch of rows with ragged prefixes, (B, 1, rows, max_len), kept up to date
-    in place. Row b sees its own filled columns (its prompt without left padding, then what it accepted); every
-    step's tree is written at one shared column L for all rows, so a row that accepted less than the longest one
-    has a gap of stale columns before L, hidden here. Per step only the tree block and the accepted columns are
-    written: nothing that grows with the sequence."""
+    """The target's additive mask for a batch of rows with ragged prefixes, (B, 1, rows, max_len), kept up to
+    date in place. Row b sees its own filled columns (its prompt without left padding, then what it accepted);
+    every step's tree is written at one shared column L for all rows, so a row that accepted less than the
+    longest one has a gap of stale columns before L, hidden here. Per step only the tree block and the
+    accepted columns are written: nothing that grows with the sequence."""
 
     def __init__(
         self, batch: int, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str
@@ -26,8 +26,9 @@ class RowMask:
         self.buffer = self.storage  # the rows in use (see `select_rows`)
 
     def select_rows(self, keep: list[int], index: torch.Tensor, columns: int) -> None:
-        """Keep only the batch rows `keep` (in that order; `index`: the same on the device) as rows 0 .. n - 1,
-        moving their first `columns` columns down in place (nothing when they are the first rows already)."""
+        """Keep only the batch rows `keep` (in that order; `index`: the same on the device) as rows
+        0 .. n - 1, moving their first `columns` columns down in place (nothing when they are the first rows
+        already)."""
         n = len(keep)
         if keep != list(range(n)):
             self.storage[:n, ..., :columns] = self.buffer[..., :columns].index_select(0, index)
@@ -41,8 +42,9 @@ class RowMask:
         )
 
     def at(self, at: int, block: torch.Tensor, full: bool = False) -> torch.Tensor:
-        """block (B, q, n) bool (True = visible), written at columns at .. at + n -> the mask (B, 1, q, at + n),
-        or over every column with `full` (B, 1, q, max_len): the same shape at every step."""
+        """block (B, q, n) bool (True = visible), written at columns at .. at + n -> the mask
+        (B, 1, q, at + n), or over every column with `full` (B, 1, q, max_len): the same shape at every
+        step."""
         q, n = block.shape[1:]
         if at + n > self.buffer.shape[-1] or (full and q > self.buffer.shape[-2]):
             raise ValueError(
@@ -74,6 +76,6 @@ class RowMask:
 
 def padding_mask(start: torch.Tensor, length: int) -> torch.Tensor:
     """(B, length) bool for a left-padded prompt batch, False on row b's first start[b] columns: the 2D mask
-    model.generate passes, from which the model builds its own causal mask (boolean for "sdpa", not an additive
-    float (B, 1, T, T))."""
+    model.generate passes, from which the model builds its own causal mask (boolean for "sdpa", not an
+    additive float (B, 1, T, T))."""
     return torch.arange(length, device=start.device)[None] >= start[:, None]

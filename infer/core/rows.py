@@ -1,10 +1,10 @@
 """The rows of a decoding batch: each row's place in the cache, its budget and whether it stopped, kept on the
 host and, for what a step computes with, on the device, always in step with each other.
 
-Row b's tokens sit in cache columns starts[b] .. filled[b] - 1 (its left padding before them). A step writes every
-row's tree at one shared column (`tree_column`); each row's accepted path then moves down to its own end, so rows
-accept different lengths without any copy of the prefix. The device learns that a row stopped once, when it stops;
-otherwise a step sends the device nothing (a copy from the host would wait for it).
+Row b's tokens sit in cache columns starts[b] .. filled[b] - 1 (its left padding before them). A step writes
+every row's tree at one shared column (`tree_column`); each row's accepted path then moves down to its own
+end, so rows accept different lengths without any copy of the prefix. The device learns that a row stopped
+once, when it stops; otherwise a step sends the device nothing (a copy from the host would wait for it).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ PER_ROW = ("slots", "starts", "budgets", "filled", "produced", "done", "generato
 
 
 def cut(new: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
-    """A step's new tokens cut where plain decoding would stop (the budget, or an EOS, kept), and whether it did."""
+    """A step's new tokens cut where plain decoding would stop (the budget, or an EOS, kept), and whether it
+    did."""
     done = len(new) >= budget
     new = new[:budget]
     for i, tok in enumerate(new):
@@ -27,9 +28,9 @@ def cut(new: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
 
 
 def upload(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Host values as a tensor on `device`, without waiting for the device: a tensor made from host data straight on
-    an accelerator (torch.tensor(..., device=)) waits for all work queued there first; a non-blocking copy from
-    pageable host memory is staged at once and does not."""
+    """Host values as a tensor on `device`, without waiting for the device: a tensor made from host data
+    straight on an accelerator (torch.tensor(..., device=)) waits for all work queued there first; a
+    non-blocking copy from pageable host memory is staged at once and does not."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
@@ -43,8 +44,8 @@ def first_tokens(
 
 
 class Rows:
-    """Per-row state of one generation. Host lists are indexed by slot (the rows still in the batch, in order);
-    `slots[s]` is the caller's row a slot holds, and `emitted` holds every caller row's new tokens."""
+    """Per-row state of one generation. Host lists are indexed by slot (the rows still in the batch, in
+    order); `slots[s]` is the caller's row a slot holds, and `emitted` holds every caller row's new tokens."""
 
     def __init__(
         self,
@@ -116,13 +117,14 @@ class Rows:
         return at
 
     def positions(self, depths: torch.Tensor) -> torch.Tensor:
-        """Each tree node's position id (B, N); a stopped row's padding tree sits at 0, as its place in the cache
-        may be past the model's limit."""
+        """Each tree node's position id (B, N); a stopped row's padding tree sits at 0, as its place in the
+        cache may be past the model's limit."""
         return torch.where(self.stopped_t[:, None], depths, (self.filled_t - self.start_t)[:, None] + depths)
 
     def take(self, host: list[list[int]], tree_sizes: list[int]) -> tuple[list[list[int]], list[int], dict]:
-        """Each running row's new tokens from the step's host copy (per row: accepted depth, path tokens, bonus),
-        cut at its EOS or budget; the accepted lengths (0 for stopped rows) and the step's counters."""
+        """Each running row's new tokens from the step's host copy (per row: accepted depth, path tokens,
+        bonus), cut at its EOS or budget; the accepted lengths (0 for stopped rows) and the step's
+        counters."""
         new_rows, lengths = [], []
         counts: dict[str, list[int]] = {"drafted": [], "accepted": [], "made": []}
         for b, values in enumerate(host):

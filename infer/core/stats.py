@@ -58,9 +58,10 @@ class GenerationStats:
     ) -> None:
         """One decode step (one target forward) of the rows still decoding: per row a tree of `drafted` nodes
         (root excluded), `accepted` of them on the accepted path (before the budget/EOS cut), `produced` new
-        tokens; each row counts as a decode step of its own, so tau is tokens per row and forward. `began` is the
-        step's perf_counter start; `marks` the clock's marks when it began, had proposed, and had verified +
-        accepted (completed: read after the step's host sync); the rest of the step, until now, is bookkeeping."""
+        tokens; each row counts as a decode step of its own, so tau is tokens per row and forward. `began` is
+        the step's perf_counter start; `marks` the clock's marks when it began, had proposed, and had
+        verified + accepted (completed: read after the step's host sync); the rest of the step, until now, is
+        bookkeeping."""
         now = time.perf_counter()
         self.target_forwards += 1
         self.decode_steps += len(produced)
@@ -78,9 +79,10 @@ class GenerationStats:
 
 @dataclasses.dataclass
 class GenerateOutput(ModelOutput):
-    """What `generate(..., return_dict_in_generate=True)` returns: the sequences, as transformers' generate output
-    holds them, and the call's decoding statistics. A transformers ModelOutput: `out.sequences`, `out["sequences"]`,
-    `out[0]`, `"sequences" in out`, `len(out)` and `sequences, stats = out.to_tuple()` all work."""
+    """What `generate(..., return_dict_in_generate=True)` returns: the sequences, as transformers' generate
+    output holds them, and the call's decoding statistics. A transformers ModelOutput: `out.sequences`,
+    `out["sequences"]`, `out[0]`, `"sequences" in out`, `len(out)` and `sequences, stats = out.to_tuple()` all
+    work."""
 
     sequences: torch.Tensor | None = None
     stats: GenerationStats | None = None

@@ -34,8 +34,9 @@ class Target:
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in ("eager", "sdpa", ATTENTION):
             raise ValueError(
-                f"tree verification passes a custom 4D attention mask, which attn_implementation={attn!r} does not "
-                "take as given; load the target with attn_implementation='sdpa' (or 'eager')"
+                "tree verification passes a custom 4D attention mask, which "
+                f"attn_implementation={attn!r} does not take as given; load the target with "
+                "attn_implementation='sdpa' (or 'eager')"
             )
         # "sdpa" runs as ATTENTION during our forwards: the same masks and kernels, minus repeat_kv's KV copy
         self.configs = model_configs(model) if grouped_attention else []  # False: transformers' sdpa as it is
@@ -71,8 +72,8 @@ class Target:
             kwargs[self.keep_kw] = 1
         if start is not None:  # positions count from each row's first real token, as model.generate does
             T = input_ids.shape[1]
-            # a (B, cached + T) padding mask, as model.generate passes it: the model builds its own (boolean) 4D
-            # mask from it, or none at all
+            # a (B, cached + T) padding mask, as model.generate passes it: the model builds its own (boolean)
+            # 4D mask from it, or none at all
             kwargs["attention_mask"] = padding_mask(start, cache.get_seq_length() + T)
             kwargs["position_ids"] = (torch.arange(T, device=start.device)[None] - start[:, None]).clamp(
                 min=0
@@ -82,9 +83,10 @@ class Target:
         return out.logits[:, -1], features() if hidden else None
 
     def compile(self, mode: str = "default") -> None:
-        """Run tree verification through torch.compile from now on (`verify_rows(..., at=...)`), with shapes that
-        never change, so it compiles once. `mode`: torch.compile's ("reduce-overhead": CUDA graphs on CUDA, the
-        cache and mask buffers being static addresses; on the CPU the same compiled code without graphs)."""
+        """Run tree verification through torch.compile from now on (`verify_rows(..., at=...)`), with shapes
+        that never change, so it compiles once. `mode`: torch.compile's ("reduce-overhead": CUDA graphs on
+        CUDA, the cache and mask buffers being static addresses; on the CPU the same compiled code without
+        graphs)."""
         self.compiled = torch.compile(self._features_and_logits, dynamic=False, mode=mode)
 
     compiled: Callable | None = None
@@ -115,9 +117,10 @@ class Target:
         cache: PreallocatedCache,
         at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ONE forward over a batch of trees: tokens and their position ids (B, N), the additive mask (B, 1, N,
-        cached + N) -> logits (B, N, V) and the drafter's features (B, N, H or nH). Compiled (`compile`): the
-        trees are written at column `at` (a 0-dim tensor) and the mask covers the whole cache (B, 1, N, max)."""
+        """ONE forward over a batch of trees: tokens and their position ids (B, N), the additive mask
+        (B, 1, N, cached + N) -> logits (B, N, V) and the drafter's features (B, N, H or nH). Compiled
+        (`compile`): the trees are written at column `at` (a 0-dim tensor) and the mask covers the whole cache
+        (B, 1, N, max)."""
         if self.compiled is not None:
             with cache.fixed(at), using_grouped_attention(self.configs):
                 return self.compiled(tokens, positions, mask, cache)
@@ -133,9 +136,9 @@ class Target:
 
     @contextlib.contextmanager
     def vocab_layout(self) -> Iterator[None]:
-        """Within: a plain `nn.Linear` lm_head computes through `heads.projection.vocab_logits`, laid out for the
-        CPU's GEMM (float32 on CPU: W @ x.T, 2-5x faster for the 2-64 rows of a tree; elsewhere F.linear as
-        before). Only the head's own matmul changes: whatever the model does to its output (softcapping,
+        """Within: a plain `nn.Linear` lm_head computes through `heads.projection.vocab_logits`, laid out for
+        the CPU's GEMM (float32 on CPU: W @ x.T, 2-5x faster for the 2-64 rows of a tree; elsewhere F.linear
+        as before). Only the head's own matmul changes: whatever the model does to its output (softcapping,
         scaling) still happens. The model is left as it was on exit."""
         head = self.lm_head
         if (
@@ -165,7 +168,8 @@ class Target:
         """Keep, during one forward, only the hidden states the drafter reads, instead of asking the model for
         every layer's (output_hidden_states holds layers x tokens x hidden: ~2 GB for an 8B target and an
         8K prompt). Yields a function giving them after the forward: the last hidden states (B, T, H) -- the
-        base model's output, what the lm_head reads -- or EAGLE-3's layers concatenated, low to high (B, T, nH)."""
+        base model's output, what the lm_head reads -- or EAGLE-3's layers concatenated, low to high
+        (B, T, nH)."""
         if not enabled:
             yield lambda: None
             return

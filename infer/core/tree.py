@@ -154,7 +154,8 @@ def select_tree(
     width: int,
 ) -> tuple[torch.Tensor, Tree]:
     """EAGLE-2's dynamic tree from drafted candidates: keep the `total_tokens` with the best cumulative
-    draft log-probability and return their candidate indices (ascending) and the Tree they form under the root.
+    draft log-probability and return their candidate indices (ascending) and the Tree they form under the
+    root.
 
     Candidates are in depth order; `parents[c]` is the candidate c extends (-1: the root) and
     `ranks[c]` its rank among its siblings. Scores must fall strictly along every path (see
@@ -182,8 +183,8 @@ def select_tree(
 def row_trees(
     roots: torch.Tensor, drafted: torch.Tensor, chosen: torch.Tensor, tree: Tree
 ) -> list[tuple[torch.Tensor, Tree]]:
-    """Each row's tree tokens (root first) and Tree from `select_tree` over rows: roots (B,), drafted candidates
-    (B, C), chosen (B, n); one gather for all rows, then views."""
+    """Each row's tree tokens (root first) and Tree from `select_tree` over rows: roots (B,), drafted
+    candidates (B, C), chosen (B, n); one gather for all rows, then views."""
     tokens = torch.cat([roots[:, None], drafted.gather(1, chosen)], dim=1)
     fields = dataclasses.fields(tree)
     return [
@@ -231,7 +232,8 @@ def chain_choices(depth: int) -> list[list[int]]:
 
 
 def label_ranks(logits: torch.Tensor, labels: torch.Tensor, width: int) -> torch.Tensor:
-    """(N,) the rank of each label among its row's `width` highest logits (N, V); `width` where it is not among them."""
+    """(N,) the rank of each label among its row's `width` highest logits (N, V); `width` where it is not
+    among them."""
     hit = logits.topk(width, dim=-1).indices == labels[:, None]
     return torch.where(hit.any(1), hit.int().argmax(1), width)
 
@@ -268,8 +270,8 @@ def best_choices(accuracy: Acceptance, num_nodes: int) -> list[list[int]]:
 
 
 def fill_choices(choices: list[list[int]], accuracy: torch.Tensor, num_nodes: int) -> list[list[int]]:
-    """`choices` (ancestor-closed) topped up to `num_nodes` with the best further paths by the per-depth accuracy
-    estimate: where measured paths ran out before a node budget asked for."""
+    """`choices` (ancestor-closed) topped up to `num_nodes` with the best further paths by the per-depth
+    accuracy estimate: where measured paths ran out before a node budget asked for."""
     chosen = {tuple(path) for path in choices}
     extra = [path for path in best_choices(accuracy, num_nodes + len(choices)) if tuple(path) not in chosen]
     return (choices + extra)[: max(num_nodes, 0)]
@@ -291,10 +293,10 @@ def expected_accepted(accuracy: Acceptance, choices: list[list[int]]) -> float:
 def path_frequencies(
     ranks: torch.Tensor, width: int, counts: torch.Tensor | None = None
 ) -> dict[tuple[int, ...], float]:
-    """How often each rank path would be accepted, measured: `ranks` (N, D) holds, at N positions, the rank of the
-    target's token among depth d's candidates (`width` or more: not among the first `width`), `counts` (N,)
-    how many positions each row stands for (default 1). A path is accepted where every depth along it ranks
-    the target's token exactly so.
+    """How often each rank path would be accepted, measured: `ranks` (N, D) holds, at N positions, the rank of
+    the target's token among depth d's candidates (`width` or more: not among the first `width`),
+    `counts` (N,) how many positions each row stands for (default 1). A path is accepted where every depth
+    along it ranks the target's token exactly so.
 
     Unlike the product of per-depth accuracies this keeps how the depths' hits go together: on repetitive text
     all heads are right at once, and the product undervalues deep chains many times over."""
@@ -370,9 +372,10 @@ def fit_tree(accuracy: Acceptance, latency: Mapping[int, float]) -> tuple[list[l
     """Choose the tree size that maximises expected tokens per second.
 
     `accuracy` is a per-depth accuracy table or measured `path_frequencies`. `latency[n]` is the target's
-    forward time with n tree nodes (root included); a step with n nodes yields 1 + expected_accepted tokens. Returns the best choices and a row per size (for printing);
-    from a LatencyCurve a row also holds the size's measured time before the monotone fit and its
-    spread (see `low_and_spread`), a plain mapping counts as measured exactly.
+    forward time with n tree nodes (root included); a step with n nodes yields 1 + expected_accepted tokens.
+    Returns the best choices and a row per size (for printing); from a LatencyCurve a row also holds the
+    size's measured time before the monotone fit and its spread (see `low_and_spread`), a plain mapping counts
+    as measured exactly.
     """
     curve = latency if isinstance(latency, LatencyCurve) else None
     rows = []

@@ -30,8 +30,8 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        # NaN, infinity or a temperature so small that logits / temperature overflows float32 would turn p into
-        # NaN, and every draw into token 0
+        # NaN, infinity or a temperature so small that logits / temperature overflows float32 would turn p
+        # into NaN, and every draw into token 0
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
             raise ValueError(
                 f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
@@ -67,11 +67,11 @@ GROWS_ON = (
 def outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """(..., V) bool: the tokens outside the smallest most-probable set whose mass reaches top_p.
 
-    On CPU sorting the whole vocabulary is not needed: the nucleus is found among the top k tokens (k = 64, grown
-    4x until every row's top k reach top_p), which are a full sort's first k with the same running sums. Whether
-    they reach it is a value read back, which on an accelerator waits for the device: there the whole vocabulary is
-    sorted instead (on the device, no read). Tokens tied at the boundary are cut by position in that order, as a
-    sort would (not all kept)."""
+    On CPU sorting the whole vocabulary is not needed: the nucleus is found among the top k tokens
+    (k = 64, grown 4x until every row's top k reach top_p), which are a full sort's first k with the same
+    running sums. Whether they reach it is a value read back, which on an accelerator waits for the device:
+    there the whole vocabulary is sorted instead (on the device, no read). Tokens tied at the boundary are cut
+    by position in that order, as a sort would (not all kept)."""
     vocab = probs.shape[-1]
     if probs.device.type not in GROWS_ON:
         top = probs.sort(dim=-1, descending=True)
@@ -90,8 +90,9 @@ def outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def greedy_children(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
-    """(..., N) bool, one tree or a batch of them (leading dims on every argument): node i is its parent's pick,
-    i.e. its token is the target's argmax at the parent. Padding nodes (no parent, see tree.pad_tree) never are."""
+    """(..., N) bool, one tree or a batch of them (leading dims on every argument): node i is its parent's
+    pick, i.e. its token is the target's argmax at the parent. Padding nodes (no parent, see tree.pad_tree)
+    never are."""
     argmax = logits.argmax(-1)  # (..., N)
     picked = (tokens == argmax.gather(-1, tree.parents.clamp(min=0))) & (tree.parents >= 0)
     picked[..., 0] = True
@@ -153,7 +154,8 @@ def accepted_end(picked: torch.Tensor, tree: Tree) -> torch.Tensor:
 
 
 def draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One sample from p (V,) as a 0-dim tensor: argmax of p / E with E ~ Exp(1), exact and without a host sync."""
+    """One sample from p (V,) as a 0-dim tensor: argmax of p / E with E ~ Exp(1), exact and without a host
+    sync."""
     e = torch.empty_like(p).exponential_(1.0, generator=generator)
     return (p / e).argmax()
 
@@ -199,8 +201,8 @@ def accept(
 def accept_greedy_rows(
     logits: torch.Tensor, tokens: torch.Tensor, trees: Tree
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy acceptance over a batch of trees: logits (B, N, V), tokens (B, N), batched trees (B, ...) -> each
-    row's end node (B,) and bonus token (B,)."""
+    """Greedy acceptance over a batch of trees: logits (B, N, V), tokens (B, N), batched trees (B, ...)
+    -> each row's end node (B,) and bonus token (B,)."""
     end = accepted_end(greedy_children(logits, tokens, trees), trees)  # (B, 1)
     return end[:, 0], logits.gather(1, end[:, :, None].expand(-1, 1, logits.shape[-1]))[:, 0].argmax(-1)
 

@@ -27,7 +27,8 @@ from selfspec.infer.drafters.proposers import TREE_OPTIONS, embedding_for
 class DFlashProposer(Drafter):
     """Drafts with a `DFlashDraft` on the target's fused layers; a chain when top_k is 1, else a tree.
 
-    It holds the drafter's cache for the sequence (or batch) being decoded: one generation at a time per proposer.
+    It holds the drafter's cache for the sequence (or batch) being decoded: one generation at a time per
+    proposer.
     """
 
     name = "dflash"
@@ -73,14 +74,16 @@ class DFlashProposer(Drafter):
         self.depth, self.max_nodes = self.trees.depth, self.trees.max_nodes
 
     def _draft(self, roots: torch.Tensor, out: torch.Tensor) -> list[tuple[torch.Tensor, Tree]]:
-        """Block outputs at the drafted positions (B, D, H) -> each row's tree tokens (root first) and tree."""
+        """Block outputs at the drafted positions (B, D, H) -> each row's tree tokens (root first) and
+        tree."""
         return self.trees.rows(roots, self.draft.logits(out, self.lm_head))
 
     def start(
         self, rows: int, max_length: int, params: SamplingParams, generators: list[torch.Generator | None]
     ) -> None:
-        """A batch of `rows` sequences starts: one drafter cache, row b's confirmed columns 0 .. lengths[b] − 1.
-        A call writes each row's new context after its own, the block after that, and padding past both."""
+        """A batch of `rows` sequences starts: one drafter cache, row b's confirmed columns
+        0 .. lengths[b] − 1. A call writes each row's new context after its own, the block after that, and
+        padding past both."""
         self.cache = DraftCache.for_drafter(self.draft, 2 * max_length + self.block, batch=rows)
         self.lengths = [0] * rows
 
@@ -137,8 +140,8 @@ def dflash_proposer(
     **tree_options: int | None,
 ) -> DFlashProposer:
     """The DFlash family's proposer: its tree is built from each block position's top_k, shaped by
-    `tree_options` (depth, top_k, total_tokens; top_k 1 is the block's chain), never a static `tree`: it is always
-    `dynamic`."""
+    `tree_options` (depth, top_k, total_tokens; top_k 1 is the block's chain), never a static `tree`: it is
+    always `dynamic`."""
     if tree is not None:
         raise ValueError(
             "a DFlash drafter builds its tree from each block position's top_k: shape it with "

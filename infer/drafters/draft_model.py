@@ -29,8 +29,8 @@ class DraftModelProposer:
         self.draft = Target(draft_model)
         if vocab_size is not None and self.draft.vocab_size != vocab_size:
             raise ValueError(
-                f"the draft model has {self.draft.vocab_size} vocabulary rows but the target has {vocab_size}: "
-                "a draft model must share the target's tokenizer"
+                f"the draft model has {self.draft.vocab_size} vocabulary rows but the target has "
+                f"{vocab_size}: a draft model must share the target's tokenizer"
             )
         self.num_tokens = num_tokens
         self.max_nodes = num_tokens + 1

@@ -1,11 +1,11 @@
 """The one interface between the decode loop and a drafter: every call covers the whole batch of rows.
 
 Per generation the loop calls `start` once, `observe` with each row's prompt and first token, then per step
-`propose` for the running rows, `observe` with what each row's context grew by (host lists, from the step's one
-read) and, when rows stop, `keep_rows`. The families that draft a batch in one set of calls (Medusa, EAGLE,
-DFlash, P-EAGLE) implement it directly. A drafter of one sequence at a time (prompt lookup, a draft model)
-implements `SequenceDrafter` and is wrapped once by `PerRow`, which gives each row a copy with its own state.
-A drafter never calls the target: the loop verifies what it drafts.
+`propose` for the running rows, `observe` with what each row's context grew by (host lists, from the step's
+one read) and, when rows stop, `keep_rows`. The families that draft a batch in one set of calls
+(Medusa, EAGLE, DFlash, P-EAGLE) implement it directly. A drafter of one sequence at a time (prompt lookup, a
+draft model) implements `SequenceDrafter` and is wrapped once by `PerRow`, which gives each row a copy with
+its own state. A drafter never calls the target: the loop verifies what it drafts.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class Drafter(abc.ABC):
     def start(
         self, rows: int, max_length: int, params: SamplingParams, generators: list[torch.Generator | None]
     ) -> None:
-        """A batch of `rows` sequences of at most `max_length` tokens starts, decoded with `params` (row b draws
-        from generators[b]): drop the last generation's state."""
+        """A batch of `rows` sequences of at most `max_length` tokens starts, decoded with `params`
+        (row b draws from generators[b]): drop the last generation's state."""
 
     @abc.abstractmethod
     def propose(
@@ -60,16 +60,19 @@ class Drafter(abc.ABC):
     ) -> list[Draft | None]:
         """Each active row's next tree; None for the others (stopped, or verifying their root alone).
 
-        contexts[b] (L_b,): row b's tokens so far, ending with its root (the target's newest token, not yet in its
-        cache); it only ever grows at the end. hiddens[b] (m_b, ·): the target features that produced the row's
-        newest m_b tokens (the prompt's at the first call, the accepted path's after that), where they came out.
-        An inactive row's features are dropped: the loop makes a row inactive only once it drafts no more."""
+        contexts[b] (L_b,): row b's tokens so far, ending with its root (the target's newest token, not yet in
+        its cache); it only ever grows at the end. hiddens[b] (m_b, ·): the target features that produced the
+        row's newest m_b tokens (the prompt's at the first call, the accepted path's after that), where they
+        came out. An inactive row's features are dropped: the loop makes a row inactive only once it drafts no
+        more."""
 
     def observe(self, new: list[list[int]]) -> None:  # noqa: B027 (optional: most drafters read only `propose`'s)
-        """What each row's context grew by, on the host: the prompt and first token, then each step's tokens."""
+        """What each row's context grew by, on the host: the prompt and first token, then each step's
+        tokens."""
 
     def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:  # noqa: B027 (optional: stateless drafters)
-        """The batch goes on with rows `keep` only, in that order (`index`: the same on the drafter's device)."""
+        """The batch goes on with rows `keep` only, in that order (`index`: the same on the drafter's
+        device)."""
 
 
 class SequenceDrafter(Protocol):
@@ -92,8 +95,8 @@ class SequenceDrafter(Protocol):
 
 
 class PerRow(Drafter):
-    """A `SequenceDrafter` driven row by row: each row gets a shallow copy (shared weights and settings, its own
-    per-sequence state), made at every `start`, so the copies follow changes to the wrapped drafter."""
+    """A `SequenceDrafter` driven row by row: each row gets a shallow copy (shared weights and settings, its
+    own per-sequence state), made at every `start`, so the copies follow changes to the wrapped drafter."""
 
     def __init__(self, drafter: SequenceDrafter) -> None:
         self.drafter = drafter
@@ -129,9 +132,9 @@ def newest_pairs(
     dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row b's newest counts[b] target features and the tokens they produced (the confirmed pairs a drafter with
-    a cache of its own feeds), right-padded with zeros to the longest row: (B, M, ·) and (B, M). Rows of equal
-    counts (always a batch of one) need no padding: a stack each, or a view for one row."""
+    """Row b's newest counts[b] target features and the tokens they produced (the confirmed pairs a drafter
+    with a cache of its own feeds), right-padded with zeros to the longest row: (B, M, ·) and (B, M). Rows of
+    equal counts (always a batch of one) need no padding: a stack each, or a view for one row."""
     M = max(counts)
     if all(m == M for m in counts):
         feats = hiddens[0][None] if len(hiddens) == 1 else torch.stack(hiddens)

@@ -10,8 +10,8 @@ from selfspec.infer.drafters.feature_drafter import FeatureDrafter
 
 
 class EagleProposer(FeatureDrafter):
-    """Drafts with an `EagleDraft` (or `Eagle3Draft`) on the target's features. EAGLE-3 reads fused target layers
-    and drafts in its own vocabulary."""
+    """Drafts with an `EagleDraft` (or `Eagle3Draft`) on the target's features. EAGLE-3 reads fused target
+    layers and drafts in its own vocabulary."""
 
     label = "EAGLE"
 
@@ -23,9 +23,9 @@ def eagle_proposer(
     dynamic: bool = False,
     **tree_options: int | None,
 ) -> EagleProposer:
-    """The EAGLE-1/2 and EAGLE-3 families' proposer: `tree` (else the drafter's own) is a static tree of paths;
-    without one, or with `dynamic` (what `selfspec tune` measures), `tree_options` (depth, top_k, total_tokens)
-    shape EAGLE-2's dynamic tree."""
+    """The EAGLE-1/2 and EAGLE-3 families' proposer: `tree` (else the drafter's own) is a static tree of
+    paths; without one, or with `dynamic` (what `selfspec tune` measures), `tree_options` (depth, top_k,
+    total_tokens) shape EAGLE-2's dynamic tree."""
     choices = None if dynamic else tree if tree is not None else draft.config.tree
     return EagleProposer(
         draft, model.get_input_embeddings(), model.get_output_embeddings(), choices=choices, **tree_options

@@ -1,5 +1,6 @@
 """Drafting by a module that autoregresses on the target's features to grow a token tree under the root: the
-shared machinery of EAGLE-1/2/3 (heads/eagle.py, heads/eagle3.py) and the target's own MTP layers (heads/mtp.py).
+shared machinery of EAGLE-1/2/3 (heads/eagle.py, heads/eagle3.py) and the target's own MTP layers
+(heads/mtp.py).
 
 Each step first feeds the drafter what the target just confirmed — (feature, next token) pairs of
 the accepted path — into its own KV cache, then expands a tree:
@@ -105,17 +106,17 @@ class FeatureDrafter(Drafter):
             self.max_nodes = min(self.total_tokens, self.top_k + (self.depth - 1) * self.top_k**2) + 1
 
     def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
-        """Predicted features (..., H) -> log-probabilities over the draft vocabulary (..., V), float32, with a
-        finite floor that keeps scores strictly falling along paths (NaN would break the tree selection)."""
+        """Predicted features (..., H) -> log-probabilities over the draft vocabulary (..., V), float32, with
+        a finite floor that keeps scores strictly falling along paths (NaN would break the tree selection)."""
         logp = torch.log_softmax(self.draft.logits(out, self.lm_head).float(), dim=-1)
         return logp.nan_to_num(nan=-1e4, neginf=-1e4)
 
     def start(
         self, rows: int, max_length: int, params: SamplingParams, generators: list[torch.Generator | None]
     ) -> None:
-        """A batch of `rows` sequences of at most `max_length` tokens starts: one drafter cache for all of them.
-        Row b's confirmed pairs sit in columns 0 .. lengths[b] - 1; each call writes at the shared column
-        max(lengths), then moves each row's pairs down to its own end, as the target's cache does."""
+        """A batch of `rows` sequences of at most `max_length` tokens starts: one drafter cache for all of
+        them. Row b's confirmed pairs sit in columns 0 .. lengths[b] - 1; each call writes at the shared
+        column max(lengths), then moves each row's pairs down to its own end, as the target's cache does."""
         draft_columns = max(self.max_nodes, self.depth * self.top_k)
         capacity = max_length + draft_columns + self.max_nodes
         self.cache = self.new_cache(capacity, rows)
@@ -128,8 +129,8 @@ class FeatureDrafter(Drafter):
         return DraftCache.for_drafter(self.draft, capacity, batch=rows)
 
     def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:
-        """The batch goes on with rows `keep` only, in that order (the others stopped; `index`: the same on the
-        device): their drafter cache and mask rows move down, and later calls draft for len(keep) rows."""
+        """The batch goes on with rows `keep` only, in that order (the others stopped; `index`: the same on
+        the device): their drafter cache and mask rows move down, and later calls draft for len(keep) rows."""
         self.cache.select_rows(keep, index)
         self.mask.select_rows(keep, index, self.cache.length)
         self.lengths = [self.lengths[i] for i in keep]
@@ -138,15 +139,17 @@ class FeatureDrafter(Drafter):
     def propose(
         self, active: list[bool], contexts: list[torch.Tensor], hiddens: list[torch.Tensor]
     ) -> list[Draft | None]:
-        """Every row's tree from depth + 1 drafter calls for the whole batch (a static tree: one per level with
-        children). Rows not `active` (stopped, or verifying their root alone) feed nothing and get None."""
+        """Every row's tree from depth + 1 drafter calls for the whole batch (a static tree: one per level
+        with children). Rows not `active` (stopped, or verifying their root alone) feed nothing and get
+        None."""
         B, device, k = len(contexts), self.device, self.top_k
         if not any(active):  # nothing to feed or draft (e.g. every row near the position limit)
             return [None] * B
         counts = [h.shape[0] if on else 0 for h, on in zip(hiddens, active)]
         M = max(counts)
         cache, mask = self.cache, self.mask
-        # 1. the confirmed pairs (f_t, x_{t+1}) of each row, right-padded to M and written at the shared column
+        # 1. the confirmed pairs (f_t, x_{t+1}) of each row, right-padded to M and written at the shared
+        # column
         feats, tokens = newest_pairs(
             contexts, hiddens, counts, self.dtype, device
         )  # the rows' features move here
@@ -208,11 +211,11 @@ class FeatureDrafter(Drafter):
     def _expand(
         self, root_feature: torch.Tensor, root_logp: torch.Tensor, run: Callable
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """EAGLE-2's candidates for a batch of rows (one row: B = 1): from each root's predicted feature (B, H) and
-        log-probabilities (B, V), `depth` levels, each running the `top_k` best frontier nodes through
-        `run(features (B, k, H), tokens (B, k), visible (B, k, n), depth)` -> (out (B, k, H), logp (B, k, V)).
-        Returns every candidate's cumulative score, target token, parent candidate (-1: the root) and rank among
-        its siblings, (B, C) each, in depth order (what tree.select_tree takes)."""
+        """EAGLE-2's candidates for a batch of rows (one row: B = 1): from each root's predicted feature
+        (B, H) and log-probabilities (B, V), `depth` levels, each running the `top_k` best frontier nodes
+        through `run(features (B, k, H), tokens (B, k), visible (B, k, n), depth)` -> (out (B, k, H), logp
+        (B, k, V)). Returns every candidate's cumulative score, target token, parent candidate (-1: the root)
+        and rank among its siblings, (B, C) each, in depth order (what tree.select_tree takes)."""
         B, k = root_feature.shape[0], self.top_k
         top = root_logp.topk(k)
         scores, tokens = [top.values], [self.draft.to_target(top.indices)]
@@ -251,7 +254,8 @@ class FeatureDrafter(Drafter):
     ) -> torch.Tensor:
         """EAGLE-1's static tree for a batch of rows: roots (B,), each root's predicted feature (B, H) and
         log-probabilities (B, V) -> tokens (B, N) of `self.static`, root first. Each level with children runs
-        through `run` (see `_expand`), every node on its parent's predicted feature, seeing its drafted ancestors."""
+        through `run` (see `_expand`), every node on its parent's predicted feature, seeing its drafted
+        ancestors."""
         tree, width, B = self.static, self.static_width, roots.shape[0]
         tokens = torch.empty(B, tree.size, dtype=torch.long, device=self.device)
         tokens[:, 0] = roots

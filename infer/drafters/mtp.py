@@ -1,6 +1,7 @@
-"""Decoding with the target's own MTP layers (heads/mtp.py): the shared feature drafter (infer/drafters/feature_drafter.py)
-over the layers' own KV cache, a transformers Cache of preallocated layers (infer/core/cache.py) that grows a tree of
-each depth's top-k (EAGLE-2's dynamic tree; top_k 1: the chain transformers' MTP generator drafts)."""
+"""Decoding with the target's own MTP layers (heads/mtp.py): the shared feature drafter
+(infer/drafters/feature_drafter.py) over the layers' own KV cache, a transformers Cache of preallocated layers
+(infer/core/cache.py) that grows a tree of each depth's top-k (EAGLE-2's dynamic tree; top_k 1: the chain
+transformers' MTP generator drafts)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from selfspec.infer.drafters.feature_drafter import FeatureDrafter
 
 
 class MtpCache(PreallocatedCache):
-    """The MTP layer's keys and values, as the feature drafter reads and moves a drafter's cache: one `length` for
-    its layers (a layer writes after it and the forward advances it), rows moved or dropped in place."""
+    """The MTP layer's keys and values, as the feature drafter reads and moves a drafter's cache: one `length`
+    for its layers (a layer writes after it and the forward advances it), rows moved or dropped in place."""
 
     @property
     def length(self) -> int:

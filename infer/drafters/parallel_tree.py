@@ -16,8 +16,8 @@ from selfspec.infer.core.tree import Tree, descend, row_trees, select_tree, tree
 
 
 class ParallelTree:
-    """Builds each row's draft tree from per-depth logits (B, depth, V); `to_target` maps the logits' indices to
-    target ids (a draft vocabulary), and the tokens come back as target ids."""
+    """Builds each row's draft tree from per-depth logits (B, depth, V); `to_target` maps the logits' indices
+    to target ids (a draft vocabulary), and the tokens come back as target ids."""
 
     def __init__(
         self,
@@ -37,7 +37,8 @@ class ParallelTree:
         self.slots = torch.arange(top_k, device=device)
 
     def rows(self, roots: torch.Tensor, logits: torch.Tensor) -> list[tuple[torch.Tensor, Tree]]:
-        """roots (B,) and per-depth logits (B, >= depth, V) -> each row's tree tokens (root first) and tree."""
+        """roots (B,) and per-depth logits (B, >= depth, V) -> each row's tree tokens (root first) and
+        tree."""
         logits = logits[:, : self.depth]
         if self.top_k == 1:
             tokens = torch.cat([roots[:, None], self.to_target(logits.argmax(-1))], dim=1)
@@ -47,9 +48,10 @@ class ParallelTree:
         return row_trees(roots, drafted, chosen, tree)
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """EAGLE-2's candidates from per-depth logits (B, D, V): depth 1 is depth 1's top_k; a depth-d frontier (its k
-        best candidates) each gets depth d + 1's top_k as children. Scores, target tokens, parent candidates (-1:
-        the root) and sibling ranks (B, C) each, in depth order (tree.select_tree's input)."""
+        """EAGLE-2's candidates from per-depth logits (B, D, V): depth 1 is depth 1's top_k; a depth-d
+        frontier (its k best candidates) each gets depth d + 1's top_k as children. Scores, target tokens,
+        parent candidates (-1: the root) and sibling ranks (B, C) each, in depth order (tree.select_tree's
+        input)."""
         B, k = logits.shape[0], self.top_k
         logp = torch.log_softmax(logits.float(), dim=-1).nan_to_num(nan=-1e4, neginf=-1e4)
         top = logp.topk(k, dim=-1)  # (B, D, k)

@@ -1,9 +1,10 @@
 """P-EAGLE drafting: one drafter forward per step proposes every depth (heads/peagle.py).
 
 Each step the drafter reads the confirmed pairs (target features, next token) of every row and, after them,
-`depth - 1` parallel slots; their keys and values are written at one shared column, the pairs then move down to
-each row's own end (as the target's cache does) and the slots are dropped, so the drafter's cache only ever holds
-confirmed positions. The last pair's output and the slots' are the distributions of depths 1 .. depth, verified as
+`depth - 1` parallel slots; their keys and values are written at one shared column, the pairs then move down
+to each row's own end (as the target's cache does) and the slots are dropped, so the drafter's cache only ever
+holds confirmed positions. The last pair's output and the slots' are the distributions of depths 1 .. depth,
+verified as
   - a chain (top_k 1): each depth's argmax;
   - a tree of each depth's top_k (infer/drafters/parallel_tree.py), keeping the `total_tokens` most likely.
 The tokens are point proposals: sampling verifies them with the target-only rejection rule (lossless).
@@ -27,9 +28,11 @@ from selfspec.infer.drafters.proposers import TREE_OPTIONS, embedding_for
 
 
 class PEagleProposer(Drafter):
-    """Drafts with a `PEagleDraft` on the target's fused layers, a whole batch in one drafter forward per step.
+    """Drafts with a `PEagleDraft` on the target's fused layers, a whole batch in one drafter forward per
+    step.
 
-    It holds the drafter's cache for the sequence (or batch) being decoded: one generation at a time per proposer.
+    It holds the drafter's cache for the sequence (or batch) being decoded: one generation at a time per
+    proposer.
     """
 
     name = "peagle"
@@ -75,8 +78,9 @@ class PEagleProposer(Drafter):
     def start(
         self, rows: int, max_length: int, params: SamplingParams, generators: list[torch.Generator | None]
     ) -> None:
-        """A batch of `rows` sequences of at most `max_length` tokens starts: row b's confirmed pairs sit in columns
-        0 .. lengths[b] - 1; a call writes at the shared column max(lengths), at most depth + 1 pairs and the slots."""
+        """A batch of `rows` sequences of at most `max_length` tokens starts: row b's confirmed pairs sit in
+        columns 0 .. lengths[b] - 1; a call writes at the shared column max(lengths), at most depth + 1 pairs
+        and the slots."""
         queries = self.depth + 1 + self.slots  # the most a step after the prompt writes
         capacity = max_length + queries + 1
         self.cache = DraftCache.for_drafter(self.draft, capacity, batch=rows)
@@ -127,9 +131,9 @@ class PEagleProposer(Drafter):
 
     @staticmethod
     def _block(valid: torch.Tensor, slots: int) -> torch.Tensor:
-        """Who sees whom among one call's M pairs and the slots after them (B, M + S, M + S), True = visible: a pair
-        sees the row's pairs up to itself (padding sees itself only), a slot every pair of its row and the slots
-        up to itself."""
+        """Who sees whom among one call's M pairs and the slots after them (B, M + S, M + S), True = visible:
+        a pair sees the row's pairs up to itself (padding sees itself only), a slot every pair of its row and
+        the slots up to itself."""
         B, M = valid.shape
         device = valid.device
         eye = torch.eye(M, dtype=torch.bool, device=device)
@@ -147,8 +151,8 @@ def peagle_proposer(
     dynamic: bool = True,
     **tree_options: int | None,
 ) -> PEagleProposer:
-    """The P-EAGLE family's proposer: its tree is built from each depth's top_k, shaped by `tree_options` (depth,
-    top_k, total_tokens; top_k 1 is the chain), never a static `tree`."""
+    """The P-EAGLE family's proposer: its tree is built from each depth's top_k, shaped by `tree_options`
+    (depth, top_k, total_tokens; top_k 1 is the chain), never a static `tree`."""
     if tree is not None:
         raise ValueError(
             "a P-EAGLE drafter builds its tree from each depth's top_k: shape it with "
@@ -158,8 +162,8 @@ def peagle_proposer(
 
 
 def peagle_grid(config: Any) -> list[tuple[int, int, int]]:
-    """The (depth, top_k, total_tokens) settings `selfspec tune` tries: chains up to the depth trained, and trees of
-    each depth's top 2 and 4."""
+    """The (depth, top_k, total_tokens) settings `selfspec tune` tries: chains up to the depth trained, and
+    trees of each depth's top 2 and 4."""
     deepest = max(config.depth, 2)
     depths = sorted({max(1, deepest // 2), deepest})
     return [(d, 1, d) for d in depths] + [

@@ -68,8 +68,9 @@ class PromptLookupProposer:
         self.chains = [chain.to(device) for chain in self.host_chains]
 
     def observe(self, new: list[int]) -> None:
-        """The tokens the context grew by, from the host (the decode loop has them after its one read per step:
-        the prompt and first token, then each step's new tokens), so that `propose` reads nothing back."""
+        """The tokens the context grew by, from the host (the decode loop has them after its one read per
+        step: the prompt and first token, then each step's new tokens), so that `propose` reads nothing
+        back."""
         self._extend(new)
 
     @torch.no_grad()

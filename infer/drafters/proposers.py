@@ -15,8 +15,8 @@ TREE_OPTIONS = {"draft_depth": "depth", "draft_top_k": "top_k", "draft_total_tok
 
 
 class Embedding(torch.nn.Module):
-    """The target's input embedding called from a drafter on another device (a target split by device_map): the
-    ids go to the embedding's device and the vectors come back to the ids' own."""
+    """The target's input embedding called from a drafter on another device (a target split by device_map):
+    the ids go to the embedding's device and the vectors come back to the ids' own."""
 
     def __init__(self, embed: torch.nn.Module) -> None:
         super().__init__()
@@ -27,7 +27,8 @@ class Embedding(torch.nn.Module):
 
 
 def embedding_for(embed: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """`embed` as a drafter on `device` calls it: itself where it sits there too, else wrapped (`Embedding`)."""
+    """`embed` as a drafter on `device` calls it: itself where it sits there too, else wrapped
+    (`Embedding`)."""
     weight = getattr(embed, "weight", None)
     return embed if weight is None or weight.device == device else Embedding(embed)
 
@@ -62,8 +63,8 @@ class MedusaProposer(Drafter):
         tree = tree_from_choices(choices)
         if tree.max_depth > heads.config.num_heads:
             raise ValueError(
-                f"the tree is {tree.max_depth} deep but there are only {heads.config.num_heads} Medusa heads; "
-                "use a shallower tree (--tree) or more heads"
+                f"the tree is {tree.max_depth} deep but there are only {heads.config.num_heads} Medusa "
+                "heads; use a shallower tree (--tree) or more heads"
             )
         device = next(heads.parameters()).device
         self.max_nodes = tree.size

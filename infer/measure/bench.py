@@ -50,8 +50,8 @@ def default_prompts(n: int = 16, context_lines: int = 12) -> list[str]:
 
 
 def encode_prompt(tokenizer, text: str) -> torch.Tensor:
-    """A prompt's ids (1, T) with the tokenizer's special tokens, except where the text already starts with the
-    BOS token (a prompt rendered by a chat template carries its own; adding another would double it)."""
+    """A prompt's ids (1, T) with the tokenizer's special tokens, except where the text already starts with
+    the BOS token (a prompt rendered by a chat template carries its own; adding another would double it)."""
     bos = getattr(tokenizer, "bos_token", None)
     if bos and text.startswith(bos):
         return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
@@ -74,7 +74,8 @@ def load_prompts(path: str | Path) -> list[Prompt]:
         reason = (e.strerror or str(e)) if isinstance(e, OSError) else "not UTF-8 text"
         raise ValueError(f"--prompts {path}: cannot read it ({reason})") from None
     prompts: list[Prompt] = []
-    # lines end at \n only, as JSONL's do: JSON text may hold U+2028 and other characters splitlines() breaks at
+    # lines end at \n only, as JSONL's do: JSON text may hold U+2028 and other characters
+    # splitlines() breaks at
     for n, line in enumerate(text.split("\n"), 1):
         if line.strip():
             try:
@@ -97,7 +98,8 @@ def load_prompts(path: str | Path) -> list[Prompt]:
 
 
 def checked_messages(messages: Any, where: str) -> list[dict[str, str]]:
-    """A chat to answer: a non-empty list of {"role", "content"} text turns that does not end on the answer."""
+    """A chat to answer: a non-empty list of {"role", "content"} text turns that does not end on the
+    answer."""
     fine = (
         isinstance(messages, list)
         and messages
@@ -134,9 +136,9 @@ def render_prompts(prompts: list[Prompt], tokenizer) -> list[str]:
 
 
 def left_pad(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts of different lengths as one batch, padded on the left as the tokenizer's left padding does (every
-    row's last token is the last column, where generation continues): ids (B, T) and attention_mask (B, T),
-    0 on the padding."""
+    """Prompts of different lengths as one batch, padded on the left as the tokenizer's left padding does
+    (every row's last token is the last column, where generation continues): ids (B, T) and attention_mask
+    (B, T), 0 on the padding."""
     width = max(row.numel() for row in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)  # (B, T)
     mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
@@ -147,8 +149,8 @@ def left_pad(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Te
 
 
 def new_rows(out: torch.Tensor, prompt_len: int, eos: set[int]) -> list[list[int]]:
-    """Each row's new tokens in a `generate` output (B, T + k), cut after the row's first EOS: a row that stopped
-    before the others is filled with pad tokens, which are not tokens it generated."""
+    """Each row's new tokens in a `generate` output (B, T + k), cut after the row's first EOS: a row that
+    stopped before the others is filled with pad tokens, which are not tokens it generated."""
     rows = []
     for row in out[:, prompt_len:].tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
@@ -159,9 +161,9 @@ def new_rows(out: torch.Tensor, prompt_len: int, eos: set[int]) -> list[list[int
 def hf_runner(
     model, max_new_tokens: int, eos: int | list[int] | None, pad: int | None, **generate_kwargs
 ) -> Runner:
-    """`model.generate` greedy (plus e.g. `assistant_model=` or `prompt_lookup_num_tokens=`, which transformers
-    runs at batch size 1 only); a forward hook counts the target's forward passes, so its tau is measured the
-    same way as ours."""
+    """`model.generate` greedy (plus e.g. `assistant_model=` or `prompt_lookup_num_tokens=`, which
+    transformers runs at batch size 1 only); a forward hook counts the target's forward passes, so its tau is
+    measured the same way as ours."""
     stop = eos_set(eos if eos is not None else model.generation_config.eos_token_id)
 
     def run(ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[list[int]], dict | None]:
@@ -181,8 +183,8 @@ def hf_runner(
             handle.remove()
         rows = new_rows(out, ids.shape[1], stop)
         tokens = sum(len(row) - 1 for row in rows)  # after each row's first, which the prefill chose
-        # one row: every forward after the prefill is one of its steps (assisted generation checks several tokens
-        # in one); a batch (plain greedy): every forward gives each row that has not stopped one token
+        # one row: every forward after the prefill is one of its steps (assisted generation checks several
+        # tokens in one); a batch (plain greedy): every forward gives each row that has not stopped one token
         steps = calls[0] - 1 if len(rows) == 1 else tokens
         return rows, {"target_forwards": calls[0], "decode_steps": steps, "decode_tokens": tokens}
 
@@ -191,8 +193,8 @@ def hf_runner(
 
 @contextlib.contextmanager
 def host_syncs(device: torch.device) -> Iterator[Callable[[], int | None]]:
-    """Within: count the host syncs on CUDA (torch's sync debug mode warns at each one). Yields a function giving the
-    count so far; None off CUDA, where nothing waits."""
+    """Within: count the host syncs on CUDA (torch's sync debug mode warns at each one). Yields a function
+    giving the count so far; None off CUDA, where nothing waits."""
     if device.type != "cuda":
         yield lambda: None
         return
@@ -212,7 +214,8 @@ def speculative_runner(
     stop = eos_set(eos if eos is not None else spec.model.generation_config.eos_token_id)
 
     def run(ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[list[int]], dict | None]:
-        # greedy like the baseline; the rest of the target's generation_config applies to both alike (or is refused)
+        # greedy like the baseline; the rest of the target's generation_config applies to both alike
+        # (or is refused)
         with host_syncs(ids.device) as syncs:
             out = spec.generate(
                 ids,
@@ -269,8 +272,9 @@ def step_drift(stats: list[dict]) -> dict:
 
 
 def launches_per_step(model, run: Runner, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """One more run of the first batch, its kernel launches counted (infer/measure/launches.py): per target forward,
-    outside and inside the target's forward (a baseline without statistics: per new token of its longest row)."""
+    """One more run of the first batch, its kernel launches counted (infer/measure/launches.py): per target
+    forward, outside and inside the target's forward (a baseline without statistics: per new token of its
+    longest row)."""
     with LaunchCounter(model).counting() as counter:
         rows, st = run(ids, mask)
     steps = len(st["step_times"]) if st and "step_times" in st else max(1, max(map(len, rows)))
@@ -288,9 +292,9 @@ def run_bench(
     pad_token_id: int | None = None,
 ) -> dict:
     """Run every method on every batch of `batch_size` consecutive prompts (the last batch may be smaller),
-    left-padded with `pad_token_id`; the methods take turns batch by batch, after `warmup` batches that are not
-    timed. The first method is the baseline. Methods named in `chains` draft chains and also get alpha and the
-    seed paper's predicted tau."""
+    left-padded with `pad_token_id`; the methods take turns batch by batch, after `warmup` batches that are
+    not timed. The first method is the baseline. Methods named in `chains` draft chains and also get alpha and
+    the seed paper's predicted tau."""
     if batch_size > 1 and pad_token_id is None:
         raise ValueError(
             "batches of several prompts are left-padded: pass pad_token_id (the tokenizer's pad token, "
@@ -392,7 +396,8 @@ LATENCY_SIZES = [1, 2, 4, 8, 16, 32, 64]
 def latency_report(model, result: dict, tree_nodes: dict[str, int], batch_size: int = 1) -> dict:
     """The target's forward time t(n) against n tokens on a cached prefix, as t(n)/t(1), and per drafter its
     efficiency: the tokens/s it reached over the limit tau * t(1) / t(its tree) for its measured tau (1 means
-    drafting and bookkeeping cost nothing). `result` is run_bench's, `tree_nodes` each drafter's largest tree."""
+    drafting and bookkeeping cost nothing). `result` is run_bench's, `tree_nodes` each drafter's largest
+    tree."""
     sizes = sorted(set(LATENCY_SIZES) | {n for n in tree_nodes.values() if n})
     curve = forward_latency(model, sizes, batch_size=batch_size)
     t1 = curve.measured[1]

@@ -1,5 +1,5 @@
-"""`selfspec bench`'s results for people: one table per batch size (with notes on acceptance, drift, memory and
-mismatches), the latency report's lines, and a plot."""
+"""`selfspec bench`'s results for people: one table per batch size (with notes on acceptance, drift, memory
+and mismatches), the latency report's lines, and a plot."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from pathlib import Path
 
 def format_table(result: dict) -> str:
     width = max(14, 1 + max(map(len, result["methods"]), default=0))  # hf_prompt_lookup is 16 characters
-    head = f"{'method':<{width}}{'tokens/s':>10}{'speedup':>9}{'median':>8}{'tau':>7}{'fwd':>7}  identical  ms/step draft/verify/book"
+    head = (
+        f"{'method':<{width}}{'tokens/s':>10}{'speedup':>9}{'median':>8}{'tau':>7}{'fwd':>7}"
+        "  identical  ms/step draft/verify/book"
+    )
     rows = [head, "-" * len(head)]
     notes = []
     for name, m in result["methods"].items():
@@ -52,10 +55,10 @@ def format_table(result: dict) -> str:
 
 
 def agreement(method: dict, num_prompts: int) -> dict:
-    """How far a method's greedy output agrees with the baseline's: the prompts identical to it, and for the others
-    where they first differ and the target's top-2 logit margin there (a near-tie when within 4 units in the
-    last place of the dtype: a tree forward and a one-token forward may round differently and flip such an
-    argmax; anything wider is a bug)."""
+    """How far a method's greedy output agrees with the baseline's: the prompts identical to it, and for the
+    others where they first differ and the target's top-2 logit margin there (a near-tie when within 4 units
+    in the last place of the dtype: a tree forward and a one-token forward may round differently and flip such
+    an argmax; anything wider is a bug)."""
     mismatches = method.get("mismatches", [])
     margins = [mm["top2_logit_margin"] for mm in mismatches if mm["top2_logit_margin"] is not None]
     return {

@@ -1,4 +1,5 @@
-"""Bytes of the KV cache copied per verify forward, with and without the grouped attention (`infer.attention`).
+"""Bytes of the KV cache copied per verify forward, with and without the grouped attention
+(`infer.attention`).
 
     python -m selfspec.infer.measure.kv_bytes [--context 4096] [--tree 64] [--layers 4] [--out result.json]
 
@@ -99,7 +100,8 @@ def measure(forward: Callable[[], object], cache: PreallocatedCache) -> dict:
 
 
 def gqa_model(layers: int, context: int) -> torch.nn.Module:
-    """A random Llama with grouped-query attention: 16 heads of 64 over 4 key/value heads (G = 4, as Llama-3-8B)."""
+    """A random Llama with grouped-query attention: 16 heads of 64 over 4 key/value heads
+    (G = 4, as Llama-3-8B)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)

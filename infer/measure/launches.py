@@ -1,9 +1,10 @@
-"""Count the kernels a decode step launches outside the target's forward (issue: host work is a cost on a GPU).
+"""Count the kernels a decode step launches outside the target's forward (issue: host work is a cost on
+a GPU).
 
 Every aten op that computes launches a kernel on a GPU: 5-10 us of host time each, whatever its size. A
 TorchDispatchMode sees every op on any device, so the count is exact on the CPU too. Views, allocations and
-host reads (`_local_scalar_dense`) launch nothing and are not counted. Forward hooks on the target mark what runs
-inside its forward, so the two are counted apart: inside is the model's own business; outside is ours.
+host reads (`_local_scalar_dense`) launch nothing and are not counted. Forward hooks on the target mark what
+runs inside its forward, so the two are counted apart: inside is the model's own business; outside is ours.
 """
 
 from __future__ import annotations

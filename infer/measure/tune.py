@@ -41,8 +41,8 @@ LATENCY_SIZES = [1, 4, 8, 12, 16, 24, 32, 48, 64]
 def medusa_ranks(
     model: torch.nn.Module, heads: MedusaHeads, prompts: Sequence[torch.Tensor], new_tokens: int = 96
 ) -> torch.Tensor:
-    """(N, K) at the N positions of the target's own greedy continuations where every head has a label: the rank
-    of what the target generates k + 2 ahead among head k's candidates (RANKS: not in its top RANKS)."""
+    """(N, K) at the N positions of the target's own greedy continuations where every head has a label: the
+    rank of what the target generates k + 2 ahead among head k's candidates (RANKS: not in its top RANKS)."""
     K = heads.config.num_heads
     lm_head, rows = model.get_output_embeddings(), []
     for prompt in prompts:
@@ -106,8 +106,8 @@ def dynamic_grid(config: Any) -> list[tuple[int, int, int]]:
 
 
 def block_grid(config: Any) -> list[tuple[int, int, int]]:
-    """`selfspec tune`'s grid for a DFlash drafter, as its training fits it: at half the block and the whole block,
-    the chain (top_k 1, what its exports decode) and trees of top_k 2 and 4 of 16 and 32 nodes."""
+    """`selfspec tune`'s grid for a DFlash drafter, as its training fits it: at half the block and the whole
+    block, the chain (top_k 1, what its exports decode) and trees of top_k 2 and 4 of 16 and 32 nodes."""
     depths = sorted({max(1, config.block_size // 2 - 1), config.block_size - 1})
     return [(d, 1, d) for d in depths] + [
         (d, k, t) for d in depths for k in (2, 4) for t in (16, 32) if t > d
@@ -192,7 +192,8 @@ def cycled(prompts: Sequence[torch.Tensor], batch_size: int) -> list[torch.Tenso
 
 
 def noise_warning(rows: list[dict], name: str) -> str | None:
-    """One line when the noisiest row's timings spread past NOISE_LIMIT (`name` formats that row), else None."""
+    """One line when the noisiest row's timings spread past NOISE_LIMIT (`name` formats that row), else
+    None."""
     worst = max(rows, key=lambda r: r["spread"])
     if worst["spread"] <= NOISE_LIMIT:
         return None

@@ -1,5 +1,5 @@
-"""`selfspec generate | bench | tune` end to end, the drafters they take, and the one-line errors of what does not
-load; the options and input files checked before loading are test_cli_options.py's."""
+"""`selfspec generate | bench | tune` end to end, the drafters they take, and the one-line errors of what does
+not load; the options and input files checked before loading are test_cli_options.py's."""
 
 import json
 import sys
@@ -45,7 +45,8 @@ def trained_heads(tiny_model_dir, tmp_path, monkeypatch):
 
 
 def user_error(capsys, argv: list[str]) -> str:
-    """Run the CLI expecting a user error: exit status 2 and one line on stderr, no traceback. Returns the line."""
+    """Run the CLI expecting a user error: exit status 2 and one line on stderr, no traceback. Returns the
+    line."""
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars share stderr
     try:
         with pytest.raises(SystemExit) as exit_:
@@ -379,7 +380,8 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("command", ["export", "import"])
 def test_export_and_import_never_write_over_a_checkpoint(medusa_dir, tmp_path, capsys, command):
-    """Writing a checkpoint's files over another's leaves a mix that loads as neither: refused, files untouched."""
+    """Writing a checkpoint's files over another's leaves a mix that loads as neither: refused, files
+    untouched."""
     before = {p.name: p.read_bytes() for p in medusa_dir.iterdir() if p.is_file()}
     argv = (
         ["export", "--heads", str(medusa_dir), "--format", "vllm-medusa"]

@@ -152,7 +152,8 @@ def test_bench_refuses_prompts_that_do_not_fit_before_loading(short_model_dir, t
         ],
     )
     assert (
-        f"1 of 2 prompts (the longest {length} tokens) + --max-new-tokens {n} exceed the model's 48 positions: "
+        f"1 of 2 prompts (the longest {length} tokens) + --max-new-tokens {n} "
+        f"exceed the model's 48 positions: "
         f"lower --max-new-tokens to {n - 1} or use shorter prompts"
     ) in line
 
@@ -299,8 +300,8 @@ def test_a_bad_prompts_file_is_one_line_naming_the_line(
 
 
 def test_a_prompts_file_is_read_as_jsonl_is_written(tmp_path):
-    """Lines end at \\n only (JSON text may hold U+2028, which splitlines() breaks at), a byte-order mark and CRLF
-    line ends are taken as editors write them."""
+    """Lines end at \\n only (JSON text may hold U+2028, which splitlines() breaks at), a byte-order mark and
+    CRLF line ends are taken as editors write them."""
     from selfspec.infer.measure.bench import load_prompts
 
     prompts = ["def f():\u2028    return 1", "class A:\u0085pass", "x = 1"]
@@ -314,8 +315,9 @@ def test_a_prompts_file_is_read_as_jsonl_is_written(tmp_path):
 
 
 def test_a_dflash_tree_is_set_from_the_command_line(tiny_model_dir, tmp_path):
-    """--depth / --draft-top-k / --total-tokens shape a DFlash drafter's tree (they said "use --tree", which DFlash
-    refuses); the tree the run used is the one asked for, and the output is still the target's greedy."""
+    """--depth / --draft-top-k / --total-tokens shape a DFlash drafter's tree (they said "use --tree", which
+    DFlash refuses); the tree the run used is the one asked for, and the output is still the target's
+    greedy."""
     import torch
     from test_dflash import random_draft
     from transformers import AutoModelForCausalLM

@@ -30,7 +30,10 @@ def test_a_bad_json_file_is_named_with_its_line(tmp_path):
         ({"messages": [{"role": "user"}]}, r"line 2: a turn needs `role`/`content`"),
         (
             {"messages": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "yo"}]},
-            r"line 2: unknown message role 'gpt'; use one of system, developer, user, assistant, tool, function",
+            (
+                r"line 2: unknown message role 'gpt'; use one of system, developer, user, "
+                r"assistant, tool, function"
+            ),
         ),
         ({"conversations": [{"from": "alien", "value": "hi"}]}, r"line 2: unknown ShareGPT speaker 'alien'"),
         (

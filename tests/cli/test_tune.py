@@ -1,4 +1,5 @@
-"""Tree fitting on a busy machine: interleaved repeats, a low quantile, a curve that never falls, a noise warning."""
+"""Tree fitting on a busy machine: interleaved repeats, a low quantile, a curve that never falls, a noise
+warning."""
 
 from types import SimpleNamespace
 
@@ -137,7 +138,8 @@ def test_forward_latency_on_a_real_clock_is_a_non_decreasing_curve(batch_size):
 
 class FakeSpec:
     """Stands in for SpeculativeModel: a decode of `prompt` with setting (depth, top_k, total) makes 4 steps
-    of tau TAU[setting], each taking step_time(setting, prompt) seconds; `log` records the decodes in order."""
+    of tau TAU[setting], each taking step_time(setting, prompt) seconds; `log` records the decodes in
+    order."""
 
     log: list[tuple[tuple[int, int, int], int]] = []
     rows: list[int] = []

@@ -77,7 +77,8 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 class Synthetic:
-    """Target logits for every prefix of at most `depth` tokens, and a draft's logits for sampled proposals."""
+    """Target logits for every prefix of at most `depth` tokens, and a draft's logits for sampled
+    proposals."""
 
     def __init__(
         self, depth: int, seed: int, scale: float = 1.5, sharpness: float = 2.0, noise: float = 0.5
@@ -213,7 +214,10 @@ class Check:
         return self.impossible == 0 and self.stat < self.critical
 
     def __str__(self) -> str:
-        return f"chi2 {self.stat:.1f}, critical {self.critical:.1f} at {self.dof} dof, {self.impossible} impossible"
+        return (
+            f"chi2 {self.stat:.1f}, critical {self.critical:.1f} at {self.dof} dof, "
+            f"{self.impossible} impossible"
+        )
 
 
 @contextlib.contextmanager

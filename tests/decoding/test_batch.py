@@ -87,8 +87,8 @@ def test_batched_greedy_equals_each_row_alone(model, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_stopped_row_leaves_the_batch(model, kind):
-    """Once a row stops, the target's forwards (and a batched drafter's calls) carry only the rows still running,
-    and the rows that go on, moved to other slots, still decode exactly as alone."""
+    """Once a row stops, the target's forwards (and a batched drafter's calls) carry only the rows still
+    running, and the rows that go on, moved to other slots, still decode exactly as alone."""
     spec = SpeculativeModel(model, drafter(model, kind))
     prompts = batch_prompts()
     ids, mask = left_padded(prompts)
@@ -118,7 +118,8 @@ def test_a_stopped_row_leaves_the_batch(model, kind):
 def test_rows_take_the_steps_they_take_alone(kind):
     """Greedy drafting of a row does not depend on the batch: the batch costs as many forwards as its slowest
     row alone, and finished rows stop counting. (Prompt lookup once drafted every row from the first row's
-    context: lossless, so every output still matched, but its batched tau fell from 2.5 to 1.2 on the demo.)"""
+    context: lossless, so every output still matched, but its batched tau fell from 2.5 to 1.2 on the
+    demo.)"""
     model = tiny_model("llama")
     # a draft model that is the target itself, so its drafts are accepted
     spec = SpeculativeModel(
@@ -240,9 +241,9 @@ def test_batched_sampling_matches_the_target_distribution_in_every_row():
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_rows_reaching_the_position_limit_at_different_steps(kind):
-    """GPT-2 embeds 512 positions: the long row's budget is clipped and it stops first while the short one goes
-    on; then both end one token per forward near the limit. A stopped row must not be given positions past the
-    limit, and a batch with no row left to draft for must not feed the drafter."""
+    """GPT-2 embeds 512 positions: the long row's budget is clipped and it stops first while the short one
+    goes on; then both end one token per forward near the limit. A stopped row must not be given positions
+    past the limit, and a batch with no row left to draft for must not feed the drafter."""
     model = tiny_model("gpt2")
     spec = SpeculativeModel(model, drafter(model, kind))
     gen = torch.Generator().manual_seed(4)

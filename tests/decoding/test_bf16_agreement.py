@@ -1,8 +1,8 @@
-"""What "identical" means in bf16: tree verification runs other kernels (other summation orders) than one-token
-decoding, so an argmax whose top-2 logits are within rounding may flip. On the 5 tiny architectures in bf16 a
-speculative decoder's greedy output equals `generate` except where the baseline's top-2 margin is a near-tie
-(within 4 units in the last place), and the bench reports it as a number: the fraction of prompts identical and,
-for the others, where they first differ and that margin."""
+"""What "identical" means in bf16: tree verification runs other kernels (other summation orders) than
+one-token decoding, so an argmax whose top-2 logits are within rounding may flip. On the 5 tiny architectures
+in bf16 a speculative decoder's greedy output equals `generate` except where the baseline's top-2 margin is a
+near-tie (within 4 units in the last place), and the bench reports it as a number: the fraction of prompts
+identical and, for the others, where they first differ and that margin."""
 
 from __future__ import annotations
 

@@ -77,7 +77,8 @@ def test_compiled_verification_reads_eagle3_features():
 def test_reduce_overhead_mode_decodes_greedily_as_generate_over_static_buffers():
     """The mode CUDA graphs come with (`Target.compile("reduce-overhead")`): on the CPU the same compiled code
     without graphs. Its inputs stay graph-ready: the cache's and the mask's buffers are static addresses (CUDA
-    graphs read them in place instead of copying them in per replay), and a cache width is a multiple of 16."""
+    graphs read them in place instead of copying them in per replay), and a cache width is a multiple of
+    16."""
     model = tiny_model("llama")
     spec = SpeculativeModel(
         model, drafter(model, "medusa"), compile="reduce-overhead"

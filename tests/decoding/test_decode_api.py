@@ -1,5 +1,5 @@
-"""What `SpeculativeModel.generate`/`decode` take as model.generate takes it: EOS ids of any integer type, a padded
-batch without its mask, and one generation at a time per drafter."""
+"""What `SpeculativeModel.generate`/`decode` take as model.generate takes it: EOS ids of any integer type, a
+padded batch without its mask, and one generation at a time per drafter."""
 
 import os
 import subprocess
@@ -49,7 +49,8 @@ def test_eos_ids_as_tensors_and_numpy_stop_where_generate_stops(llama):
 
 
 def test_a_padded_batch_without_its_mask_is_read_as_generate_reads_it(llama):
-    """model.generate infers the mask from the pad id (0 here, not an EOS id); so must we, not decode the pads."""
+    """model.generate infers the mask from the pad id (0 here, not an EOS id); so must we, not decode the
+    pads."""
     spec = SpeculativeModel(llama, PromptLookupProposer(4))
     ids, mask = left_padded([torch.tensor([5, 6, 7, 8, 9, 10]), torch.tensor([11, 12])])
     assert llama.generation_config.pad_token_id == 0 and bool((ids == 0).any())
@@ -88,7 +89,8 @@ def test_a_second_stream_is_refused_while_the_first_is_unfinished(llama):
 
 
 def test_batch_rows_follow_a_change_of_the_drafters_settings(llama):
-    """Each row's drafter copy is made per generation, so a setting changed between calls reaches every row."""
+    """Each row's drafter copy is made per generation, so a setting changed between calls reaches every
+    row."""
     spec = SpeculativeModel(llama, PromptLookupProposer(4, max_ngram=3))
     prompt = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5])
     spec.generate(torch.stack([prompt, prompt]), max_new_tokens=16, eos_token_id=[])
@@ -131,8 +133,8 @@ print("left the stream open")
 
 
 def test_a_stream_left_open_at_exit_closes_quietly():
-    """A user breaks out of a stream and the script ends: the generator is closed during interpreter shutdown, where
-    torch.no_grad's generator wrapper printed an 'Exception ignored ... AttributeError' traceback."""
+    """A user breaks out of a stream and the script ends: the generator is closed during interpreter shutdown,
+    where torch.no_grad's generator wrapper printed an 'Exception ignored ... AttributeError' traceback."""
     done = subprocess.run(
         [sys.executable, "-c", ABANDONED_STREAM],
         cwd=ROOT,

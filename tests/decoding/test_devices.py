@@ -1,7 +1,8 @@
-"""Devices by construction (a target split over GPUs by device_map): the decode loop and the drafters make each tensor
-on the device of what it meets -- tokens and trees where the drafter is (by the lm_head), what the model reads where
-its input embedding is, acceptance where the logits come out -- never on "the model's device" (its first parameter:
-under device_map the embedding's GPU, not the lm_head's). The GPU check itself is tests/decoding/test_cuda.py (2 GPUs)."""
+"""Devices by construction (a target split over GPUs by device_map): the decode loop and the drafters make
+each tensor on the device of what it meets -- tokens and trees where the drafter is (by the lm_head), what the
+model reads where its input embedding is, acceptance where the logits come out -- never on "the model's
+device" (its first parameter: under device_map the embedding's GPU, not the lm_head's). The GPU check itself
+is tests/decoding/test_cuda.py (2 GPUs)."""
 
 import re
 from pathlib import Path
@@ -13,37 +14,40 @@ from selfspec.infer.drafters.proposers import Embedding, embedding_for
 
 INFER = Path(__file__).resolve().parents[2] / "infer"
 DECODE_PATH = [
-    "generate.py",
-    "decode_step.py",
-    "drafter.py",
-    "rows.py",
-    "verify.py",
-    "tree.py",
-    "proposers.py",
-    "eagle.py",
-    "feature_drafter.py",
-    "dflash.py",
-    "peagle.py",
-    "mtp.py",
-    "prompt_lookup.py",
-    "draft_model.py",
+    "core/generate.py",
+    "core/decode_step.py",
+    "drafters/drafter.py",
+    "core/rows.py",
+    "core/verify.py",
+    "core/tree.py",
+    "drafters/proposers.py",
+    "drafters/eagle.py",
+    "drafters/feature_drafter.py",
+    "drafters/dflash.py",
+    "drafters/peagle.py",
+    "drafters/mtp.py",
+    "drafters/prompt_lookup.py",
+    "drafters/draft_model.py",
 ]
 FIRST_PARAMETER = re.compile(r"next\(\s*[\w.]*parameters\(\)\s*\)\.device|\btarget\.device\b")
-# the only places a device is read off weights: each drafter's own (checked to be the lm_head's at construction),
-# and the generator check (sampling draws where the logits come out: the input's device under accelerate)
+# the only places a device is read off weights: each drafter's own (checked to be the lm_head's at
+# construction), and the generator check (sampling draws where the logits come out: the input's device under
+# accelerate)
 ALLOWED = {
-    ("proposers.py", "device = next(heads.parameters()).device"),
-    ("feature_drafter.py", "self.device = self.weights_device = next(draft.parameters()).device"),
-    ("dflash.py", "self.device = self.weights_device = next(draft.parameters()).device"),
-    ("peagle.py", "self.device = self.weights_device = next(draft.parameters()).device"),
-    ("generate.py", "check_generator(g, self.target.device)"),
+    ("drafters/proposers.py", "device = next(heads.parameters()).device"),
+    ("drafters/feature_drafter.py", "self.device = self.weights_device = next(draft.parameters()).device"),
+    ("drafters/dflash.py", "self.device = self.weights_device = next(draft.parameters()).device"),
+    ("drafters/peagle.py", "self.device = self.weights_device = next(draft.parameters()).device"),
+    ("core/generate.py", "check_generator(g, self.target.device)"),
 }
 
 
 def test_the_decode_path_never_places_tensors_on_the_models_first_parameter():
     found = set()
     for name in DECODE_PATH:
-        for line in (INFER / name).read_text().splitlines():
+        # a call the formatter wrapped over lines is read as one line
+        source = re.sub(r"\s+\)", ")", re.sub(r"\(\s+", "(", (INFER / name).read_text()))
+        for line in source.splitlines():
             if FIRST_PARAMETER.search(line):
                 found.add((name, line.split("#")[0].strip()))
     assert found == ALLOWED

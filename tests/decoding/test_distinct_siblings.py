@@ -1,6 +1,6 @@
-"""Sampled verification assumes a node's children are distinct tokens. Trees draw them as a node's top-k draft ids,
-mapped to target ids through d2t: a d2t that maps two draft ids to one target id would repeat a token among
-siblings. Such a map is refused where a drafter is loaded, in our layout and on import."""
+"""Sampled verification assumes a node's children are distinct tokens. Trees draw them as a node's top-k draft
+ids, mapped to target ids through d2t: a d2t that maps two draft ids to one target id would repeat a token
+among siblings. Such a map is refused where a drafter is loaded, in our layout and on import."""
 
 from __future__ import annotations
 

@@ -100,7 +100,8 @@ def test_prompt_lookup_greedy_identical_and_accepts_repeats(model):
                 model, prompt, n
             )
     # lookups get accepted: greedy is self-consistent, so after a prefix seq[:j] of its own greedy output
-    # the model says seq[j:]; cut where the first lookup (over seq[:j + 1], the root included) drafts seq[j + 1]
+    # the model says seq[j:]; cut where the first lookup (over seq[:j + 1], the root included)
+    # drafts seq[j + 1]
     seq = model.generate(
         torch.tensor([[3, 4, 5]]), max_new_tokens=60, do_sample=False, eos_token_id=None, pad_token_id=0
     )[0].tolist()

@@ -1,7 +1,7 @@
-"""Targets whose attention tree verification cannot reproduce exactly are refused up front, in one line naming the
-setting (infer/core/exactness.py): sliding-window and chunked attention past the window (read from the text config,
-composite configs included), LongRoPE and dynamic RoPE past their switch point, ALiBi, and linear-attention,
-state-space and hybrid layers. Targets without any of these decode as before."""
+"""Targets whose attention tree verification cannot reproduce exactly are refused up front, in one line naming
+the setting (infer/core/exactness.py): sliding-window and chunked attention past the window (read from the
+text config, composite configs included), LongRoPE and dynamic RoPE past their switch point, ALiBi, and
+linear-attention, state-space and hybrid layers. Targets without any of these decode as before."""
 
 from __future__ import annotations
 

@@ -42,7 +42,8 @@ def params(config, **kwargs) -> SamplingParams:
 
 
 def test_with_a_sampling_config_the_same_seed_gives_the_same_draws_as_the_explicit_settings():
-    """Decoding with settings taken from the config is decoding with those settings (same draws, same seed)."""
+    """Decoding with settings taken from the config is decoding with those settings (same draws, same
+    seed)."""
     model = tiny_model("llama")
     spec = spec_for(model)
     prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))

@@ -132,8 +132,8 @@ def test_greedy_decoding_equals_generate(arch, path, kind):
 
 
 def transposed_layout(sdpa):
-    """SDPA as CUDA's memory-efficient kernel returns it: (B, H, T, D) values over (B, T, H, D) memory (torch's
-    meta kernel for `_scaled_dot_product_efficient_attention` gives these strides)."""
+    """SDPA as CUDA's memory-efficient kernel returns it: (B, H, T, D) values over (B, T, H, D) memory
+    (torch's meta kernel for `_scaled_dot_product_efficient_attention` gives these strides)."""
 
     def kernel(*args, **kwargs):
         return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
@@ -143,9 +143,10 @@ def transposed_layout(sdpa):
 
 @pytest.mark.parametrize("mask_rows, layout", [(5, "transposed"), (1, "contiguous")])
 def test_the_fold_takes_any_output_layout_and_a_one_row_mask(mask_rows, layout, monkeypatch):
-    """CUDA's memory-efficient output ((B, T, H, D) memory): `.view` on it raised 'view size is not compatible' on
-    every grouped-query target. DFlash's (B, 1, 1, S) mask (every block position sees the same columns): folding
-    its one row instead of the block's T failed with 'The size of tensor a (64) must match the size of tensor b'."""
+    """CUDA's memory-efficient output ((B, T, H, D) memory): `.view` on it raised 'view size is not
+    compatible' on every grouped-query target. DFlash's (B, 1, 1, S) mask (every block position sees the same
+    columns): folding its one row instead of the block's T failed with 'The size of tensor a (64) must match
+    the size of tensor b'."""
     if layout == "transposed":
         monkeypatch.setattr(
             torch.nn.functional,
@@ -189,8 +190,8 @@ def test_cuda_backends_are_asked_which_takes_grouped_heads_under_a_mask(monkeypa
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash"])
 def test_drafters_draft_the_same_trees_on_either_path(kind, batch, monkeypatch):
     """The drafters' own attention (heads.gqa) folded as on CUDA, with the memory-efficient kernel's output
-    layout, every drafter's mask shape, one row and a padded batch: the same acceptance step by step (the trees
-    the drafter proposed), not only the same tokens."""
+    layout, every drafter's mask shape, one row and a padded batch: the same acceptance step by step (the
+    trees the drafter proposed), not only the same tokens."""
     model = tiny_model("qwen2")
     prompts = (
         batch_prompts(3)[:batch]

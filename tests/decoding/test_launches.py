@@ -1,6 +1,6 @@
-"""Kernel launches per decode step outside the target's forward (infer/measure/launches.py): keeping the accepted path is one
-gather and one scatter over every layer's keys and values together, not four launches per layer, so the count does
-not grow with the number of layers."""
+"""Kernel launches per decode step outside the target's forward (infer/measure/launches.py): keeping the
+accepted path is one gather and one scatter over every layer's keys and values together, not four launches per
+layer, so the count does not grow with the number of layers."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -69,7 +69,8 @@ def test_the_layers_share_one_storage_and_commit_together():
 
 
 def random_eagle3(model: LlamaForCausalLM) -> Eagle3Draft:
-    """An EAGLE-3 drafter with weights drawn at random (norms near 1): its trees are as wide as trained ones'."""
+    """An EAGLE-3 drafter with weights drawn at random (norms near 1): its trees are as wide as trained
+    ones'."""
     torch.manual_seed(1)
     config = model.config
     draft = Eagle3Draft(
@@ -90,8 +91,8 @@ def random_eagle3(model: LlamaForCausalLM) -> Eagle3Draft:
 
 
 def test_eagle_tree_selection_launches_do_not_grow_with_the_batch():
-    """EAGLE-2's selection runs for every row at once: batch 8 launches what batch 1 does (it was 94 launches a
-    row: 1,316 against 652 per step at depth 6, top-k 10, 60 nodes)."""
+    """EAGLE-2's selection runs for every row at once: batch 8 launches what batch 1 does (it was 94 launches
+    a row: 1,316 against 652 per step at depth 6, top-k 10, 60 nodes)."""
     model = llama(4)
     draft = random_eagle3(model)
     per_step = {

@@ -212,8 +212,8 @@ def test_a_nucleus_of_thousands_of_tokens_grows_the_search():
 
 
 def test_nucleus_cuts_tied_tokens_by_position_like_a_sort():
-    """bf16 logits repeat exact values: the boundary cuts a run of ties, keeping as many tokens and as much mass
-    as the sort-based warper (which tokens of a tie is the sort's arbitrary order either way)."""
+    """bf16 logits repeat exact values: the boundary cuts a run of ties, keeping as many tokens and as much
+    mass as the sort-based warper (which tokens of a tie is the sort's arbitrary order either way)."""
     from transformers.generation.logits_process import TopPLogitsWarper
 
     logits = (torch.randn(4, 4096, generator=torch.Generator().manual_seed(5)) * 2).bfloat16().float()

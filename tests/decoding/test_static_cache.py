@@ -158,8 +158,8 @@ def test_a_generator_for_another_device_is_a_clear_error():
 
 
 def test_prompt_lookup_follows_the_context_device():
-    """Prompt lookup makes its tensors where the context is (the target's device), whatever device it was built
-    for."""
+    """Prompt lookup makes its tensors where the context is (the target's device), whatever device it was
+    built for."""
     lookup = PromptLookupProposer(num_tokens=3, device="meta")
     context = torch.tensor([4, 5, 6, 4, 5])
     draft = lookup.propose(context, torch.zeros(5, 8))

@@ -1,6 +1,6 @@
-"""One host read per decode step, for every drafter, batch size and sampling mode: a step hands the host its accepted
-lengths and tokens in one `.tolist()` and nothing else crosses back (see docs/decoding.md). Counted on CPU with
-tests/helpers/sync_counter.py: the calls that would make the host wait on an accelerator."""
+"""One host read per decode step, for every drafter, batch size and sampling mode: a step hands the host its
+accepted lengths and tokens in one `.tolist()` and nothing else crosses back (see docs/decoding.md). Counted
+on CPU with tests/helpers/sync_counter.py: the calls that would make the host wait on an accelerator."""
 
 import pytest
 import torch

@@ -1,5 +1,6 @@
-"""generate and from_pretrained take what transformers' take, by the same rules: streamers, generation configs,
-do_sample, max_length, return_dict_in_generate, device_map / dtype / torch_dtype; a user's model is never changed."""
+"""generate and from_pretrained take what transformers' take, by the same rules: streamers, generation
+configs, do_sample, max_length, return_dict_in_generate, device_map / dtype / torch_dtype; a user's model is
+never changed."""
 
 import threading
 
@@ -81,8 +82,8 @@ def test_without_max_new_tokens_the_length_comes_from_max_length(spec, prompt):
 
 
 def test_with_no_length_at_all_it_makes_20_new_tokens_with_transformers_warning(spec):
-    """transformers 5: no max_length anywhere means 20 *new* tokens, whatever the prompt's length (this loop made
-    20 in total, and refused a 40-token prompt)."""
+    """transformers 5: no max_length anywhere means 20 *new* tokens, whatever the prompt's length (this loop
+    made 20 in total, and refused a 40-token prompt)."""
     prompt = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
     spec.model.generation_config.max_length = None
     with pytest.warns(UserWarning, match="model-agnostic default `max_length`") as ours_warned:

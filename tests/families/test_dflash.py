@@ -1,5 +1,5 @@
-"""DFlash drafter: packed training equals inference, greedy identity (chain and tree, batched), the cache holds
-the confirmed context, sampling keeps the target's distribution, the loss is the formula."""
+"""DFlash drafter: packed training equals inference, greedy identity (chain and tree, batched), the cache
+holds the confirmed context, sampling keeps the target's distribution, the loss is the formula."""
 
 import math
 
@@ -68,8 +68,8 @@ def test_default_target_layer_ids_follow_the_published_spacing():
 
 @pytest.mark.parametrize("qk_norm,kv_heads", [(False, 4), (True, 2)])
 def test_packed_training_forward_equals_the_inference_forward_of_each_block(qk_norm, kv_heads):
-    """Block n of the packed pass at anchor a equals one inference call of that block after the context 0..a-1,
-    itself fed to the drafter's cache in two calls (as decoding does)."""
+    """Block n of the packed pass at anchor a equals one inference call of that block after the context
+    0..a-1, itself fed to the drafter's cache in two calls (as decoding does)."""
     layer = dict(
         num_attention_heads=4,
         num_key_value_heads=kv_heads,
@@ -296,7 +296,9 @@ def test_loss_is_the_position_weighted_mean_written_out():
                             continue
                         if weighting == "decay":
                             w = math.exp(-(j - 1) / 2.0)
-                        else:  # w_j = sum_{m >= j} prod_{i <= m} q_i, q_i = 0.5 exp(-loss_i) + 0.5, 0 where missing
+                        else:
+                            # w_j = sum_{m >= j} prod_{i <= m} q_i, q_i = 0.5 exp(-loss_i) + 0.5,
+                            # 0 where missing
                             q = [0.0 if v is None else 0.5 * math.exp(-float(v)) + 0.5 for v in per]
                             w = sum(math.prod(q[: m + 1]) for m in range(j - 1, len(per)))
                         num, den = num + w * float(value), den + w

@@ -228,7 +228,7 @@ def test_save_load_round_trip_and_no_target_weights(tmp_path):
     assert "eagle" in card and "base_model: tiny" in card
 
 
-# ---------------------------------------------------------------- frequency-ranked drafting (draft vocabulary)
+# --------------------------------------------------------------- frequency-ranked drafting (draft vocabulary)
 
 
 def vocab_draft(model, size=VOCAB // 4, seed=0, **config) -> EagleDraft:

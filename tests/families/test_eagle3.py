@@ -1,4 +1,5 @@
-"""EAGLE-3 drafter: the training-time test equals inference, the draft vocabulary maps back, RoPE stays fp32."""
+"""EAGLE-3 drafter: the training-time test equals inference, the draft vocabulary maps back, RoPE stays
+fp32."""
 
 import copy
 

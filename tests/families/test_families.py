@@ -1,5 +1,5 @@
-"""The family registry (heads/families): every declaration resolves to what it names and agrees with the modules
-it points at, so a family's one line in the registry is all the layers need."""
+"""The family registry (heads/families): every declaration resolves to what it names and agrees with the
+modules it points at, so a family's one line in the registry is all the layers need."""
 
 from __future__ import annotations
 
@@ -100,8 +100,8 @@ def test_a_family_setting_is_refused_for_the_others():
 
 
 def test_every_dynamic_family_has_a_tune_grid_its_proposer_accepts():
-    """`selfspec tune` fits what the family can build: DFlash's grid stays inside its block and tries the chain
-    its exports decode (the EAGLE grid went 8 deep and never tried top_k 1)."""
+    """`selfspec tune` fits what the family can build: DFlash's grid stays inside its block and tries the
+    chain its exports decode (the EAGLE grid went 8 deep and never tried top_k 1)."""
     from types import SimpleNamespace
 
     for f in FAMILIES.values():

@@ -1,5 +1,5 @@
-"""Medusa-2: heads trained jointly with a peft LoRA on the target, saved as heads + adapter (or a merged target),
-and decoded losslessly against that adapted target."""
+"""Medusa-2: heads trained jointly with a peft LoRA on the target, saved as heads + adapter (or a merged
+target), and decoded losslessly against that adapted target."""
 
 import json
 import math
@@ -210,7 +210,8 @@ def test_only_lora_and_heads_train_and_decoding_matches_the_adapted_target(
     if merge:
         with pytest.raises(ValueError, match="decode with their merged target in .*target, not"):
             load_target(load_heads(out), str(tiny_model_dir))
-    # resumed to save the other form: the first one's folder goes, so one adapted target is left to load or push
+    # resumed to save the other form: the first one's folder goes, so one adapted target is left to load or
+    # push
     capsys.readouterr()
     train_medusa2(tiny_model_dir, text_data, out, merge=not merge, share_lm_head=shared, resume="latest")
     assert (out / "target").is_dir() != merge and (out / "adapter").is_dir() == merge
@@ -467,8 +468,9 @@ def test_resumed_medusa2_run_ends_like_an_uninterrupted_one(tiny_model_dir, text
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_heads_lm_head_path_computes_what_the_adapted_lm_head_does(dtype):
-    """The shared heads' own route through an adapted lm_head (which scales the adapter's gradient) gives peft's
-    output, also for a bf16 target whose adapter peft keeps in float32 (validation runs without autocast)."""
+    """The shared heads' own route through an adapted lm_head (which scales the adapter's gradient) gives
+    peft's output, also for a bf16 target whose adapter peft keeps in float32 (validation runs without
+    autocast)."""
     backbone = add_lora(tiny_model("llama").to(dtype), r=4, alpha=8, dropout=0.0)
     for name, p in lora_tensors(backbone).items():
         if "lora_B" in name:

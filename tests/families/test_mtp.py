@@ -1,6 +1,6 @@
 """The MTP family: a target's own multi-token-prediction layers read from its checkpoint, decoded exactly,
-fine-tuned, and exported under the checkpoint's own key names (heads/mtp.py, heads/formats/mtp.py, infer/drafters/mtp.py,
-train/mtp.py)."""
+fine-tuned, and exported under the checkpoint's own key names (heads/mtp.py, heads/formats/mtp.py,
+infer/drafters/mtp.py, train/mtp.py)."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def test_greedy_identical_to_generate_with_left_padded_rows(targets, arch, shape
 
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
 def test_the_first_draft_is_transformers_mtp_models_own_prediction(targets, arch):
-    """Our MTP step over the prompt's pairs gives the logits transformers' MtpModel layer gives for the same pairs
-    (the hidden states it reads, the pairing and the positions are the same)."""
+    """Our MTP step over the prompt's pairs gives the logits transformers' MtpModel layer gives for the same
+    pairs (the hidden states it reads, the pairing and the positions are the same)."""
     from transformers.cache_utils import MtpCache
 
     model = load(targets[arch])
@@ -119,7 +119,8 @@ def test_fine_tuning_raises_acceptance_and_decoding_stays_exact(targets):
 
 def test_our_chain_of_one_makes_as_many_forwards_as_transformers_mtp_generator(targets, tmp_path):
     """A drafter that passes often (fine-tuned on these prompts' continuations), exported into the checkpoint:
-    transformers' MTPCandidateGenerator (one token a step) and our chain of 1 accept exactly the same tokens."""
+    transformers' MTPCandidateGenerator (one token a step) and our chain of 1 accept exactly the same
+    tokens."""
     model = load(targets["glm4_moe"])
     ids = prompts(2, 6, seed=7)
     draft = trained(model, load_target_mtp(model, str(targets["glm4_moe"])), ids)

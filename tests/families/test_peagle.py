@@ -1,4 +1,5 @@
-"""P-EAGLE: one drafter forward drafts every depth; training computes what decoding computes; decoding is lossless."""
+"""P-EAGLE: one drafter forward drafts every depth; training computes what decoding computes; decoding is
+lossless."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def fused_features(model, ids, layers):
     "variant", [{}, {"norm_before_residual": True, "norm_before_fc": True}], ids=["default", "norms"]
 )
 def test_training_depths_equal_the_decoding_forward_at_every_anchor(variant):
-    """Depth j of the whole-sequence training forward at anchor t is what one decoding call computes for slot j
-    after the pairs 0..t: same context, same position, same slots before it."""
+    """Depth j of the whole-sequence training forward at anchor t is what one decoding call computes for slot
+    j after the pairs 0..t: same context, same position, same slots before it."""
     model = tiny_model("llama")
     draft = random_draft(model, size=0, **variant).double()
     embed = model.get_input_embeddings().double()
@@ -123,7 +124,8 @@ def test_greedy_identical_to_generate_with_a_random_peagle_drafter(model, shape)
 
 
 def trained_draft(model, prompts, steps=200) -> PEagleDraft:
-    """A P-EAGLE drafter of 4 depths trained with the recipe's own loss on the model's greedy continuations."""
+    """A P-EAGLE drafter of 4 depths trained with the recipe's own loss on the model's greedy
+    continuations."""
     from conftest import fit_on_own_continuations
     from selfspec.train.methods.peagle import PEagleMethod
     from selfspec.train.recipes.peagle import PEagleConfig
@@ -150,8 +152,8 @@ def test_batched_rows_with_left_padding_equal_generate(shape):
 
 
 def test_drafter_cache_holds_exactly_the_confirmed_context():
-    """After decoding, the drafter's cache equals one plain call over every confirmed pair: no slot column stays,
-    none is missing."""
+    """After decoding, the drafter's cache equals one plain call over every confirmed pair: no slot column
+    stays, none is missing."""
     model = tiny_model("llama")
     prompts = torch.randint(4, 96, (4, 6), generator=torch.Generator().manual_seed(7))
     draft = trained_draft(model, prompts)
@@ -171,8 +173,9 @@ def test_drafter_cache_holds_exactly_the_confirmed_context():
 
 
 def test_many_confirmed_pairs_at_once_fill_the_cache_as_one_plain_call():
-    """Fed more confirmed pairs in one call than its mask has query rows (lookup-first feeds every token confirmed
-    while prompt lookup drafted), the drafter's cache still equals one plain call over all of them."""
+    """Fed more confirmed pairs in one call than its mask has query rows (lookup-first feeds every token
+    confirmed while prompt lookup drafted), the drafter's cache still equals one plain call over all of
+    them."""
     from selfspec.infer.core.verify import SamplingParams
 
     model = tiny_model("llama")

@@ -1,4 +1,5 @@
-"""The drafters' vocabulary projection: the same logits as F.linear, by the faster GEMM layout where it applies."""
+"""The drafters' vocabulary projection: the same logits as F.linear, by the faster GEMM layout where it
+applies."""
 
 import pytest
 import torch
@@ -92,8 +93,8 @@ def softcapped_model() -> nn.Module:
 
 
 def test_verification_projects_through_the_cpu_layout_and_keeps_the_models_logit_processing(monkeypatch):
-    """Prefill and tree verification run the target's lm_head matmul through vocab_logits, while the model's own
-    code around it (here Gemma-2's softcapping) still runs; the model is left unchanged afterwards."""
+    """Prefill and tree verification run the target's lm_head matmul through vocab_logits, while the model's
+    own code around it (here Gemma-2's softcapping) still runs; the model is left unchanged afterwards."""
     import selfspec.infer.core.target as target_module
     from conftest import verify_one
     from selfspec.infer.core.cache import new_cache

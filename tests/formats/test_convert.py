@@ -43,9 +43,10 @@ def outputs(heads, model):
         return heads(features, ids, model.get_input_embeddings())
 
 
-# EAGLE-3 layouts: tests/formats/test_eagle3_formats.py, on a target deep enough for three fused layers; DFlash:
-# tests/formats/test_dflash_formats.py
-# MTP: tests/families/test_mtp.py (its export is the whole target, read back by transformers' MTP loader, not by import)
+# EAGLE-3 layouts: tests/formats/test_eagle3_formats.py, on a target deep enough for three fused layers;
+# DFlash: tests/formats/test_dflash_formats.py
+# MTP: tests/families/test_mtp.py (its export is the whole target, read back by transformers' MTP loader, not
+# by import)
 @pytest.mark.parametrize(
     "fmt",
     [
@@ -186,8 +187,9 @@ def test_import_errors_name_the_file(tmp_path, capsys):
 def test_loading_a_published_drafter_reads_its_config_and_tensor_names_once(
     fmt, medusa_dir, eagle_dir, tiny_model_dir, tmp_path, monkeypatch
 ):
-    """One detection pass: every layout's detector asks the same Checkpoint, so config.json is parsed once and the
-    safetensors header opened once, whichever family the folder turns out to be (the last one asked here)."""
+    """One detection pass: every layout's detector asks the same Checkpoint, so config.json is parsed once and
+    the safetensors header opened once, whichever family the folder turns out to be (the last one asked
+    here)."""
     import selfspec.heads.formats.checkpoint as checkpoint
 
     heads = load_heads(medusa_dir if "medusa" in fmt else eagle_dir)

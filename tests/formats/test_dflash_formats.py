@@ -1,6 +1,7 @@
-"""DFlash layouts: z-lab's `dflash` and speculators' `speculators-dflash` written as their loaders read them, read
-back exactly, and a checkpoint written by hand in z-lab's layout computes what a plain re-implementation of the
-published drafter computes from its raw tensors (the +1 of the layer ids, fc's order, the norms, RoPE)."""
+"""DFlash layouts: z-lab's `dflash` and speculators' `speculators-dflash` written as their loaders read them,
+read back exactly, and a checkpoint written by hand in z-lab's layout computes what a plain re-implementation
+of the published drafter computes from its raw tensors (the +1 of the layer ids, fc's order, the norms,
+RoPE)."""
 
 import json
 

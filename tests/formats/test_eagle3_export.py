@@ -1,5 +1,5 @@
-"""Our EAGLE-3 drafters written in the `eagle3` (SafeAILab / SGLang) and `speculators-eagle3` layouts: exact round
-trips, the config.json each engine reads, and what a layout cannot hold refused."""
+"""Our EAGLE-3 drafters written in the `eagle3` (SafeAILab / SGLang) and `speculators-eagle3` layouts: exact
+round trips, the config.json each engine reads, and what a layout cannot hold refused."""
 
 import json
 
@@ -73,9 +73,9 @@ def at(raw, path):
     return raw
 
 
-# (layout, the drafter's flags, where the layout's engines read them in config.json: speculators-eagle3 at the top
-# level (vLLM update_eagle3); eagle3 norm_before_fc in eagle_config (SGLang and vLLM read it there first) and no
-# norm_before_residual, which SGLang ignores)
+# (layout, the drafter's flags, where the layout's engines read them in config.json: speculators-eagle3 at the
+# top level (vLLM update_eagle3); eagle3 norm_before_fc in eagle_config (SGLang and vLLM read it there first)
+# and no norm_before_residual, which SGLang ignores)
 ROUND_TRIPS = [
     ("speculators-eagle3", v, {f: v.get(f, False) for f in FLAGS}) for v in SPECULATORS_VARIANTS
 ] + [
@@ -223,8 +223,8 @@ def test_cli_export_then_import_keeps_the_drafter(tmp_path, target, target_dir, 
 
 
 def test_an_export_says_which_settings_its_layout_leaves_behind(tmp_path, target, target_dir):
-    """Export then import gave the defaults for the fitted tree and the target where the layout has no room for
-    them, silently; what the layout carries comes back exactly."""
+    """Export then import gave the defaults for the fitted tree and the target where the layout has no room
+    for them, silently; what the layout carries comes back exactly."""
     draft = random_draft(target, 40, feature_layers=[1, 3, 6], base_model="org/target")
     draft.config.depth, draft.config.top_k, draft.config.total_tokens = 5, 2, 8  # a fitted tree
     with pytest.warns(

@@ -4,8 +4,8 @@
 The published checkpoints are written here from the key names and config fields their projects document (not
 by our exporter), on an 8-layer target so that three distinct layers are fused. What an imported drafter
 computes is checked against a plain-torch EAGLE-3 forward over the hidden states the engines fuse (SGLang:
-`eagle_config` id + 1; vLLM / speculators: the id itself; none: [2, L // 2, L - 3]), in the variant the config's
-flags name (norm_before_residual, norm_before_fc: vLLM 0.32's llama_eagle3.py).
+`eagle_config` id + 1; vLLM / speculators: the id itself; none: [2, L // 2, L - 3]), in the variant the
+config's flags name (norm_before_residual, norm_before_fc: vLLM 0.32's llama_eagle3.py).
 """
 
 import json
@@ -65,7 +65,8 @@ def test_import_without_ids_or_a_target_is_a_clear_error(tmp_path):
 
 
 def test_sglang_layer_names_and_unsorted_ids_load_as_sglang_reads_them(tmp_path, target):
-    """SGLang renames midlayer to layers.0 itself, and captures layers in increasing order whatever the list's."""
+    """SGLang renames midlayer to layers.0 itself, and captures layers in increasing order whatever the
+    list's."""
     state = published_tensors(40)
     renamed = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
     safeailab_checkpoint(tmp_path, ids=[6, 0, 3], weights="safetensors", state=renamed)

@@ -166,7 +166,8 @@ WARNINGS = {
 
 
 def export_warnings(draft, fmt, directory, **kwargs):
-    """Export, and name every warning given (by WARNINGS, else its message) so a test asserts the exact list."""
+    """Export, and name every warning given (by WARNINGS, else its message) so a test asserts the exact
+    list."""
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         export_eagle(draft, fmt, directory, **kwargs)
@@ -391,7 +392,8 @@ def test_export_writes_every_key_each_engine_reads(tmp_path, llama, fmt, num_lay
     assert export_warnings(draft, fmt, tmp_path, embed_weight=embed) == vllm_bias_warning(fmt, bias)
     written = read_eagle_weights(tmp_path)
     # exactly the drafter and the target's embedding; SGLang's fc always has a bias, zeros for none. Nothing a
-    # loader would choke on: no `model.` prefix (SGLang and vLLM add it), no lm_head, no input norm on layer 0.
+    # loader would choke on: no `model.` prefix (SGLang and vLLM add it), no lm_head, no input norm on
+    # layer 0.
     zero_bias = {"fc.bias": torch.zeros(48)} if fmt == "sglang-eagle" and not bias else {}
     want = draft.state_dict() | {EMBED_KEY: embed.detach()} | zero_bias
     assert (

@@ -21,7 +21,8 @@ TOKEN = "hf_SECRETsecretSECRETsecret123456"
 
 @pytest.fixture
 def hub(monkeypatch):
-    """Record what create_repo / upload_folder would send: the files of the uploaded folder, as they are then."""
+    """Record what create_repo / upload_folder would send: the files of the uploaded folder, as they are
+    then."""
     sent = {}
 
     def create_repo(self, repo_id, **kwargs):
@@ -166,8 +167,8 @@ def test_push_refuses_a_directory_without_weights(tmp_path, hub):
 
 
 def test_push_without_a_network_is_one_line(tmp_path, monkeypatch, capsys):
-    """With HF_HUB_OFFLINE unset and the Hub unreachable (here: a local port nothing listens on), the push was a
-    79-line double traceback ending in the HTTP client's ConnectError."""
+    """With HF_HUB_OFFLINE unset and the Hub unreachable (here: a local port nothing listens on), the push was
+    a 79-line double traceback ending in the HTTP client's ConnectError."""
     import huggingface_hub.constants
 
     saved_heads(tmp_path)

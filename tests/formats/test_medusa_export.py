@@ -16,9 +16,9 @@ from selfspec.heads.formats.medusa import (
     MEDUSA_FORMATS,
     detect_medusa_format,
     engine_keys,
-    export_medusa,
     import_medusa,
 )
+from selfspec.heads.formats.medusa_export import export_medusa
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.shipped.models import resolve_model
 

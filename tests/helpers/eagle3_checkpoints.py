@@ -1,6 +1,6 @@
 """EAGLE-3 checkpoints of other projects written by hand from the key names and config fields their projects
-document (not by our exporter), on an 8-layer target so that three distinct layers are fused, and the plain-torch
-EAGLE-3 forward the engines compute, which an imported drafter is checked against. Shared by
+document (not by our exporter), on an 8-layer target so that three distinct layers are fused, and the
+plain-torch EAGLE-3 forward the engines compute, which an imported drafter is checked against. Shared by
 tests/formats/test_eagle3_formats.py (import) and tests/formats/test_eagle3_export.py (export)."""
 
 import math
@@ -88,7 +88,8 @@ def published_tensors(size, fused=3, seed=0, dtype=torch.float32, input_norm=Fal
 
 
 def merged(config, extra):
-    """`config` with `extra` written over it; nested objects (eagle_config, transformer_layer_config) merged."""
+    """`config` with `extra` written over it; nested objects (eagle_config, transformer_layer_config)
+    merged."""
     out = dict(config)
     for k, v in extra.items():
         out[k] = {**out.get(k, {}), **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
@@ -99,8 +100,8 @@ DROP = object()  # a value in `extra` that removes the field
 
 
 def safeailab_checkpoint(path, ids=None, size=40, weights="bin", seed=0, extra=None, state=None):
-    """As yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (no ids) or a SpecForge drafter (`eagle_config` ids): a Llama config
-    with draft_vocab_size, keys fc / midlayer.* / norm / lm_head / d2t / t2d."""
+    """As yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (no ids) or a SpecForge drafter (`eagle_config` ids): a Llama
+    config with draft_vocab_size, keys fc / midlayer.* / norm / lm_head / d2t / t2d."""
     state = published_tensors(size, seed=seed) if state is None else state
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -231,7 +232,8 @@ def reference_logits(
 
 
 def ours_logits(draft, target, prompt):
-    """What the imported drafter computes over the target's own features of `prompt` (features at t, token t+1)."""
+    """What the imported drafter computes over the target's own features of `prompt` (features at t, token
+    t+1)."""
     with torch.no_grad():
         hs = target(prompt, output_hidden_states=True).hidden_states
         features = torch.cat([hs[i] for i in draft.config.feature_layers], -1)[:, :-1]

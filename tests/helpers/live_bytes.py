@@ -1,11 +1,11 @@
 """Tensor bytes held by this process during one training step: what tests/training/test_memory_plan.py and
 tests/helpers/rank_peak.py measure against the memory plan (train/parallel/memory_plan.py).
 
-At the measured step: the bytes of every live tensor storage before it (found through the garbage collector, each
-storage once) plus the peak of the bytes allocated and not yet freed during the step, counted by a
-TorchDispatchMode that sees every tensor an op makes and a weak reference that sees its storage freed. That counts
-tensors, not the allocator's or the libraries' overhead that RSS would add (docs/memory.md). A distributed
-tensor (FSDP2's DTensor) counts by its local shard: the bytes this rank holds.
+At the measured step: the bytes of every live tensor storage before it (found through the garbage collector,
+each storage once) plus the peak of the bytes allocated and not yet freed during the step, counted by a
+TorchDispatchMode that sees every tensor an op makes and a weak reference that sees its storage freed. That
+counts tensors, not the allocator's or the libraries' overhead that RSS would add (docs/memory.md). A
+distributed tensor (FSDP2's DTensor) counts by its local shard: the bytes this rank holds.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 storage = local(t).untyped_storage()
                 key = storage._cdata
-                # a view or an in-place result is an input's storage (perhaps one made before the step): not new
+                # a view or an in-place result is an input's storage (perhaps one made before the step): not
+                # new
                 if key not in self.refs and key not in inputs:
                     size = storage.nbytes()
                     self.refs[key] = weakref.ref(storage, lambda _, k=key, s=size: self._freed(k, s))

@@ -66,8 +66,8 @@ ARCHITECTURES = {
 
 
 def write_mtp_target(out: Path, arch: str = "glm4_moe", layers: int = 1, seed: int = 0, **overrides) -> Path:
-    """A random `arch` target with `layers` random MTP layers (config fields `overrides`), saved to `out` with them
-    in its checkpoint."""
+    """A random `arch` target with `layers` random MTP layers (config fields `overrides`), saved to `out` with
+    them in its checkpoint."""
     torch.manual_seed(seed)
     config = ARCHITECTURES[arch](layers)
     for name, value in overrides.items():

@@ -1,5 +1,6 @@
 """Virtual environments for the peers our exports are checked against (vLLM, speculators), each with its own
-pins, built on first use under ~/.cache/selfspec and reused after (a `.installed` marker says it is complete)."""
+pins, built on first use under ~/.cache/selfspec and reused after (a `.installed` marker says it is
+complete)."""
 
 import os
 import subprocess
@@ -12,8 +13,8 @@ VISION_AUDIO = ["torchvision", "torchaudio", "torchcodec"]
 
 
 def peer_python(requirement: str, env_var: str, torch_pin: str | None = None) -> Path:
-    """The python of a venv holding `requirement` (override its place with $`env_var`); `torch_pin` keeps pip from
-    replacing the CPU torch with another build."""
+    """The python of a venv holding `requirement` (override its place with $`env_var`); `torch_pin` keeps pip
+    from replacing the CPU torch with another build."""
     name = requirement.replace("==", "-")
     venv = Path(os.environ.get(env_var, Path.home() / ".cache/selfspec" / name))
     python = venv / "bin/python"
@@ -32,7 +33,8 @@ def peer_python(requirement: str, env_var: str, torch_pin: str | None = None) ->
 
 def checkout_as_package(folder: Path) -> Path:
     """A folder for PYTHONPATH in which this checkout is laid out as the wheel installs it (selfspec/heads,
-    selfspec/infer, ...), made of links: a peer's python imports this checkout's code without installing it."""
+    selfspec/infer, ...), made of links: a peer's python imports this checkout's code without installing
+    it."""
     root = Path(__file__).resolve().parents[2]
     package = folder / "selfspec"
     package.mkdir(parents=True, exist_ok=True)

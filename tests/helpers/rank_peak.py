@@ -1,9 +1,12 @@
-"""Run a training script with each rank's tensor peak measured at its second step (tests/helpers/live_bytes.py):
+"""Run a training script with each rank's tensor peak measured at its second step
+(tests/helpers/live_bytes.py):
 
-    accelerate launch --config_file configs/accelerate/fsdp.yaml tests/helpers/rank_peak.py --kind eagle --output_dir out ...
+    accelerate launch --config_file configs/accelerate/fsdp.yaml tests/helpers/rank_peak.py
+        --kind eagle --output_dir out ...
 
-Each rank writes {"rank": r, "peak": bytes} to <output_dir>/peak-rank<r>.json. tests/training/test_memory_plan.py launches
-it to check the memory plan's per-rank prediction under ZeRO-3 and FSDP2 with the target sharded.
+Each rank writes {"rank": r, "peak": bytes} to <output_dir>/peak-rank<r>.json.
+tests/training/test_memory_plan.py launches it to check the memory plan's per-rank prediction under ZeRO-3 and
+FSDP2 with the target sharded.
 """
 
 from __future__ import annotations

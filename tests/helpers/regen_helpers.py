@@ -1,5 +1,6 @@
-"""What tests/regeneration/test_regenerate.py and tests/regeneration/test_regenerate_resume.py share: a tiny target saved with a chat
-template that has a generation prompt, the chats it regenerates, and a run's options and output rows."""
+"""What tests/regeneration/test_regenerate.py and tests/regeneration/test_regenerate_resume.py share: a tiny
+target saved with a chat template that has a generation prompt, the chats it regenerates, and a run's options
+and output rows."""
 
 from __future__ import annotations
 

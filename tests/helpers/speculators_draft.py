@@ -1,6 +1,6 @@
-"""Run inside speculators' own virtual environment (tests/families/test_speculators.py): load a speculators-eagle3
-checkpoint with speculators' `SpeculatorModel.from_pretrained` and write the draft logits of each
-training-time step for the given target features and tokens.
+"""Run inside speculators' own virtual environment (tests/families/test_speculators.py): load a
+speculators-eagle3 checkpoint with speculators' `SpeculatorModel.from_pretrained` and write the draft logits
+of each training-time step for the given target features and tokens.
 
 usage: python speculators_draft.py CHECKPOINT INPUTS.safetensors OUT.safetensors STEPS
 """

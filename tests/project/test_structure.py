@@ -1,6 +1,6 @@
 """The layout read from the imports: no circle between modules, `infer` never reaching up into `train`, no
-source file past ~400 lines. Imports inside functions count as much as those at the top: a lazy import is still
-a dependency, and hiding a circle inside a function is how circles are usually kept."""
+source file past ~400 lines. Imports inside functions count as much as those at the top: a lazy import is
+still a dependency, and hiding a circle inside a function is how circles are usually kept."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("heads", "infer", "train", "shipped")
-MAX_LINES = 420
+MAX_LINES = 500  # formatted by ruff format at 110 columns
 
 
 def _modules() -> dict[str, Path]:
@@ -30,8 +30,8 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules `path` imports (`from selfspec.x import y` counts y when y is itself a module), those
-    only a type checker runs included: a type-only circle still ties the two modules together."""
+    """The project modules `path` imports (`from selfspec.x import y` counts y when y is itself a module),
+    those only a type checker runs included: a type-only circle still ties the two modules together."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -137,19 +137,25 @@ def test_no_drafter_family_switch_outside_the_registry():
         str(p.relative_to(ROOT)): hits
         for package in PACKAGES
         for p in sorted((ROOT / package).rglob("*.py"))
-        if not str(p.relative_to(ROOT)).startswith(REGISTRY) and (hits := _family_switches(p.read_text()))
+        if not str(p.relative_to(ROOT)).startswith(REGISTRY)
+        and (hits := _family_switches(_joined(p.read_text())))
     }
     assert not found, found
 
 
 LOOP = ("selfspec.infer.core.generate", "selfspec.infer.core.decode_step")  # the decode loop and its step
-# shared by the methods: the chunked vocabulary losses, the per-step soft-label loss; DFlash's own loss module and
-# Medusa-1's method (Medusa-2 extends it) are their family's
+# shared by the methods: the chunked vocabulary losses, the per-step soft-label loss; DFlash's own loss module
+# and Medusa-1's method (Medusa-2 extends it) are their family's
 METHODS_SHARED = {"selfspec.train.methods.chunked_loss", "selfspec.train.methods.step_loss"}
 METHODS_OWN = {
     "selfspec.train.methods.dflash": {"selfspec.train.methods.dflash_loss"},
     "selfspec.train.methods.medusa2": {"selfspec.train.methods.medusa"},
 }
+
+
+def _joined(source: str) -> str:
+    """The source with each call the formatter wrapped over lines on one line, for the line-based checks."""
+    return re.sub(r"\s+\)", ")", re.sub(r"\(\s+", "(", source))
 
 
 def _in(package: str, graph: dict[str, set[str]]) -> list[str]:
@@ -189,8 +195,8 @@ def test_heads_never_import_infer_or_train():
 
 
 def test_the_launch_folder_shadows_no_other_module(tmp_path):
-    """`accelerate launch train/eagle.py` puts train/ first on sys.path, so each module and package in it could
-    hide an installed or standard module of the same name; none may have one."""
+    """`accelerate launch train/eagle.py` puts train/ first on sys.path, so each module and package in it
+    could hide an installed or standard module of the same name; none may have one."""
     folder = ROOT / "train"
     names = sorted(
         {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
@@ -222,5 +228,5 @@ def test_the_loop_never_probes_a_drafter():
     assert _probes('together = getattr(self.proposer, "drafts_rows", False)')
     assert _probes('if hasattr(drafter, "observe"):')
     modules = _modules()
-    found = {name: hits for name in LOOP if (hits := _probes(modules[name].read_text()))}
+    found = {name: hits for name in LOOP if (hits := _probes(_joined(modules[name].read_text())))}
     assert not found, found

@@ -1,5 +1,6 @@
-"""train/regenerate.py --output_format shards: zstd Parquet shards kept with a manifest of checksums, so that a long
-regeneration is committed shard by shard, resumed from what was committed, and read by training as it grows."""
+"""train/regenerate.py --output_format shards: zstd Parquet shards kept with a manifest of checksums, so that
+a long regeneration is committed shard by shard, resumed from what was committed, and read by training as it
+grows."""
 
 from __future__ import annotations
 
@@ -109,8 +110,8 @@ def test_a_changed_or_missing_shard_is_a_one_line_error(target_dir, tmp_path, ca
 
 
 def test_the_shipped_data_is_found_complete_without_its_engine(monkeypatch, capsys):
-    """The recipe names vLLM; a machine without it still runs the recipe's command over the shipped folder, which
-    is complete and needs no engine (and its checksums match)."""
+    """The recipe names vLLM; a machine without it still runs the recipe's command over the shipped folder,
+    which is complete and needs no engine (and its checksums match)."""
     from selfspec.train.loop.config import load_config
     from selfspec.train.regeneration import run as regen_module
 

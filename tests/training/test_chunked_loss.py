@@ -35,7 +35,8 @@ def make_batch(vocab: int, B: int, T: int, seed: int = 3) -> dict[str, torch.Ten
 
 
 def make_method(kind: str, vocab: int = VOCAB, target_dtype: torch.dtype = torch.float32):
-    """A recipe's method on a tiny frozen target, its drafter's weights random (so every gradient is nonzero)."""
+    """A recipe's method on a tiny frozen target, its drafter's weights random (so every gradient is
+    nonzero)."""
     target = tiny_model("llama", vocab=vocab).requires_grad_(False).to(target_dtype)
     c = target.config
     torch.manual_seed(1)
@@ -62,7 +63,7 @@ def make_method(kind: str, vocab: int = VOCAB, target_dtype: torch.dtype = torch
     return Eagle3Method(EagleConfig(version=3, ttt_steps=3, draft_vocab_size=vocab // 4), target, draft, [])
 
 
-# ------------------------------------------------------------------ the straightforward formulas (before chunking)
+# ------------------------------------------------------------- the straightforward formulas (before chunking)
 
 
 def medusa_reference(method: MedusaMethod, batch):
@@ -89,7 +90,8 @@ def eagle_reference(method: EagleMethod, batch):
 
 
 def eagle3_reference(method: Eagle3Method, batch):
-    """The target's float32 logits (B, T, V) and its distributions over the draft vocabulary at every position."""
+    """The target's float32 logits (B, T, V) and its distributions over the draft vocabulary at every
+    position."""
     _, outputs, states = method._unroll(batch)
     draft = method.trainable
     with torch.no_grad():
@@ -129,7 +131,8 @@ def loss_and_grads(loss_fn, method, batch):
 
 
 def kept_positions(batch) -> int:
-    """Positions the loss projects (head 0's, EAGLE's pairs, EAGLE-3's step 0): the precondition for chunking."""
+    """Positions the loss projects (head 0's, EAGLE's pairs, EAGLE-3's step 0): the precondition for
+    chunking."""
     return int(labels_ahead(batch["input_ids"], batch["loss_mask"], 0)[1].sum())
 
 

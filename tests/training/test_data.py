@@ -48,7 +48,8 @@ def straightforward(records: list[dict], tok, max_length: int) -> list[tuple[lis
 
 
 def rows_of(examples: Examples | datasets.Dataset) -> list[tuple[list[int], list[int]]]:
-    """(ids, loss mask) of every row, as Examples gives them to the DataLoader (or a saved dataset holds them)."""
+    """(ids, loss mask) of every row, as Examples gives them to the DataLoader (or a saved dataset holds
+    them)."""
     if isinstance(examples, datasets.Dataset):
         return list(zip(examples["input_ids"], examples["loss_mask"]))
     return [

@@ -1,4 +1,5 @@
-"""Training with several processes, as users launch it: `accelerate launch --config_file configs/accelerate/<x>.yaml`.
+"""Training with several processes, as users launch it:
+`accelerate launch --config_file configs/accelerate/<x>.yaml`.
 
 Two CPU processes over gloo stand in for two GPUs (DeepSpeed with DS_ACCELERATOR=cpu). Each run trains a
 tiny target's drafter for a few steps; the checks are what a user relies on: the same result as one
@@ -35,7 +36,8 @@ def launch(
 ) -> str:
     """Run `accelerate launch --config_file <config> train/<script>.py` with `args` (a name means
     configs/accelerate/<name>.yaml; a script ending in .py is a path from the repository root); returns its
-    output, failing the test with the output's tail when it fails (or, with succeed=False, when it does not)."""
+    output, failing the test with the output's tail when it fails (or, with succeed=False, when it does
+    not)."""
     env = (
         os.environ
         | {
@@ -221,8 +223,8 @@ def test_sharded_training_smoke(config, tiny_model_dir, text_data, tmp_path):
 
 
 def test_dflash_trains_under_fsdp_and_resumes_exactly(tiny_model_dir, text_data, tmp_path):
-    """DFlash on the shared loop under a sharding engine: its random anchors come from the resumed RNG state, and
-    its validation drafts a block at every position on each rank."""
+    """DFlash on the shared loop under a sharding engine: its random anchors come from the resumed RNG state,
+    and its validation drafts a block at every position on each rank."""
     check_sharded_run("fsdp", "dflash", tiny_model_dir, text_data, tmp_path)
 
 
@@ -291,8 +293,9 @@ def test_deepspeed_dropped_by_cpu_is_refused_in_one_line(tiny_model_dir, text_da
     log = out.stdout + out.stderr
     assert out.returncode != 0
     assert (
-        "train/medusa.py: error: accelerate launch --config_file configs/accelerate/deepspeed-zero3.yaml asks for "
-        "DeepSpeed, but it is not in effect (--cpu drops that config): drop --cpu and set DS_ACCELERATOR=cpu"
+        "train/medusa.py: error: accelerate launch --config_file configs/accelerate/deepspeed-zero3.yaml "
+        "asks for DeepSpeed, but it is not in effect (--cpu drops that config): "
+        "drop --cpu and set DS_ACCELERATOR=cpu"
     ) in log
     assert "step 0:" not in log
 

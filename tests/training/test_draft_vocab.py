@@ -41,7 +41,8 @@ def test_the_drafter_drafts_among_the_answers_tokens_only_and_decodes_exactly(
     eagle_dir, tiny_model_dir, chats, tmp_path, capsys
 ):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    # what the chat template adds for the answer (its header, the text, the end of turn): the trained-on tokens
+    # what the chat template adds for the answer (its header, the text, the end of turn): the trained-on
+    # tokens
     answer = set(tokenizer("<|assistant|>" + ANSWER + "<eos>", add_special_tokens=False).input_ids)
     user = set(tokenizer(USER, add_special_tokens=False).input_ids) - answer
     assert user
@@ -139,7 +140,10 @@ def test_a_half_precision_drafter_stays_in_its_dtype_and_can_be_restricted_again
         (["--size", "100000"], "--size 100000 must be below the target's vocabulary size (96)"),
         (
             [],
-            "the target's vocabulary has only 96 tokens, at most the default size 2048: give a --size below 96",
+            (
+                "the target's vocabulary has only 96 tokens, at most the default size 2048: "
+                "give a --size below 96"
+            ),
         ),
         (["--size", "2"], "--size 2 is fewer tokens than the drafter's tree takes per node (3, its top_k"),
         (["--size", "60"], "holds only 16 distinct trained-on tokens, fewer than --size 60: give more data"),
@@ -164,14 +168,16 @@ def test_what_cannot_be_restricted_is_refused_in_one_line(
 ):
     out = ["--size", "16", "--out", str(tmp_path / "o")]
     assert (
-        "are medusa heads; draft-vocab restricts drafters that read rows of the target's lm_head, such as EAGLE-1/2 (they draft over"
+        "are medusa heads; draft-vocab restricts drafters that read rows of the target's lm_head, "
+        "such as EAGLE-1/2 (they draft over"
         in user_error(capsys, ["draft-vocab", "--heads", str(medusa_dir), "--dataset", str(chats), *out])
     )
     eagle3 = tmp_path / "eagle3"
     Eagle3Draft(eagle3_config(AutoModelForCausalLM.from_pretrained(tiny_model_dir))).save_pretrained(eagle3)
     capsys.readouterr()  # the model's loading bar
     assert (
-        "are eagle3 heads; draft-vocab restricts drafters that read rows of the target's lm_head, such as EAGLE-1/2 (they learn"
+        "are eagle3 heads; draft-vocab restricts drafters that read rows of the target's lm_head, "
+        "such as EAGLE-1/2 (they learn"
         in user_error(capsys, ["draft-vocab", "--heads", str(eagle3), "--dataset", str(chats), *out])
     )
     assert "already holds a checkpoint" in user_error(

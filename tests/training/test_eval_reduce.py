@@ -34,7 +34,8 @@ def test_two_halves_reduced_equal_the_whole(kind):
 
 @pytest.mark.parametrize("kind", ["medusa", "medusa-own-heads"])
 def test_medusa_path_frequencies_are_reduced_with_the_rest(kind):
-    """The rank paths the tree is fitted to are counted per rank and summed like every other validation sum."""
+    """The rank paths the tree is fitted to are counted per rank and summed like every other validation
+    sum."""
     method = make_method(kind, vocab=16)  # labels often among the top 10: paths of every depth occur
     method.trainable.eval()
     batches = [make_batch(16, 2, 20 + seed, seed=seed) for seed in range(3)]

@@ -2,7 +2,8 @@
 then on one 10x larger, each in a fresh process from a cold cache (tokenising included); peak RSS
 (ru_maxrss) of the 10x run stays within 20% of the 1x run's.
 
-    python tests/training/test_memory.py 1000 10000    # prints peak RSS for each record count (demo-sized target)
+    python tests/training/test_memory.py 1000 10000    # prints peak RSS for each record count
+                                                         (demo-sized target)
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def write_records(path: Path, count: int, seed: int = 0) -> None:
 
 
 def peak_rss_mib(model: Path, data: Path, out: Path, cache: Path, steps: int = 4) -> float:
-    """Peak RSS (MiB) of a fresh process that tokenises `data` into an empty cache and trains `steps` steps."""
+    """Peak RSS (MiB) of a fresh process that tokenises `data` into an empty cache and trains `steps`
+    steps."""
     args = {
         "model": model,
         "dataset": data,

@@ -1,10 +1,11 @@
 """The memory plan (train/parallel/memory_plan.py) against memory measured in real CPU training steps.
 
 The prediction comes from the target's config alone (meta device); the measurement from a training run of the
-same recipe through the real loop: at its second step, the bytes of every live tensor (each storage once) plus the
-peak of the bytes allocated and not yet freed during the step (loss, backward, clipping, AdamW step), counted by
-a TorchDispatchMode that sees every tensor an op makes and a weak reference that sees its storage freed. That
-counts tensors, not the allocator's or the libraries' overhead that RSS would add (docs/memory.md).
+same recipe through the real loop: at its second step, the bytes of every live tensor (each storage once) plus
+the peak of the bytes allocated and not yet freed during the step (loss, backward, clipping, AdamW step),
+counted by a TorchDispatchMode that sees every tensor an op makes and a weak reference that sees its storage
+freed. That counts tensors, not the allocator's or the libraries' overhead that RSS would add
+(docs/memory.md).
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def test_eagle3_plan_matches_the_measured_peak(code_text, tmp_path, monkeypatch)
 
 
 def test_medusa_plan_matches_the_measured_peak(code_text, tmp_path, monkeypatch):
-    """Medusa with its own vocabulary projections on short rows: the drafter's states dominate (the peak is AdamW's
-    step), so a plan without AdamW's states is off by more than the tolerance."""
+    """Medusa with its own vocabulary projections on short rows: the drafter's states dominate (the peak is
+    AdamW's step), so a plan without AdamW's states is off by more than the tolerance."""
     from selfspec.train.medusa import run
     from selfspec.train.recipes.medusa import MedusaConfig
 
@@ -156,7 +157,8 @@ def test_sharding_divides_the_target_and_the_states():
         memory_plan(cfg, config, "ddp", 8, [2048], shard_target=True)
 
 
-# (launch config, engine, recipe, target sharded): the peak each of 2 gloo processes measures at its second step
+# (launch config, engine, recipe, target sharded): the peak each of 2 gloo processes measures at its second
+# step
 RANK_RUNS = [
     ("fsdp", "fsdp", "eagle3", True),
     ("deepspeed-zero3", "zero3", "eagle3", True),
@@ -170,9 +172,9 @@ RANK_RUNS = [
 def test_the_per_rank_plan_matches_each_ranks_measured_peak(
     config, engine, kind, sharded, code_text, tmp_path
 ):
-    """2 CPU processes under the shipped launch configs, bf16: the plan for one rank against the peak each rank
-    measures (tests/helpers/rank_peak.py). EAGLE-3's activations dominate; Medusa's peak is the engine's drafter states
-    (sharded weights and AdamW, gathered bf16 weights, gradient buckets)."""
+    """2 CPU processes under the shipped launch configs, bf16: the plan for one rank against the peak each
+    rank measures (tests/helpers/rank_peak.py). EAGLE-3's activations dominate; Medusa's peak is the engine's
+    drafter states (sharded weights and AdamW, gathered bf16 weights, gradient buckets)."""
     from test_distributed import launch
 
     from selfspec.train.recipes.eagle import EagleConfig

@@ -34,8 +34,8 @@ KINDS = ("medusa", "medusa-own-heads", "eagle", "eagle3", "dflash")
 
 
 def examples(seed: int = 5):
-    """Examples of LENGTHS: random tokens, a random loss mask that is 1 on each example's first two tokens (so a
-    label read across a boundary would count)."""
+    """Examples of LENGTHS: random tokens, a random loss mask that is 1 on each example's first two tokens (so
+    a label read across a boundary would count)."""
     gen = torch.Generator().manual_seed(seed)
     ids = [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]
     masks = [[1, 1] + (torch.rand(n - 2, generator=gen) > 0.3).long().tolist() for n in LENGTHS]
@@ -55,7 +55,8 @@ def alone(data, i: int) -> dict[str, torch.Tensor]:
 
 
 class Power:
-    """Stands in for a decay d in `d ** k`: its k-th power is weights[k] (one-hot: one term of a loss alone)."""
+    """Stands in for a decay d in `d ** k`: its k-th power is weights[k] (one-hot: one term of a loss
+    alone)."""
 
     def __init__(self, weights: list[float]) -> None:
         self.weights = weights
@@ -130,7 +131,8 @@ def terms(method, kind: str, batch, monkeypatch) -> list[tuple[float, torch.Tens
 
 
 def one_by_one(method, kind: str, data, monkeypatch) -> torch.Tensor:
-    """The packed loss rebuilt from the examples alone: per term, their means weighted by their label positions."""
+    """The packed loss rebuilt from the examples alone: per term, their means weighted by their label
+    positions."""
     per_example = [terms(method, kind, alone(data, i), monkeypatch) for i in range(len(data))]
     total = 0.0
     for k, (weight, _, _) in enumerate(per_example[0]):
@@ -226,9 +228,9 @@ def test_packed_loss_equals_its_examples_one_by_one(kind, monkeypatch):
 @pytest.mark.parametrize("dropped", ["seq_ids", "position_ids"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_dropping_the_boundaries_breaks_the_equality(kind, dropped):
-    """Without seq_ids the drafters attend and the labels reach across examples (the target still runs packed);
-    without position_ids the target attends across them and the positions run on. Either way the packed loss is
-    no longer its examples' (so the test above can fail)."""
+    """Without seq_ids the drafters attend and the labels reach across examples (the target still runs
+    packed); without position_ids the target attends across them and the positions run on. Either way the
+    packed loss is no longer its examples' (so the test above can fail)."""
     method = make(kind)
     batch = packed_batch(examples())
     right = loss_of(method, kind, batch)[0]

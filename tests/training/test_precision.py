@@ -1,6 +1,6 @@
-"""--mixed_precision auto: bf16 only where bf16 matmuls are fast (a GPU with bf16, a CPU with AMX), float32 elsewhere,
-said in one line at the start; an explicit bf16 on a slow CPU warns once with the slowdown measured there; a run cut
-by its time budget says how far it got."""
+"""--mixed_precision auto: bf16 only where bf16 matmuls are fast (a GPU with bf16, a CPU with AMX), float32
+elsewhere, said in one line at the start; an explicit bf16 on a slow CPU warns once with the slowdown measured
+there; a run cut by its time budget says how far it got."""
 
 import pytest
 import torch

@@ -1,10 +1,10 @@
-"""The frozen target sharded over the ranks (`--shard_target true`), as users launch it: 2 CPU processes over gloo
-stand in for 2 GPUs, under ZeRO-3 (DS_ACCELERATOR=cpu) and FSDP2.
+"""The frozen target sharded over the ranks (`--shard_target true`), as users launch it: 2 CPU processes over
+gloo stand in for 2 GPUs, under ZeRO-3 (DS_ACCELERATOR=cpu) and FSDP2.
 
 What a user relies on: each rank holds about half of the target (the line it prints, and the bytes behind it),
-the drafter trained with the sharded target is the one a replicated target trains, a run killed with -9 resumes
-to the uninterrupted run's weights, the tree is fitted at the end on every rank in step, and the saved drafter
-decodes exactly in one process.
+the drafter trained with the sharded target is the one a replicated target trains, a run killed with -9
+resumes to the uninterrupted run's weights, the tree is fitted at the end on every rank in step, and the saved
+drafter decodes exactly in one process.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ LINE = re.compile(
 
 
 def expected_share(model_dir: Path) -> float:
-    """The fraction of the target's bytes a rank of 2 holds: half of the decoder layers and norm, and the whole
-    embedding and lm_head (one tensor when tied)."""
+    """The fraction of the target's bytes a rank of 2 holds: half of the decoder layers and norm, and the
+    whole embedding and lm_head (one tensor when tied)."""
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -100,9 +100,9 @@ def test_a_sharded_target_trains_the_replicated_targets_drafter(config, tiny_mod
 def test_a_sharded_runs_tree_is_fitted_in_step_or_left_to_tune(
     config, kind, tiny_model_dir, text_data, tmp_path
 ):
-    """No fixed tree: Medusa's fit times forwards with the sharded target on both ranks; EAGLE-3's and DFlash's
-    would decode prompts (an EAGLE fit of a 30-step run took 14 minutes after 31 s of training), so they keep the
-    default tree and say how to fit it."""
+    """No fixed tree: Medusa's fit times forwards with the sharded target on both ranks; EAGLE-3's and
+    DFlash's would decode prompts (an EAGLE fit of a 30-step run took 14 minutes after 31 s of training), so
+    they keep the default tree and say how to fit it."""
     out = tmp_path / "out"
     args = run_args(kind, tiny_model_dir, text_data, out, batch=2, shard_target="true")
     for name in ("depth", "top_k", "total_tokens", "tree_nodes"):

@@ -1,6 +1,7 @@
-"""Two trainings started at the same second on the same data share the self-distillation cache entry: one writes it,
-the other waits and reads it; both finish and train on equal data. (They both wrote the same shards, and one died
-reading a shard the other's merge had deleted: `Failed to open local file .../regen-train-<key>/shards/00000.arrow`.)"""
+"""Two trainings started at the same second on the same data share the self-distillation cache entry: one
+writes it, the other waits and reads it; both finish and train on equal data. (They both wrote the same
+shards, and one died reading a shard the other's merge had deleted:
+`Failed to open local file .../regen-train-<key>/shards/00000.arrow`.)"""
 
 import os
 import re

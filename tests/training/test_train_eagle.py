@@ -15,7 +15,7 @@ from selfspec.train.data.vocabulary import draft_vocabulary
 from selfspec.train.eagle import run
 from selfspec.train.loop.config import ConfigError, load_config
 from selfspec.train.recipes.draft_shape import draft_vocab_size
-from selfspec.train.recipes.eagle import EagleConfig
+from selfspec.train.recipes.eagle import EagleConfig, new_draft
 
 
 def _args(model_dir, data, out, **extra):
@@ -193,8 +193,9 @@ def test_eagle3_drafter_starts_with_the_targets_head_rows_of_its_vocabulary():
 
 
 def test_an_eagle1_drafter_drafts_among_the_most_frequent_tokens_when_asked():
-    """--draft_vocab_size N on EAGLE-1 keeps the N most frequent trained tokens (its d2t); unset, EAGLE-1 drafts
-    over the whole vocabulary (published loaders' layout) and EAGLE-3 takes a quarter of it (2048 to 32768)."""
+    """--draft_vocab_size N on EAGLE-1 keeps the N most frequent trained tokens (its d2t); unset, EAGLE-1
+    drafts over the whole vocabulary (published loaders' layout) and EAGLE-3 takes a quarter of it (2048 to
+    32768)."""
     model = tiny_model("llama")
     V = model.config.vocab_size
     ids = torch.randint(3, V, (6, 20), generator=torch.Generator().manual_seed(1))
@@ -217,9 +218,7 @@ def test_an_eagle1_drafter_drafts_among_the_most_frequent_tokens_when_asked():
     with pytest.raises(
         ConfigError, match=f"--draft_vocab_size {V + 1} is above the target's vocabulary of {V}"
     ):
-        eagle_recipe.new_draft(
-            EagleConfig(draft_vocab_size=V + 1), model
-        )  # not silently the whole vocabulary
+        new_draft(EagleConfig(draft_vocab_size=V + 1), model)  # not silently the whole vocabulary
 
 
 @pytest.mark.parametrize(
@@ -283,7 +282,8 @@ def test_the_demo_budget_follows_the_version_and_explicit_values_win():
 
 
 def variable_length_examples(n: int = 7):
-    """`n` rows of 5, 7, 9, ... random tokens (conversations: no two of one length), their loss masks all 1."""
+    """`n` rows of 5, 7, 9, ... random tokens (conversations: no two of one length), their loss masks all
+    1."""
     gen = torch.Generator().manual_seed(4)
     return examples_from_lists([torch.randint(3, 90, (5 + 2 * i,), generator=gen).tolist() for i in range(n)])
 

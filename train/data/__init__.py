@@ -1,1 +1,2 @@
-"""What training reads: dataset records, examples, packing, the target's feature cache and draft vocabularies."""
+"""What training reads: dataset records, examples, packing, the target's feature cache and draft
+vocabularies."""

@@ -1,7 +1,8 @@
 """Bits per byte of a target on the demo corpus's test split (or any texts): how well it models the text.
 
     python train/data/bits_per_byte.py --model demo
-    python train/data/bits_per_byte.py --heads outputs/medusa2-demo     # the adapted target Medusa-2 heads decode with
+    python train/data/bits_per_byte.py --heads outputs/medusa2-demo
+        # the adapted target Medusa-2 heads decode with
 
 Medusa-2 changes the target; this is the check that it still predicts text as well as the original did.
 The model reads the texts as one stream (EOS between files) in windows of `seq_len` tokens, in float32

@@ -1,8 +1,9 @@
-"""`selfspec draft-vocab`: restrict an EAGLE-1/2 drafter to a dataset's most frequent trained-on tokens, or to a
-published FR-Spec token map, without training.
+"""`selfspec draft-vocab`: restrict an EAGLE-1/2 drafter to a dataset's most frequent trained-on tokens, or to
+a published FR-Spec token map, without training.
 
-It counts a dataset's tokens as training reads them (train.data, train.vocabulary, train.eagle's default size), so it
-lives in train/, not infer/ (which never imports train); selfspec/cli.py adds it to the `selfspec` command.
+It counts a dataset's tokens as training reads them (train.data, train.vocabulary, train.eagle's default
+size), so it lives in train/, not infer/ (which never imports train); selfspec/cli.py adds it to the
+`selfspec` command.
 """
 
 from __future__ import annotations
@@ -98,8 +99,9 @@ def cmd_draft_vocab(args: argparse.Namespace) -> None:
 
 
 def _token_map_ids(path: str, vocab: int, size: int | None, widest: int) -> tuple[torch.Tensor, str]:
-    """The target ids of an FR-Spec / SGLang token map (a torch-saved list or tensor of token ids, most frequent
-    first), its first `size` when given; at least `widest`, the tokens the drafter's tree takes per node."""
+    """The target ids of an FR-Spec / SGLang token map (a torch-saved list or tensor of token ids, most
+    frequent first), its first `size` when given; at least `widest`, the tokens the drafter's tree takes per
+    node."""
     from selfspec.heads.formats.eagle import read_token_map
 
     ids = read_token_map(path, vocab)[:size]
@@ -112,8 +114,8 @@ def _token_map_ids(path: str, vocab: int, size: int | None, widest: int) -> tupl
 
 
 def _frequent_ids(args: argparse.Namespace, config: HeadsConfig, widest: int) -> tuple[torch.Tensor, str]:
-    """The `--size` most frequent trained-on tokens of `--dataset`, read with the target's tokenizer (checked to
-    fit the drafter before any counting), and what share of the dataset's tokens they cover."""
+    """The `--size` most frequent trained-on tokens of `--dataset`, read with the target's tokenizer (checked
+    to fit the drafter before any counting), and what share of the dataset's tokens they cover."""
     from transformers import AutoConfig, AutoTokenizer
 
     from selfspec.shipped.models import resolve_model

@@ -52,8 +52,8 @@ def target_features(
 def batch_features(
     target, batch: dict[str, torch.Tensor], layers: list[int] | None, timer: StepTimer = OFF
 ) -> torch.Tensor:
-    """A batch's target features (see `target_features`): read from the batch when cached on disk, else computed
-    (its target forward timed as the "target" section), for padded or packed rows alike."""
+    """A batch's target features (see `target_features`): read from the batch when cached on disk, else
+    computed (its target forward timed as the "target" section), for padded or packed rows alike."""
     if "features" in batch:
         return batch["features"]
     with timer.section("target"):
@@ -72,8 +72,8 @@ def write_features(
     world: int = 1,
     batch_size: int = 16,
 ) -> tuple[Path, int]:
-    """Write rank `rank` of `world`'s share of the target's features of `examples` (train/data/features.py), keyed
-    by the target's weights, the data, the layers and the dtype; rank 0 first prints the size on disk.
+    """Write rank `rank` of `world`'s share of the target's features of `examples` (train/data/features.py),
+    keyed by the target's weights, the data, the layers and the dtype; rank 0 first prints the size on disk.
     Returns the cache folder and its examples per shard."""
     width = target.config.get_text_config().hidden_size * (len(layers) + 1 if layers else 1)
     dtype = next(target.parameters()).dtype
@@ -91,9 +91,9 @@ def write_features(
         tokens = int(lengths.sum())
         gb = tokens * width * torch.finfo(dtype).bits / 8 / 1e9
         print(
-            f"caching target features for {name}: {n} examples, {tokens} tokens x {width} ({dtype}) = {gb:.3f} GB "
-            f"on disk at {folder}, {shard_count(n, size)} shards of {size} examples written by {world} "
-            f"process(es); {len(missing)} to write"
+            f"caching target features for {name}: {n} examples, {tokens} tokens x {width} ({dtype}) = "
+            f"{gb:.3f} GB on disk at {folder}, {shard_count(n, size)} shards of {size} examples written by "
+            f"{world} process(es); {len(missing)} to write"
         )
 
     def compute(start: int, stop: int) -> Iterator[torch.Tensor]:
@@ -127,8 +127,8 @@ def cached_features(
     folder, size = write_features(cfg, target, examples, name, layers, rank, world)
     if wait is not None:
         wait()
-        # machines that do not share the cache folder: each computes the shards its disk still lacks (none on a
-        # shared folder, where every rank's shards are complete now)
+        # machines that do not share the cache folder: each computes the shards its disk still lacks (none on
+        # a shared folder, where every rank's shards are complete now)
         folder, size = write_features(cfg, target, examples, name, layers, 0, 1)
     return Examples(examples.rows, examples.key, FeatureShards(folder, len(examples), size))
 

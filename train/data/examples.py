@@ -1,13 +1,13 @@
 """Datasets -> variable-length examples of token ids with a loss mask, memory-mapped from disk.
 
-A source's records (train/data/records.py) are tokenised: text is packed into blocks, conversations are rendered
-with the tokenizer's chat template (loss on assistant turns only). A folder written by train/regenerate.py
-whose tokens come from the same tokenizer gives its rows' exact tokens and loss masks, one example per row
-(cut to max_length). Records stream from the files into an Arrow file (a `.jsonl` line at a time), are
-tokenised with `datasets.map` a batch at a time, and the examples are saved as a `datasets.Dataset` under the
-cache folder, keyed by the source, its files' sizes and times, the tokenizer and max_length; later runs
-memory-map it, so RAM does not grow with the data. Rows are stored unpadded; `pad_batch` pads each batch to
-its own longest row.
+A source's records (train/data/records.py) are tokenised: text is packed into blocks, conversations are
+rendered with the tokenizer's chat template (loss on assistant turns only). A folder written by
+train/regenerate.py whose tokens come from the same tokenizer gives its rows' exact tokens and loss masks, one
+example per row (cut to max_length). Records stream from the files into an Arrow file (a `.jsonl` line at a
+time), are tokenised with `datasets.map` a batch at a time, and the examples are saved as a `datasets.Dataset`
+under the cache folder, keyed by the source, its files' sizes and times, the tokenizer and max_length; later
+runs memory-map it, so RAM does not grow with the data. Rows are stored unpadded; `pad_batch` pads each batch
+to its own longest row.
 """
 
 from __future__ import annotations
@@ -222,8 +222,8 @@ def regenerated_token_rows(source: str, tokenizer) -> datasets.Dataset | None:
 
 
 def build_token_examples(rows: datasets.Dataset, max_length: int, path: Path) -> datasets.Dataset:
-    """Rows that already hold `input_ids` and `loss_mask` as examples saved at `path`: each row its own example,
-    cut to max_length, dropped when no token of it is trained on."""
+    """Rows that already hold `input_ids` and `loss_mask` as examples saved at `path`: each row its own
+    example, cut to max_length, dropped when no token of it is trained on."""
 
     def cut(batch: dict[str, list]) -> dict[str, list]:
         keep = [i for i, mask in enumerate(batch["loss_mask"]) if any(mask[:max_length])]
@@ -263,8 +263,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def source_fingerprint(source: str, split: str, tokenizer, max_length: int) -> str:
-    """The cache key of a source's examples: the source, its files' sizes and times (a shards folder: its manifest's
-    checksums), the tokenizer, max_length."""
+    """The cache key of a source's examples: the source, its files' sizes and times (a shards folder: its
+    manifest's checksums), the tokenizer, max_length."""
     h = hashlib.sha1(f"{source}|{split}|{max_length}|{tokenizer.name_or_path}|{len(tokenizer)}".encode())
     h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()[:1_000_000])
     h.update(str(getattr(tokenizer, "chat_template", "")).encode())

@@ -1,5 +1,6 @@
-"""Digests of what decides a result: a model's weights (the frozen target, the key of its self-distilled data and
-feature cache) and a run's settings, data and shapes (resuming a run with any of them changed is refused)."""
+"""Digests of what decides a result: a model's weights (the frozen target, the key of its self-distilled data
+and feature cache) and a run's settings, data and shapes (resuming a run with any of them changed is
+refused)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from selfspec.train.parallel.distributed import is_sharded, local_tensor
 
 @torch.no_grad()
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A digest of a model's weights (float64 sums per tensor, read back in one transfer): any update changes it.
-    LoRA adapters (Medusa-2 trains them inside the target) are left out, so the digest of a target with adapters
-    equals that of the target alone. A target sharded over the ranks (--shard_target) is read piece by piece, and
-    every rank must call this then: the pieces' sums are gathered."""
+    """A digest of a model's weights (float64 sums per tensor, read back in one transfer): any update changes
+    it. LoRA adapters (Medusa-2 trains them inside the target) are left out, so the digest of a target with
+    adapters equals that of the target alone. A target sharded over the ranks (--shard_target) is read piece
+    by piece, and every rank must call this then: the pieces' sums are gathered."""
     tensors = [local_tensor(p) for name, p in model.named_parameters() if "lora_" not in name]
     if not tensors:
         return "empty"
@@ -37,10 +38,10 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return hashlib.sha1(repr(sums.cpu().tolist()).encode()).hexdigest()[:16]
 
 
-# options a resumed run may change: where and how often to write, log and validate, how long to train (a run may
-# be extended or cut; the schedule then follows the new length, which resuming notes), where the data is (its cache
-# key stands for it), speed and memory only, and how the result is stored or its decoding defaults fitted. Every
-# other option is in a run's fingerprint.
+# options a resumed run may change: where and how often to write, log and validate, how long to train (a run
+# may be extended or cut; the schedule then follows the new length, which resuming notes), where the data is
+# (its cache key stands for it), speed and memory only, and how the result is stored or its decoding defaults
+# fitted. Every other option is in a run's fingerprint.
 NOT_FINGERPRINTED = frozenset(
     {
         "output_dir",

@@ -1,4 +1,5 @@
-"""Packing: several examples in one row of at most max_length tokens, attention never crossing their boundaries.
+"""Packing: several examples in one row of at most max_length tokens, attention never crossing their
+boundaries.
 
 A packed row holds examples back to back, with the padding of the batch after the last one:
 
@@ -8,10 +9,11 @@ A packed row holds examples back to back, with the padding of the batch after th
 
 The target runs with those position_ids and no 2D mask: transformers then builds the block-diagonal causal
 mask itself (sdpa, eager, flex; masking_utils.find_packed_sequence_indices) or attends varlen (flash
-attention), exactly as if each example ran alone (tests/training/test_packing.py checks every tested architecture;
-`check_packed_target` checks the run's own target once). The drafters attend through `block_causal_mask`
-of the same seq_ids, and no label is taken from another example (`reaches`). An unpacked batch is the case
-of one example per row: every helper here reads it too (its seq_ids are 0 on tokens, -1 on padding).
+attention), exactly as if each example ran alone (tests/training/test_packing.py checks every tested
+architecture; `check_packed_target` checks the run's own target once). The drafters attend through
+`block_causal_mask` of the same seq_ids, and no label is taken from another example (`reaches`). An unpacked
+batch is the case of one example per row: every helper here reads it too (its seq_ids are 0 on tokens, -1 on
+padding).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from selfspec.train.data.examples import Examples
 
 
 def pack_rows(lengths: np.ndarray, max_length: int, seed: int) -> list[list[int]]:
-    """Greedy best fit in a seeded random order: each example goes into the open row with the least room left that
-    still holds it, else starts a row. Returns each row's example indices, in the order they sit in the row."""
+    """Greedy best fit in a seeded random order: each example goes into the open row with the least room left
+    that still holds it, else starts a row. Returns each row's example indices, in the order they sit in the
+    row."""
     if len(lengths) and int(lengths.max()) > max_length:
         raise ValueError(f"an example of {int(lengths.max())} tokens does not fit a row of {max_length}")
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -49,8 +52,9 @@ def pack_rows(lengths: np.ndarray, max_length: int, seed: int) -> list[list[int]
 
 
 class PackedExamples(torch.utils.data.Dataset):
-    """`examples` packed into rows of at most `max_length` tokens (`pack_rows`, once, seeded): row r concatenates
-    its examples' input_ids, loss_mask (and cached features), with position_ids and seq_ids (module docstring)."""
+    """`examples` packed into rows of at most `max_length` tokens (`pack_rows`, once, seeded): row r
+    concatenates its examples' input_ids, loss_mask (and cached features), with position_ids and seq_ids
+    (module docstring)."""
 
     def __init__(self, examples: Examples, max_length: int, seed: int) -> None:
         self.examples = examples
@@ -112,8 +116,9 @@ def pair_segments(seq: torch.Tensor) -> torch.Tensor:
 
 
 def block_causal_mask(seq: torch.Tensor) -> torch.Tensor:
-    """(B, T) example ids (-1: not a real position) -> boolean (B, 1, T, T) mask (True = visible): causal within
-    each example; every position sees at least itself, so no row is empty (an empty row makes attention NaN)."""
+    """(B, T) example ids (-1: not a real position) -> boolean (B, 1, T, T) mask (True = visible): causal
+    within each example; every position sees at least itself, so no row is empty (an empty row makes attention
+    NaN)."""
     T = seq.shape[1]
     eye = torch.eye(T, dtype=torch.bool, device=seq.device)
     causal = torch.ones(T, T, dtype=torch.bool, device=seq.device).tril()

@@ -2,7 +2,8 @@
 
 Sources: `stdlib` (the demo corpus), a local `.txt` file or folder of text files, `.json`/`.jsonl` with a
 `text` field, ShareGPT `conversations` or OpenAI `messages`, a folder written by `datasets.save_to_disk`
-(such as a finished train/regenerate.py run), or a name for `datasets.load_dataset`. train/data/examples.py tokenises them.
+(such as a finished train/regenerate.py run), or a name for `datasets.load_dataset`. train/data/examples.py
+tokenises them.
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ def iter_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
 
 
 def read_text(path: Path, limit: int | None = None) -> str:
-    """A text file's contents (its first `limit` bytes), refused when it is not text: NUL bytes (a binary file)
-    or more than 1% of its characters undecodable as UTF-8."""
+    """A text file's contents (its first `limit` bytes), refused when it is not text: NUL bytes
+    (a binary file) or more than 1% of its characters undecodable as UTF-8."""
     with open(path, "rb") as f:
         raw = f.read() if limit is None else f.read(limit)
     if b"\0" in raw:
@@ -162,7 +163,8 @@ def check_source(source: str | None) -> None:
 
 
 def is_regenerated_shards(path: Path) -> bool:
-    """Whether `path` is a train/regenerate.py folder in `shards` form (regeneration.json beside manifest.json)."""
+    """Whether `path` is a train/regenerate.py folder in `shards` form (regeneration.json beside
+    manifest.json)."""
     return (path / MANIFEST_FILE).is_file() and (path / REGENERATION_FILE).is_file()
 
 
@@ -233,7 +235,7 @@ def _normalise(record: Any, where: str) -> dict[str, Any]:
     )
 
 
-# ---------------------------------------------------------------- regenerated shards (train/regeneration/shards.py)
+# ---------------------------------------------------------- regenerated shards (train/regeneration/shards.py)
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:

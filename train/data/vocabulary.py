@@ -1,6 +1,6 @@
 """The tokens a drafter works with, chosen from the training data: a draft vocabulary of the most frequent
-loss-bearing tokens (its lm_head started from the target's rows of them), and the mask token of drafters that draft
-from masked positions. Shared by the recipes of every family that needs them."""
+loss-bearing tokens (its lm_head started from the target's rows of them), and the mask token of drafters that
+draft from masked positions. Shared by the recipes of every family that needs them."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from selfspec.train.loop.config import ConfigError
 
 
 def token_counts(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int) -> torch.Tensor:
-    """How often each target token is loss-bearing (vocab_size,), counted over (input_ids, loss_mask) batches of any
-    equal shapes one at a time, never the whole corpus at once."""
+    """How often each target token is loss-bearing (vocab_size,), counted over (input_ids, loss_mask) batches
+    of any equal shapes one at a time, never the whole corpus at once."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for input_ids, loss_mask in batches:
         counts += torch.bincount(input_ids[loss_mask.bool()].flatten().cpu(), minlength=vocab_size)[
@@ -27,9 +27,9 @@ def token_counts(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_siz
 def draft_vocabulary(
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, size: int
 ) -> torch.Tensor:
-    """The `size` most frequent target tokens among the loss-bearing tokens (ties: the lower id), as ids (size,)
-    (see `token_counts`). Tokens never seen fill the rest, lowest ids first, so the vocabulary always has `size`
-    entries."""
+    """The `size` most frequent target tokens among the loss-bearing tokens (ties: the lower id), as ids
+    (size,) (see `token_counts`). Tokens never seen fill the rest, lowest ids first, so the vocabulary always
+    has `size` entries."""
     return most_frequent(token_counts(batches, vocab_size), size)
 
 
@@ -47,9 +47,10 @@ def init_from_target(draft: Any, target) -> None:
 
 
 def choose_mask_token(cfg: Any, tokenizer: Any, train_data: Examples, vocab: int) -> int:
-    """The mask embedding row of a drafter that drafts from masked positions (DFlash, P-EAGLE), for a recipe `cfg`
-    with `mask_token_id`: --mask_token_id; the tokenizer's mask token; a row past the tokenizer's vocabulary;
-    else its highest special token (not BOS or EOS) that no training answer contains, the pad token last."""
+    """The mask embedding row of a drafter that drafts from masked positions (DFlash, P-EAGLE), for a recipe
+    `cfg` with `mask_token_id`: --mask_token_id; the tokenizer's mask token; a row past the tokenizer's
+    vocabulary; else its highest special token (not BOS or EOS) that no training answer contains, the pad
+    token last."""
     if cfg.mask_token_id is not None:
         if not 0 <= cfg.mask_token_id < vocab:
             raise ConfigError(

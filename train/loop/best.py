@@ -1,5 +1,5 @@
-"""Keeping the best validation's weights for a method that names a `best_metric` (higher is better): the weights
-saved at the end are those of the evaluation where it peaked, not the last step's."""
+"""Keeping the best validation's weights for a method that names a `best_metric` (higher is better): the
+weights saved at the end are those of the evaluation where it peaked, not the last step's."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ BEST_PATTERN = "best-step-{}.safetensors"  # in output_dir/checkpoints, next to 
 
 
 class BestWeights:
-    """The best evaluation so far ({"step", "value", "metrics"}, kept in every checkpoint's state for resume) and
-    its weights on disk."""
+    """The best evaluation so far ({"step", "value", "metrics"}, kept in every checkpoint's state for resume)
+    and its weights on disk."""
 
     def __init__(self, metric: str | None, output_dir: Path, record: dict[str, Any] | None = None) -> None:
         self.metric, self.folder = metric, output_dir / "checkpoints"
@@ -36,15 +36,15 @@ class BestWeights:
         self.record = record
 
     def path(self, step: int) -> Path:
-        """The weights of the best evaluation at `step`: one file per best step, so that a resume from an older
-        checkpoint still finds the best its state names."""
+        """The weights of the best evaluation at `step`: one file per best step, so that a resume from an
+        older checkpoint still finds the best its state names."""
         return self.folder / BEST_PATTERN.format(step)
 
     def offer(
         self, accelerator: Accelerator, prepared: torch.nn.Module, step: int, metrics: dict[str, float]
     ) -> None:
-        """After an evaluation on every rank (the metrics agree across ranks): keep these weights if they are the
-        best yet. Gathering them is a collective under ZeRO-3 / FSDP, so every rank calls this."""
+        """After an evaluation on every rank (the metrics agree across ranks): keep these weights if they are
+        the best yet. Gathering them is a collective under ZeRO-3 / FSDP, so every rank calls this."""
         if self.metric is None or self.metric not in metrics:
             return
         if self.record is not None and metrics[self.metric] <= self.record["value"]:
@@ -61,8 +61,8 @@ class BestWeights:
         accelerator.wait_for_everyone()
 
     def restore(self, module: torch.nn.Module, step: int) -> dict[str, float] | None:
-        """Load the best weights into the full module (main process) unless the last step was the best; returns the
-        best evaluation's metrics (None without a record)."""
+        """Load the best weights into the full module (main process) unless the last step was the best;
+        returns the best evaluation's metrics (None without a record)."""
         if self.record is None:
             return None
         if self.record["step"] != step:
@@ -83,7 +83,8 @@ class BestWeights:
         return self.record["metrics"]
 
     def prune(self) -> None:
-        """Delete the best weights that neither this run nor any kept checkpoint names (main process, after a save)."""
+        """Delete the best weights that neither this run nor any kept checkpoint names (main process, after a
+        save)."""
         named = {self.record["step"]} if self.record else set()
         for state in self.folder.glob("step-*/trainer_state.json"):
             best = json.loads(state.read_text()).get("best")

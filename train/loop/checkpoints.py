@@ -58,9 +58,9 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 def prepare_output_dir(
     accelerator: Accelerator, output_dir: Path, resume: str | None, overwrite: bool, model: str | None = None
 ) -> None:
-    """Check the folder is writable, is not the target's own, holds no model or drafter a new run would overwrite,
-    and no other run's checkpoints (they would be mixed up with this run's on resume): refuse, unless `--resume`
-    continues them or `--overwrite_output_dir` deletes them."""
+    """Check the folder is writable, is not the target's own, holds no model or drafter a new run would
+    overwrite, and no other run's checkpoints (they would be mixed up with this run's on resume): refuse,
+    unless `--resume` continues them or `--overwrite_output_dir` deletes them."""
     if accelerator.is_main_process:
         check_writable(output_dir)
         if resume:
@@ -81,12 +81,13 @@ def prepare_output_dir(
         if found and not resume:
             if not overwrite:
                 raise ValueError(
-                    f"{output_dir} already holds checkpoints of an earlier run ({', '.join(p.name for p in found)}): "
-                    "continue it with --resume latest, delete them with --overwrite_output_dir true, or choose "
-                    "another --output_dir"
+                    f"{output_dir} already holds checkpoints of an earlier run "
+                    f"({', '.join(p.name for p in found)}): continue it with --resume latest, delete them "
+                    "with --overwrite_output_dir true, or choose another --output_dir"
                 )
             print(
-                f"--overwrite_output_dir: deleting {len(found)} earlier checkpoint(s) in {output_dir}/checkpoints",
+                f"--overwrite_output_dir: deleting {len(found)} earlier checkpoint(s) in "
+                f"{output_dir}/checkpoints",
                 file=sys.stderr,
             )
             shutil.rmtree(output_dir / "checkpoints")

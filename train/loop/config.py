@@ -67,7 +67,8 @@ def _check_keys(cls: type, keys: list[str], where: str) -> None:
     unknown = [k for k in keys if k not in valid]
     if unknown:
         raise ConfigError(
-            f"unknown key(s) {', '.join(map(repr, unknown))} in {where}. Valid keys: {', '.join(sorted(valid))}"
+            f"unknown key(s) {', '.join(map(repr, unknown))} in {where}. Valid keys: "
+            f"{', '.join(sorted(valid))}"
         )
 
 
@@ -106,7 +107,8 @@ def help_text(cls: type, prog: str) -> str:
         "",
         (cls.__doc__ or "").strip(),
         "",
-        "options (shown with their defaults; a YAML given with --config sets them too, the command line wins):",
+        "options (shown with their defaults; a YAML given with --config sets them too, the command line "
+        "wins):",
         f"  {'--config FILE.yaml'.ljust(width)}a run config (see configs/); keys are the options below",
     ]
     lines += [f"  {left.ljust(width)}{meaning}" for left, meaning in rows]

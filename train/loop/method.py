@@ -1,9 +1,9 @@
 """The contract between the training loop and a recipe's method: what each side hands the other.
 
-The loop builds nothing of the method's and sets nothing on it. It calls `start(run)` once, after the engine has
-wrapped the trainable module (DDP, DeepSpeed, FSDP2), then `loss(batch, step)` per micro-batch and `evaluate`
-at validation, and finally `save(module, ...)` with the trained module gathered whole. `MethodBase` gives the
-defaults every recipe shares.
+The loop builds nothing of the method's and sets nothing on it. It calls `start(run)` once, after the engine
+has wrapped the trainable module (DDP, DeepSpeed, FSDP2), then `loss(batch, step)` per micro-batch and
+`evaluate` at validation, and finally `save(module, ...)` with the trained module gathered whole. `MethodBase`
+gives the defaults every recipe shares.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from selfspec.train.loop.step_timer import OFF, StepTimer
 @dataclasses.dataclass(frozen=True)
 class RunContext:
     """What the loop prepared for the run: the trainable module as the engine wrapped it (call this one in the
-    loss: DDP and DeepSpeed synchronise through it), how ranks agree on per-call counts under ZeRO-3/FSDP (None
-    elsewhere; train.distributed.max_over_ranks), and the timer the step's parts are timed with."""
+    loss: DDP and DeepSpeed synchronise through it), how ranks agree on per-call counts under ZeRO-3/FSDP
+    (None elsewhere; train.distributed.max_over_ranks), and the timer the step's parts are timed with."""
 
     module: torch.nn.Module
     agree: Callable[[list[int]], list[int]] | None = None
@@ -31,8 +31,8 @@ class RunContext:
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
-    """Where the run is: the optimizer step being taken (0-based) of `total_steps` (losses that change over the
-    run read it: Medusa-2's heads weight)."""
+    """Where the run is: the optimizer step being taken (0-based) of `total_steps` (losses that change over
+    the run read it: Medusa-2's heads weight)."""
 
     step: int = 0
     total_steps: int = 1
@@ -42,8 +42,8 @@ FIRST_STEP = StepContext()  # what a loss called outside the loop (a test) is at
 
 
 class StepOutput(NamedTuple):
-    """A micro-batch's loss to backpropagate (its gradient is the objective's) and detached scalars to log (read
-    only at logging steps: no sync per step)."""
+    """A micro-batch's loss to backpropagate (its gradient is the objective's) and detached scalars to log
+    (read only at logging steps: no sync per step)."""
 
     loss: torch.Tensor
     logs: dict[str, torch.Tensor]
@@ -81,9 +81,9 @@ class Method(Protocol):
 
 
 class MethodBase:
-    """Defaults of `Method`: every trainable parameter at one learning rate, the last weights kept, and the run's
-    context read through `module`, `agree` and `timer` (before `start`: the bare module, no agreement, no timing,
-    as a test calling `loss` directly has it)."""
+    """Defaults of `Method`: every trainable parameter at one learning rate, the last weights kept, and the
+    run's context read through `module`, `agree` and `timer` (before `start`: the bare module, no agreement,
+    no timing, as a test calling `loss` directly has it)."""
 
     label = "drafter"
     best_metric: str | None = None

@@ -1,7 +1,8 @@
-"""Which mixed precision a run gets: `--mixed_precision auto` takes bf16 only where bf16 matmuls are fast (a CUDA
-GPU with bf16, or a CPU with AMX tiles) and float32 elsewhere. On CPUs without AMX, bf16 matmuls run on emulated
-or narrow units: 1.7x slower than float32 on an AVX512-BF16 Xeon and 60x on an AVX2 EPYC (docs/results/precision.md),
-so a bf16 default there trains a wall-clock-capped recipe several times less far, silently."""
+"""Which mixed precision a run gets: `--mixed_precision auto` takes bf16 only where bf16 matmuls are fast (a
+CUDA GPU with bf16, or a CPU with AMX tiles) and float32 elsewhere. On CPUs without AMX, bf16 matmuls run on
+emulated or narrow units: 1.7x slower than float32 on an AVX512-BF16 Xeon and 60x on an AVX2 EPYC
+(docs/results/precision.md), so a bf16 default there trains a wall-clock-capped recipe several times less far,
+silently."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 
 def bf16_is_fast() -> tuple[bool, str]:
-    """Whether this machine's training device runs bf16 matmuls faster than float32, and why, in a few words."""
+    """Whether this machine's training device runs bf16 matmuls faster than float32, and why, in a few
+    words."""
     if torch.cuda.is_available():
         if torch.cuda.is_bf16_supported():
             return True, f"the GPU ({torch.cuda.get_device_name()}) has bf16 units"
@@ -31,7 +33,8 @@ def resolve_precision(requested: str) -> str:
 
 
 def bf16_slowdown(size: int = 256, repeats: int = 3) -> float:
-    """How many times slower a bf16 matmul of (size, size) runs than float32 on this CPU (best of `repeats`)."""
+    """How many times slower a bf16 matmul of (size, size) runs than float32 on this CPU (best of
+    `repeats`)."""
     best = {}
     for dtype in (torch.float32, torch.bfloat16):
         a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)

@@ -1,4 +1,5 @@
-"""Where a training step's time goes: the frozen target's forward, the drafter's forward + backward, the optimizer.
+"""Where a training step's time goes: the frozen target's forward, the drafter's forward + backward, the
+optimizer.
 
 The loop times its sections and hands the timer to the method (`method.timer`), which puts `section("target")`
 around its target forward. On CPU a section adds wall time as it ends. On CUDA it records a pair of events on
@@ -70,8 +71,8 @@ def step_report(seconds: dict[str, float], steps: int, tokens: int, slots: int, 
     target, both, opt = per.get("target", 0.0), per.get("forward_backward", 0.0), per.get("optimizer", 0.0)
     return (
         f"throughput: {tokens / max(busy, 1e-9):,.0f} tok/s, padding {padding(tokens, slots):.1%}; step time "
-        f"{both + opt:.0f} ms: target forward {target:.0f} ms, drafter forward+backward {both - target:.0f} ms, "
-        f"optimizer {opt:.0f} ms"
+        f"{both + opt:.0f} ms: target forward {target:.0f} ms, drafter forward+backward {both - target:.0f} "
+        f"ms, optimizer {opt:.0f} ms"
     )
 
 

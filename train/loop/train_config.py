@@ -1,5 +1,5 @@
-"""The options every drafter recipe shares (TrainConfig, which MedusaConfig and EagleConfig extend), each value
-checked when the config is built, before any model loads."""
+"""The options every drafter recipe shares (TrainConfig, which MedusaConfig and EagleConfig extend), each
+value checked when the config is built, before any model loads."""
 
 from __future__ import annotations
 

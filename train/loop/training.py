@@ -144,8 +144,8 @@ class Run:
 def train(
     cfg: TrainConfig, accelerator: Accelerator, method: Method, train_data: Examples, eval_data: Examples
 ) -> tuple[list[tuple[int, dict[str, float]]], torch.nn.Module]:
-    """Run the loop: set up, resume, take the steps, finish. Returns the validation history [(step, metrics)] and
-    the trained module (unwrapped from accelerate); `method.save` has written the result."""
+    """Run the loop: set up, resume, take the steps, finish. Returns the validation history [(step, metrics)]
+    and the trained module (unwrapped from accelerate); `method.save` has written the result."""
     run = set_up(cfg, accelerator, method, train_data, eval_data)
     resume(run)
     take_steps(run)
@@ -166,8 +166,8 @@ def set_up(
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         weight_decay=cfg.weight_decay,
     )
-    # packed rows (train/data/packing.py) for training; validation reads one example per row, so its numbers stay
-    # comparable between packed and unpacked runs
+    # packed rows (train/data/packing.py) for training; validation reads one example per row, so its numbers
+    # stay comparable between packed and unpacked runs
     rows = PackedExamples(train_data, cfg.max_length, cfg.seed) if cfg.packing else train_data
     if cfg.packing:
         check_packed_target(method.target)
@@ -178,9 +178,9 @@ def set_up(
     per_epoch = len(loader) // (cfg.gradient_accumulation_steps * accelerator.num_processes)
     if per_epoch == 0:
         raise ValueError(
-            f"{len(rows)} training {'rows' if cfg.packing else 'examples'} make no full optimizer step at batch size "
-            f"{cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} accumulation x "
-            f"{accelerator.num_processes} processes: add data or lower the batch size"
+            f"{len(rows)} training {'rows' if cfg.packing else 'examples'} make no full optimizer step at "
+            f"batch size {cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} accumulation "
+            f"x {accelerator.num_processes} processes: add data or lower the batch size"
         )
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(per_epoch * cfg.num_epochs)
     ticks = scheduler_steps_per_update(accelerator)  # the prepared scheduler's steps per optimizer step
@@ -203,8 +203,9 @@ def set_up(
         f"training {sum(p.numel() for p in params) / 1e6:.2f} M parameters for {total} steps "
         f"({len(train_data)} examples of up to {cfg.max_length} tokens"
         f"{f' packed into {len(rows)} rows' if cfg.packing else ''}, {per_epoch} steps per epoch); "
-        f"global batch {global_batch} = {cfg.per_device_train_batch_size} per device x {accelerator.num_processes} "
-        f"processes x {cfg.gradient_accumulation_steps} accumulation; {engine_name(accelerator)}"
+        f"global batch {global_batch} = {cfg.per_device_train_batch_size} per device x "
+        f"{accelerator.num_processes} processes x {cfg.gradient_accumulation_steps} accumulation; "
+        f"{engine_name(accelerator)}"
     )
     return Run(
         cfg,
@@ -223,8 +224,8 @@ def set_up(
 
 
 def resume(run: Run) -> None:
-    """Continue from `--resume`'s checkpoint (the same run: checked) with its weights, optimizer, schedule, RNG
-    and data position; a fresh run validates once first (step 0)."""
+    """Continue from `--resume`'s checkpoint (the same run: checked) with its weights, optimizer, schedule,
+    RNG and data position; a fresh run validates once first (step 0)."""
     cfg, accelerator = run.cfg, run.accelerator
     resume_from = find_resume(cfg.resume, Path(cfg.output_dir))
     if resume_from is not None:
@@ -235,8 +236,8 @@ def resume(run: Run) -> None:
         run.step, run.epoch, run.batches_done = state["step"], state["epoch"], state["batches_done"]
         if state.get("total_steps", run.total) != run.total and accelerator.is_main_process:
             print(
-                f"note: resuming a run of {state['total_steps']} steps as one of {run.total}: the learning-rate "
-                "schedule (and Medusa-2's heads weight) follows the new length from here",
+                f"note: resuming a run of {state['total_steps']} steps as one of {run.total}: the "
+                "learning-rate schedule (and Medusa-2's heads weight) follows the new length from here",
                 file=sys.stderr,
             )
         run.run_id = state.get("run_id", run.run_id)
@@ -394,9 +395,9 @@ def finish(run: Run) -> torch.nn.Module:
 def cut_short(step: int, total: int, minutes: float) -> str:
     """What a run stopped by its time budget says: how far it got of what it planned, and how to go on."""
     return (
-        f"stopping at step {step} of {total} ({step / total:.0%}): the {minutes:g}-minute budget (--max_minutes) is "
-        "spent, so the drafter saved is trained that far only; --resume latest --max_minutes 0 goes on to the "
-        "planned steps"
+        f"stopping at step {step} of {total} ({step / total:.0%}): the {minutes:g}-minute budget "
+        "(--max_minutes) is spent, so the drafter saved is trained that far only; --resume latest "
+        "--max_minutes 0 goes on to the planned steps"
     )
 
 
@@ -417,7 +418,8 @@ def batches_keeping_rng(loader: DataLoader):
 
 
 def save_recipe(cfg: TrainConfig, output_dir: Path) -> None:
-    """The run's options (and its command, when launched as a script) next to the heads, for their model card."""
+    """The run's options (and its command, when launched as a script) next to the heads, for their model
+    card."""
     recipe = dataclasses.asdict(cfg)
     script = Path(sys.argv[0])
     if script.parent.name == "train" and script.suffix == ".py":

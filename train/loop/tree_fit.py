@@ -1,5 +1,6 @@
-"""The end of a feature drafter's run (EAGLE-1/2/3, P-EAGLE, DFlash): its decoding tree fitted to this machine by
-decoding validation prompts, stored in its config, and the drafter saved with its validation on the card."""
+"""The end of a feature drafter's run (EAGLE-1/2/3, P-EAGLE, DFlash): its decoding tree fitted to this machine
+by decoding validation prompts, stored in its config, and the drafter saved with its validation on the
+card."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def fit_dynamic_tree(
     new_tokens: int,
     title: str,
 ) -> dict:
-    """Greedy decoding of `prompts` with each (depth, top_k, total_tokens) of `grid`; the fastest, printed as a
-    table under `title`."""
+    """Greedy decoding of `prompts` with each (depth, top_k, total_tokens) of `grid`; the fastest, printed as
+    a table under `title`."""
     param = next(target.parameters())
     draft = copy.deepcopy(draft).to(dtype=param.dtype).eval()  # as decoding runs it
     best, rows = tune_eagle(target, draft, prompts, grid, new_tokens)
@@ -40,8 +41,9 @@ def save_with_tree(
     fit: Callable[[], dict] | None,
     fallback: dict | None = None,
 ) -> None:
-    """Store the tree (the recipe's depth/top_k/total_tokens when all are set, else `fit()`'s, else `fallback`, else
-    the drafter's own) in its config and save it, the card naming the validation `summary` and the tree."""
+    """Store the tree (the recipe's depth/top_k/total_tokens when all are set, else `fit()`'s, else
+    `fallback`, else the drafter's own) in its config and save it, the card naming the validation `summary`
+    and the tree."""
     if cfg.depth and cfg.top_k and cfg.total_tokens:
         best = {"depth": cfg.depth, "top_k": cfg.top_k, "total_tokens": cfg.total_tokens}
     elif fit is not None:

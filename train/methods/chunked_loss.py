@@ -1,5 +1,6 @@
-"""What every drafter's training loss shares: the labels a step ahead, and the loss over a vocabulary projection
-computed a bounded chunk of positions at a time (with the same number of projection calls on every rank)."""
+"""What every drafter's training loss shares: the labels a step ahead, and the loss over a vocabulary
+projection computed a bounded chunk of positions at a time (with the same number of projection calls on every
+rank)."""
 
 from __future__ import annotations
 
@@ -59,9 +60,9 @@ def chunks(rows: tuple[torch.Tensor, ...], chunk: int, calls: int = 0) -> list[t
 def agreed_calls(
     rows: list[int], chunk: int, agree: Callable[[torch.Tensor], torch.Tensor] | None
 ) -> list[int]:
-    """Per group of rows, how many chunks to project (at least one): this rank's own count, or under ZeRO-3/FSDP
-    (`agree`, train.distributed.max_over_ranks) the largest over ranks, so every rank calls the drafter's own
-    projection equally often."""
+    """Per group of rows, how many chunks to project (at least one): this rank's own count, or under
+    ZeRO-3/FSDP (`agree`, train.distributed.max_over_ranks) the largest over ranks, so every rank calls the
+    drafter's own projection equally often."""
     counts = torch.tensor([max(1, chunk_count(n, chunk)) for n in rows])
     return (agree(counts) if agree is not None else counts).tolist()
 

@@ -79,8 +79,9 @@ class DFlashMethod(MethodBase):
         return self.objective.loss(outputs, batch, anchors, real, feats[..., -self.lm_head.weight.shape[1] :])
 
     def streaks(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block at every position of the batch (`anchors` per drafter call) -> each one's streak (B, T) (leading
-        positions whose top-1 is the target's; −1: no block there) and the metric sums of DFlashLoss.metrics."""
+        """A block at every position of the batch (`anchors` per drafter call) -> each one's streak (B, T)
+        (leading positions whose top-1 is the target's; −1: no block there) and the metric sums of
+        DFlashLoss.metrics."""
         feats, carries = self._features(batch), anchor_carries(batch)
         last = feats[..., -self.lm_head.weight.shape[1] :]
         B, T = carries.shape
@@ -120,7 +121,8 @@ class DFlashMethod(MethodBase):
         return metrics | {f"pos{j + 1}_top1": float(top[j]) for j in range(D)}
 
     def save(self, draft: DFlashDraft, output_dir: Path, metrics: dict[str, float]) -> None:
-        """Fit the chain or tree here (unless the recipe sets it; without prompts: the block's chain) and save."""
+        """Fit the chain or tree here (unless the recipe sets it; without prompts: the block's chain) and
+        save."""
         cfg = self.cfg
         fit = (
             (

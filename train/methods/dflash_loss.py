@@ -33,8 +33,8 @@ def sample_anchors(
     carries: torch.Tensor, count: int, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `count` random anchors per row among the positions a whose next token carries a loss
-    (`carries` (B, T) bool at a), without repeats -> anchors (B, N) and whether each is real (B, N), N = min(count,
-    T); a row with fewer candidates fills the rest with position 1, marked not real."""
+    (`carries` (B, T) bool at a), without repeats -> anchors (B, N) and whether each is real (B, N), N =
+    min(count, T); a row with fewer candidates fills the rest with position 1, marked not real."""
     B, T = carries.shape
     n = min(count, T)
     noise = torch.rand(B, T, device=carries.device, generator=generator)
@@ -44,8 +44,8 @@ def sample_anchors(
 
 
 def anchor_carries(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(B, T) bool: anchor a (at position >= 1 of its example, so the block has context) predicts a loss-bearing
-    x_{a+1} of its example."""
+    """(B, T) bool: anchor a (at position >= 1 of its example, so the block has context) predicts a
+    loss-bearing x_{a+1} of its example."""
     carries = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)
     carries[:, :-1] = batch["loss_mask"][:, 1:].bool()
     return carries & reaches(segments(batch), 1) & (positions(batch) >= 1)
@@ -74,8 +74,8 @@ def decay_weights(block: int, gamma: float, device: torch.device) -> torch.Tenso
 
 
 def dpace_weights(losses: torch.Tensor, counts: torch.Tensor, alpha: float) -> torch.Tensor:
-    """D-PACE weights (..., Bk − 1) from per-position losses where `counts`: q̃_i = (1 − α) exp(−loss_i) + α (0 where
-    a position has no label, ending the prefix), w_j = Σ_{m>=j} Π_{i<=m} q̃_i. Detached."""
+    """D-PACE weights (..., Bk − 1) from per-position losses where `counts`: q̃_i = (1 − α) exp(−loss_i) + α
+    (0 where a position has no label, ending the prefix), w_j = Σ_{m>=j} Π_{i<=m} q̃_i. Detached."""
     q = torch.where(counts, (1 - alpha) * torch.exp(-losses.detach()) + alpha, 0.0)
     prefix = torch.cumprod(q, dim=-1)
     return prefix.flip(-1).cumsum(-1).flip(-1)
@@ -83,7 +83,8 @@ def dpace_weights(losses: torch.Tensor, counts: torch.Tensor, alpha: float) -> t
 
 class DFlashLoss:
     """The loss and validation sums for one batch of block outputs. `lm_head` is the target's frozen head; the
-    outputs' label rows are projected onto the vocabulary `chunk` rows at a time (checkpointed with gradients)."""
+    outputs' label rows are projected onto the vocabulary `chunk` rows at a time (checkpointed with
+    gradients)."""
 
     def __init__(
         self,
@@ -103,8 +104,8 @@ class DFlashLoss:
         return self.lm_head(rows.to(self.lm_head.weight.dtype)).float()
 
     def _per_row(self, out: torch.Tensor, label: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
-        """Each row's loss (C,): cross-entropy with its label token, or KL from the target's distribution at the
-        target's states (C, H) that predict it."""
+        """Each row's loss (C,): cross-entropy with its label token, or KL from the target's distribution at
+        the target's states (C, H) that predict it."""
         return self._loss_of(self.logits(out), label, target)
 
     def _loss_of(
@@ -134,8 +135,8 @@ class DFlashLoss:
         real: torch.Tensor,
         last: torch.Tensor | None,
     ):
-        """The label rows: block outputs (R, H), label tokens (R,), the target's states before each label (R, H)
-        (KL only, else (R, 0)) and where each row sits in counts (B, N, Bk − 1)."""
+        """The label rows: block outputs (R, H), label tokens (R,), the target's states before each label
+        (R, H) (KL only, else (R, 0)) and where each row sits in counts (B, N, Bk − 1)."""
         labels, counts = block_labels(batch, anchors, real, self.block)
         b, n, j = counts.nonzero(as_tuple=True)
         out = outputs[b, n, j + 1]
@@ -150,8 +151,8 @@ class DFlashLoss:
         real: torch.Tensor,
         last: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """outputs (B, N, Bk, H) of `DFlashDraft.packed`, the batch, its anchors (B, N) and which are real, the
-        target's last hidden states (B, T, H) for KL -> the weighted mean loss and its logs."""
+        """outputs (B, N, Bk, H) of `DFlashDraft.packed`, the batch, its anchors (B, N) and which are real,
+        the target's last hidden states (B, T, H) for KL -> the weighted mean loss and its logs."""
         out, label, target, counts = self.rows(outputs, batch, anchors, real, last)
         per = None
         if self.weighting != "decay":
@@ -188,10 +189,10 @@ class DFlashLoss:
         last: torch.Tensor,
         target_next: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validation sums (float64): [loss sum, 1, hits per position (Bk − 1), counted per position (Bk − 1)], and
-        each block's streak (B, N): its leading right positions, −1 where its first drafted position has no
-        label. A position is right when the drafter's top-1 is the target's own next token (its argmax at the
-        position before)."""
+        """Validation sums (float64): [loss sum, 1, hits per position (Bk − 1), counted per position
+        (Bk − 1)], and each block's streak (B, N): its leading right positions, −1 where its first drafted
+        position has no label. A position is right when the drafter's top-1 is the target's own next token
+        (its argmax at the position before)."""
         out, label, target, counts = self.rows(outputs, batch, anchors, real, last)
         losses, guesses = [out.new_zeros(0)], [label[:0]]
         for o, lab, t in chunks((out, label, target), self.chunk):  # one projection per row for both
@@ -215,8 +216,8 @@ class DFlashLoss:
 
 
 def walk(row: list[int]) -> list[tuple[int, int]]:
-    """Teacher-forced chain decoding of one sequence from its block streaks at every anchor (−1 where no block is
-    drafted) -> the (anchor, streak) of each draft step. As decoding does, the first block of a generated
+    """Teacher-forced chain decoding of one sequence from its block streaks at every anchor (−1 where no block
+    is drafted) -> the (anchor, streak) of each draft step. As decoding does, the first block of a generated
     stretch sits one past its first anchor (the target's own forward gave that token), and a step at anchor a
     accepts its streak plus the target's token, so the next step is at a + streak + 1."""
     steps, a, fresh = [], 0, True

@@ -71,8 +71,8 @@ class EagleMethod(MethodBase):
         return self.lm_head(features.to(self.lm_head.weight.dtype)).float()
 
     def _ranked(self, logits: torch.Tensor) -> torch.Tensor:
-        """The drafter's RANKS best target tokens per row (C, RANKS): among its draft vocabulary when it has one,
-        since it never drafts the others."""
+        """The drafter's RANKS best target tokens per row (C, RANKS): among its draft vocabulary when it has
+        one, since it never drafts the others."""
         if self.draft_ids is None:
             return logits.topk(RANKS, dim=-1).indices
         ids = self.draft_ids.to(logits.device)
@@ -89,8 +89,9 @@ class EagleMethod(MethodBase):
         return -(p * self.logits(pred).log_softmax(-1)).sum()
 
     def _eval_sums(self, pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
-        """(3 + RANKS,) float64 for a chunk of pairs: feature regression (mean over H, summed over pairs), soft
-        cross-entropy, pairs, and how often the target's top token is the drafter's r-th choice (r < RANKS)."""
+        """(3 + RANKS,) float64 for a chunk of pairs: feature regression (mean over H, summed over pairs),
+        soft cross-entropy, pairs, and how often the target's top token is the drafter's r-th choice
+        (r < RANKS)."""
         target, logits = self.logits(true), self.logits(pred)  # (C, V) each
         reg = F.smooth_l1_loss(pred.float(), true.float(), reduction="none").mean(-1).sum()
         cls = -(target.softmax(-1) * logits.log_softmax(-1)).sum()
@@ -120,7 +121,8 @@ class EagleMethod(MethodBase):
         batches: list[dict[str, torch.Tensor]],
         total: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> dict[str, float]:
-        """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share)."""
+        """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its
+        share)."""
         sums = torch.zeros(3 + RANKS, dtype=torch.float64, device=self.lm_head.weight.device)
         for batch in batches:
             sums += chunked_sum(self._eval_sums, self._predict(batch, 0.0), self.chunk)
@@ -157,7 +159,8 @@ class EagleMethod(MethodBase):
 
 
 class Eagle3Method(EagleMethod):
-    """EAGLE-3: the training-time test over fused features (heads/eagle3.py, train/methods/step_loss.py); tree fitting and saving as EAGLE."""
+    """EAGLE-3: the training-time test over fused features (heads/eagle3.py, train/methods/step_loss.py); tree
+    fitting and saving as EAGLE."""
 
     label = "the EAGLE-3 drafter"
 

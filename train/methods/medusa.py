@@ -1,5 +1,5 @@
-"""The Medusa heads' training method: per-head loss over chunked vocabulary projections (methods/chunked_loss.py),
-and validation of the rank paths that the saved tree is fitted to."""
+"""The Medusa heads' training method: per-head loss over chunked vocabulary projections
+(methods/chunked_loss.py), and validation of the rank paths that the saved tree is fitted to."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ JOINT_BINS = 2**20  # at most this many rank vectors counted in validation (the 
 
 
 def measured_paths(metrics: dict[str, float]) -> dict[tuple[int, ...], float]:
-    """The rank paths validation counted (`MedusaMethod.evaluate`), from its metrics: path -> how often it was right."""
+    """The rank paths validation counted (`MedusaMethod.evaluate`), from its metrics: path -> how often it was
+    right."""
     return {
         tuple(int(r) for r in key[len(PATH_PREFIX) :].split(".")): value
         for key, value in metrics.items()
@@ -45,8 +46,8 @@ def measured_paths(metrics: dict[str, float]) -> dict[tuple[int, ...], float]:
 
 
 def joint_width(num_heads: int) -> int:
-    """The ranks told apart per head when validation counts the heads' rank vectors: RANKS, fewer for many heads
-    so that (width + 1) ** num_heads bins stay within JOINT_BINS; 0 past 20 heads (not counted)."""
+    """The ranks told apart per head when validation counts the heads' rank vectors: RANKS, fewer for many
+    heads so that (width + 1) ** num_heads bins stay within JOINT_BINS; 0 past 20 heads (not counted)."""
     width = 0
     while width < RANKS and (width + 2) ** num_heads <= JOINT_BINS:
         width += 1
@@ -67,7 +68,8 @@ class MedusaMethod(MethodBase):
     def _features(
         self, batch: dict[str, torch.Tensor], some: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The target's last hidden states (B, T, H) and the K heads' features at the `some` positions (M, H)."""
+        """The target's last hidden states (B, T, H) and the K heads' features at the `some` positions
+        (M, H)."""
         hidden = self._hidden(batch)
         return hidden, self.module(hidden[some], project=False)  # one call through the (wrapped) heads
 
@@ -81,9 +83,9 @@ class MedusaMethod(MethodBase):
     def _per_head(
         self, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor, int]]]:
-        """The target's hidden states (B, T, H), and per head k: its features at its loss positions only (M_k, H),
-        before any vocabulary projection (done chunk by chunk in `_logits`), the labels (M_k,), and how many chunks
-        to project them in."""
+        """The target's hidden states (B, T, H), and per head k: its features at its loss positions only
+        (M_k, H), before any vocabulary projection (done chunk by chunk in `_logits`), the labels (M_k,), and
+        how many chunks to project them in."""
         seq = segments(batch)
         masks = [labels_ahead(batch["input_ids"], batch["loss_mask"], k, seq) for k in range(self.num_heads)]
         some = torch.stack([mask for _, mask in masks]).any(0)  # (B, T): positions some head learns from
@@ -139,9 +141,9 @@ class MedusaMethod(MethodBase):
         batches: list[dict[str, torch.Tensor]],
         total: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> dict[str, float]:
-        """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share). They
-        include how often each of the most frequent rank paths of the heads was right (`measured_paths`), which
-        the saved tree is fitted to."""
+        """Validation metrics of `batches`; `total` sums a tensor over processes (each evaluating its share).
+        They include how often each of the most frequent rank paths of the heads was right (`measured_paths`),
+        which the saved tree is fitted to."""
         K, device = self.num_heads, self.lm_head.weight.device
         width = joint_width(K)
         # per head, summed over batches, then over processes: cross-entropy, labels, hits at rank 0..RANKS-1
@@ -182,28 +184,31 @@ class MedusaMethod(MethodBase):
         return metrics
 
     def _eval_extra(self, batch: dict[str, torch.Tensor], hidden: torch.Tensor) -> None:
-        """What a subclass accumulates per validation batch besides the heads' sums (Medusa-2: the target's loss)."""
+        """What a subclass accumulates per validation batch besides the heads' sums (Medusa-2: the target's
+        loss)."""
 
     def fit_tree(self, accuracy: Acceptance) -> list[list[int]]:
         """Measure the target's forward time against tree size here and keep the fastest expected tree."""
         latency = forward_latency(self.target, [1, 4, 8, 12, 16, 24, 32, 48, 64])
         choices, rows = fit_tree(accuracy, latency)
         print(
-            "tree fitted to this machine (expected tokens per step from how often each path was right in validation):"
+            "tree fitted to this machine (expected tokens per step from how often each path was right in "
+            "validation):"
         )
         print(format_tree_rows(rows, choices))
         return choices
 
     def save(self, heads: MedusaHeads, output_dir: Path, metrics: dict[str, float]) -> None:
-        """Heads, the default tree fitted to the rank paths validation measured, and a card with the numbers."""
+        """Heads, the default tree fitted to the rank paths validation measured, and a card with the
+        numbers."""
         K = self.cfg.num_heads
         if not metrics:  # the loop always evaluates before saving; never write a card of zeros or a null tree
             raise ValueError("no validation metrics to fit the tree to: evaluate before saving")
         acc = torch.tensor([[metrics[f"rank_acc/{k}/{r}"] for r in range(RANKS)] for k in range(K)]).clamp(
             min=1e-6
         )
-        # fitted to how often each rank path was right in the last evaluation (the heads' hits go together), else
-        # to the product of per-head accuracies
+        # fitted to how often each rank path was right in the last evaluation (the heads' hits go together),
+        # else to the product of per-head accuracies
         paths = measured_paths(metrics) or acc
         if self.cfg.tree_nodes > 0:
             heads.config.tree = fill_choices(

@@ -1,16 +1,17 @@
-"""Medusa-2: the heads trained jointly with a LoRA on the target (peft), so the target also learns to be drafted.
+"""Medusa-2: the heads trained jointly with a LoRA on the target (peft), so the target also learns to be
+drafted.
 
     loss = L0 + lambda(t) * sum_k head_decay^k * CE_k
 
 L0 keeps the adapted target close to the original: on data the target wrote itself (self-distilled or
 regenerated) it is KL(frozen || adapted), the frozen distribution read from the same model with its adapters
-switched off (no second copy in memory), plus `backbone_ce_weight` times the cross-entropy of those same tokens;
-on other data it is the plain next-token cross-entropy. lambda(t)
-ramps to `heads_coefficient` by a constant, linear or sine schedule. lambda(t) weighs what the heads ask of the
-target (the gradient reaching the adapters); the heads themselves always learn from the whole sum_k term, so a
-ramp starting at 0 does not freeze them (AdamW's second moment, remembering earlier larger gradients, would
-otherwise shrink their steps for hundreds of steps). With `heads_only_steps` the run first trains the heads
-alone (Medusa-1) and then jointly. The decoded target is the adapted one: output stays
+switched off (no second copy in memory), plus `backbone_ce_weight` times the cross-entropy of those same
+tokens; on other data it is the plain next-token cross-entropy. lambda(t)
+ramps to `heads_coefficient` by a constant, linear or sine schedule. lambda(t) weighs what the heads ask of
+the target (the gradient reaching the adapters); the heads themselves always learn from the whole sum_k term,
+so a ramp starting at 0 does not freeze them (AdamW's second moment, remembering earlier larger gradients,
+would otherwise shrink their steps for hundreds of steps). With `heads_only_steps` the run first trains the
+heads alone (Medusa-1) and then jointly. The decoded target is the adapted one: output stays
 exactly what *it* would generate, which is slightly different from the original target.
 """
 
@@ -37,7 +38,8 @@ ADAPTER_DIR, MERGED_DIR = "adapter", "target"
 
 
 def heads_weight(schedule: str, coefficient: float, progress: float) -> float:
-    """lambda(t): `coefficient` times the schedule's ramp at `progress` in [0, 1] (1, t, or sin(t * pi / 2))."""
+    """lambda(t): `coefficient` times the schedule's ramp at `progress` in [0, 1] (1, t, or
+    sin(t * pi / 2))."""
     progress = min(max(progress, 0.0), 1.0)
     ramp = {"constant": 1.0, "linear": progress, "sine": math.sin(progress * math.pi / 2)}[schedule]
     return coefficient * ramp
@@ -62,8 +64,8 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def lora_targets(model: nn.Module) -> list[str]:
-    """Every linear projection inside the decoder layers (attention and MLP), and the lm_head unless it is tied
-    to the input embeddings (merging a LoRA into a tied lm_head would change the embeddings too)."""
+    """Every linear projection inside the decoder layers (attention and MLP), and the lm_head unless it is
+    tied to the input embeddings (merging a LoRA into a tied lm_head would change the embeddings too)."""
     from transformers.pytorch_utils import Conv1D
 
     names = {
@@ -79,7 +81,8 @@ def lora_targets(model: nn.Module) -> list[str]:
 
 
 def add_lora(target: nn.Module, r: int, alpha: int, dropout: float) -> nn.Module:
-    """The target wrapped by peft with a LoRA on `lora_targets` (B = 0: it computes exactly the target at first)."""
+    """The target wrapped by peft with a LoRA on `lora_targets` (B = 0: it computes exactly the target at
+    first)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -94,8 +97,8 @@ def add_lora(target: nn.Module, r: int, alpha: int, dropout: float) -> nn.Module
 
 
 class JointMedusa(nn.Module):
-    """What Medusa-2 trains: the target with its LoRA adapters, and the heads. Its state holds only what trains
-    (the adapters and the heads), so checkpoints stay small whatever the target's size."""
+    """What Medusa-2 trains: the target with its LoRA adapters, and the heads. Its state holds only what
+    trains (the adapters and the heads), so checkpoints stay small whatever the target's size."""
 
     def __init__(self, backbone: nn.Module, heads: MedusaHeads) -> None:
         super().__init__()
@@ -115,9 +118,10 @@ class JointMedusa(nn.Module):
         push: float = 1.0,
         position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The adapted target's last hidden states (B, T, H) and the heads' features at `some` (M, H) each; with
-        joint=False the target runs without gradients (the heads-only stage), else the heads' gradient reaches
-        it scaled by `push` (lambda(t)). Packed rows: position_ids and no attention_mask (train.packing)."""
+        """The adapted target's last hidden states (B, T, H) and the heads' features at `some` (M, H) each;
+        with joint=False the target runs without gradients (the heads-only stage), else the heads' gradient
+        reaches it scaled by `push` (lambda(t)). Packed rows: position_ids and no attention_mask
+        (train.packing)."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and joint):
             hidden = (
                 self.backbone.get_base_model()
@@ -132,7 +136,8 @@ class JointMedusa(nn.Module):
         return hidden, self.heads(scale_grad(hidden[some], push), project=False)
 
     def frozen(self, key: str) -> bool:
-        """Whether a state-dict key (any wrapper's `module.` prefixes removed) names a frozen target tensor."""
+        """Whether a state-dict key (any wrapper's `module.` prefixes removed) names a frozen target
+        tensor."""
         while key.startswith("module."):
             key = key[len("module.") :]
         return key not in self.trained
@@ -218,7 +223,8 @@ class Medusa2Method(MedusaMethod):
         return out
 
     def _l0_rows(self, batch, hidden):
-        """The adapted and frozen hidden states at the positions whose next token is trained on, and that token."""
+        """The adapted and frozen hidden states at the positions whose next token is trained on, and that
+        token."""
         mask = batch["loss_mask"][:, 1:].bool() & reaches(segments(batch), 1)[:, :-1]  # t predicts t + 1
         labels = batch["input_ids"][:, 1:][mask]
         with torch.no_grad(), self.backbone.disable_adapter(), self.timer.section("target"):
@@ -233,7 +239,8 @@ class Medusa2Method(MedusaMethod):
         return adapted, (frozen[:, :-1][mask] if frozen is not None else adapted.detach()), labels
 
     def _l0_sum(self, adapted: torch.Tensor, frozen: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sums over a chunk of rows: [KL(frozen || adapted) (0 without the KL), cross-entropy of the labels]."""
+        """Sums over a chunk of rows: [KL(frozen || adapted) (0 without the KL), cross-entropy of the
+        labels]."""
         logits = self.lm_head(adapted.to(self.lm_head.weight.dtype)).float()
         ce = F.cross_entropy(logits, labels, reduction="sum")
         if not self.kl:
@@ -299,8 +306,8 @@ class Medusa2Method(MedusaMethod):
         return metrics
 
     def save(self, joint: JointMedusa, output_dir: Path, metrics: dict[str, float]) -> None:
-        """The adapter (peft's format), then the heads with a tree fitted on the merged target; with `merge` the
-        merged target (and tokenizer) next to them instead of the adapter."""
+        """The adapter (peft's format), then the heads with a tree fitted on the merged target; with `merge`
+        the merged target (and tokenizer) next to them instead of the adapter."""
         backbone, heads = joint.backbone, joint.heads
         stale = output_dir / (
             ADAPTER_DIR if self.cfg.merge else MERGED_DIR
@@ -311,7 +318,8 @@ class Medusa2Method(MedusaMethod):
             heads.config.merged_target, heads.config.adapter = MERGED_DIR, None
         else:
             heads.config.adapter, heads.config.merged_target = ADAPTER_DIR, None
-            # the lm_head's own weights are frozen: the adapter holds the LoRA tensors only, not a vocabulary copy
+            # the lm_head's own weights are frozen: the adapter holds the LoRA tensors only, not a vocabulary
+            # copy
             backbone.save_pretrained(str(output_dir / ADAPTER_DIR), save_embedding_layers=False)
         merged = backbone.merge_and_unload()  # what decoding runs: time the tree on it
         setattr(merged, ADAPTED, str(output_dir / (MERGED_DIR if self.cfg.merge else ADAPTER_DIR)))

@@ -45,8 +45,8 @@ class MtpMethod(MethodBase):
         batches: list[dict[str, torch.Tensor]],
         total: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> dict[str, float]:
-        """Per step top-1 agreement with the target and "sim_accept", the chain's teacher-forced acceptance length
-        (1 + the leading steps whose top-1 is the target's argmax); `total` sums over processes."""
+        """Per step top-1 agreement with the target and "sim_accept", the chain's teacher-forced acceptance
+        length (1 + the leading steps whose top-1 is the target's argmax); `total` sums over processes."""
         return step_metrics(
             batches,
             self._unroll,

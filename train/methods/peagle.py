@@ -46,7 +46,8 @@ class PEagleMethod(MethodBase):
         self.layers = draft.config.feature_layers
 
     def _depths(self, batch: dict[str, torch.Tensor], subsample: bool):
-        """The loss object, every depth's outputs (B, T-1, H) and the target's last hidden states (B, T, H)."""
+        """The loss object, every depth's outputs (B, T-1, H) and the target's last hidden states
+        (B, T, H)."""
         feats = batch_features(self.target, batch, self.layers, self.timer)
         hidden = self.lm_head.weight.shape[1]
         loss = StepLoss(
@@ -82,7 +83,8 @@ class PEagleMethod(MethodBase):
         )
 
     def save(self, draft: PEagleDraft, output_dir: Path, metrics: dict[str, float]) -> None:
-        """Fit the chain or tree here (unless the recipe sets it; without prompts: the chain of every depth)."""
+        """Fit the chain or tree here (unless the recipe sets it; without prompts: the chain of every
+        depth)."""
         cfg = self.cfg
         fit = (
             (

@@ -1,14 +1,16 @@
-"""The per-step soft-label loss of drafters whose step (or depth) i at position t predicts x_{t+2+i} over a draft
-vocabulary: EAGLE-3's training-time test (train/eagle.py --version 3) and P-EAGLE's parallel depths (train/peagle.py).
+"""The per-step soft-label loss of drafters whose step (or depth) i at position t predicts x_{t+2+i} over a
+draft vocabulary: EAGLE-3's training-time test (train/eagle.py --version 3) and P-EAGLE's parallel depths
+(train/peagle.py).
 
     tokens      x0   x1   x2   x3   x4   x5
     step 0, t=0 reads (F0, x1)       -> predicts x2   label p(. | x0..x1) = target logits at 1
     step 1, t=0                      -> predicts x3   label target logits at 2
     step i, t                        -> x_{t+2+i},    label target logits at t+1+i
 
-Loss = sum_i 0.8^i * soft cross-entropy against the target's distribution restricted to the draft vocabulary and
-renormalised; positions whose label token is outside the loss mask, or whose target argmax is outside the draft
-vocabulary, are left out. In packed rows (train.packing) step i at t counts only where x_{t+2+i} is in t's example.
+Loss = sum_i 0.8^i * soft cross-entropy against the target's distribution restricted to the draft vocabulary
+and renormalised; positions whose label token is outside the loss mask, or whose target argmax is outside the
+draft vocabulary, are left out. In packed rows (train.packing) step i at t counts only where x_{t+2+i} is in
+t's example.
 """
 
 from __future__ import annotations
@@ -66,9 +68,9 @@ class StepLoss:
 
     `target` arguments are the target's last hidden states (B, T, H), read through its frozen `lm_head`;
     without an lm_head they are the target's logits (B, T, V) already. Positions are projected onto a
-    vocabulary `chunk` at a time (default: a bounded float32 chunk, train.medusa_method.chunk_rows). `runner` is the
-    drafter as the training engine wrapped it (DDP, DeepSpeed): the unroll goes through its forward, while
-    `draft` (the module itself) answers attribute reads.
+    vocabulary `chunk` at a time (default: a bounded float32 chunk, train.medusa_method.chunk_rows). `runner`
+    is the drafter as the training engine wrapped it (DDP, DeepSpeed): the unroll goes through its forward,
+    while `draft` (the module itself) answers attribute reads.
     """
 
     def __init__(
@@ -113,9 +115,9 @@ class StepLoss:
     def unroll(
         self, features: torch.Tensor, batch: dict[str, torch.Tensor], embed, **options
     ) -> list[torch.Tensor]:
-        """The drafter's outputs per step (B, T-1, H) each over the pairs (F_t, x_{t+1}); in packed rows each pair
-        attends within its example (train.packing.block_causal_mask), at its position there. `options` go to the
-        drafter's forward (EAGLE-3: unroll=steps; P-EAGLE: depths and anchors)."""
+        """The drafter's outputs per step (B, T-1, H) each over the pairs (F_t, x_{t+1}); in packed rows each
+        pair attends within its example (train.packing.block_causal_mask), at its position there. `options` go
+        to the drafter's forward (EAGLE-3: unroll=steps; P-EAGLE: depths and anchors)."""
         context = block_causal_mask(pair_segments(segments(batch)))  # (B, 1, T-1, T-1)
         dtype = next(self.draft.parameters()).dtype
         return self.runner(
@@ -145,8 +147,8 @@ class StepLoss:
         batch: dict[str, torch.Tensor],
         keep: list[torch.Tensor | None] | None = None,
     ):
-        """The weighted sum of the steps' soft cross-entropies and each step's, for logging; `keep` (B, T) bool per
-        step (None: every position) limits a step to the positions its outputs were computed at."""
+        """The weighted sum of the steps' soft cross-entropies and each step's, for logging; `keep` (B, T)
+        bool per step (None: every position) limits a step to the positions its outputs were computed at."""
         total = outputs[0].sum() * 0.0
         logs = {}
         labels = Labels(target, batch, self.target_logits, self.chunk)
@@ -204,10 +206,10 @@ def step_metrics(
     total: Callable[[torch.Tensor], torch.Tensor] | None,
     name: Callable[[int], str],
 ) -> dict[str, float]:
-    """Validation of a per-step drafter over `batches`, each unrolled by `unroll(batch)` -> (loss, outputs, target
-    states); `total` sums over processes (each evaluating its share). "loss" is the mean batch loss over batches
-    with trained tokens, "sim_accept" the chain's teacher-forced acceptance length (1 + the leading steps whose
-    top-1 is the target's argmax), and `name(i)` names step i's top-1 agreement."""
+    """Validation of a per-step drafter over `batches`, each unrolled by `unroll(batch)` -> (loss, outputs,
+    target states); `total` sums over processes (each evaluating its share). "loss" is the mean batch loss
+    over batches with trained tokens, "sim_accept" the chain's teacher-forced acceptance length (1 + the
+    leading steps whose top-1 is the target's argmax), and `name(i)` names step i's top-1 agreement."""
     # [summed batch losses, batches, accepted, positions, hits per step, counted positions per step]
     sums = torch.zeros(4 + 2 * steps, dtype=torch.float64, device=device)
     for batch in batches:

@@ -1,4 +1,5 @@
-"""What the training loop needs to be right with several processes (DDP, DeepSpeed ZeRO-2/3, FSDP2), in one place.
+"""What the training loop needs to be right with several processes (DDP, DeepSpeed ZeRO-2/3, FSDP2), in one
+place.
 
 - The frozen target is loaded outside ZeRO-3's partitioning init (`unpartitioned`): it only computes
   features, never through the engine, so each rank holds it whole.
@@ -64,8 +65,8 @@ def fsdp_without_gpu(accelerator: Accelerator) -> None:
 
     accelerate turns FSDP on only for accelerator devices (on CPU the run would silently become DDP), while
     torch's FSDP2 shards over gloo as well: switch the multi-CPU state to FSDP with the plugin the launch
-    config describes, so tests and CPU machines run the same code path as GPUs do (bf16 mixed precision included:
-    FSDP2 gathers the drafter's weights in bf16 and reduces its gradients in bf16)."""
+    config describes, so tests and CPU machines run the same code path as GPUs do (bf16 mixed precision
+    included: FSDP2 gathers the drafter's weights in bf16 and reduces its gradients in bf16)."""
     import os
 
     from accelerate.state import PartialState
@@ -99,8 +100,9 @@ def check_engine() -> None:
 
 
 def launch_request(cmdline: list[str], cwd: str) -> dict[str, Any] | None:
-    """What an `accelerate launch` command line asked for: the engine ("deepspeed" | "fsdp" | None) and the number
-    of processes, from its --config_file and --num_processes; None when it is not an accelerate launch."""
+    """What an `accelerate launch` command line asked for: the engine ("deepspeed" | "fsdp" | None) and the
+    number of processes, from its --config_file and --num_processes; None when it is not an accelerate
+    launch."""
     import yaml
 
     if "launch" not in cmdline or not any(
@@ -144,10 +146,10 @@ def launch_request(cmdline: list[str], cwd: str) -> dict[str, Any] | None:
 def check_launch_in_effect(
     request: dict[str, Any] | None, env: dict[str, str], gpus: int | None = None, cores: int | None = None
 ) -> None:
-    """Refuse a run whose launch asked for DeepSpeed, FSDP or several processes that are not in effect (accelerate
-    launch --cpu silently drops a DeepSpeed or FSDP config and starts one plain process), or for more processes
-    than a machine without GPUs has cores (a GPU config there starts them all as CPU processes). `gpus`, `cores`:
-    this machine's (default: counted)."""
+    """Refuse a run whose launch asked for DeepSpeed, FSDP or several processes that are not in effect
+    (accelerate launch --cpu silently drops a DeepSpeed or FSDP config and starts one plain process), or for
+    more processes than a machine without GPUs has cores (a GPU config there starts them all as CPU
+    processes). `gpus`, `cores`: this machine's (default: counted)."""
     if request is None:
         return
     where = (

@@ -1,12 +1,15 @@
-"""Activation bytes of one training micro-batch on one rank, counted from the shapes of the target and the drafter.
+"""Activation bytes of one training micro-batch on one rank, counted from the shapes of the target and the
+drafter.
 
 Each term is a tensor the step holds, read off the code that makes it (heads/eagle3.py, train/eagle3.py,
 heads/medusa.py, train/methods/medusa.py, transformers' Llama modules); docs/memory.md lists them. Under
 autocast (bf16 mixed precision) a Linear saves the bf16 cast of its input, one cast per Linear; an RMSNorm
-computes in float32 and saves a float32 copy of its input and a bf16 copy of its normed output; accelerate turns
-a prepared module's outputs into float32. Without mixed precision everything is float32 and the casts vanish.
+computes in float32 and saves a float32 copy of its input and a bf16 copy of its normed output; accelerate
+turns a prepared module's outputs into float32. Without mixed precision everything is float32 and the casts
+vanish.
 
-    n = rows x positions        H hidden, I MLP width, h heads x d head_dim, V target vocabulary, N draft vocabulary
+    n = rows x positions        H hidden, I MLP width, h heads x d head_dim,
+                                V target vocabulary, N draft vocabulary
 """
 
 from __future__ import annotations
@@ -54,14 +57,16 @@ def target_forward_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: in
 
 
 def _norm(n: int, H: int, a: int, cast: bool, grad: bool) -> int:
-    """An RMSNorm's saved bytes (the weight's grad needs the normed input; a grad to the input needs the input)."""
+    """An RMSNorm's saved bytes (the weight's grad needs the normed input; a grad to the input needs the
+    input)."""
     if not cast:
         return F32 * n * H if grad else F32 * n * H
     return (F32 + a) * n * H if grad else a * n * H
 
 
 def eagle3_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, length: int) -> int:
-    """The peak of an EAGLE-3 step (heads/eagle3.py, train/methods/step_loss.py): `ttt_steps` unrolled draft steps over length - 1 positions."""
+    """The peak of an EAGLE-3 step (heads/eagle3.py, train/methods/step_loss.py): `ttt_steps` unrolled draft
+    steps over length - 1 positions."""
     a, cast = _width(cfg)
     at = _target_width(cfg)
     H, _, _, V = _shape(target)
@@ -78,7 +83,8 @@ def eagle3_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, lengt
         qkv_in = (
             3 * a * 2 * H if cast else F32 * 2 * H
         ) * n  # q/k/v_proj each cast cat(normed embeds, hidden)
-        # q, repeated k and v, the contiguous copies matmul makes of q, keys and values for its bmm, o_proj's input
+        # q, repeated k and v, the contiguous copies matmul makes of q, keys and values for its bmm, o_proj's
+        # input
         attn_proj = 7 * a * n * hd
         rope = 2 * a * B * T * d  # cos, sin
         scores = B * h * T * (T + i) * (F32 + (a if cast else 0)) + B * T * T  # softmax out, its cast, ~mask
@@ -107,7 +113,8 @@ def eagle3_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, lengt
 
 
 def medusa_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, length: int) -> int:
-    """The peak of a Medusa-1 step (train/methods/medusa.py): K heads of residual blocks on the last hidden states."""
+    """The peak of a Medusa-1 step (train/methods/medusa.py): K heads of residual blocks on the last hidden
+    states."""
     a, _ = _width(cfg)
     at = _target_width(cfg)
     H, _, _, V = _shape(target)
@@ -126,7 +133,8 @@ def medusa_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, lengt
 
 
 def activation_bytes(cfg: Any, target: nn.Module, draft: nn.Module, rows: int, length: int) -> int:
-    """Peak activation bytes of one micro-batch of `rows` sequences of `length` tokens (the drafter's side)."""
+    """Peak activation bytes of one micro-batch of `rows` sequences of `length` tokens (the drafter's
+    side)."""
     drafter_family = family(draft.config.kind)
     title = (
         "Medusa-2 (a LoRA trained inside the target)"

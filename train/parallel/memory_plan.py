@@ -1,20 +1,22 @@
 """Memory per GPU of a drafter training run, from the target's config alone (no weights, no data).
 
-    python -m selfspec.train.parallel.memory_plan --recipe configs/eagle/llama3.1-8b-eagle3.yaml --engine fsdp --gpus 8 \
-        --gpu_memory_gib 80 --context 2048 4096 8192
+    python -m selfspec.train.parallel.memory_plan --recipe configs/eagle/llama3.1-8b-eagle3.yaml \
+        --engine fsdp --gpus 8 --gpu_memory_gib 80 --context 2048 4096 8192
 
-The target and the drafter are built on the meta device from their configs (parameter counts exactly as the run
-builds them); what a training step holds on one rank is then counted in bytes (docs/memory.md explains each term):
+The target and the drafter are built on the meta device from their configs (parameter counts exactly as the
+run builds them); what a training step holds on one rank is then counted in bytes (docs/memory.md explains
+each term):
 
-    target        the frozen weights in the run's dtype: whole on every rank, or 1/N with --shard_target (but the
-                  embedding and lm_head, which stay whole)
-    drafter       float32 master weights, gradients, AdamW's two states and the run's initial copy, split by the
-                  engine (ENGINES); bf16 working copies where the engine or autocast makes them
-    activations   what the drafter's forward saves for its backward, the loss's live chunk, the target's features
-                  (train/parallel/memory_activations.py), per micro-batch at each context length
+    target        the frozen weights in the run's dtype: whole on every rank, or 1/N with --shard_target
+                  (but the embedding and lm_head, which stay whole)
+    drafter       float32 master weights, gradients, AdamW's two states and the run's initial copy, split by
+                  the engine (ENGINES); bf16 working copies where the engine or autocast makes them
+    activations   what the drafter's forward saves for its backward, the loss's live chunk, the target's
+                  features (train/parallel/memory_activations.py), per micro-batch at each context length
 
-The activations are modelled for the autocast path (one process, DDP, FSDP2); tests/training/test_memory_plan.py checks
-the whole prediction against the peak measured in a real CPU training step.
+The activations are modelled for the autocast path (one process, DDP, FSDP2);
+tests/training/test_memory_plan.py checks the whole prediction against the peak measured in a real CPU
+training step.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from selfspec.train.loop.config import ConfigError, load_config, recipe_path
 from selfspec.train.parallel.memory_activations import activation_bytes, target_forward_bytes
 
 GIB = 2**30
-# configs of published targets that ship with selfspec, so that a plan needs no hub: hub id -> configs/models/*.json
+# configs of published targets that ship with selfspec, so that a plan needs no hub: hub id ->
+# configs/models/*.json
 SHIPPED_CONFIGS = {
     "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b-instruct.json",
     "meta-llama/Llama-3.3-70B-Instruct": "llama-3.3-70b-instruct.json",
@@ -49,23 +52,28 @@ ENGINES: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "ddp": ({"weights": 4, "grads": 4, "adam": 8, "autocast copy (bf16)": 2, "DDP buckets": 4}, {}),
     # ZeRO-2 in bf16: bf16 weights and grads whole; fp32 master weights, AdamW and fp32 grads sharded
     "zero2": ({"weights (bf16)": 2, "grads (bf16)": 2}, {"master weights": 4, "adam": 8, "grads (fp32)": 4}),
-    # ZeRO-3: bf16 weights gathered for the step and bf16 grads before their reduce-scatter, whole; the rest sharded
+    # ZeRO-3: bf16 weights gathered for the step and bf16 grads before their reduce-scatter, whole; the rest
+    # sharded
     "zero3": (
         {"gathered weights (bf16)": 2, "grads (bf16)": 2},
         {"weights (bf16)": 2, "master weights": 4, "adam": 8, "grads (fp32)": 4},
     ),
-    # FSDP2, one unit per drafter (configs/accelerate/fsdp.yaml): unsharded bf16 weights and grads during the step
+    # FSDP2, one unit per drafter (configs/accelerate/fsdp.yaml): unsharded bf16 weights and grads during the
+    # step
     "fsdp": ({"gathered weights (bf16)": 2, "grads (bf16)": 2}, {"weights": 4, "grads": 4, "adam": 8}),
 }
-# DeepSpeed's gradient buckets, each of reduce_bucket_size elements in the grads' dtype, which the shipped configs
-# set to "auto" (accelerate: hidden_size^2; DeepSpeed's own default, 5e8, would be 1-2 GB on every rank):
-# ZeRO-3 one, made at start; ZeRO-2 two with overlap_comm (deepspeed 0.19, runtime/zero/stage3.py, stage_1_and_2.py)
+# DeepSpeed's gradient buckets, each of reduce_bucket_size elements in the grads' dtype, which the shipped
+# configs set to "auto" (accelerate: hidden_size^2; DeepSpeed's own default, 5e8, would be 1-2 GB on every
+# rank): ZeRO-3 one, made at start; ZeRO-2 two with overlap_comm (deepspeed 0.19, runtime/zero/stage3.py,
+# stage_1_and_2.py)
 GRADIENT_BUCKETS = {"zero2": 2, "zero3": 1}
-INITIAL_COPY = 4  # the run keeps the drafter's initial float32 state dict (train/recipes/feature_run.py, train/medusa.py)
+# the run keeps the drafter's initial float32 state dict (train/recipes/feature_run.py, train/medusa.py)
+INITIAL_COPY = 4
 
 
 def recipe_class(path: str | Path) -> type:
-    """The config class of a recipe YAML, from its folder (configs/<recipe>/, the families that recipe trains)."""
+    """The config class of a recipe YAML, from its folder (configs/<recipe>/, the families that recipe
+    trains)."""
     recipe = recipe_path(str(path)).resolve().parent.name
     trained = recipe_families(recipe)
     if not trained:
@@ -80,8 +88,8 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None):
 
 
 def target_config(name: str) -> Any:
-    """The target's config from a config.json file, a model folder, a shipped short name (`demo`), a hub id whose
-    config ships with selfspec (SHIPPED_CONFIGS), or the local hub cache."""
+    """The target's config from a config.json file, a model folder, a shipped short name (`demo`), a hub id
+    whose config ships with selfspec (SHIPPED_CONFIGS), or the local hub cache."""
     from selfspec.shipped.models import resolve_model
 
     if name in SHIPPED_CONFIGS:
@@ -109,7 +117,8 @@ def meta_drafter(cfg: Any, target: nn.Module) -> nn.Module:
 
 
 def parameter_bytes(module: nn.Module, dtype: torch.dtype | None = None) -> int:
-    """Bytes of a module's parameters and buffers (tied weights once), in `dtype` where given (floating ones)."""
+    """Bytes of a module's parameters and buffers (tied weights once), in `dtype` where given
+    (floating ones)."""
     total = 0
     for t in list(module.parameters()) + list(module.buffers()):
         size = (
@@ -122,8 +131,8 @@ def parameter_bytes(module: nn.Module, dtype: torch.dtype | None = None) -> int:
 def drafter_state_bytes(
     params: int, engine: str, gpus: int, mixed_precision: str, hidden: int = 0
 ) -> dict[str, int]:
-    """Bytes per rank of `params` trainable drafter parameters under `engine` on `gpus` ranks, by what holds them
-    (`hidden`: the drafter's hidden size, which sizes DeepSpeed's gradient buckets)."""
+    """Bytes per rank of `params` trainable drafter parameters under `engine` on `gpus` ranks, by what holds
+    them (`hidden`: the drafter's hidden size, which sizes DeepSpeed's gradient buckets)."""
     if engine not in ENGINES:
         raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     whole, sharded = ENGINES[engine]
@@ -157,7 +166,8 @@ class Plan:
     gpu_memory: int
 
     def total(self, length: int) -> int:
-        """The peak: the activations' (the grads counted whole) or the optimizer step's, whichever is higher."""
+        """The peak: the activations' (the grads counted whole) or the optimizer step's, whichever is
+        higher."""
         return self.target + sum(self.drafter.values()) + max(self.activations[length], self.optimizer_step)
 
     def fits(self, length: int) -> bool:
@@ -175,10 +185,10 @@ def memory_plan(
     rows: int | None = None,
     foreach: bool = True,
 ) -> Plan:
-    """The per-rank plan of recipe `cfg` on the target of `config`: `engine` in ENGINES, `gpus` ranks, micro-batches
-    of `rows` rows (default: the recipe's per_device_train_batch_size) at each of `contexts` tokens. `foreach`: AdamW
-    steps all tensors at once (torch's default on GPUs: one float32 denominator per parameter), else one tensor at a
-    time (on CPUs: the sqrt and the denominator of the largest tensor)."""
+    """The per-rank plan of recipe `cfg` on the target of `config`: `engine` in ENGINES, `gpus` ranks,
+    micro-batches of `rows` rows (default: the recipe's per_device_train_batch_size) at each of `contexts`
+    tokens. `foreach`: AdamW steps all tensors at once (torch's default on GPUs: one float32 denominator per
+    parameter), else one tensor at a time (on CPUs: the sqrt and the denominator of the largest tensor)."""
     if shard_target and engine not in ("zero3", "fsdp"):
         raise ValueError(
             "the target is sharded under ZeRO-3 or FSDP2 only (--shard_target): use --engine zero3 or fsdp"
@@ -200,7 +210,8 @@ def memory_plan(
     sharded = bool(ENGINES[engine][1].get("adam"))
     local = -(-params // gpus) if sharded else params
     step = 4 * local if foreach else 2 * 4 * max(p.numel() for p in draft.parameters())
-    # --shard_target keeps the embedding and the lm_head whole on every rank: the losses call them outside the target
+    # --shard_target keeps the embedding and the lm_head whole on every rank: the losses call them outside the
+    # target
     kept = parameter_bytes(
         nn.ModuleList(
             {id(m): m for m in (target.get_input_embeddings(), target.get_output_embeddings())}.values()
@@ -224,7 +235,8 @@ def format_plan(plan: Plan, name: str) -> str:
     """The plan as the script prints it."""
     gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
     lines = [
-        f"{name}: target {plan.target_params / 1e9:.2f} B parameters, drafter {plan.drafter_params / 1e6:.1f} M",
+        f"{name}: target {plan.target_params / 1e9:.2f} B parameters, drafter "
+        f"{plan.drafter_params / 1e6:.1f} M",
         f"  target on this rank             {gib(plan.target)}",
     ]
     lines += [f"  drafter {part:<24}{gib(size)}" for part, size in plan.drafter.items()]
@@ -238,11 +250,15 @@ def format_plan(plan: Plan, name: str) -> str:
 
 
 def markdown_rows(name: str, placement: str, plan: Plan) -> str:
-    """One README table row: model, target placement, target, drafter states, activations and total per context."""
+    """One README table row: model, target placement, target, drafter states, activations and total per
+    context."""
     gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
     acts = " / ".join(f"{gib(a)} ({a / (n * plan.rows) / 2**20:.1f})" for n, a in plan.activations.items())
     totals = " / ".join(f"{gib(plan.total(n))} {'✓' if plan.fits(n) else '✗'}" for n in plan.activations)
-    return f"| {name} | {placement} | {gib(plan.target)} | {gib(sum(plan.drafter.values()))} | {acts} | {totals} |"
+    return (
+        f"| {name} | {placement} | {gib(plan.target)} | {gib(sum(plan.drafter.values()))} | {acts} | "
+        f"{totals} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -274,8 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     config = target_config(model)
     if args.markdown:
         print(
-            "| target | target placement | target GiB | drafter + grads + AdamW GiB | activations GiB (MiB/token) "
-            f"{' / '.join(f'{n // 1024}K' for n in args.context)} | total GiB (fits {args.gpu_memory_gib:g}) |"
+            "| target | target placement | target GiB | drafter + grads + AdamW GiB | activations GiB "
+            f"(MiB/token) {' / '.join(f'{n // 1024}K' for n in args.context)} | total GiB "
+            f"(fits {args.gpu_memory_gib:g}) |"
         )
         print("|---|---|---|---|---|---|")
         for shard in (False, True):

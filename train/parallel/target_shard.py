@@ -1,5 +1,5 @@
-"""The frozen target, whole on every rank (the default: fastest where it fits) or sharded over the ranks by the
-engine that shards the drafter (`--shard_target true`), for targets that do not fit one device.
+"""The frozen target, whole on every rank (the default: fastest where it fits) or sharded over the ranks by
+the engine that shards the drafter (`--shard_target true`), for targets that do not fit one device.
 
 - ZeRO-3: transformers partitions the weights as they load (the registered DeepSpeed config), and a second
   DeepSpeed engine without an optimizer gathers each module's weights for its forward and frees them after,
@@ -10,8 +10,8 @@ Either way the input embedding and the lm_head stay whole on every rank: the los
 (outside the target's forward) every step, chunk by chunk, and read their weights directly, as SpecForge and
 speculators keep whole copies of the same two. Everything else (the decoder layers and the final norm) is 1/N.
 Every rank must then call the target equally often: the loop's batches and evaluation already do, and the tree
-fitting at the end runs on every rank in step (train/loop/training.py). Self-distillation, the feature cache and
-Medusa-2 make unequal calls or train the target, and are refused with it.
+fitting at the end runs on every rank in step (train/loop/training.py). Self-distillation, the feature cache
+and Medusa-2 make unequal calls or train the target, and are refused with it.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def load_training_target(cfg: Any, accelerator: Accelerator):
         fsdp2_target(target, accelerator.device)
     local, whole = resident_bytes(target)
     print(
-        f"target on this rank: {local / MIB:.2f} MiB of {whole / MIB:.2f} MiB ({local} of {whole} bytes; rank "
-        f"{accelerator.process_index} of {accelerator.num_processes})",
+        f"target on this rank: {local / MIB:.2f} MiB of {whole / MIB:.2f} MiB ({local} of {whole} bytes; "
+        f"rank {accelerator.process_index} of {accelerator.num_processes})",
         flush=True,
     )
     return target, tokenizer
@@ -82,9 +82,9 @@ def heads_of(target: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def zero3_target(target: torch.nn.Module, accelerator: Accelerator, cfg: Any) -> None:
-    """Hand the partitioned target to a DeepSpeed engine of its own (no optimizer), which gathers each module's
-    weights for its forward. The embedding and lm_head are gathered first into plain tensors every rank keeps,
-    and left out of the engine: it hooks the modules it finds, and they are put back after."""
+    """Hand the partitioned target to a DeepSpeed engine of its own (no optimizer), which gathers each
+    module's weights for its forward. The embedding and lm_head are gathered first into plain tensors every
+    rank keeps, and left out of the engine: it hooks the modules it finds, and they are put back after."""
     import deepspeed
 
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -105,15 +105,16 @@ def zero3_target(target: torch.nn.Module, accelerator: Accelerator, cfg: Any) ->
 
 
 def target_engine_config(target: torch.nn.Module, accelerator: Accelerator, cfg: Any) -> dict:
-    """The run's DeepSpeed config for an engine that only runs the frozen target's forward: no optimizer, every
-    module's weights freed after its use (norms excepted), the batch sizes filled in (accelerate fills them
-    in for the drafter's engine only)."""
+    """The run's DeepSpeed config for an engine that only runs the frozen target's forward: no optimizer,
+    every module's weights freed after its use (norms excepted), the batch sizes filled in (accelerate fills
+    them in for the drafter's engine only)."""
     config = copy.deepcopy(deepspeed_plugin(accelerator).deepspeed_config)
     for key in ("optimizer", "scheduler"):
         config.pop(key, None)
     zero = config.setdefault("zero_optimization", {})
     hidden = target.config.get_text_config().hidden_size
-    # accelerate fills the configs' "auto" bucket sizes for the drafter's engine only: the same rule (hidden^2) here
+    # accelerate fills the configs' "auto" bucket sizes for the drafter's engine only: the same rule
+    # (hidden^2) here
     zero.update(
         {
             "stage": 3,
@@ -140,8 +141,8 @@ def target_engine_config(target: torch.nn.Module, accelerator: Accelerator, cfg:
 
 
 def fsdp2_target(target: torch.nn.Module, device: torch.device) -> None:
-    """`fully_shard` every decoder layer, then the inner model (the root the losses call, with the final norm),
-    frozen and resharded after every forward; the embedding and lm_head stay whole, on `device`."""
+    """`fully_shard` every decoder layer, then the inner model (the root the losses call, with the final
+    norm), frozen and resharded after every forward; the embedding and lm_head stay whole, on `device`."""
     from torch.distributed.fsdp import fully_shard
 
     heads = heads_of(target)
@@ -165,8 +166,8 @@ def fsdp2_target(target: torch.nn.Module, device: torch.device) -> None:
 
 
 def resident_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """The bytes of the model's parameters on this rank (partitions, local shards, and whatever is gathered and
-    kept) and the bytes of the whole model."""
+    """The bytes of the model's parameters on this rank (partitions, local shards, and whatever is gathered
+    and kept) and the bytes of the whole model."""
     local = whole = 0
     for p in model.parameters():
         size = p.element_size()
@@ -178,8 +179,8 @@ def resident_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def keep_output_capturing(plain: type, sharded: type) -> None:
-    """transformers records hidden states (output_hidden_states) with hooks it looks up by the model's class name;
-    FSDP2 renames the class (FSDP<Name>): register the sharded class under the plain one's entry."""
+    """transformers records hidden states (output_hidden_states) with hooks it looks up by the model's class
+    name; FSDP2 renames the class (FSDP<Name>): register the sharded class under the plain one's entry."""
     try:
         from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
     except ImportError:  # transformers before 5 records hidden states in the forward itself

@@ -181,15 +181,22 @@ and quality tests: a real model that exists without a model hub.
   site-packages excluded, split by `int(sha1(relative_path), 16) % 100`: < 90 train, 90-94 validation,
   >= 95 test. Only the train split is trained on.
 - Tokenizer: byte-level BPE, vocabulary {info["vocab_size"]}, special tokens {", ".join(SPECIAL.values())}.
-- Parameters: {info["params"] / 1e6:.2f} M (hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads,
+- Parameters: {info["params"] / 1e6:.2f} M (hidden \
+{cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads,
   MLP {cfg.intermediate_size}, tied embeddings); weights stored in bfloat16.
-- Training: {info["steps"]} steps x {cfg.batch_size} x {cfg.seq_len} tokens = {info["tokens"] / 1e6:.1f} M tokens
-  ({info["epochs"]:.2f} epochs of {info["train_tokens"] / 1e6:.1f} M train tokens), AdamW (0.9, 0.95) lr {cfg.learning_rate},
-  weight decay {cfg.weight_decay}, {cfg.warmup_steps} warm-up steps, then cosine to {cfg.min_lr_ratio:g}x over the
-  {cfg.max_minutes:g}-minute wall-clock budget; bf16 autocast; random {cfg.seq_len}-token windows, seed {cfg.seed}.
-  The step count depends on the machine's speed; `--max_minutes 0 --max_steps {info["steps"]}` replays the same
+- Training: {info["steps"]} steps x {cfg.batch_size} x \
+{cfg.seq_len} tokens = {info["tokens"] / 1e6:.1f} M tokens
+  ({info["epochs"]:.2f} epochs of {info["train_tokens"] / 1e6:.1f} \
+M train tokens), AdamW (0.9, 0.95) lr {cfg.learning_rate},
+  weight decay {cfg.weight_decay}, {cfg.warmup_steps} \
+warm-up steps, then cosine to {cfg.min_lr_ratio:g}x over the
+  {cfg.max_minutes:g}-minute wall-clock budget; bf16 autocast; \
+random {cfg.seq_len}-token windows, seed {cfg.seed}.
+  The step count depends on the machine's speed; \
+`--max_minutes 0 --max_steps {info["steps"]}` replays the same
   number of steps with a step-based cosine.
-- Time and hardware: {info["minutes"]:.1f} minutes on {info["hardware"]} ({cfg.threads} threads), torch {torch.__version__}.{info.get("note", "")}
+- Time and hardware: {info["minutes"]:.1f} minutes on {info["hardware"]} \
+({cfg.threads} threads), torch {torch.__version__}.{info.get("note", "")}
 
 ## Validation loss (nats per token, {cfg.eval_batches} windows)
 

@@ -153,8 +153,8 @@ class DFlashConfig(TrainConfig):
 
 
 def build_drafter(cfg: DFlashConfig, target, tokenizer, train_data: Examples) -> DFlashDraft:
-    """A DFlash drafter for this target: the published layer spacing, Llama-shaped layers of the target's widths
-    (with Qwen3's q/k norms unless --qk_norm false: the layout vLLM and SGLang build)."""
+    """A DFlash drafter for this target: the published layer spacing, Llama-shaped layers of the target's
+    widths (with Qwen3's q/k norms unless --qk_norm false: the layout vLLM and SGLang build)."""
     text = target.config.get_text_config()
     L = text.num_hidden_layers
     ids = cfg.target_layer_ids or default_target_layer_ids(L, cfg.num_target_layers)

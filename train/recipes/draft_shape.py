@@ -18,8 +18,8 @@ def default_draft_vocab_size(vocab: int) -> int:
 
 
 def draft_vocab_size(requested: int | None, vocab: int, default: bool = True) -> int:
-    """The drafter's vocabulary size for a target of `vocab` tokens from `--draft_vocab_size` (None: the default
-    size when `default`, else the whole vocabulary); 0 when it is the whole vocabulary."""
+    """The drafter's vocabulary size for a target of `vocab` tokens from `--draft_vocab_size` (None: the
+    default size when `default`, else the whole vocabulary); 0 when it is the whole vocabulary."""
     if requested is not None and requested > vocab:
         raise ConfigError(
             f"--draft_vocab_size {requested} is above the target's vocabulary of {vocab} tokens: use "
@@ -30,8 +30,8 @@ def draft_vocab_size(requested: int | None, vocab: int, default: bool = True) ->
 
 
 def fused_layers(requested: list[int] | None, target: Any) -> list[int]:
-    """The target hidden_states indices a fused drafter reads: `--feature_layers`, checked against the target's
-    depth, or the default low/middle/high three."""
+    """The target hidden_states indices a fused drafter reads: `--feature_layers`, checked against the
+    target's depth, or the default low/middle/high three."""
     layers_in = target.config.get_text_config().num_hidden_layers
     layers = requested or default_feature_layers(layers_in)
     if max(layers) >= layers_in or min(layers) < 0:

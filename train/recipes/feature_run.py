@@ -1,6 +1,6 @@
-"""The run of a drafter trained on the frozen target's features (EAGLE-1/2/3, DFlash): the target loaded (whole on
-every rank, or sharded: train/parallel/target_shard.py), the data, the drafter built alike on every rank, the features
-cached when asked, the shared loop."""
+"""The run of a drafter trained on the frozen target's features (EAGLE-1/2/3, DFlash): the target loaded
+(whole on every rank, or sharded: train/parallel/target_shard.py), the data, the drafter built alike on every
+rank, the features cached when asked, the shared loop."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def run_feature_drafter(
 ) -> dict:
     """Set up, train and save (`cfg` a recipe with cache_features and tune_prompts): `build(target, tokenizer,
     train_data)` makes the drafter, `make_method(target,
-    drafter, tune_prompts)` its training method. Returns the target, the trained drafter, its initial weights and
-    the validation history."""
+    drafter, tune_prompts)` its training method. Returns the target, the trained drafter, its initial weights
+    and the validation history."""
     accelerator = start_run(cfg)
     target, tokenizer = load_training_target(cfg, accelerator)
     train_data, eval_data = datasets_for(cfg, tokenizer, target, accelerator)

@@ -71,7 +71,8 @@ class MedusaConfig(TrainConfig):
         0,
         "nodes of the default tree stored with the heads; 0 fits it to this machine's latency",
     )
-    # Medusa-2 (train/methods/medusa2.py): a LoRA on the target trained with the heads; decoding then runs the adapted target
+    # Medusa-2 (train/methods/medusa2.py): a LoRA on the target trained with the heads; decoding then runs the
+    # adapted target
     medusa2: bool = option(
         False,
         "train the heads jointly with a LoRA on the target (Medusa-2) instead of on a frozen one",
@@ -99,7 +100,8 @@ class MedusaConfig(TrainConfig):
         "auto",
         "Medusa-2: the target's loss: kl (to its frozen self) | ce | auto (kl on self-generated data)",
     )
-    # Medusa-2 with the KL: also learn the target's own tokens, so its greedy choices (which the heads learned) hold
+    # Medusa-2 with the KL: also learn the target's own tokens, so its greedy choices (which the heads
+    # learned) hold
     backbone_ce_weight: float = option(
         0.0,
         "Medusa-2: L0 = KL + this x cross-entropy of the self-generated text",

@@ -93,8 +93,8 @@ class MtpConfig(TrainConfig):
 
 
 def new_layers(cfg: MtpConfig, target, count: int) -> MtpDraft:
-    """`count` new MTP layers for `target`: each decoder block starts from the target's last decoder layer where
-    the shapes agree (transformers' initialisation elsewhere)."""
+    """`count` new MTP layers for `target`: each decoder block starts from the target's last decoder layer
+    where the shapes agree (transformers' initialisation elsewhere)."""
     from selfspec.heads.mtp import mtp_config_for
 
     config = mtp_config_for(

@@ -119,7 +119,8 @@ class PEagleConfig(TrainConfig):
             )
 
     def grid(self) -> list[tuple[int, int, int]]:
-        """The (depth, top_k, total_tokens) settings fitted: chains of half and all the depths, trees of each size."""
+        """The (depth, top_k, total_tokens) settings fitted: chains of half and all the depths, trees of each
+        size."""
         settings = []
         for depth in sorted({max(1, self.depths // 2), self.depths}):
             for k in self.tune_top_ks:
@@ -129,7 +130,8 @@ class PEagleConfig(TrainConfig):
 
 
 def new_draft(cfg: PEagleConfig, target, mask_token_id: int) -> PEagleDraft:
-    """The recipe's drafter for this target, freshly initialised, its draft vocabulary sized but not chosen."""
+    """The recipe's drafter for this target, freshly initialised, its draft vocabulary sized but not
+    chosen."""
     size = draft_vocab_size(cfg.draft_vocab_size, target.get_output_embeddings().weight.shape[0])
     layers = fused_layers(cfg.feature_layers, target)
     return PEagleDraft(
@@ -153,8 +155,8 @@ def new_draft(cfg: PEagleConfig, target, mask_token_id: int) -> PEagleDraft:
 
 
 def build_drafter(cfg: PEagleConfig, target, tokenizer, train_data: Examples) -> PEagleDraft:
-    """A P-EAGLE drafter initialised from the target: its draft vocabulary the most frequent trained tokens, its
-    lm_head the target's rows of them, its mask embedding the target's mean token embedding."""
+    """A P-EAGLE drafter initialised from the target: its draft vocabulary the most frequent trained tokens,
+    its lm_head the target's rows of them, its mask embedding the target's mean token embedding."""
     vocab = target.get_output_embeddings().weight.shape[0]
     draft = new_draft(cfg, target, choose_mask_token(cfg, tokenizer, train_data, vocab))
     size = draft.config.draft_vocab_size

@@ -1,1 +1,2 @@
-"""The target's own answers to a dataset's prompts (train/regenerate.py): backends, chat turns, shards, resume."""
+"""The target's own answers to a dataset's prompts (train/regenerate.py): backends, chat turns, shards,
+resume."""

@@ -1,5 +1,5 @@
-"""The engines that write train/regenerate.py's answers: transformers' `model.generate` and vLLM's offline engine,
-behind one call (prompts, budgets) -> the tokens written."""
+"""The engines that write train/regenerate.py's answers: transformers' `model.generate` and vLLM's offline
+engine, behind one call (prompts, budgets) -> the tokens written."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ class Generator(Protocol):
     def __call__(
         self, prompts: list[list[int]], budgets: list[int], exact: bool
     ) -> list[tuple[list[int], bool]]:
-        """Per prompt: the tokens written, without the stop token, and whether a stop token ended them. A prompt
-        gets at most its budget of tokens; with `exact` exactly its budget, stop tokens held back."""
+        """Per prompt: the tokens written, without the stop token, and whether a stop token ended them. A
+        prompt gets at most its budget of tokens; with `exact` exactly its budget, stop tokens held back."""
 
 
 class TransformersGenerator:
     """`model.generate` on batches of left-padded prompts, sampling exactly as configured: the model's own
-    generation_config defaults (top_k, repetition_penalty, ...) are not applied, as vLLM does not apply them."""
+    generation_config defaults (top_k, repetition_penalty, ...) are not applied, as vLLM does not apply
+    them."""
 
     def __init__(self, model, cfg: RegenerateConfig, stops: list[int], pad_token_id: int) -> None:
         self.model, self.cfg, self.stops, self.pad = model, cfg, stops, pad_token_id
@@ -84,7 +85,8 @@ def written(tokens: list[int], stops: list[int], exact: bool) -> tuple[list[int]
 
 
 class VllmGenerator:
-    """vLLM's offline engine (`LLM.generate` on token-id prompts); each request seeded from the shard's seed."""
+    """vLLM's offline engine (`LLM.generate` on token-id prompts); each request seeded from the shard's
+    seed."""
 
     def __init__(self, model_path: str, cfg: RegenerateConfig, stops: list[int]) -> None:
         from vllm import LLM

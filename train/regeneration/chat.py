@@ -1,5 +1,5 @@
-"""The chat template, turn by turn: where a regenerated answer goes in a conversation, where it ends, and the exact
-token stream around it (train/regenerate.py's conversations)."""
+"""The chat template, turn by turn: where a regenerated answer goes in a conversation, where it ends, and the
+exact token stream around it (train/regenerate.py's conversations)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ ANSWER = (
 
 
 def end_of_turn_token(tokenizer) -> int | None:
-    """The special token a chat template writes right after an assistant answer (<|im_end|>, <|eot_id|>, <eos>):
-    a one-answer conversation is rendered and the first token after the answer kept when it is a special token.
-    None without a template, or when no special token follows the answer."""
+    """The special token a chat template writes right after an assistant answer (<|im_end|>, <|eot_id|>,
+    <eos>): a one-answer conversation is rendered and the first token after the answer kept when it is a
+    special token. None without a template, or when no special token follows the answer."""
     import jinja2
 
     if not getattr(tokenizer, "chat_template", None):
@@ -72,7 +72,8 @@ def answer_slots(messages: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
 
 @dataclasses.dataclass
 class Chat:
-    """A conversation being regenerated: its slots, the answers so far, and the exact tokens through the last."""
+    """A conversation being regenerated: its slots, the answers so far, and the exact tokens through the
+    last."""
 
     index: int  # its place among the shard's items
     slots: list[dict[str, Any] | None]
@@ -98,8 +99,8 @@ class Chat:
         )
 
     def next_text(self, tokenizer, generation_prompt: bool = True) -> str:
-        """The template text that follows the stream so far: up to the next generation prompt, or (without one)
-        the closing text after the last answer."""
+        """The template text that follows the stream so far: up to the next generation prompt, or
+        (without one) the closing text after the last answer."""
         answered = len(self.answers)
         text = self.render(tokenizer, answered, generation_prompt)
         if answered == 0:
@@ -113,8 +114,8 @@ class Chat:
         return text.split(mark)[1]
 
     def follow(self, tokenizer, text: str, stops: set[int]) -> tuple[list[int], list[int]]:
-        """The stream extended by template text, and its loss mask: the end-of-turn token right after an answer is
-        trained on when the target wrote one."""
+        """The stream extended by template text, and its loss mask: the end-of-turn token right after an
+        answer is trained on when the target wrote one."""
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         mask = [0] * len(ids)
         if ids and self.answers and self.stopped and ids[0] in stops:

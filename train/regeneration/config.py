@@ -1,5 +1,5 @@
-"""The options of train/regenerate.py (RegenerateConfig), also built by self-distillation (train/data/run_data.py)
-and read by the engines that write the answers (train/regeneration/backends.py)."""
+"""The options of train/regenerate.py (RegenerateConfig), also built by self-distillation
+(train/data/run_data.py) and read by the engines that write the answers (train/regeneration/backends.py)."""
 
 from __future__ import annotations
 

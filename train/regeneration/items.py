@@ -23,7 +23,8 @@ from selfspec.train.data.examples import (
 )
 from selfspec.train.data.records import RECORD_FEATURES, DataError, iter_records
 
-# a work item: a conversation (its messages as JSON) or a text window (its token ids); `item` numbers them in order
+# a work item: a conversation (its messages as JSON) or a text window (its token ids); `item` numbers them in
+# order
 ITEM_FEATURES = datasets.Features(
     {
         "messages": datasets.Value("string"),
@@ -38,8 +39,9 @@ PACKED_FEATURES = datasets.Features(
 
 @dataclasses.dataclass
 class Items:
-    """A source's work items (a memory-mapped dataset of ITEM_FEATURES rows); `key` names them and every selection,
-    like train.data.Examples, so train.run_data's `subset` and train.data's `split_examples` select them the same way."""
+    """A source's work items (a memory-mapped dataset of ITEM_FEATURES rows); `key` names them and every
+    selection, like train.data.Examples, so train.run_data's `subset` and train.data's `split_examples` select
+    them the same way."""
 
     rows: datasets.Dataset
     key: str
@@ -114,7 +116,8 @@ def load_items(source: str, split: str, tokenizer, max_length: int) -> Items:
 
 
 def random_subset(items: Items, count: int, seed: int) -> Items:
-    """A seeded random subset of `count` items in their order (all when there are fewer): train.run_data.subset's."""
+    """A seeded random subset of `count` items in their order (all when there are fewer):
+    train.run_data.subset's."""
     n = len(items)
     if count <= 0 or count >= n:
         return items

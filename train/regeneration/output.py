@@ -56,7 +56,8 @@ def describe_run(
 
 
 def versions(backend: str) -> dict[str, str]:
-    """The versions that decide the output (vLLM's only with that backend; its CPU build is another package)."""
+    """The versions that decide the output (vLLM's only with that backend; its CPU build is another
+    package)."""
     found = {"python": platform.python_version()}
     for name in ("selfspec", "torch", "transformers", "datasets"):
         try:
@@ -113,12 +114,14 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def shard_path(out: Path, shard: int, output_format: str = "dataset") -> Path:
-    """Where shard `shard` goes: Arrow while a dataset/jsonl run lasts, Parquet kept for good in `shards` form."""
+    """Where shard `shard` goes: Arrow while a dataset/jsonl run lasts, Parquet kept for good in `shards`
+    form."""
     return out / "shards" / f"{shard:05d}{SUFFIX if output_format == 'shards' else '.arrow'}"
 
 
 def write_shard(rows: list[dict[str, Any]], path: Path) -> None:
-    """The shard's rows as one Arrow (or, by its suffix, Parquet) file, renamed into place only when complete."""
+    """The shard's rows as one Arrow (or, by its suffix, Parquet) file, renamed into place only when
+    complete."""
     if path.suffix == SUFFIX:
         write_parquet_shard(rows, path, ROW_FEATURES)
         return
@@ -191,8 +194,8 @@ def merge(out: Path, shards: int, output_format: str, record: dict[str, Any], re
         )
         if cut["turns"]:
             print(
-                f"note: {cut['conversations']} conversations outgrew --max_length or the model's positions and end "
-                f"early: {cut['turns']} later answers were not regenerated"
+                f"note: {cut['conversations']} conversations outgrew --max_length or the model's positions "
+                f"and end early: {cut['turns']} later answers were not regenerated"
             )
 
 

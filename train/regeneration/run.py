@@ -4,33 +4,34 @@
         [--backend transformers|vllm]
 
 A drafter learns to guess what the *target* will say, so training it on the target's own answers rather than
-the corpus's raises acceptance (Medusa-2, EAGLE). The work items of a dataset (any source train/data/examples.py reads):
+the corpus's raises acceptance (Medusa-2, EAGLE). The work items of a dataset (any source
+train/data/examples.py reads):
 
-- a conversation: its system and user turns are replayed through the target's chat template and every assistant
-  turn is replaced by the target's answer to all that precedes it, turn by turn, so a later user turn follows the
-  regenerated answers. An answer ends at a stop token: the tokenizer's EOS, the generation config's
-  eos_token_id(s), and the template's end-of-turn token (found by rendering a one-answer conversation and taking
-  the special token right after the answer: `<|im_end|>`, `<|eot_id|>`, ...). Assistant turns before the first
-  user turn, or right after another assistant turn, are dropped; trailing user turns get an answer. A conversation
-  stops before a prompt reaches `max_length` tokens (its later turns are dropped);
-- a window of `max_length` tokens of the packed plain text (the examples train/data/examples.py makes): its first
-  `prompt_tokens` are kept and the target writes exactly the rest, or `max_new_tokens` of it (the end-of-text
-  tokens are held back).
+- a conversation: its system and user turns are replayed through the target's chat template and every
+  assistant turn is replaced by the target's answer to all that precedes it, turn by turn, so a later user
+  turn follows the regenerated answers. An answer ends at a stop token: the tokenizer's EOS, the generation
+  config's eos_token_id(s), and the template's end-of-turn token (found by rendering a one-answer conversation
+  and taking the special token right after the answer: `<|im_end|>`, `<|eot_id|>`, ...). Assistant turns
+  before the first user turn, or right after another assistant turn, are dropped; trailing user turns get an
+  answer. A conversation stops before a prompt reaches `max_length` tokens (its later turns are dropped);
+- a window of `max_length` tokens of the packed plain text (the examples train/data/examples.py makes): its
+  first `prompt_tokens` are kept and the target writes exactly the rest, or `max_new_tokens` of it (the
+  end-of-text tokens are held back).
 
 The rows carry the exact token stream the target read and wrote, so training uses the target's own tokens:
 
-    prompt = the template's generation prompt      answer (target)   template text after the answer
-    [<|user|>Hi<eos><|assistant|>]               + [a0 a1 a2]       + [<eos> <|user|>More<eos><|assistant|>] + [b0 b1] + [<eos>]
-    loss_mask  0 ... 0                              1  1  1            1     0 ...                                1  1      1
+    prompt (the template's)          answer    template text after the answer           answer
+    [<|user|>Hi<eos><|assistant|>] + [a0 a1] + [<eos> <|user|>More<eos><|assistant|>] + [b0 b1] + [<eos>]
+    loss_mask  0 ... 0                1  1      1     0 ...                              1  1      1
 
 (the end-of-turn token is trained on when the target wrote it, not when the answer hit its token limit). Each
 later prompt is the stream so far plus the template's text after the previous answer (rendered with a stand-in
 for each earlier answer), so every answer is conditioned on exactly the tokens stored before it.
 
-Work is written in shards of `shard_size` items (OUT/shards/NNNNN.arrow, each renamed into place when complete)
-and merged at the end; a killed run started again with the same command redoes only the missing shards, and each
-shard's sampling is seeded from (seed, shard index), so the result equals an uninterrupted run's. With several
-processes rank r takes shards r, r + n, ...; rank 0 merges after a barrier.
+Work is written in shards of `shard_size` items (OUT/shards/NNNNN.arrow, each renamed into place when
+complete) and merged at the end; a killed run started again with the same command redoes only the missing
+shards, and each shard's sampling is seeded from (seed, shard index), so the result equals an uninterrupted
+run's. With several processes rank r takes shards r, r + n, ...; rank 0 merges after a barrier.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def regenerate_shard(
     stops: list[int],
     progress: Callable[[int], None],
 ) -> list[dict[str, Any]]:
-    """The regenerated rows of one shard's items (one row per item; a skipped item's says why in `skipped`)."""
+    """The regenerated rows of one shard's items (one row per item; a skipped item's says why in
+    `skipped`)."""
     n = len(rows["item"])
     out: list[dict[str, Any]] = [
         {
@@ -236,8 +238,8 @@ def regenerate_with_model(
     world: int = 1,
     barrier: Callable[[], None] | None = None,
 ) -> Path:
-    """Regenerate with a target already loaded in this process (self-distillation in train/data/run_data.py); progress is
-    shown by the launch's first process only."""
+    """Regenerate with a target already loaded in this process (self-distillation in train/data/run_data.py);
+    progress is shown by the launch's first process only."""
     stops = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     return regenerate(
@@ -256,8 +258,8 @@ def regenerate_with_model(
 
 
 def model_files(path: str) -> str:
-    """A digest naming the target's files: the checked weights' sha256 of a folder built here (the same on every
-    machine), else sizes and times of a local folder's files, else the hub revision."""
+    """A digest naming the target's files: the checked weights' sha256 of a folder built here (the same on
+    every machine), else sizes and times of a local folder's files, else the hub revision."""
     folder = Path(path)
     if (folder / WEIGHTS_CHECKSUM).is_file():  # a folder built here (make real-model): its checked weights
         return (folder / WEIGHTS_CHECKSUM).read_text().split()[0]
@@ -273,7 +275,8 @@ def model_files(path: str) -> str:
 
 
 def written_by(source: str, model: str) -> bool | None:
-    """For a finished train/regenerate.py folder: whether `model` (the same files) wrote it; None for other data."""
+    """For a finished train/regenerate.py folder: whether `model` (the same files) wrote it; None for other
+    data."""
     from selfspec.shipped.models import resolve_model
 
     folder = Path(source)
@@ -289,7 +292,8 @@ def written_by(source: str, model: str) -> bool | None:
 
 
 def finished(out: Path) -> bool:
-    """Whether `out` holds a complete regeneration (whose settings `regenerate` still checks against the run's)."""
+    """Whether `out` holds a complete regeneration (whose settings `regenerate` still checks against the
+    run's)."""
     try:
         return bool(json.loads((out / REGENERATION_FILE).read_text()).get("complete"))
     except (OSError, json.JSONDecodeError, AttributeError):
@@ -368,6 +372,7 @@ def within_positions(cfg: RegenerateConfig, config, report: bool = True) -> Rege
     if report:
         print(
             f"note: --max_length {cfg.max_length} is more than the model's {limit} positions: prompts and "
-            f"answers are kept within {limit} tokens (conversations end there, text windows are {limit} tokens)"
+            f"answers are kept within {limit} tokens (conversations end there, text windows are {limit} "
+            "tokens)"
         )
     return dataclasses.replace(cfg, max_length=limit)

@@ -1,10 +1,11 @@
 """The `shards` form of a regeneration folder: the data kept as zstd Parquet shards, one per shard of items,
-with a manifest of their checksums, so that a long regeneration can be committed (and shipped) shard by shard as
-it completes, resumed from whatever was committed, and read by training while it is still growing.
+with a manifest of their checksums, so that a long regeneration can be committed (and shipped) shard by shard
+as it completes, resumed from whatever was committed, and read by training while it is still growing.
 
     folder/
       regeneration.json       the run's record (train/regeneration/output.py): target, tokenizer, settings
-      manifest.json           the target's weights sha256, the recipe, counts, and per shard: sha256, rows, tokens
+      manifest.json           the target's weights sha256, the recipe, counts, and per shard: sha256, rows,
+                              tokens
       shards/00000.parquet    the shard's rows (ROW_FEATURES), skipped items included with their reason
 """
 
@@ -57,7 +58,8 @@ def shard_entry(path: Path) -> dict[str, Any]:
 
 def write_manifest(folder: Path) -> dict[str, Any]:
     """Write manifest.json for the shards now in `folder`, from its regeneration.json (the target, the recipe,
-    the number of shards); entries of unchanged shards are reused rather than re-read. Returns the manifest."""
+    the number of shards); entries of unchanged shards are reused rather than re-read. Returns the
+    manifest."""
     record = json.loads((folder / REGENERATION_FILE).read_text())
     settings = record["settings"]
     shards = -(-settings["items"] // settings["shard_size"])
@@ -91,8 +93,8 @@ def write_manifest(folder: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m selfspec.train.regeneration.shards FOLDER [--write]`: check a shards folder against its manifest
-    (--write: write the manifest anew from the shards there) and say what it holds."""
+    """`python -m selfspec.train.regeneration.shards FOLDER [--write]`: check a shards folder against its
+    manifest (--write: write the manifest anew from the shards there) and say what it holds."""
     import argparse
 
     p = argparse.ArgumentParser(description=main.__doc__)
