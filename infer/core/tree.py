@@ -35,6 +35,10 @@ class Tree:
     def max_depth(self) -> int:
         return self.paths.shape[1] - 1
 
+    def row(self, b: int) -> Tree:
+        """Row b of a Tree of batched (B, ...) fields, as views."""
+        return Tree(**{f.name: getattr(self, f.name)[b] for f in dataclasses.fields(self)})
+
     def to(self, device: torch.device | str) -> Tree:
         return Tree(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 
@@ -112,7 +116,7 @@ def build_tree(parents: torch.Tensor, ranks: torch.Tensor, max_depth: int, width
     siblings are ordered by rank, ties by index."""
     if parents.dim() == 1:
         tree = build_tree(parents[None], ranks[None], max_depth, width)
-        return Tree(**{f.name: getattr(tree, f.name)[0] for f in dataclasses.fields(tree)})
+        return tree.row(0)
     B, n = parents.shape
     idx = torch.arange(n, device=parents.device)
     # above the root is node n, its own parent: each level up is one gather
@@ -165,7 +169,7 @@ def select_tree(
     """
     if scores.dim() == 1:
         chosen, tree = select_tree(scores[None], parents[None], ranks[None], total_tokens, max_depth, width)
-        return chosen[0], Tree(**{f.name: getattr(tree, f.name)[0] for f in dataclasses.fields(tree)})
+        return chosen[0], tree.row(0)
     chosen = scores.topk(min(total_tokens, scores.shape[1])).indices.sort().values  # depth order kept
     up = parents.gather(1, chosen)
     # a chosen candidate's parent is chosen too: its tree index is its place in `chosen`, plus the root
@@ -186,11 +190,7 @@ def row_trees(
     """Each row's tree tokens (root first) and Tree from `select_tree` over rows: roots (B,), drafted
     candidates (B, C), chosen (B, n); one gather for all rows, then views."""
     tokens = torch.cat([roots[:, None], drafted.gather(1, chosen)], dim=1)
-    fields = dataclasses.fields(tree)
-    return [
-        (tokens[b], Tree(**{f.name: getattr(tree, f.name)[b] for f in fields}))
-        for b in range(tokens.shape[0])
-    ]
+    return [(tokens[b], tree.row(b)) for b in range(tokens.shape[0])]
 
 
 def descend(parent_scores: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
