@@ -6,6 +6,8 @@ target's own lm_head already predicts t + 1.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -32,6 +34,29 @@ def _head(config: HeadsConfig) -> nn.Sequential:
     if not config.share_lm_head:
         layers.append(nn.Linear(config.hidden_size, config.vocab_size, bias=False))
     return nn.Sequential(*layers)
+
+
+@dataclasses.dataclass
+class StackedHeads:
+    """The K heads' weights stacked along a first dimension of K, so that drafting runs every head at once:
+    per residual layer (weights (K, H, H), biases (K, 1, H)), and the own projections (K, V, H) or None."""
+
+    blocks: list[tuple[torch.Tensor, torch.Tensor]]
+    projection: torch.Tensor | None
+    pointers: list[
+        int
+    ]  # the parameters' data pointers when stacked: a moved or cast module no longer matches
+
+
+def _restack(tensors: list[nn.Parameter]) -> torch.Tensor:
+    """One (K, ...) tensor whose k-th slice each parameter then views: the values move in one at a time, so
+    the peak extra memory is one head's, and none is held twice afterwards."""
+    first = tensors[0]
+    stacked = first.new_empty(len(tensors), *first.shape)
+    for k, parameter in enumerate(tensors):
+        stacked[k].copy_(parameter.data)
+        parameter.data = stacked[k]
+    return stacked
 
 
 class MedusaHeads(PretrainedHeads):
@@ -78,6 +103,43 @@ class MedusaHeads(PretrainedHeads):
             # One lm_head call for all heads: the projection is read from memory once, not K times.
             return tuple(apply_head(lm_head, torch.stack([head(hidden) for head in self.heads])).unbind(0))
         return tuple(apply_head(head[-1], head[:-1](hidden)) for head in self.heads)
+
+    def stacked(self) -> StackedHeads:
+        """The heads' weights stacked (`StackedHeads`) for drafting: the parameters are re-homed as views of
+        the stacked tensors (same names, values and objects), once; a later move or cast stacks them again."""
+        parameters = list(self.parameters())
+        pointers = [p.data_ptr() for p in parameters]
+        if self._stacked is None or self._stacked.pointers != pointers:
+            layers = self.config.num_layers
+            blocks = []
+            for i in range(layers):
+                weight = _restack([head[i].linear.weight for head in self.heads])
+                bias = _restack([head[i].linear.bias for head in self.heads])
+                blocks.append((weight, bias[:, None, :]))
+            projection = (
+                None if self.config.share_lm_head else _restack([head[layers].weight for head in self.heads])
+            )
+            self._stacked = StackedHeads(blocks, projection, [p.data_ptr() for p in self.parameters()])
+        return self._stacked
+
+    _stacked: StackedHeads | None = None
+
+    @torch.no_grad()
+    def draft_logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """hidden (B, H) -> every head's logits (K, B, V) in a few launches whatever K is: one batched matmul
+        per residual layer and one for the K projections (what `forward` computes, K heads at a time)."""
+        stacked = self.stacked()
+        x = hidden.expand(len(self.heads), *hidden.shape)  # (K, B, H)
+        for weight, bias in stacked.blocks:
+            x = x + nn.functional.silu(torch.baddbmm(bias, x, weight.transpose(1, 2)))
+        if stacked.projection is None:
+            if lm_head is None:
+                raise ValueError(
+                    "these heads share the target's lm_head: pass lm_head=model.get_output_embeddings()"
+                )
+            return apply_head(lm_head, x)
+        # (K, V, H) @ (K, H, B): the vocabulary on the long side, as `vocab_logits` lays out one head's
+        return torch.bmm(stacked.projection, x.transpose(1, 2)).transpose(1, 2)
 
     def project_head(self, k: int, features: torch.Tensor) -> torch.Tensor:
         """Head k's own vocabulary projection of its features (..., H) -> logits (..., V)."""

@@ -72,6 +72,7 @@ class MedusaProposer(Drafter):
             "medusa2" if heads.config.adapter or heads.config.merged_target else "medusa"
         )  # adapted target
         self.heads = heads.eval()
+        heads.stacked()  # the heads as stacked weights from now on: every head in one matmul per layer
         self.lm_head = lm_head
         self.tree = tree.to(device)
         self.node_head = (self.tree.depths[1:] - 1).clone()  # (N-1,) which head drafts each node
@@ -112,11 +113,9 @@ class MedusaProposer(Drafter):
         the hidden states that produced them (B, H) -> tokens (B, N) of `self.tree`, root first."""
         if self.max_nodes == 1:  # a fitted tree of the root alone (no draft paid off): the heads need not run
             return roots[:, None]
-        logits = torch.stack(
-            self.heads(hiddens.to(self.device, self.dtype), self.lm_head), dim=1
-        )  # (B, K, V)
-        top = logits.topk(self.top_k, dim=-1).indices  # (B, K, k)
-        return torch.cat([roots[:, None], top[:, self.node_head, self.node_rank]], dim=1)
+        logits = self.heads.draft_logits(hiddens.to(self.device, self.dtype), self.lm_head)  # (K, B, V)
+        top = logits.topk(self.top_k, dim=-1).indices  # (K, B, k)
+        return torch.cat([roots[:, None], top[self.node_head, :, self.node_rank].T], dim=1)
 
 
 def medusa_proposer(

@@ -49,6 +49,32 @@ def test_shared_lm_head_has_no_projection_and_needs_the_lm_head():
     assert torch.stack(heads(torch.randn(2, 48), model.get_output_embeddings())).shape == (3, 2, VOCAB)
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_drafting_runs_the_stacked_heads_as_forward_does(tmp_path, share):
+    """`draft_logits` runs the K heads as one batched matmul per layer over weights stacked in place: the
+    logits are forward's, the parameters keep their names, values and objects, and a cast re-stacks."""
+    model = tiny_model("llama")
+    heads = make(share=share)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    before = {name: (p, p.detach().clone()) for name, p in heads.named_parameters()}
+    hidden, lm_head = torch.randn(4, 48), model.get_output_embeddings()
+    expected = torch.stack(heads(hidden, lm_head))
+    torch.testing.assert_close(heads.draft_logits(hidden, lm_head), expected)
+    stacked = heads.stacked()
+    assert stacked.blocks[0][0].shape == (3, 48, 48) and (stacked.projection is None) == share
+    for name, p in heads.named_parameters():
+        assert p is before[name][0] and torch.equal(p, before[name][1])
+    assert heads.heads[1][0].linear.weight.data_ptr() == stacked.blocks[0][0][1].data_ptr()  # a view, no copy
+    heads.save_pretrained(tmp_path)
+    assert torch.equal(load_heads(tmp_path).heads[2][1].linear.weight, heads.heads[2][1].linear.weight)
+    heads.double()
+    assert heads.stacked() is not stacked
+    torch.testing.assert_close(
+        heads.draft_logits(hidden.double(), lm_head.double()), expected.double(), atol=1e-5, rtol=1e-4
+    )
+
+
 def test_save_load_round_trip(tmp_path):
     heads = make()
     for p in heads.parameters():
