@@ -23,7 +23,7 @@ from selfspec.infer.core.verify import SamplingParams, accept_greedy_rows
 from selfspec.infer.core.verify import accept as accept_tree
 from selfspec.infer.drafters.drafter import Draft, Drafter
 
-COMPILED_CACHE_STEP = 256  # a compiled verify attends over the whole cache, whose size is a multiple of this
+COMPILED_CACHE_STEP = 256  # a compiled verify attends over the whole cache: 256 columns, or a doubling of it
 
 
 class Shapes:
@@ -68,12 +68,16 @@ class Shapes:
 
 
 class FixedShapes(Shapes):
-    """The same shapes at every step, for a compiled verify: the cache in steps of COMPILED_CACHE_STEP
-    columns, every tree padded to the largest, the mask over the whole cache, and stopped rows stay as
-    padding."""
+    """The same shapes at every step, for a compiled verify: the cache COMPILED_CACHE_STEP columns doubled
+    until it fits (so a session whose generations grow to n columns compiles for about log2(n / 256) + 1 cache
+    lengths per batch size: the cache is reused while it is big enough), every tree padded to the largest, the
+    mask over the whole cache, and stopped rows stay as padding."""
 
     def cache_length(self, needed: int) -> int:
-        return -(-needed // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP
+        length = COMPILED_CACHE_STEP
+        while length < needed:
+            length *= 2
+        return length
 
     def tree_width(self, max_nodes: int) -> int:
         return max_nodes

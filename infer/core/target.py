@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +18,26 @@ from selfspec.infer.core.exactness import check_architecture
 from selfspec.infer.core.mask import padding_mask
 
 LAYOUT_ROWS = 64  # the most rows vocab_layout projects through vocab_logits (the range it was measured on)
+
+
+COMPILED_SHAPES: set[tuple[int, ...]] = set()  # (model, batch, tree width, cache length) compiled so far
+
+
+def note_compiled_shape(shape: tuple[int, ...]) -> None:
+    """Count a compiled verify's input shapes; warn once, when a new one is the last torch.compile compiles
+    (`torch._dynamo.config.recompile_limit`; after it the verify would run eagerly without a word)."""
+    if shape in COMPILED_SHAPES:
+        return
+    COMPILED_SHAPES.add(shape)
+    limit = torch._dynamo.config.recompile_limit
+    if len(COMPILED_SHAPES) == limit:
+        seen = sorted({(b, n) for _, b, _, n in COMPILED_SHAPES})
+        warnings.warn(
+            f"torch.compile has compiled the verify for {limit} shapes (batch size, cache length: {seen}), "
+            "its recompile limit: a new batch size or a longer generation now verifies eagerly; keep to a "
+            "few batch sizes, or raise torch._dynamo.config.recompile_limit",
+            stacklevel=4,
+        )
 
 
 class Target:
@@ -122,6 +143,7 @@ class Target:
         (`compile`): the trees are written at column `at` (a 0-dim tensor) and the mask covers the whole cache
         (B, 1, N, max)."""
         if self.compiled is not None:
+            note_compiled_shape((id(self.model), *tokens.shape, cache.max_length))
             with cache.fixed(at), using_grouped_attention(self.configs):
                 return self.compiled(tokens, positions, mask, cache)
         with self.capture() as features, self.vocab_layout(), using_grouped_attention(self.configs):

@@ -1,15 +1,19 @@
 """`compile=True`: tree verification through torch.compile with fixed shapes gives the same tokens, and does
 not recompile step by step."""
 
+import warnings
+
 import pytest
 import torch
-from test_batch import drafter, left_padded
 from torch._dynamo.utils import counters
 
+from batch_rows import drafter, left_padded
 from conftest import VOCAB, tiny_model
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.draft_layers import layer_fields
 from selfspec.heads.eagle3 import Eagle3Draft
+from selfspec.infer.core import target as target_module
+from selfspec.infer.core.decode_step import FixedShapes
 from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.core.mask import RowMask
 from selfspec.infer.drafters.eagle import EagleProposer
@@ -35,6 +39,7 @@ def test_compiled_verification_equals_generate_and_compiles_once_per_shape():
     )  # fits the same cache: no recompile
     assert out[0, 3:].tolist() == plain(model, prompts[1], 30)
     assert counters["stats"]["unique_graphs"] == graphs
+    assert (id(model), 1, spec.proposer.max_nodes, 256) in target_module.COMPILED_SHAPES
     ids, mask = left_padded(prompts)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[])
     for b, p in enumerate(prompts):
@@ -113,3 +118,23 @@ def test_the_compile_option_takes_a_mode():
     assert parse(["bench"]).compile is None
     with pytest.raises(SystemExit):
         parse(["bench", "--compile", "fastest"])
+
+
+def test_compiled_cache_lengths_double_so_a_session_compiles_a_few_times():
+    lengths = [FixedShapes().cache_length(n) for n in (1, 256, 257, 600, 1500, 4000)]
+    assert lengths == [256, 256, 512, 1024, 2048, 4096]
+
+
+def test_the_last_shape_torch_compile_compiles_is_announced_once(monkeypatch):
+    """Past torch._dynamo's recompile limit the verify would run eagerly without a word: the shape that
+    reaches the limit warns, naming the shapes and the fix; shapes seen before and the later ones stay
+    quiet."""
+    monkeypatch.setattr(target_module, "COMPILED_SHAPES", set())
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for shape in [(0, 1, 8, 256), (0, 1, 8, 256), (0, 2, 8, 256), (0, 1, 8, 512), (0, 4, 8, 512)]:
+            target_module.note_compiled_shape(shape)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "3 shapes" in message and "(2, 256)" in message and "recompile_limit" in message
