@@ -26,10 +26,10 @@ from torch import nn
 
 from selfspec.heads.draft_layers import DraftCache
 from selfspec.infer.core.mask import RowMask
-from selfspec.infer.core.rows import upload
 from selfspec.infer.core.tree import Tree, choices_width, descend, row_trees, select_tree, tree_from_choices
 from selfspec.infer.core.verify import SamplingParams
-from selfspec.infer.drafters.drafter import Draft, Drafter, newest_pairs
+from selfspec.infer.drafters.confirmed_pairs import ConfirmedPairs
+from selfspec.infer.drafters.drafter import Draft, Drafter
 from selfspec.infer.drafters.proposers import embedding_for
 
 
@@ -121,7 +121,12 @@ class FeatureDrafter(Drafter):
         capacity = max_length + draft_columns + self.max_nodes
         self.cache = self.new_cache(capacity, rows)
         self.mask = RowMask(rows, max(self.top_k, self.max_nodes), capacity, self.dtype, self.device)
-        self.lengths = [0] * rows
+        self.pairs = ConfirmedPairs(self.cache, self.mask, rows)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each row's confirmed positions in the drafter's cache."""
+        return self.pairs.lengths
 
     def new_cache(self, capacity: int, rows: int) -> DraftCache:
         """The drafter's KV cache for `rows` rows of `capacity` positions: `length`, `keep_rows(src, dst)` and
@@ -131,9 +136,7 @@ class FeatureDrafter(Drafter):
     def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """The batch goes on with rows `keep` only, in that order (the others stopped; `index`: the same on
         the device): their drafter cache and mask rows move down, and later calls draft for len(keep) rows."""
-        self.cache.select_rows(keep, index)
-        self.mask.select_rows(keep, index, self.cache.length)
-        self.lengths = [self.lengths[i] for i in keep]
+        self.pairs.keep_rows(keep, index)
 
     @torch.no_grad()
     def propose(
@@ -142,44 +145,20 @@ class FeatureDrafter(Drafter):
         """Every row's tree from depth + 1 drafter calls for the whole batch (a static tree: one per level
         with children). Rows not `active` (stopped, or verifying their root alone) feed nothing and get
         None."""
-        B, device, k = len(contexts), self.device, self.top_k
+        B, k = len(contexts), self.top_k
         if not any(active):  # nothing to feed or draft (e.g. every row near the position limit)
             return [None] * B
-        counts = [h.shape[0] if on else 0 for h, on in zip(hiddens, active)]
-        M = max(counts)
         cache, mask = self.cache, self.mask
-        # 1. the confirmed pairs (f_t, x_{t+1}) of each row, right-padded to M and written at the shared
-        # column
-        feats, tokens = newest_pairs(
-            contexts, hiddens, counts, self.dtype, device
-        )  # the rows' features move here
-        at = cache.length
-        lengths = upload(self.lengths, device)
-        cols = torch.arange(M, device=device)
-        count_t = upload(counts, device)
-        positions = lengths[:, None] + cols
-        if at == 0:  # the prompts: right padding after causal pairs is never seen by them
-            block = None
-        else:
-            causal = torch.ones(M, M, dtype=torch.bool, device=device).tril()
-            block = mask.at(
-                at,
-                (causal[None] & (cols < count_t[:, None])[:, None, :])
-                | torch.eye(M, dtype=torch.bool, device=device),
-            )
-        out = self.draft(self.draft.fuse(feats.to(self.dtype)), tokens, self.embed, block, positions, cache)
-        last = out.gather(1, (count_t - 1).clamp(min=0)[:, None, None].expand(B, 1, out.shape[-1]))[
-            :, 0
-        ]  # (B, H)
+        # 1. the confirmed pairs (f_t, x_{t+1}) of each row, written at the shared column
+        feed = self.pairs.feed(active, contexts, hiddens, self.dtype, self.device)
+        # the prompts: right padding after causal pairs is never seen by them
+        block = None if feed.at == 0 else mask.at(feed.at, feed.pair_block())
+        feats = self.draft.fuse(feed.feats.to(self.dtype))
+        out = self.draft(feats, feed.tokens, self.embed, block, feed.positions, cache)
+        last = feed.newest(out)  # (B, H)
         root_logp = self._log_probs(last)
-        # each row's pairs move down to its own end; the shared column becomes the longest row's end
-        dst = lengths[:, None] + cols
-        if any(n != at for n in self.lengths):  # else every row already ends at the shared column
-            cache.keep_rows(at + cols.expand(B, M), dst)
-        mask.commit(at, M, dst, cols < count_t[:, None])
-        self.lengths = [n + m for n, m in zip(self.lengths, counts)]
-        cache.length = base = max(self.lengths)
-        lengths = lengths + count_t
+        lengths = self.pairs.settle(feed, feed.tokens.shape[1])
+        base = cache.length
 
         # 2. the tree below each root: EAGLE-2's expansion or the static tree, every row in one call per depth
         def run(features: torch.Tensor, tokens: torch.Tensor, visible: torch.Tensor, d: int):

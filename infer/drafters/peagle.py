@@ -20,9 +20,9 @@ from torch import nn
 from selfspec.heads.draft_layers import DraftCache
 from selfspec.heads.peagle import PEagleDraft
 from selfspec.infer.core.mask import RowMask
-from selfspec.infer.core.rows import upload
 from selfspec.infer.core.verify import SamplingParams
-from selfspec.infer.drafters.drafter import Draft, Drafter, newest_pairs
+from selfspec.infer.drafters.confirmed_pairs import ConfirmedPairs, PairFeed
+from selfspec.infer.drafters.drafter import Draft, Drafter
 from selfspec.infer.drafters.parallel_tree import ParallelTree
 from selfspec.infer.drafters.proposers import TREE_OPTIONS, embedding_for
 
@@ -71,6 +71,11 @@ class PEagleProposer(Drafter):
         self.slots = self.depth - 1
 
     @property
+    def lengths(self) -> list[int]:
+        """Each row's confirmed positions in the drafter's cache."""
+        return self.pairs.lengths
+
+    @property
     def drafter(self) -> torch.nn.Module:
         """The trained module this proposer drafts with (what `selfspec tune` fits a tree for)."""
         return self.draft
@@ -85,13 +90,11 @@ class PEagleProposer(Drafter):
         capacity = max_length + queries + 1
         self.cache = DraftCache.for_drafter(self.draft, capacity, batch=rows)
         self.mask = RowMask(rows, queries, capacity, self.dtype, self.device)
-        self.lengths = [0] * rows
+        self.pairs = ConfirmedPairs(self.cache, self.mask, rows)
 
     def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """Go on with rows `keep` only, in that order (`index`: the same on the device)."""
-        self.cache.select_rows(keep, index)
-        self.mask.select_rows(keep, index, self.cache.length)
-        self.lengths = [self.lengths[i] for i in keep]
+        self.pairs.keep_rows(keep, index)
 
     @torch.no_grad()
     def propose(
@@ -101,46 +104,32 @@ class PEagleProposer(Drafter):
         B, S, device = len(contexts), self.slots, self.device
         if not any(active):
             return [None] * B
-        counts = [h.shape[0] if on else 0 for h, on in zip(hiddens, active)]
-        M = max(counts)
-        feats, tokens = newest_pairs(
-            contexts, hiddens, counts, self.dtype, device
-        )  # the rows' features move here
-        lengths, count_t = upload(self.lengths, device), upload(counts, device)
-        cols = torch.arange(M, device=device)
-        valid = cols < count_t[:, None]  # (B, M): the row's pairs; the rest is padding no query sees
-        last = lengths + count_t - 1  # the position of each row's newest pair
-        positions = torch.cat(
-            [lengths[:, None] + cols, last[:, None] + torch.arange(1, S + 1, device=device)], dim=1
+        feed = self.pairs.feed(active, contexts, hiddens, self.dtype, device)
+        M = feed.tokens.shape[1]
+        slots = feed.last[:, None] + torch.arange(1, S + 1, device=device)
+        positions = torch.cat([feed.positions, slots], dim=1)
+        block = self._block(feed, S)
+        # the prompt: nothing before it to see
+        mask = block[:, None] if feed.at == 0 else self.mask.at(feed.at, block)
+        out = self.draft(
+            self.draft.fuse(feed.feats), feed.tokens, self.embed, mask, positions, self.cache, slots=S
         )
-        at = self.cache.length
-        block = self._block(valid, S)
-        mask = block[:, None] if at == 0 else self.mask.at(at, block)  # the prompt: nothing before it to see
-        out = self.draft(self.draft.fuse(feats), tokens, self.embed, mask, positions, self.cache, slots=S)
-        newest = out.gather(1, (count_t - 1).clamp(min=0)[:, None, None].expand(B, 1, out.shape[-1]))
+        newest = feed.newest(out)[:, None]
         logits = self.draft.logits(torch.cat([newest, out[:, M:]], dim=1))  # (B, depth, N)
-        # each row's pairs move down to its own end; the slots are dropped (overwritten next step)
-        dst = lengths[:, None] + cols
-        if any(n != at for n in self.lengths):  # else every row already ends at the shared column
-            self.cache.keep_rows(at + cols.expand(B, M), dst)
-        self.mask.commit(at, M + S, dst, valid)
-        self.lengths = [n + m for n, m in zip(self.lengths, counts)]
-        self.cache.length = max(self.lengths)
+        self.pairs.settle(feed, M + S)  # the slots are dropped (overwritten next step)
         rows = self.trees.rows(torch.stack([c[-1] for c in contexts]), logits)
         return [Draft(*row) if on else None for row, on in zip(rows, active)]
 
     @staticmethod
-    def _block(valid: torch.Tensor, slots: int) -> torch.Tensor:
+    def _block(feed: PairFeed, slots: int) -> torch.Tensor:
         """Who sees whom among one call's M pairs and the slots after them (B, M + S, M + S), True = visible:
         a pair sees the row's pairs up to itself (padding sees itself only), a slot every pair of its row and
         the slots up to itself."""
-        B, M = valid.shape
-        device = valid.device
-        eye = torch.eye(M, dtype=torch.bool, device=device)
-        pairs = (torch.ones(M, M, dtype=torch.bool, device=device).tril() & valid[:, None, :]) | eye
-        top = torch.cat([pairs, torch.zeros(B, M, slots, dtype=torch.bool, device=device)], dim=2)
+        B, M = feed.valid.shape
+        device = feed.valid.device
+        top = torch.cat([feed.pair_block(), torch.zeros(B, M, slots, dtype=torch.bool, device=device)], dim=2)
         own = torch.ones(slots, slots, dtype=torch.bool, device=device).tril().expand(B, slots, slots)
-        bottom = torch.cat([valid[:, None, :].expand(B, slots, M), own], dim=2)
+        bottom = torch.cat([feed.valid[:, None, :].expand(B, slots, M), own], dim=2)
         return torch.cat([top, bottom], dim=1)
 
 
