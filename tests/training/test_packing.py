@@ -13,11 +13,10 @@ import time
 
 import pytest
 import torch
-from test_chunked_loss import make_method
-from test_dflash import random_draft as random_dflash_draft
 
 import selfspec.train.methods.step_loss as eagle3_module
 from conftest import TOKENIZER_TEXT, VOCAB, tiny_model
+from dflash_drafts import random_draft as random_dflash_draft
 from selfspec.train.data.eagle_features import target_features
 from selfspec.train.data.examples import examples_from_lists, pad_batch
 from selfspec.train.data.packing import PackedExamples, check_packed_target, pack_rows
@@ -27,6 +26,7 @@ from selfspec.train.methods.dflash import DFlashMethod
 from selfspec.train.methods.dflash_loss import anchor_carries, block_labels, decay_weights, sample_anchors
 from selfspec.train.methods.step_loss import Labels
 from selfspec.train.recipes.dflash import DFlashConfig
+from train_methods import make_method
 
 LENGTHS = [9, 6, 11, 4, 7, 5, 8]
 MAX_LENGTH = 20
@@ -263,9 +263,8 @@ REPORT = re.compile(
 
 @pytest.mark.parametrize("recipe", ["eagle", "medusa"])
 def test_a_packed_run_trains_and_reports_less_padding(recipe, tiny_model_dir, tmp_path, monkeypatch, capsys):
-    from test_train_eagle import _args as eagle_args
-
     from conftest import medusa_args
+    from recipe_args import eagle_args
     from selfspec.train.eagle import run as run_eagle
     from selfspec.train.loop.config import load_config
     from selfspec.train.medusa import run as run_medusa
@@ -307,3 +306,31 @@ def test_the_step_timer_counts_nothing_while_paused():
     with timer.paused(), timer.section("target"):
         time.sleep(0.05)
     assert timer.seconds()["target"] == counted and timer.enabled
+
+
+def test_the_first_validation_is_no_part_of_the_step_split(
+    tiny_model_dir, text_data, tmp_path, monkeypatch, capsys
+):
+    """A fresh run validates before step 1; its target forwards once counted as training steps' (the drafter's
+    share came out negative). A validation made slow inside a target section must leave the split alone."""
+    from conftest import medusa_args
+    from selfspec.train.loop import training
+    from selfspec.train.loop.config import load_config
+    from selfspec.train.medusa import run as run_medusa
+    from selfspec.train.recipes.medusa import MedusaConfig
+
+    validate = training.validate
+
+    def slow(run, write):
+        with run.timer.section("target"):
+            time.sleep(0.5)
+        validate(run, write)
+
+    monkeypatch.setattr(training, "validate", slow)
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    args = medusa_args(tiny_model_dir, text_data, tmp_path / "out", max_steps=2, eval_steps=2, save_steps=2)
+    run_medusa(load_config(MedusaConfig, args))
+    report = REPORT.search(capsys.readouterr().out)
+    assert report is not None and int(report.group(4)) < 100, report.group(
+        0
+    )  # 2 steps: 250 ms each if counted

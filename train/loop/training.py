@@ -250,7 +250,8 @@ def resume(run: Run) -> None:
     if cfg.report_to != "none":
         accelerator.init_trackers(cfg.run_name or Path(cfg.output_dir).name, config=dataclasses.asdict(cfg))
     if run.step == 0 and run.total > 0:
-        validate(run, tqdm.write)
+        with run.timer.paused():  # its target forwards are no training step's
+            validate(run, tqdm.write)
 
 
 def take_steps(run: Run) -> None:
