@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from selfspec.heads.errors import run_main
-from selfspec.infer.cli.formats import cmd_export, cmd_import, cmd_push
-from selfspec.infer.cli.loading import load_models
 from selfspec.infer.cli.options import (
     BENCH_PROMPTS,
     NUM_DRAFT_TOKENS,
@@ -40,6 +37,8 @@ from selfspec.infer.cli.options import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from selfspec.infer.core.generate import SpeculativeModel
 
 
@@ -78,6 +77,9 @@ def check_drafter_options(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from selfspec.infer.cli.loading import load_models
     from selfspec.infer.core.arguments import fit_budget, max_positions
     from selfspec.infer.core.generation_config import resolve
     from selfspec.infer.measure.bench import encode_prompt
@@ -156,6 +158,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
+    import torch
+
+    from selfspec.infer.cli.loading import load_models
     from selfspec.infer.core.arguments import max_positions
     from selfspec.infer.core.generate import SpeculativeModel
     from selfspec.infer.drafters.proposers import NoDraft
@@ -306,9 +311,12 @@ def calibration_prompts(tokenizer, texts: list[Any], length: int | None = 32) ->
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
+    import torch
+
     from selfspec.heads.families import dynamic_tree, family
     from selfspec.heads.io import atomic_write
     from selfspec.heads.registry import is_published
+    from selfspec.infer.cli.loading import load_models
     from selfspec.infer.measure.tune import format_rows, format_tree_rows, tune_eagle, tune_medusa
 
     if bool(args.heads) == bool(args.mtp):
@@ -390,13 +398,22 @@ def cmd_recipes(args: argparse.Namespace) -> None:
     print(f"copied the recipes into {out}")
 
 
+def lazy(module: str, name: str) -> Callable[[argparse.Namespace], None]:
+    """A command's run function, imported when the command runs: `selfspec --help` loads no torch."""
+
+    def run(args: argparse.Namespace) -> None:
+        getattr(importlib.import_module(module), name)(args)
+
+    return run
+
+
 COMMANDS = {
     "generate": Command(generate_parser, cmd_generate),
     "bench": Command(bench_parser, cmd_bench),
     "tune": Command(tune_parser, cmd_tune),
-    "import": Command(import_parser, cmd_import),
-    "export": Command(export_parser, cmd_export),
-    "push": Command(push_parser, cmd_push),
+    "import": Command(import_parser, lazy("selfspec.infer.cli.formats", "cmd_import")),
+    "export": Command(export_parser, lazy("selfspec.infer.cli.formats", "cmd_export")),
+    "push": Command(push_parser, lazy("selfspec.infer.cli.formats", "cmd_push")),
     "recipes": Command(recipes_parser, cmd_recipes),
 }
 

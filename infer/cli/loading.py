@@ -10,11 +10,11 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from safetensors import SafetensorError
 
 from selfspec.heads.errors import describe
 from selfspec.heads.families import dynamic_tree
-from selfspec.infer.cli.options import DTYPES
 
 if TYPE_CHECKING:
     from selfspec.heads.config import HeadsConfig
@@ -133,7 +133,8 @@ def load_models(
     tokenizer = load_pretrained(option, name, AutoTokenizer.from_pretrained, path)
     if before_weights is not None:
         before_weights(tokenizer, load_pretrained(option, name, AutoConfig.from_pretrained, path))
-    dtype = DTYPES[args.dtype] if args.dtype else DTYPES[configs[0].dtype] if configs else "auto"
+    dtype_name = args.dtype or (configs[0].dtype if configs else None)
+    dtype = getattr(torch, dtype_name) if dtype_name else "auto"
     if adapted:
         load = partial(load_pretrained, option, name, AutoModelForCausalLM.from_pretrained)
         model = load_target(adapted[0], args.model, load=load, dtype=dtype)

@@ -1,6 +1,7 @@
 """The command line's options: the parser, and argparse types that check each value as it is read.
 
-Every option is validated here, before any model loads; infer/cli/commands.py runs the commands.
+Every option is validated here, before any model loads; infer/cli/commands.py runs the commands. Nothing here
+imports torch until a value is checked, so `selfspec --help` answers at once.
 """
 
 from __future__ import annotations
@@ -12,12 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
-import torch
-
 import selfspec
 from selfspec.heads.errors import describe
-from selfspec.infer.core.arguments import unavailable_device
-from selfspec.infer.core.verify import SamplingParams
 
 PROG = "selfspec"
 DESCRIPTION = (
@@ -31,8 +28,9 @@ DESCRIPTION = (
 )
 NUM_DRAFT_TOKENS = 4  # a draft model's proposal length when --num-draft-tokens is not given
 PROMPT_LOOKUP_TOKENS = 10  # prompt lookup's longest proposal when --prompt-lookup-tokens is not given
+DEVICE_HELP = "a torch device: cpu, cuda, cuda:1, mps (default: cuda where there is one, else cpu)"
 BENCH_PROMPTS = 16  # built-in prompts bench decodes when neither --num-prompts nor --prompts is given
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype's choices: names of torch dtypes
 
 
 class Parser(argparse.ArgumentParser):
@@ -69,6 +67,8 @@ def sampling(field: str, cast: type) -> Callable[[str], Any]:
     """An argparse type: a value of `field` that SamplingParams accepts (the library's rule, stated once)."""
 
     def parse(text: str) -> Any:
+        from selfspec.infer.core.verify import SamplingParams
+
         try:
             value = cast(text)
         except ValueError:
@@ -105,7 +105,14 @@ def tree_choices(text: str) -> list[list[int]]:
 
 
 def device(text: str) -> str:
-    """An argparse type: a torch device that this machine has."""
+    """An argparse type: a torch device that this machine has; `auto` (the default, which argparse passes
+    through here only when --device is not given) is cuda where there is one, else cpu."""
+    import torch
+
+    from selfspec.infer.core.arguments import unavailable_device
+
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
     if (why := unavailable_device(text)) is not None:
         raise argparse.ArgumentTypeError(why.replace("use cpu", "use --device cpu"))
     return text
@@ -198,7 +205,7 @@ def drafter_options(p: argparse.ArgumentParser, several: bool) -> None:
         choices=list(DTYPES),
         help="default: the dtype the (first) heads were trained with, else the model's own",
     )
-    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device, default="auto", help=DEVICE_HELP)
     p.add_argument(
         "--tree",
         type=tree_choices,
@@ -352,7 +359,7 @@ def tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     tune.add_argument("--model", help="target model name or path (default: the heads' base_model)")
     tune.add_argument("--dtype", choices=list(DTYPES), help="default: the dtype the heads were trained with")
-    tune.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
+    tune.add_argument("--device", type=device, default="auto", help=DEVICE_HELP)
     tune.add_argument(
         "--prompts", help='calibration .jsonl of {"prompt": ...} (default: the demo validation split)'
     )
@@ -374,7 +381,7 @@ def tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def import_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from selfspec.heads.formats import EXPORT_FORMATS
+    from selfspec.heads.families import export_formats
 
     imp = sub.add_parser(
         "import", help="convert a published Medusa/EAGLE/DFlash checkpoint into a selfspec heads directory"
@@ -383,7 +390,7 @@ def import_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--src", required=True, help="the checkpoint's directory (layout detected from its files)"
     )
     imp.add_argument(
-        "--format", choices=EXPORT_FORMATS, help="the layout, when detection should be overridden"
+        "--format", choices=export_formats(), help="the layout, when detection should be overridden"
     )
     imp.add_argument(
         "--base-model",
@@ -401,14 +408,14 @@ def import_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from selfspec.heads.formats import EXPORT_FORMATS
+    from selfspec.heads.families import export_formats
 
     exp = sub.add_parser("export", help="write heads in the layout a serving engine loads")
     exp.add_argument("--heads", required=True, help="a selfspec drafter directory or Hub id")
     exp.add_argument(
         "--format",
         required=True,
-        choices=EXPORT_FORMATS,
+        choices=export_formats(),
         help="fastdecoding-medusa (FasterDecoding, TGI, TensorRT-LLM), vllm-medusa, eagle1 (SafeAILab, "
         "vLLM), sglang-eagle, eagle3 (EAGLE-3: SafeAILab, SGLang, vLLM), speculators-eagle3 "
         "(vllm-project/speculators, vLLM), peagle and speculators-peagle (P-EAGLE: vLLM with "

@@ -11,14 +11,12 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-import torch
-
 from selfspec.heads.families import family
-from selfspec.infer.cli.formats import refuse_to_overwrite
-from selfspec.infer.cli.loading import load_drafters, load_pretrained
 from selfspec.infer.cli.options import Command, at_least
 
 if TYPE_CHECKING:
+    import torch
+
     from selfspec.heads.config import HeadsConfig
 
 
@@ -71,6 +69,9 @@ def cmd_draft_vocab(args: argparse.Namespace) -> None:
     """Restrict an EAGLE-1/2 drafter to a dataset's most frequent tokens, or to a published FR-Spec token map
     (frequency-ranked drafting): each draft call then reads only those rows of the lm_head. No training; the
     drafter's weights are unchanged and verification keeps the output exact."""
+    from selfspec.infer.cli.formats import refuse_to_overwrite
+    from selfspec.infer.cli.loading import load_drafters
+
     refuse_to_overwrite(args.out)
     [heads] = load_drafters([args.heads], "cpu", args.model)
     config = heads.config
@@ -118,6 +119,7 @@ def _frequent_ids(args: argparse.Namespace, config: HeadsConfig, widest: int) ->
     to fit the drafter before any counting), and what share of the dataset's tokens they cover."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from selfspec.infer.cli.loading import load_pretrained
     from selfspec.shipped.models import resolve_model
     from selfspec.train.data.examples import load_examples
     from selfspec.train.data.records import DataError

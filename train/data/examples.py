@@ -152,6 +152,19 @@ def save_examples(make: Callable[[Path], datasets.Dataset], path: Path) -> datas
     return datasets.load_from_disk(str(path), keep_in_memory=False)
 
 
+def record_rows(records: Iterable[dict[str, Any]], source: str) -> Iterator[dict[str, str | None]]:
+    """The records as RECORD_FEATURES rows (messages as JSON); a DataError at their end when none held any
+    text or conversation: the source is empty, which no --max_length can help."""
+    content = False
+    for r in records:
+        content = content or bool(r.get("text") or r.get("messages"))
+        yield {"text": r.get("text"), "messages": json.dumps(r["messages"]) if "messages" in r else None}
+    if not content:
+        raise DataError(
+            f"{source} holds no text and no conversation: it is empty; give a file or folder with data"
+        )
+
+
 def build_examples(
     records: Iterable[dict[str, Any]],
     tokenizer,
@@ -163,21 +176,7 @@ def build_examples(
     """Tokenise records into examples saved at `path` (see Packer); records never all sit in RAM."""
 
     def make(scratch: Path) -> datasets.Dataset:
-        seen = {"content": False}
-
-        def rows():
-            for r in records:
-                seen["content"] = seen["content"] or bool(r.get("text") or r.get("messages"))
-                yield {
-                    "text": r.get("text"),
-                    "messages": json.dumps(r["messages"]) if "messages" in r else None,
-                }
-
-        table = write_arrow(rows(), scratch / "records.arrow", RECORD_FEATURES)
-        if not seen["content"]:
-            raise DataError(
-                f"{source} holds no text and no conversation: it is empty; give a file or folder with data"
-            )
+        table = write_arrow(record_rows(records, source), scratch / "records.arrow", RECORD_FEATURES)
         examples = table.map(
             Packer(tokenizer, max_length),
             batched=True,

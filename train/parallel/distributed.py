@@ -140,7 +140,8 @@ def launch_request(cmdline: list[str], cwd: str) -> dict[str, Any] | None:
         processes = int(processes)
     except (TypeError, ValueError):
         processes = 1
-    return {"config_file": path, "engine": engine, "num_processes": processes}
+    cpu = "--cpu" in args or str(config.get("use_cpu", "")).lower() == "true" or kind == "MULTI_CPU"
+    return {"config_file": path, "engine": engine, "num_processes": processes, "cpu": cpu}
 
 
 def check_launch_in_effect(
@@ -149,7 +150,8 @@ def check_launch_in_effect(
     """Refuse a run whose launch asked for DeepSpeed, FSDP or several processes that are not in effect
     (accelerate launch --cpu silently drops a DeepSpeed or FSDP config and starts one plain process), or for
     more processes than a machine without GPUs has cores (a GPU config there starts them all as CPU
-    processes). `gpus`, `cores`: this machine's (default: counted)."""
+    processes), or for more processes on this machine than it has GPUs (the extra ones fail with a CUDA
+    error). `gpus`, `cores`: this machine's (default: counted)."""
     if request is None:
         return
     where = (
@@ -184,6 +186,13 @@ def check_launch_in_effect(
             f"{where} asks for {request['num_processes']} processes, but this machine has no GPU and "
             f"{cores} CPU cores, so they would all share those: launch with "
             "configs/accelerate/cpu.yaml (one process) or cpu-2proc.yaml (two), or pass --num_processes"
+        )
+    # this machine's processes (torchrun's and DeepSpeed's launchers say; unknown: nothing checked)
+    here = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or 0)
+    if 0 < gpus < here and not request["cpu"]:
+        raise ConfigError(
+            f"{where} starts {here} processes on this machine, but it has {gpus} GPU"
+            f"{'s' if gpus > 1 else ''} (each process needs its own): pass --num_processes {gpus}"
         )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 from selfspec.train.data.examples import (
     WRITE_BATCH,
     cache_dir,
+    record_rows,
     require_chat_template,
     save_examples,
     source_fingerprint,
@@ -89,11 +89,8 @@ def load_items(source: str, split: str, tokenizer, max_length: int) -> Items:
         return Items(datasets.load_from_disk(str(path), keep_in_memory=False), key)
 
     def make(scratch: Path) -> datasets.Dataset:
-        records = (
-            {"text": r.get("text"), "messages": json.dumps(r["messages"]) if "messages" in r else None}
-            for r in iter_records(source, split)
-        )
-        table = write_arrow(records, scratch / "records.arrow", RECORD_FEATURES)
+        rows = record_rows(iter_records(source, split), source)
+        table = write_arrow(rows, scratch / "records.arrow", RECORD_FEATURES)
         items = table.map(
             ItemPacker(tokenizer, max_length),
             batched=True,

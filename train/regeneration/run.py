@@ -306,7 +306,9 @@ def run(cfg: RegenerateConfig) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from selfspec.shipped.models import resolve_model
+    from selfspec.train.parallel.distributed import check_launch
 
+    check_launch()  # a launch this machine cannot run is refused before any model or data loads
     out = Path(cfg.output_dir)
     check_output_dir(out)
     world = int(os.environ.get("WORLD_SIZE", "1"))
