@@ -16,7 +16,8 @@ from transformers import (
     Qwen2Config,
 )
 
-pytest_plugins = ["eagle3_checkpoints"]  # the 8-layer target fixtures the EAGLE-3 layout tests share
+# fixtures shared across folders: the 8-layer targets of the EAGLE-3 layout tests, the recording hub
+pytest_plugins = ["eagle3_checkpoints", "hub_recorder"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # the cores shared among pytest-xdist's workers (`make test` runs two), at most 2 threads each
@@ -295,23 +296,7 @@ def fit_on_own_continuations(model, prompts, method, steps: int, lr: float) -> t
 
 def medusa_args(model_dir, data, out, **extra) -> list[str]:
     """Command-line options for a seconds-long Medusa recipe run on a tiny target (overrides in `extra`)."""
-    args = {
-        "model": model_dir,
-        "dataset": data,
-        "output_dir": out,
-        "max_length": 32,
-        "max_steps": 6,
-        "per_device_train_batch_size": 4,
-        "eval_steps": 3,
-        "save_steps": 2,
-        "learning_rate": 1e-2,
-        "num_heads": 2,
-        "max_minutes": 0,
-        "logging_steps": 1,
-        "tree_nodes": 5,
-        "self_distill": False,
-        "share_lm_head": False,
-        "max_train_examples": 0,
-        "mixed_precision": "no",
-    } | extra
-    return [x for k, v in args.items() for x in (f"--{k}", str(v))]
+    from recipe_args import argv, short_run
+
+    medusa = {"learning_rate": 1e-2, "num_heads": 2, "tree_nodes": 5, "share_lm_head": False}
+    return argv(short_run(model_dir, data, out, **(medusa | extra)))

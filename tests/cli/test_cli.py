@@ -9,6 +9,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cli_checks import greedy_reference, user_error
 from selfspec.cli import main as cli
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.medusa import MedusaHeads
@@ -42,28 +43,6 @@ def trained_heads(tiny_model_dir, tmp_path, monkeypatch):
     }
     run(load_config(MedusaConfig, [x for k, v in args.items() for x in (f"--{k}", str(v))]))
     return out
-
-
-def user_error(capsys, argv: list[str]) -> str:
-    """Run the CLI expecting a user error: exit status 2 and one line on stderr, no traceback. Returns the
-    line."""
-    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars share stderr
-    try:
-        with pytest.raises(SystemExit) as exit_:
-            cli(argv)
-    finally:
-        transformers.utils.logging.enable_progress_bar()
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert err.startswith("selfspec") and ": error: " in err
-    return err.strip()
-
-
-def greedy_reference(model_dir, prompt: str, max_new_tokens: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = AutoTokenizer.from_pretrained(model_dir)(prompt, return_tensors="pt").input_ids
-    return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1] :].tolist()
 
 
 def test_generate_json_equals_transformers_greedy(trained_heads, tiny_model_dir, tmp_path, capsys):

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 import transformers
-from test_cli import greedy_reference, user_error
 from transformers import AutoTokenizer
 
+from cli_checks import greedy_reference, user_error
 from selfspec.cli import main as cli
 
 
@@ -319,8 +319,9 @@ def test_a_dflash_tree_is_set_from_the_command_line(tiny_model_dir, tmp_path):
     DFlash refuses); the tree the run used is the one asked for, and the output is still the target's
     greedy."""
     import torch
-    from test_dflash import random_draft
     from transformers import AutoModelForCausalLM
+
+    from dflash_drafts import random_draft
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     draft = random_draft(model)

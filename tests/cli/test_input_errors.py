@@ -133,3 +133,15 @@ def test_an_empty_data_file_is_called_empty(tmp_path, monkeypatch, name):
     (tmp_path / name).write_text("")
     with pytest.raises(DataError, match=rf"{name} holds no text and no conversation: it is empty"):
         load_examples(str(tmp_path / name), tiny_tokenizer(), 32)
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "empty.txt"])
+def test_an_empty_data_file_is_called_empty_when_regenerated(tmp_path, monkeypatch, name):
+    """train/regenerate.py and --self_distill read work items: these said 'lower --max_length'."""
+    from conftest import tiny_tokenizer
+    from selfspec.train.regeneration.items import load_items
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    (tmp_path / name).write_text("")
+    with pytest.raises(DataError, match=rf"{name} holds no text and no conversation: it is empty; give"):
+        load_items(str(tmp_path / name), "train", tiny_tokenizer(), 32)

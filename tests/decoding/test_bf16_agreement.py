@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_eagle import random_draft
-from test_generate import CHOICES, random_heads
 
 from conftest import ARCHS, tiny_model, tiny_tokenizer
+from eagle_drafts import random_draft
+from medusa_heads import CHOICES, random_heads
 from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.drafters.eagle import EagleProposer
 from selfspec.infer.drafters.proposers import MedusaProposer

@@ -3,11 +3,11 @@ and a target spread over two GPUs (device_map) decodes with its drafter on the l
 
 import pytest
 import torch
-from test_batch import alone, batch_prompts, left_padded
-from test_eagle import random_draft
-from test_generate import CHOICES, random_heads
 
+from batch_rows import alone, batch_prompts, left_padded
 from conftest import tiny_model
+from eagle_drafts import random_draft
+from medusa_heads import CHOICES, random_heads
 from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.drafters.prompt_lookup import PromptLookupProposer
 

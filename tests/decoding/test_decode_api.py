@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_batch import left_padded
-from test_generate import CHOICES, random_heads
 
+from batch_rows import left_padded
 from conftest import tiny_model, tiny_tokenizer
+from medusa_heads import CHOICES, random_heads
 from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.drafters.prompt_lookup import PromptLookupProposer
 from selfspec.infer.drafters.proposers import MedusaProposer, NoDraft

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_eagle3 import reduced_draft
 
 from conftest import tiny_model
+from eagle3_drafts import reduced_draft
 from selfspec.heads.draft_layers import draft_targets
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.formats.eagle3_config import draft_vocab_maps

@@ -115,11 +115,10 @@ def test_prompt_lookup_greedy_identical_and_accepts_repeats(model):
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "peagle"])
 def test_lookup_first_is_lossless_and_uses_both_drafters(model, kind):
-    from test_eagle import proposer as eagle_proposer
-    from test_eagle import random_draft
-    from test_generate import CHOICES, random_heads
-    from test_peagle import random_draft as peagle_draft
-
+    from eagle_drafts import proposer as eagle_proposer
+    from eagle_drafts import random_draft
+    from medusa_heads import CHOICES, random_heads
+    from peagle_drafts import random_draft as peagle_draft
     from selfspec.infer.drafters.peagle import peagle_proposer
     from selfspec.infer.drafters.prompt_lookup import LookupFirst
     from selfspec.infer.drafters.proposers import MedusaProposer

@@ -3,24 +3,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import VOCAB, fit_on_own_continuations, randomized, tiny_config, tiny_model
-from selfspec.heads.config import HeadsConfig
+from medusa_heads import CHOICES, random_heads
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.core.verify import MIN_TEMPERATURE, SamplingParams, target_probs
 from selfspec.infer.drafters.proposers import MedusaProposer
-
-CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
-
-
-def random_heads(model, seed=0, scale=0.5, num_heads=4) -> MedusaHeads:
-    torch.manual_seed(seed)
-    cfg = HeadsConfig(hidden_size=model.config.hidden_size, vocab_size=VOCAB, num_heads=num_heads)
-    heads = MedusaHeads(cfg)
-    heads.init_from_lm_head(model.get_output_embeddings())
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return heads
 
 
 def oracle_heads_model(model):

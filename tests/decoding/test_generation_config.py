@@ -3,9 +3,9 @@ call leaves out come from it, and what it cannot apply exactly is refused in one
 
 import pytest
 import torch
-from test_generate import CHOICES, random_heads
 
 from conftest import VOCAB, tiny_model
+from medusa_heads import CHOICES, random_heads
 from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.core.generation_config import resolve
 from selfspec.infer.core.verify import SamplingParams

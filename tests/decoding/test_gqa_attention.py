@@ -4,14 +4,14 @@ greedy tokens as model.generate; no byte of the cache copied; the user's model l
 
 import pytest
 import torch
-from test_batch import batch_prompts, drafter, left_padded
-from test_dflash import proposer as dflash_proposer
-from test_dflash import random_draft as random_dflash
 from transformers.integrations.sdpa_attention import repeat_kv
 
 import selfspec.heads.gqa as gqa
 import selfspec.infer.core.attention as attention
+from batch_rows import batch_prompts, drafter, left_padded
 from conftest import VOCAB, tiny_model
+from dflash_drafts import proposer as dflash_proposer
+from dflash_drafts import random_draft as random_dflash
 from selfspec.heads.gqa import ALIGN, fold_mask, grouped_sdpa
 from selfspec.infer.core.cache import WIDTH_STEP, new_cache
 from selfspec.infer.core.generate import SpeculativeModel

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_generate import CHOICES, random_heads
 
 from conftest import VOCAB, tiny_model
+from medusa_heads import CHOICES, random_heads
 from selfspec.infer.core.cache import PreallocatedCache, PreallocatedLayer, new_cache
 from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.core.mask import RowMask

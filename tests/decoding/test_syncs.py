@@ -4,13 +4,13 @@ on CPU with tests/helpers/sync_counter.py: the calls that would make the host wa
 
 import pytest
 import torch
-from test_batch import alone, batch_prompts, drafter, left_padded
-from test_dflash import proposer as dflash_proposer
-from test_dflash import random_draft as dflash_draft
-from test_eagle import STATIC, random_draft
 
 import selfspec.infer.core.verify as verify
+from batch_rows import alone, batch_prompts, drafter, left_padded
 from conftest import tiny_model
+from dflash_drafts import proposer as dflash_proposer
+from dflash_drafts import random_draft as dflash_draft
+from eagle_drafts import STATIC, random_draft
 from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.drafters.eagle import EagleProposer
 from selfspec.infer.drafters.prompt_lookup import LookupFirst, PromptLookupProposer

@@ -4,32 +4,14 @@ import pytest
 import torch
 
 from conftest import VOCAB, fit_on_own_continuations, prefill_one, propose_one, tiny_model
+from eagle_drafts import STATIC, proposer, random_draft
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.draft_layers import DraftCache, layer_fields
+from selfspec.heads.draft_layers import DraftCache
 from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.registry import load_heads
 from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.core.target import Target
 from selfspec.infer.core.tree import descend, select_tree, tree_from_parents
-from selfspec.infer.drafters.eagle import EagleProposer
-
-STATIC = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
-
-
-def random_draft(model, seed=0, **config) -> EagleDraft:
-    torch.manual_seed(seed)
-    cfg = HeadsConfig(
-        kind="eagle",
-        hidden_size=model.config.hidden_size,
-        vocab_size=VOCAB,
-        layer=layer_fields(model.config),
-        **({"depth": 4, "top_k": 3, "total_tokens": 10} | config),
-    )
-    return EagleDraft(cfg).eval()
-
-
-def proposer(model, draft, **kwargs) -> EagleProposer:
-    return EagleProposer(draft, model.get_input_embeddings(), model.get_output_embeddings(), **kwargs)
 
 
 def plain_greedy(model, prompt, n):

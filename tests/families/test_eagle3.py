@@ -5,9 +5,10 @@ import copy
 
 import pytest
 import torch
-from test_sampling import RUNS, V, chi_square, critical, exact_joint, run_sampling
 
 from conftest import fit_on_own_continuations, prefill_one, propose_one, tiny_model
+from eagle3_drafts import eagle3_config, random_draft, reduced_draft
+from sampling_checks import RUNS, V, chi_square, critical, exact_joint, run_sampling
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.draft_layers import DraftCache, layer_fields
 from selfspec.heads.eagle import EagleDraft
@@ -21,27 +22,6 @@ from selfspec.infer.drafters.eagle import EagleProposer
 from selfspec.train.loop.config import ConfigError
 from selfspec.train.methods.eagle import Eagle3Method
 from selfspec.train.recipes.eagle import EagleConfig, build_drafter
-
-
-def eagle3_config(model, draft_vocab_size=0, **extra) -> HeadsConfig:
-    c = model.config
-    return HeadsConfig(
-        kind="eagle3",
-        hidden_size=c.hidden_size,
-        vocab_size=c.vocab_size,
-        layer=layer_fields(c),
-        feature_layers=default_feature_layers(c.num_hidden_layers),
-        draft_vocab_size=draft_vocab_size,
-        **extra,
-    )
-
-
-def random_draft(model, draft_vocab_size=0, seed=0, **flags) -> Eagle3Draft:
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(eagle3_config(model, draft_vocab_size, **flags))
-    for p in draft.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    return draft.eval()
 
 
 def test_default_feature_layers_are_low_middle_high_and_never_the_normed_last():
@@ -247,15 +227,6 @@ STATIC = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 def eagle3_proposer(model, draft, **kwargs):
     return EagleProposer(draft, model.get_input_embeddings(), model.get_output_embeddings(), **kwargs)
-
-
-def reduced_draft(model, seed=0, size=40):
-    """A random drafter over `size` of the target's tokens (a random subset, so d2t is not the identity)."""
-    draft = random_draft(model, draft_vocab_size=size, seed=seed)
-    vocab = model.config.vocab_size
-    draft.set_draft_vocab(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:size])
-    draft.config.depth, draft.config.top_k, draft.config.total_tokens = 4, 3, 10
-    return draft
 
 
 def plain_greedy(model, prompt, n):

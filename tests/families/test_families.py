@@ -113,9 +113,8 @@ def test_every_dynamic_family_has_a_tune_grid_its_proposer_accepts():
 
 def test_a_dynamic_proposer_ignores_the_drafters_static_tree():
     """tune measures EAGLE-2's dynamic tree even when the drafter's config stores a static one."""
-    from test_eagle import random_draft
-
     from conftest import tiny_model
+    from eagle_drafts import random_draft
 
     model = tiny_model("llama")
     draft = random_draft(model)

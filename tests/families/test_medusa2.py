@@ -8,7 +8,6 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
-from test_hub import hub  # noqa: F401 - the fixture recording what would be uploaded
 
 from conftest import check_resume, medusa_args, tiny_model, tiny_tokenizer
 from selfspec.heads.config import HeadsConfig
@@ -227,7 +226,7 @@ def test_cli_generates_with_the_adapter_and_push_uploads_it(
     tmp_path,
     monkeypatch,
     capsys,
-    hub,  # noqa: F811
+    hub,
 ):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "medusa2"

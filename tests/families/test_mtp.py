@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from conftest import fit_on_own_continuations
 from mtp_targets import write_mtp_target
+from recipe_args import argv as options
+from recipe_args import short_run
 from selfspec import SpeculativeModel
 from selfspec.heads.formats.mtp import export_as, load_target_mtp, own_mtp_keys
 from selfspec.heads.registry import load_heads
@@ -202,28 +204,7 @@ def load_heads_like():
 
 
 def _args(model_dir, data, out, **extra):
-    args = (
-        {
-            "model": model_dir,
-            "dataset": data,
-            "output_dir": out,
-            "max_length": 32,
-            "max_steps": 6,
-            "per_device_train_batch_size": 4,
-            "eval_steps": 3,
-            "save_steps": 2,
-            "learning_rate": 3e-3,
-            "max_minutes": 0,
-            "logging_steps": 1,
-            "self_distill": False,
-            "max_train_examples": 0,
-            "mixed_precision": "no",
-            "ttt_steps": 2,
-        }
-        | CHAIN
-        | extra
-    )
-    return [x for k, v in args.items() for x in (f"--{k}", str(v))]
+    return options(short_run(model_dir, data, out, **({"ttt_steps": 2} | CHAIN | extra)))
 
 
 def test_the_recipe_fine_tunes_saves_and_resumes_like_an_uninterrupted_run(
@@ -297,9 +278,9 @@ def test_the_cli_generates_and_benches_with_the_targets_own_layers(targets, caps
 
 
 def test_mtp_sampling_matches_the_target_distribution():
-    from test_sampling import RUNS, V, chi_square, critical, exact_joint, run_sampling
     from transformers import Glm4MoeConfig
 
+    from sampling_checks import RUNS, V, chi_square, critical, exact_joint, run_sampling
     from selfspec.heads.mtp import MtpDraft, mtp_config_for
 
     torch.manual_seed(5)

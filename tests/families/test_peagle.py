@@ -5,43 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sampling import RUNS, V, chi_square, critical, exact_joint, run_sampling
 
 from conftest import tiny_model
+from peagle_drafts import peagle_config, random_draft
+from recipe_args import argv, short_run
+from sampling_checks import RUNS, V, chi_square, critical, exact_joint, run_sampling
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.draft_layers import DraftCache, layer_fields
-from selfspec.heads.fused_draft import default_feature_layers
 from selfspec.heads.peagle import PEagleDraft
 from selfspec.heads.registry import load_heads
 from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.drafters.peagle import PEagleProposer, peagle_proposer
-
-
-def peagle_config(model, draft_vocab_size=0, **extra) -> HeadsConfig:
-    c = model.config
-    fields = dict(depth=4, top_k=1, total_tokens=4, mask_token_id=c.vocab_size - 1) | extra
-    return HeadsConfig(
-        kind="peagle",
-        hidden_size=c.hidden_size,
-        vocab_size=c.vocab_size,
-        layer=layer_fields(c),
-        feature_layers=default_feature_layers(c.num_hidden_layers),
-        draft_vocab_size=draft_vocab_size,
-        **fields,
-    )
-
-
-def random_draft(model, seed=0, size=40, **extra) -> PEagleDraft:
-    """A random drafter over `size` of the target's tokens (a random subset, so d2t is not the identity)."""
-    torch.manual_seed(seed)
-    draft = PEagleDraft(peagle_config(model, size, **extra))
-    for p in draft.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    if size:
-        draft.set_draft_vocab(
-            torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:size]
-        )
-    return draft.eval()
 
 
 def plain_greedy(model, prompt, n):
@@ -302,27 +276,8 @@ def test_training_teaches_every_depth_and_decoding_stays_exact(arch):
 
 
 def _args(model_dir, data, out, **extra):
-    args = {
-        "model": model_dir,
-        "dataset": data,
-        "output_dir": out,
-        "max_length": 32,
-        "max_steps": 6,
-        "per_device_train_batch_size": 4,
-        "eval_steps": 3,
-        "save_steps": 2,
-        "learning_rate": 3e-3,
-        "max_minutes": 0,
-        "logging_steps": 1,
-        "self_distill": False,
-        "max_train_examples": 0,
-        "mixed_precision": "no",
-        "depths": 3,
-        "depth": 3,
-        "top_k": 1,
-        "total_tokens": 3,
-    } | extra
-    return [x for k, v in args.items() for x in (f"--{k}", str(v))]
+    chain = {"depths": 3, "depth": 3, "top_k": 1, "total_tokens": 3}
+    return argv(short_run(model_dir, data, out, **(chain | extra)))
 
 
 def test_the_recipe_trains_saves_and_resumes_like_an_uninterrupted_run(

@@ -6,9 +6,9 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_cli import user_error
 from transformers import AutoModelForCausalLM
 
+from cli_checks import user_error
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.formats import EXPORT_FORMATS, detect_format, export_heads
 from selfspec.heads.formats.dflash import DFLASH_FORMATS

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from test_dflash import MASK, plain_greedy, proposer, random_draft
 
 from conftest import tiny_model
+from dflash_drafts import MASK, plain_greedy, proposer, random_draft
 from selfspec.cli import main as cli
 from selfspec.heads.formats import detect_format, export_heads, import_heads
 from selfspec.heads.formats.dflash import DFLASH_FORMATS

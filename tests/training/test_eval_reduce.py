@@ -3,9 +3,9 @@ across processes) once, and only then divides, so two ranks' halves reduced equa
 
 import pytest
 import torch
-from test_chunked_loss import KINDS, make_batch, make_method
 
 from conftest import VOCAB
+from train_methods import KINDS, make_batch, make_method
 
 
 @pytest.mark.parametrize("kind", KINDS)

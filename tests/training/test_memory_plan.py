@@ -175,8 +175,7 @@ def test_the_per_rank_plan_matches_each_ranks_measured_peak(
     """2 CPU processes under the shipped launch configs, bf16: the plan for one rank against the peak each
     rank measures (tests/helpers/rank_peak.py). EAGLE-3's activations dominate; Medusa's peak is the engine's
     drafter states (sharded weights and AdamW, gathered bf16 weights, gradient buckets)."""
-    from test_distributed import launch
-
+    from distributed_runs import launch
     from selfspec.train.recipes.eagle import EagleConfig
     from selfspec.train.recipes.medusa import MedusaConfig
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.utils import DistributedType
-from test_distributed import (
+
+from distributed_runs import (
     ACCELERATE,
     ROOT,
     assert_decodes_like_target,
@@ -29,7 +30,6 @@ from test_distributed import (
     launch,
     run_args,
 )
-
 from selfspec.train.loop.config import ConfigError
 from selfspec.train.parallel.memory_plan import load_recipe, memory_plan, target_config
 from selfspec.train.parallel.target_shard import check_shard_target

@@ -5,6 +5,7 @@ from safetensors.torch import load_file
 import selfspec.train.data.eagle_features as eagle_features
 import selfspec.train.eagle as eagle_recipe
 from conftest import check_resume, tiny_model
+from recipe_args import eagle_args
 from selfspec.heads.eagle import EagleDraft
 from selfspec.heads.registry import load_heads
 from selfspec.infer.measure.tune import tune_eagle
@@ -16,29 +17,6 @@ from selfspec.train.eagle import run
 from selfspec.train.loop.config import ConfigError, load_config
 from selfspec.train.recipes.draft_shape import draft_vocab_size
 from selfspec.train.recipes.eagle import EagleConfig, new_draft
-
-
-def _args(model_dir, data, out, **extra):
-    args = {
-        "model": model_dir,
-        "dataset": data,
-        "output_dir": out,
-        "max_length": 32,
-        "max_steps": 6,
-        "per_device_train_batch_size": 4,
-        "eval_steps": 3,
-        "save_steps": 2,
-        "learning_rate": 3e-3,
-        "max_minutes": 0,
-        "logging_steps": 1,
-        "self_distill": False,
-        "max_train_examples": 0,
-        "mixed_precision": "no",
-        "depth": 3,
-        "top_k": 2,
-        "total_tokens": 6,
-    } | extra
-    return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 
 
 @pytest.mark.parametrize(
@@ -59,7 +37,9 @@ def test_training_lowers_loss_changes_the_drafter_only(
 ):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "eagle"
-    result = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, out, max_steps=12, **variant)))
+    result = run(
+        load_config(EagleConfig, eagle_args(tiny_model_dir, text_data, out, max_steps=12, **variant))
+    )
     history = result["history"]
     assert history[-1][1]["loss"] < history[0][1]["loss"]
     trained = result["draft"].state_dict()
@@ -89,9 +69,11 @@ def test_cached_features_train_like_online_features(tiny_model_dir, text_data, t
         "tune_prompts": 1,
         "eval_fraction": 0.1,
     }  # 10 validation examples, of which validation reads 2
-    online = run(load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "a", **few)))
+    online = run(load_config(EagleConfig, eagle_args(tiny_model_dir, text_data, tmp_path / "a", **few)))
     cached = run(
-        load_config(EagleConfig, _args(tiny_model_dir, text_data, tmp_path / "b", cache_features=True, **few))
+        load_config(
+            EagleConfig, eagle_args(tiny_model_dir, text_data, tmp_path / "b", cache_features=True, **few)
+        )
     )
     printed = capsys.readouterr().out
     assert "caching target features for train" in printed and "GB on disk" in printed
@@ -112,7 +94,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
 
     def run_to(out, **extra):
-        return run(load_config(EagleConfig, _args(tiny_model_dir, text_data, out, **extra)))
+        return run(load_config(EagleConfig, eagle_args(tiny_model_dir, text_data, out, **extra)))
 
     check_resume(monkeypatch, eagle_recipe.EagleMethod, run_to, tmp_path, "draft")
 
@@ -126,7 +108,7 @@ def test_unknown_options_are_errors():
 
 def test_training_fits_the_tree_when_none_is_given(tiny_model_dir, text_data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
-    args = _args(
+    args = eagle_args(
         tiny_model_dir,
         text_data,
         tmp_path / "fit",
@@ -155,7 +137,7 @@ def test_a_partly_fixed_tree_is_an_error():
 
 def test_tune_measures_every_setting_and_keeps_the_fastest():
     model = tiny_model("llama")
-    from test_eagle import random_draft
+    from eagle_drafts import random_draft
 
     draft = random_draft(model)
     prompts = [torch.randint(3, 90, (5,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
@@ -169,7 +151,7 @@ def test_tune_takes_chat_prompts_that_hold_the_pad_id():
     model = tiny_model(
         "llama"
     )  # SmolLM2: pad id = <|im_end|>, which every chat prompt holds after its system turn
-    from test_eagle import random_draft
+    from eagle_drafts import random_draft
 
     model.generation_config.pad_token_id = model.generation_config.eos_token_id = 7
     prompts = [torch.tensor([3, 9, 7, 11, 12, 7, 13])]
@@ -358,7 +340,8 @@ def test_two_processes_write_the_feature_cache_together(tiny_model_dir, text_dat
     """The real launch: each of 2 processes writes its shards, both train from all of them; the shards equal
     those one process writes."""
     from safetensors.torch import load_file as read_shard
-    from test_distributed import launch, run_args
+
+    from distributed_runs import launch, run_args
 
     def shards(cache: str) -> dict[str, dict[str, torch.Tensor]]:
         return {
