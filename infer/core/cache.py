@@ -217,6 +217,13 @@ class PreallocatedCache(Cache):
         for layer in self.layers:
             layer.reset()
 
+    def set_length(self, length: int) -> None:
+        """Count `length` positions as filled in every layer: a step whose kept entries already sit where
+        they belong (every row's one verified token at its own end) moves nothing."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer._set_length(length)
+
     def keep_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """Every layer's `PreallocatedLayer.keep_rows`: one gather and one scatter of the stacked keys and of
         the stacked values for all layers together where they share a LayerStorage, else layer by layer."""

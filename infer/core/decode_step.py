@@ -274,10 +274,15 @@ class DecodeState:
         """Each row keeps its prefix + accepted path (cut at EOS or its budget) in the cache, the mask and the
         context; its bonus is its next root. Returns each row's new tokens and the step's counters."""
         rows, at = self.rows, verified.at
+        # trees of the root alone (plain decoding) written where every row ends: nothing to move
+        in_place = proposal.tokens.shape[1] == 1 and all(f == at for f in rows.filled)
         new_rows, lengths, counts = rows.take(accepted.host, [d.tree.size for d in proposal.drafts])
         self.drafter.observe(new_rows)
         dst, kept = rows.advance(lengths, accepted.end_depths, self.columns[: accepted.paths.shape[1]])
-        self.cache.keep_rows(at + accepted.paths, dst, rows.cache_end())  # each row's path moves to its end
+        if in_place:
+            self.cache.set_length(rows.cache_end())
+        else:  # each row's path moves to its end
+            self.cache.keep_rows(at + accepted.paths, dst, rows.cache_end())
         self.mask.commit(at, proposal.tokens.shape[1], dst.to(self.feed), kept.to(self.feed))
         self.context.scatter_(1, dst, accepted.path_tokens)
         self.context.scatter_(1, rows.filled_t[:, None], accepted.bonus[:, None])

@@ -89,11 +89,10 @@ def outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return ~torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top.indices, inside)
 
 
-def greedy_children(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
+def greedy_children(argmax: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
     """(..., N) bool, one tree or a batch of them (leading dims on every argument): node i is its parent's
-    pick, i.e. its token is the target's argmax at the parent. Padding nodes (no parent, see tree.pad_tree)
-    never are."""
-    argmax = logits.argmax(-1)  # (..., N)
+    pick, i.e. its token is the target's argmax at the parent (`argmax`: the logits' at every node, (..., N)).
+    Padding nodes (no parent, see tree.pad_tree) never are."""
     picked = (tokens == argmax.gather(-1, tree.parents.clamp(min=0))) & (tree.parents >= 0)
     picked[..., 0] = True
     return picked
@@ -186,8 +185,9 @@ def accept(
     were picked deterministically (point proposals).
     """
     if params.greedy:
-        end = accepted_end(greedy_children(logits, tokens, tree), tree)
-        return end, logits.index_select(0, end)[0].argmax()
+        argmax = logits.argmax(-1)  # the bonus is the argmax at the end node: computed once
+        end = accepted_end(greedy_children(argmax, tokens, tree), tree)
+        return end, argmax.index_select(0, end)[0]
     p = target_probs(logits, params)
     if draft_probs is not None:
         picked, left = sampled_children_from(p, draft_probs, tokens, tree, generator)
@@ -203,8 +203,9 @@ def accept_greedy_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance over a batch of trees: logits (B, N, V), tokens (B, N), batched trees (B, ...)
     -> each row's end node (B,) and bonus token (B,)."""
-    end = accepted_end(greedy_children(logits, tokens, trees), trees)  # (B, 1)
-    return end[:, 0], logits.gather(1, end[:, :, None].expand(-1, 1, logits.shape[-1]))[:, 0].argmax(-1)
+    argmax = logits.argmax(-1)  # (B, N); the bonus is the argmax at the end node
+    end = accepted_end(greedy_children(argmax, tokens, trees), trees)  # (B, 1)
+    return end[:, 0], argmax.gather(1, end)[:, 0]
 
 
 def sample_token(

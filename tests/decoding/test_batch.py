@@ -53,6 +53,9 @@ def test_a_stopped_row_leaves_the_batch(model, kind):
     if drafter_module is not None:  # EAGLE and Medusa draft the whole batch in one call
         drafter_module = getattr(spec.proposer, drafter_module)
         drafter_module.register_forward_pre_hook(lambda m, args: drafted.append(args[0].shape[0]))
+    if kind == "medusa":  # its heads draft through draft_logits (stacked), not their forward
+        heads, draft_logits = spec.proposer.heads, spec.proposer.heads.draft_logits
+        heads.draft_logits = lambda hidden, *a: drafted.append(hidden.shape[0]) or draft_logits(hidden, *a)
     rows, running = [[] for _ in prompts], []
     for step in spec.decode_batch(ids, 30, attention_mask=mask, eos_token_id=eos):
         running.append(sum(1 for new in step if new))  # a row in a step's forward makes at least one token

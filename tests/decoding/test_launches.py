@@ -14,7 +14,7 @@ from selfspec.infer.core.cache import PreallocatedCache, new_cache
 from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.core.loading import proposer_for
 from selfspec.infer.drafters.prompt_lookup import PromptLookupProposer
-from selfspec.infer.drafters.proposers import MedusaProposer, default_medusa_choices
+from selfspec.infer.drafters.proposers import MedusaProposer, NoDraft, default_medusa_choices
 from selfspec.infer.measure.launches import LaunchCounter
 
 
@@ -119,3 +119,25 @@ def test_medusa_steps_launch_as_few_as_plain_decoding_plus_a_handful():
         for batch in (1, 8)
     }
     assert max(per_step.values()) <= 60, per_step  # was 72 at batch 1, 78 at batch 8
+
+
+def test_plain_steps_move_nothing_in_the_cache(monkeypatch):
+    """A tree of the root alone is written where every row ends: the commit counts it as filled instead of
+    gathering and scattering every layer's keys and values (the plain loop's bookkeeping against
+    `generate`'s); trees of several nodes still move their accepted path."""
+    moves = []
+    keep_rows = PreallocatedCache.keep_rows
+    monkeypatch.setattr(
+        PreallocatedCache, "keep_rows", lambda self, *a: moves.append(a[0].shape) or keep_rows(self, *a)
+    )
+    model = llama(2)
+    prompt = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = SpeculativeModel(model, NoDraft()).generate(
+        prompt, max_new_tokens=12, eos_token_id=[], pad_token_id=0
+    )
+    assert torch.equal(out, expected) and moves == []
+    SpeculativeModel(model, PromptLookupProposer(num_tokens=4, max_ngram=2)).generate(
+        prompt, max_new_tokens=12, eos_token_id=[], pad_token_id=0
+    )
+    assert moves
