@@ -137,16 +137,18 @@ class Target:
         mask: torch.Tensor,
         cache: PreallocatedCache,
         at: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ONE forward over a batch of trees: tokens and their position ids (B, N), the additive mask
-        (B, 1, N, cached + N) -> logits (B, N, V) and the drafter's features (B, N, H or nH). Compiled
+        (B, 1, N, cached + N) -> logits (B, N, V) and the drafter's features (B, N, H or nH; None without
+        `hidden`). Compiled
         (`compile`): the trees are written at column `at` (a 0-dim tensor) and the mask covers the whole cache
         (B, 1, N, max)."""
         if self.compiled is not None:
             note_compiled_shape((id(self.model), *tokens.shape, cache.max_length))
             with cache.fixed(at), using_grouped_attention(self.configs):
                 return self.compiled(tokens, positions, mask, cache)
-        with self.capture() as features, self.vocab_layout(), using_grouped_attention(self.configs):
+        with self.capture(hidden) as features, self.vocab_layout(), using_grouped_attention(self.configs):
             out = self.model(
                 input_ids=tokens,
                 attention_mask=mask,

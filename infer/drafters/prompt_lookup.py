@@ -115,7 +115,8 @@ class LookupFirst(Drafter):
         self.pending = [[] for _ in range(rows)]
 
     def observe(self, new: list[list[int]]) -> None:
-        self.lookup.observe(new)  # the primary reads the device context
+        self.lookup.observe(new)
+        self.primary.observe(new)  # most primaries read the device context; a draft model prefills here
 
     def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:
         self.primary.keep_rows(keep, index)

@@ -136,7 +136,10 @@ def test_each_rows_cache_after_acceptance_equals_a_plain_run_of_it(monkeypatch):
     assert checked > 20 and moved  # row 1 ran on alone, moved into slot 0
 
 
-@pytest.mark.parametrize("kind", ["medusa", "draft_model"])
+# Not the draft model: it drafts every row in one batched forward, and the distribution q it hands to the
+# min(1, p/q) test is the batch's float rounding of the row's own, so a seeded row may take another (equally
+# exact) path in another batch; test_sampling checks its distribution.
+@pytest.mark.parametrize("kind", ["medusa"])
 def test_a_seeded_row_samples_the_same_in_any_batch(kind):
     model, spec = make_spec(seed=3, kind=kind)
     prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([2, 6]), torch.tensor([7, 7, 1, 2, 3, 4, 5])]

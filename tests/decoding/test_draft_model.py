@@ -48,23 +48,41 @@ def test_draft_model_that_is_the_target_is_always_accepted():
     assert stats.tau == pytest.approx(5.0, abs=0.3)  # 4 drafted + 1 bonus per step (the last step is cut)
 
 
-def test_draft_model_keeps_its_cache_in_step_with_the_context():
+def test_draft_model_keeps_every_rows_context_in_its_cache():
+    """The rows of a batch draft in the same forwards: after a generation, each row's columns of the draft
+    model's cache hold what a plain prefill of that row's confirmed tokens gives (prompts of different
+    lengths: left padding, then ragged acceptance moved down to each row's own end)."""
     from transformers import DynamicCache
+
+    from batch_rows import left_padded
 
     model, draft = tiny_model("llama"), tiny_model("qwen2", seed=2)
     prop = DraftModelProposer(draft, num_tokens=3)
     spec = SpeculativeModel(model, prop)
-    prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
-    out = spec.generate(prompt, max_new_tokens=25, eos_token_id=[])
-    # the last step's context (up to its root) was cached, then the 2 drafted tokens fed after it
-    confirmed = prop.cache.get_seq_length() - (prop.num_tokens - 1)
-    assert spec.last_stats.decode_steps > 1 and 6 < confirmed <= out.shape[1]
-    plain = DynamicCache()
-    Target(draft).prefill_rows(out[:, :confirmed], plain, hidden=False)
-    assert len(prop.cache.layers) == len(plain.layers) > 0
-    for mine, ref in zip(prop.cache.layers, plain.layers, strict=True):
-        torch.testing.assert_close(mine.keys[:, :, :confirmed], ref.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(mine.values[:, :, :confirmed], ref.values, atol=1e-5, rtol=1e-5)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (6, 3)]
+    ids, mask = left_padded(prompts)
+    calls = []
+    forward = draft.forward
+    draft.forward = lambda *a, **k: calls.append(k["input_ids"].shape[0]) or forward(*a, **k)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=25, eos_token_id=[])
+    assert (
+        spec.last_stats.decode_steps > 1 and len(calls) > 3 and set(calls) == {2}
+    )  # the batch in each forward
+    for b, prompt in enumerate(prompts):
+        row = out[b, ids.shape[1] - prompt.shape[0] :]
+        start, end = prop.starts[b], prop.filled[b]
+        plain = DynamicCache()
+        Target(draft).prefill_rows(row[None, : end - start], plain, hidden=False)
+        for mine, ref in zip(prop.cache.layers, plain.layers, strict=True):
+            torch.testing.assert_close(
+                mine.key_buffer[b : b + 1, :, start:end], ref.keys, atol=1e-5, rtol=1e-5
+            )
+            torch.testing.assert_close(
+                mine.value_buffer[b : b + 1, :, start:end], ref.values, atol=1e-5, rtol=1e-5
+            )
+        expected = model.generate(prompt[None], max_new_tokens=25, do_sample=False, eos_token_id=None)
+        assert row.tolist() == expected[0].tolist()
 
 
 def test_draft_model_vocabulary_mismatch_is_a_clear_error():

@@ -65,10 +65,13 @@ def decode_counted(model, proposer, prompts, sampled: bool, n: int = 16, eos=())
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_decode_step_reads_the_host_once(llama, kind, rows, sampled, monkeypatch):
     monkeypatch.setattr(verify, "GROWS_ON", ())  # top-p as on an accelerator: the search never reads back
+    torch.manual_seed(0)  # sampled rows draw from the global generator: not from whatever ran before
     prompts = batch_prompts()[:rows] if rows > 1 else batch_prompts()[2:3]
     eos = alone(llama, prompts[0], 30, None)[5]  # rows stop at different steps and leave the batch
     items, counts = decode_counted(llama, make(llama, kind), prompts, sampled, eos=[eos])
-    assert len(counts) > 2 and sum(counts[0].values()) <= PREFILL_READS, counts[0]
+    # a draft model prefills the prompts too, in the same step: transformers checks its padded mask as well
+    prefill_reads = PREFILL_READS + (2 if kind == "draft_model" and rows > 1 else 0)
+    assert len(counts) > 2 and sum(counts[0].values()) <= prefill_reads, counts[0]
     assert [dict(c) for c in counts[1:]] == [{"tolist": 1}] * (len(counts) - 1)
     if (
         rows > 1 and not sampled
