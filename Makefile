@@ -42,7 +42,7 @@ real-demo: real-model
 		--dtype float32 --batch-size 1 4 --latency --json outputs/bench-smollm2.json
 
 # End to end on 2 CPU processes: the chats regenerated (shipped complete: returns at once; delete the folder to
-# redo them), EAGLE-3 trained on them (features cached, 3 epochs, tree fitted), then the bench on its output
+# redo them), EAGLE-3 trained on them (features cached, 6 epochs, tree fitted), then the bench on its output
 ACCEL2 := OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu-2proc.yaml
 real-train: real-model
 	$(ACCEL2) train/regenerate.py --config configs/regenerate/smollm2-chat.yaml
