@@ -110,6 +110,20 @@ class MedusaHeads(PretrainedHeads):
         parameters = list(self.parameters())
         pointers = [p.data_ptr() for p in parameters]
         if self._stacked is None or self._stacked.pointers != pointers:
+            self._stacked = self._stack_parameters()
+        return self._stacked
+
+    _stacked: StackedHeads | None = None
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        """A move or cast drops the stacked tensors with the old storage (else `.cpu()` or `.half()` would
+        keep them alive until the next draft)."""
+        self._stacked = None
+        return super()._apply(fn, recurse)
+
+    def _stack_parameters(self) -> StackedHeads:
+        # outside inference mode: parameters that became inference tensors could not be trained again
+        with torch.inference_mode(False), torch.no_grad():
             layers = self.config.num_layers
             blocks = []
             for i in range(layers):
@@ -119,10 +133,7 @@ class MedusaHeads(PretrainedHeads):
             projection = (
                 None if self.config.share_lm_head else _restack([head[layers].weight for head in self.heads])
             )
-            self._stacked = StackedHeads(blocks, projection, [p.data_ptr() for p in self.parameters()])
-        return self._stacked
-
-    _stacked: StackedHeads | None = None
+            return StackedHeads(blocks, projection, [p.data_ptr() for p in self.parameters()])
 
     @torch.no_grad()
     def draft_logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:

@@ -29,7 +29,8 @@ def note_compiled_shape(shape: tuple[int, ...]) -> None:
     if shape in COMPILED_SHAPES:
         return
     COMPILED_SHAPES.add(shape)
-    limit = torch._dynamo.config.recompile_limit
+    config = torch._dynamo.config
+    limit = getattr(config, "recompile_limit", None) or config.cache_size_limit  # its name before torch 2.7
     if len(COMPILED_SHAPES) == limit:
         seen = sorted({(b, n) for _, b, _, n in COMPILED_SHAPES})
         warnings.warn(

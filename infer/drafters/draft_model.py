@@ -61,6 +61,7 @@ class DraftModelProposer(Drafter):
     def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """Go on with rows `keep` only, in that order (`index`: the same on the device); before the first
         draft (rows that stopped at their first token) there is nothing to move yet."""
+        index = index.to(self.device)  # the loop's is on the target's lm_head device
         self.cache.select_rows(keep, index)
         self.mask.select_rows(keep, index, max(self.filled, default=0))
         if not self.filled:
@@ -76,16 +77,17 @@ class DraftModelProposer(Drafter):
         one forward per drafted token after the first."""
         if not any(active):
             return [None] * len(contexts)
-        logits = self._feed(contexts)  # (B, V)
+        logits = self._feed(active, contexts)  # (B, V)
         base = self.cache.get_seq_length()
         drafted, probs = [], []
         for i in range(self.num_tokens):
-            token, q = self._pick(logits)
+            token, q = self._pick(logits, active)
             drafted.append(token)
             probs.append(q)
             if i + 1 < self.num_tokens:  # token i goes in at column base + i, after the row's own end
                 visible = torch.ones(len(contexts), 1, i + 1, dtype=torch.bool, device=self.device)
-                positions = upload([f - s + i for f, s in zip(self.filled, self.starts)], self.device)
+                places = [f - s + i if on else 0 for f, s, on in zip(self.filled, self.starts, active)]
+                positions = upload(places, self.device)  # an inactive row may be at the position limit
                 mask = self.mask.at(base, visible)
                 logits = self.draft.verify_rows(
                     token[:, None], positions[:, None], mask, self.cache, hidden=False
@@ -117,10 +119,15 @@ class DraftModelProposer(Drafter):
         self.draft.prefill_rows(ids, self.cache, start if any(self.starts) else None, hidden=False)
         self.mask.open(start, T)
 
-    def _feed(self, contexts: list[torch.Tensor]) -> torch.Tensor:
-        """Each row's context since the last feed, right-padded and written at the shared column, then moved
-        to the row's own end -> each row's next-token logits (B, V)."""
-        counts = [c.shape[0] - (f - s) for c, f, s in zip(contexts, self.filled, self.starts)]
+    def _feed(self, active: list[bool], contexts: list[torch.Tensor]) -> torch.Tensor:
+        """Each active row's context since its last feed, right-padded and written at the shared column, then
+        moved to the row's own end -> each row's next-token logits (B, V). An inactive row (near the position
+        limit, stopped, or drafted by lookup this step) feeds nothing: what it missed comes with its next
+        feed."""
+        counts = [
+            c.shape[0] - (f - s) if on else 0
+            for c, f, s, on in zip(contexts, self.filled, self.starts, active)
+        ]
         M, B = max(counts), len(contexts)
         ids = torch.zeros(B, M, dtype=torch.long, device=self.device)
         for b, (c, m) in enumerate(zip(contexts, counts)):
@@ -131,7 +138,7 @@ class DraftModelProposer(Drafter):
         valid = cols < count_t[:, None]
         causal = torch.ones(M, M, dtype=torch.bool, device=self.device).tril()
         block = (causal[None] & valid[:, None, :]) | torch.eye(M, dtype=torch.bool, device=self.device)
-        positions = (filled - upload(self.starts, self.device))[:, None] + cols
+        positions = torch.where(valid, (filled - upload(self.starts, self.device))[:, None] + cols, 0)
         logits, _ = self.draft.verify_rows(ids, positions, self.mask.at(at, block), self.cache, hidden=False)
         newest = logits.gather(1, (count_t - 1).clamp(min=0)[:, None, None].expand(B, 1, logits.shape[-1]))[
             :, 0
@@ -142,9 +149,11 @@ class DraftModelProposer(Drafter):
         self.mask.commit(at, M, dst, valid)
         return newest
 
-    def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each row's drafted token (B,) and, when sampling, the distribution it was drawn from (B, V)."""
+    def _pick(self, logits: torch.Tensor, active: list[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's drafted token (B,) and, when sampling, the distribution it was drawn from (B, V); an
+        inactive row's generator is left alone (its token is discarded)."""
         if self.params.greedy:
             return logits.argmax(-1), None
         q = target_probs(logits, self.params)
-        return torch.stack([draw(row, g) for row, g in zip(q, self.generators)]), q
+        picks = [draw(row, g) if on else row.argmax() for row, g, on in zip(q, self.generators, active)]
+        return torch.stack(picks), q

@@ -90,14 +90,14 @@ class LookupFirst(Drafter):
 
     Repetitive stretches (code, quoting, loops) then cost no draft work at all. The other drafter
     gets the hidden states of every token confirmed since it last ran, so EAGLE's cache stays in
-    step; drafters that assume they drafted the previous step themselves (a draft model) are refused.
+    step, and a draft model feeds the tokens it missed at its next draft.
     """
 
     def __init__(self, primary: Drafter, lookup: PromptLookupProposer, min_tokens: int = 3) -> None:
         if not isinstance(primary, Drafter):
             raise ValueError(
-                "lookup-first needs a drafter that reads the target's hidden states (Medusa, EAGLE, "
-                f"DFlash, P-EAGLE), not {primary.name}"
+                "lookup-first needs a batched drafter (Medusa, EAGLE, DFlash, P-EAGLE, MTP, a draft "
+                f"model), not {primary.name}"
             )
         self.primary, self.lookup, self.min_tokens = primary, PerRow(lookup), min_tokens
         self.name = f"{primary.name}+lookup"

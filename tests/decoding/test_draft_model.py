@@ -85,6 +85,39 @@ def test_draft_model_keeps_every_rows_context_in_its_cache():
         assert row.tolist() == expected[0].tolist()
 
 
+def test_rows_that_stop_drafting_feed_nothing_to_the_draft_model():
+    """A row near the model's position limit stops drafting while another goes on: it feeds nothing (its
+    padding once got positions past the limit: an index error in GPT-2's position embedding), and its
+    generator is not drawn from. Output still equals generate's, also behind prompt lookup."""
+    from transformers import AutoModelForCausalLM
+
+    from batch_rows import left_padded
+    from conftest import tiny_config
+    from selfspec.infer.drafters.prompt_lookup import LookupFirst
+
+    def short_gpt2(seed):
+        torch.manual_seed(seed)
+        config = tiny_config("gpt2", VOCAB)
+        config.n_positions = 32
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+    model, draft = short_gpt2(0), short_gpt2(1)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (21, 4)]
+    ids, mask = left_padded(prompts)
+    for proposer in (
+        DraftModelProposer(draft, num_tokens=3),
+        LookupFirst(
+            DraftModelProposer(draft, num_tokens=3), PromptLookupProposer(num_tokens=3), min_tokens=1
+        ),
+    ):
+        out = SpeculativeModel(model, proposer).generate(ids, attention_mask=mask, max_new_tokens=40)
+        for b, prompt in enumerate(prompts):
+            room = 32 - prompt.numel()  # our budgets are clipped to the positions; generate would fail
+            expected = model.generate(prompt[None], max_new_tokens=room, do_sample=False, pad_token_id=0)
+            assert out[b, ids.shape[1] :][:room].tolist() == expected[0, prompt.numel() :].tolist()
+
+
 def test_draft_model_vocabulary_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="96 vocabulary rows but the target has 50"):
         DraftModelProposer(tiny_model("llama"), vocab_size=50)

@@ -75,6 +75,17 @@ def test_drafting_runs_the_stacked_heads_as_forward_does(tmp_path, share):
     )
 
 
+def test_stacking_under_inference_mode_leaves_the_heads_trainable_and_a_cast_lets_go():
+    heads = make(num_layers=1)
+    with torch.inference_mode():
+        heads.draft_logits(torch.randn(2, 48))
+    loss = sum(logits.sum() for logits in heads(torch.randn(2, 48)))
+    loss.backward()  # parameters re-homed inside inference mode could not be saved for backward
+    assert heads.heads[0][0].linear.weight.grad is not None
+    heads.half()
+    assert heads._stacked is None  # not the float32 copies until the next draft
+
+
 def test_save_load_round_trip(tmp_path):
     heads = make()
     for p in heads.parameters():
