@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import (
-    LlamaDecoderLayer,
-    LlamaRMSNorm,
-    apply_rotary_pos_emb,
-    repeat_kv,
-    rotate_half,
-)
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, repeat_kv
 
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.draft_layers import DraftCache, Float32RotaryEmbedding, llama_config
+from selfspec.heads.draft_layers import (
+    DraftCache,
+    Float32RotaryEmbedding,
+    llama_config,
+    rotate,
+    use_draft_norms,
+)
 from selfspec.heads.gqa import grouped_sdpa
 from selfspec.heads.io import PretrainedHeads
 from selfspec.heads.projection import apply_head
@@ -79,6 +79,7 @@ class DFlashDraft(PretrainedHeads):
                 attn.k_norm = LlamaRMSNorm(attn.head_dim, lc.rms_norm_eps)
         self.norm = LlamaRMSNorm(hidden, lc.rms_norm_eps)
         self.rotary_emb = Float32RotaryEmbedding(lc)
+        use_draft_norms(self)
 
     @property
     def block_size(self) -> int:
@@ -106,8 +107,8 @@ class DFlashDraft(PretrainedHeads):
         q, k, v = (proj(x).view(shape) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         if self.config.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return q, k, v.transpose(1, 2)
+        qk = rotate(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # q and k rotated together
+        return qk[:, : q.shape[2]], qk[:, q.shape[2] :], v.transpose(1, 2)
 
     def _context_kv(self, attn: nn.Module, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The context's keys and values (B, kv, C, d) for one layer: the k/v projections of the fused
@@ -117,8 +118,7 @@ class DFlashDraft(PretrainedHeads):
         if self.config.qk_norm:
             k = attn.k_norm(k)
         k = k.transpose(1, 2)
-        k = k * cos[:, None] + rotate_half(k) * sin[:, None]  # apply_rotary_pos_emb's rotation, keys only
-        return k, v.transpose(1, 2)
+        return rotate(k, cos, sin), v.transpose(1, 2)
 
     def _finish(self, layer: nn.Module, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         h = h + layer.self_attn.o_proj(attended)
@@ -144,7 +144,8 @@ class DFlashDraft(PretrainedHeads):
         With a `cache`, the C + Q new keys/values go after its `length` valid columns (or, per row, into
         `columns` (B, C + Q), attending over the first visible.shape[-1] columns) and the block attends to
         everything cached; the caller then sets `cache.length` to keep the context only. `visible`
-        (B, 1, Q, columns) bool: what each block position sees (None: all of it).
+        (B, 1, Q, columns): what each block position sees, bool (True = visible) or additive (None: all of
+        it).
 
         `anchors` (B, N) is training (`packed`, with context_positions and `segments` as it reads them): block
         holds N blocks per row (Q = N·B). It goes through forward so that DDP, DeepSpeed and FSDP wrappers see

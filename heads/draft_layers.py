@@ -12,11 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.gqa import grouped_sdpa
@@ -164,12 +160,22 @@ def continue_after(
     return position_ids, attention_mask
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, d) rotated by RoPE at cos, sin (B, T, d) from `Float32RotaryEmbedding.at` (whose sin
+    is signed: negated on the first half) -> (B, heads, T, d): transformers' `apply_rotary_pos_emb`,
+    x cos + rotate_half(x) sin, bit for bit, in four kernels instead of six (rotate_half(x) sin is the
+    halves swapped times the signed sin; addcmul would save one more, but fuses the multiply-add and rounds
+    differently)."""
+    return x * cos[:, None] + x.roll(x.shape[-1] // 2, -1) * sin[:, None]
+
+
 def project(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """x (B, T, in) -> rotated q (B, h, T, d) and k, v (B, kv, T, d), as LlamaAttention computes them."""
+    """x (B, T, in) -> rotated q (B, h, T, d) and k, v (B, kv, T, d), as LlamaAttention computes them (q
+    and k rotated together)."""
     shape = (*x.shape[:-1], -1, attn.head_dim)
     q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    return q, k, v
+    qk = rotate(torch.cat([q, k], dim=1), cos, sin)
+    return qk[:, : q.shape[1]], qk[:, q.shape[1] :], v
 
 
 def attend(
@@ -197,10 +203,11 @@ class Float32RotaryEmbedding(LlamaRotaryEmbedding):
     """RoPE whose inverse frequencies stay float32 when the drafter is cast to another dtype: bfloat16 rounds
     them, which shifts the angle of every position by up to ~0.4% and wrecks positions past a few hundred.
 
-    `at` reads cos/sin from a float32 table (the same values `forward` computes) when an upper bound on the
-    positions is known, so a draft call costs two lookups instead of recomputing the angles."""
+    `at` gives cos and the signed sin `rotate` takes, read from one float32 table (the values `forward`
+    computes) when an upper bound on the positions is known: a draft call costs one lookup instead of
+    recomputing the angles."""
 
-    _table: tuple[torch.Tensor, torch.Tensor] | None = None
+    _table: torch.Tensor | None = None  # (bound, 2, d): cos, signed sin
 
     def _apply(self, fn, recurse: bool = True):
         kept = {name: getattr(self, name) for name in ("inv_freq", "original_inv_freq")}
@@ -211,17 +218,54 @@ class Float32RotaryEmbedding(LlamaRotaryEmbedding):
         return self
 
     def at(self, x: torch.Tensor, position_ids: torch.Tensor, bound: int | None = None):
-        """cos, sin (B, T, d) in x's dtype for position_ids (B, T); `bound` > every position enables the
-        table."""
+        """cos, signed sin (B, T, d) in x's dtype for position_ids (B, T), what `rotate` takes; `bound` >
+        every position enables the table."""
         if bound is None:
-            return self(x, position_ids)
-        if self._table is None or self._table[0].shape[0] < bound:
-            cos, sin = self(
-                self.inv_freq.new_zeros(1), torch.arange(bound, device=self.inv_freq.device)[None]
+            return signed(*self(x, position_ids))
+        if self._table is None or self._table.shape[0] < bound:
+            cos, sin = signed(
+                *self(self.inv_freq.new_zeros(1), torch.arange(bound, device=self.inv_freq.device)[None])
             )
-            self._table = (cos[0], sin[0])
-        cos, sin = self._table
-        return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
+            self._table = torch.stack([cos[0], sin[0]], dim=1)
+        return self._table[position_ids].to(x.dtype).unbind(-2)
+
+
+def signed(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos, sin (..., d) -> cos and the sin negated on its first half (what `rotate` takes)."""
+    half = sin.shape[-1] // 2
+    return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+class DraftRMSNorm(LlamaRMSNorm):
+    """transformers' Llama RMSNorm, bit for bit, through `aten._fused_rms_norm` where the running torch has
+    it and nothing needs its gradient: one kernel on CUDA instead of six (a drafter's norms run several times
+    a decode step); the CPU build composes it from the same six ops. Training (autograd) runs the parent's
+    forward."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if FUSED_RMS_NORM is None or (
+            torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
+        ):
+            return super().forward(hidden_states)
+        shape, eps = [hidden_states.shape[-1]], self.variance_epsilon
+        if hidden_states.dtype == self.weight.dtype == torch.float32:
+            return FUSED_RMS_NORM(hidden_states, shape, self.weight, eps)[0]
+        normed = FUSED_RMS_NORM(hidden_states.float(), shape, None, eps)[0]  # as the parent: in float32,
+        return self.weight * normed.to(hidden_states.dtype)  # cast back, then scaled
+
+
+FUSED_RMS_NORM = getattr(torch.ops.aten, "_fused_rms_norm", None)
+
+
+def use_draft_norms(module: nn.Module) -> None:
+    """Swap every transformers `LlamaRMSNorm` inside `module` (its decoder layers' included) for a
+    `DraftRMSNorm` holding the same weight: the same names, values and results."""
+    for name, child in list(module.named_modules()):
+        if type(child) is LlamaRMSNorm:
+            norm = DraftRMSNorm(child.weight.shape[0], child.variance_epsilon)
+            norm.weight = child.weight
+            parent, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(parent), attr, norm)
 
 
 def version(t: torch.Tensor) -> int | None:

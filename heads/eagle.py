@@ -25,6 +25,7 @@ from selfspec.heads.draft_layers import (
     attend,
     continue_after,
     llama_config,
+    use_draft_norms,
     version,
 )
 from selfspec.heads.io import PretrainedHeads
@@ -44,9 +45,8 @@ class EagleDraft(DraftVocabulary, PretrainedHeads):
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
         self.layers = nn.ModuleList(LlamaDecoderLayer(lc, i) for i in range(config.num_layers))
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1: fc's output goes straight into attention
-        self.rotary_emb = Float32RotaryEmbedding(
-            lc
-        )  # inv_freq is a non-persistent buffer: not in the weights
+        self.rotary_emb = Float32RotaryEmbedding(lc)  # inv_freq: a non-persistent buffer, not in the weights
+        use_draft_norms(self)
         # frequency-ranked drafting: top-k over the draft vocabulary's rows of the target's lm_head only,
         # which cuts the lm_head read of every draft call by vocab / draft_vocab_size (verification is
         # unchanged)

@@ -32,6 +32,7 @@ from selfspec.heads.draft_layers import (
     attend,
     continue_after,
     llama_config,
+    use_draft_norms,
 )
 from selfspec.heads.io import PretrainedHeads
 from selfspec.heads.projection import apply_head
@@ -96,6 +97,7 @@ class FusedDraft(DraftVocabulary, PretrainedHeads):
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(vocab) < draft_vocab)
         self.rotary_emb = Float32RotaryEmbedding(lc)
+        use_draft_norms(self)
 
     # ---------------------------------------------------------------- forward
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+from transformers.models.llama.modeling_llama import repeat_kv
 
 from selfspec.heads.config import HeadsConfig
-from selfspec.heads.draft_layers import DraftCache, project, version
+from selfspec.heads.draft_layers import DraftCache, project, rotate, version
 from selfspec.heads.fused_draft import FusedDraft, attend_with_own
 
 
@@ -127,7 +127,7 @@ class PEagleDraft(FusedDraft):
         own_keys, own_values = [], []
         for j in range(1, depths):
             cos_j, sin_j = self.rotary_emb.at(hidden, position_ids + j, T + depths)
-            qj, kj = apply_rotary_pos_emb(qc.expand(B, -1, T, -1), kc.expand(B, -1, T, -1), cos_j, sin_j)
+            qj, kj = (rotate(t.expand(B, -1, T, -1), cos_j, sin_j) for t in (qc, kc))
             own_keys.append(repeat_kv(kj, attn.num_key_value_groups))
             own_values.append(repeat_kv(vc.expand(B, -1, T, -1), attn.num_key_value_groups))
             attended = attend_with_own(qj, keys, values, context, own_keys, own_values, attn.scaling)

@@ -22,6 +22,8 @@ class RowMask:
     ) -> None:
         self.low = torch.finfo(dtype).min
         self.storage = torch.full((batch, 1, rows, max_len), self.low, dtype=dtype, device=device)
+        # visible / hidden as device scalars: a Python number in `where` costs a fill kernel per call on a GPU
+        self.shown, self.hidden = (torch.full((), v, dtype=dtype, device=device) for v in (0.0, self.low))
         torch._dynamo.mark_static_address(self.storage)  # a compiled verify's CUDA graphs read it in place
         self.buffer = self.storage  # the rows in use (see `select_rows`)
 
@@ -37,9 +39,7 @@ class RowMask:
     def open(self, start: torch.Tensor, stop: int) -> None:
         """Row b sees columns start[b] .. stop - 1 (its prompt after the left padding)."""
         cols = torch.arange(stop, device=self.buffer.device)
-        self.buffer[..., :stop] = torch.where(cols >= start[:, None], 0.0, self.low)[:, None, None, :].to(
-            self.buffer.dtype
-        )
+        self.buffer[..., :stop] = self.values(cols >= start[:, None])[:, None, None, :]
 
     def at(self, at: int, block: torch.Tensor, full: bool = False) -> torch.Tensor:
         """block (B, q, n) bool (True = visible), written at columns at .. at + n -> the mask
@@ -50,12 +50,16 @@ class RowMask:
             raise ValueError(
                 f"a {q}x{n} block after {at} columns does not fit the mask {tuple(self.buffer.shape)}"
             )
-        values = torch.where(block, 0.0, self.low).to(self.buffer.dtype)
+        values = self.values(block)
         if q > self.buffer.shape[-2]:  # more queries than rows (a drafter fed many confirmed pairs at
             # once): a new mask, the prefix columns from row 0 (every row's prefix is the same between calls)
             return torch.cat([self.buffer[:, :, :1, :at].expand(-1, -1, q, -1), values[:, None]], dim=-1)
         self.buffer[:, 0, :q, at : at + n] = values
         return self.buffer[:, :, :q] if full else self.buffer[:, :, :q, : at + n]
+
+    def values(self, visible: torch.Tensor) -> torch.Tensor:
+        """A boolean visibility (True = visible) as the mask's additive values, in one kernel."""
+        return torch.where(visible, self.shown, self.hidden)
 
     def hide(self, at: int, n: int) -> None:
         """Hide columns at .. at + n from every row again (a tree or draft block that is done with)."""
@@ -65,9 +69,7 @@ class RowMask:
         """After a tree at columns at .. at + n: hide them again, and show row b's columns dst[b] (B, W) where
         keep[b] (B, W) is True (the accepted path's new places)."""
         self.hide(at, n)
-        values = torch.where(keep, 0.0, self.low).to(
-            self.buffer.dtype
-        )  # hidden where not kept: past the row's end
+        values = self.values(keep)  # hidden where not kept: past the row's end
         B, _, rows, _ = self.buffer.shape
         self.buffer.scatter_(
             3, dst[:, None, None, :].expand(B, 1, rows, -1), values[:, None, None, :].expand(B, 1, rows, -1)

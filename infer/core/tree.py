@@ -193,11 +193,16 @@ def row_trees(
     return [(tokens[b], tree.row(b)) for b in range(tokens.shape[0])]
 
 
-def descend(parent_scores: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    """Children's cumulative scores: parent + log-prob, forced strictly below the parent even where
-    the log-prob rounds to 0, so that top-n selection stays ancestor-closed."""
-    parent = parent_scores[..., None].expand_as(logprobs)
-    return torch.minimum(parent + logprobs, torch.nextafter(parent, torch.full_like(parent, -torch.inf)))
+def descend(
+    parent_scores: torch.Tensor, logprobs: torch.Tensor, neg_inf: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Children's cumulative scores: parent (...,) + log-prob (..., k), forced strictly below the parent even
+    where the log-prob rounds to 0, so that top-n selection stays ancestor-closed. `neg_inf`: a 0-dim -inf
+    on the device, made once by a caller that descends every step (one launch fewer)."""
+    if neg_inf is None:
+        neg_inf = torch.full_like(parent_scores, -torch.inf)
+    below = torch.nextafter(parent_scores, neg_inf)[..., None]
+    return torch.minimum(parent_scores[..., None] + logprobs, below)
 
 
 def tree_from_choices(choices: list[list[int]]) -> Tree:

@@ -111,7 +111,10 @@ class DFlashProposer(Drafter):
         j = torch.arange(M)[None]
         columns = torch.cat([torch.where(j < m, n + j, n + Bk + j), n + m + torch.arange(Bk)[None]], dim=1)
         width = max(a + b for a, b in zip(self.lengths, counts)) + Bk
-        visible = torch.arange(width)[None] < n + m + Bk  # (B, width)
+        # additive, made on the host: a boolean mask is converted in each layer's attention, a kernel each
+        hidden = torch.arange(width)[None] >= n + m + Bk  # (B, width)
+        low = torch.finfo(self.dtype).min
+        visible = torch.zeros(hidden.shape, dtype=self.dtype).masked_fill_(hidden, low)
         start = torch.tensor(starts)[:, None]
         ctx_pos = (start - m + j).clamp(min=0)
         blk_pos = start + torch.arange(Bk)[None]

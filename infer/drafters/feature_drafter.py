@@ -89,9 +89,17 @@ class FeatureDrafter(Drafter):
                 )
         # per-step constants of the dynamic tree, made once: frontier slots, each child's rank among its
         # parent's k, and the frontier's view of its own new cache columns
-        self.slots = torch.arange(self.top_k, device=self.device)
-        self.child_ranks = self.slots.repeat(self.top_k)
-        self.own = torch.eye(self.top_k, dtype=torch.bool, device=self.device)
+        k, device = self.top_k, self.device
+        self.slots = torch.arange(k, device=device)
+        self.own = torch.eye(k, dtype=torch.bool, device=device)
+        self.ranks = self.slots.repeat(1 + (self.depth - 1) * k)  # each candidate's rank among its siblings
+        self.root_parents = torch.full((1, k), -1, device=device)
+        # where each level's candidates start: k at the first level, k·k below
+        self.level_offsets = torch.tensor([0] + [k + d * k * k for d in range(self.depth - 2)], device=device)
+        self.neg_inf = torch.tensor(-torch.inf, device=device)
+        self.levels_below = torch.arange(self.depth, device=device)
+        drafted_ids = torch.arange(cfg.draft_vocab_size or cfg.vocab_size, device=device)
+        self.target_ids = draft.to_target(drafted_ids)  # draft id -> target id, one lookup
         self.static: Tree | None = None
         if choices is not None:
             self.static = tree_from_choices(choices).to(self.device)
@@ -159,18 +167,13 @@ class FeatureDrafter(Drafter):
         root_logp = self._log_probs(last)
         lengths = self.pairs.settle(feed, feed.tokens.shape[1])
         base = cache.length
+        positions = lengths[:, None] - 1 + self.levels_below  # (B, depth): each level's position, per row
 
         # 2. the tree below each root: EAGLE-2's expansion or the static tree, every row in one call per depth
         def run(features: torch.Tensor, tokens: torch.Tensor, visible: torch.Tensor, d: int):
             q = tokens.shape[1]
-            out = self.draft(
-                features,
-                tokens,
-                self.embed,
-                mask.at(base, visible),
-                (lengths - 1 + d)[:, None].expand(B, q),
-                cache,
-            )
+            at = positions[:, d, None].expand(B, q)
+            out = self.draft(features, tokens, self.embed, mask.at(base, visible), at, cache)
             return out, self._log_probs(out)
 
         roots = torch.stack([c[-1] for c in contexts])
@@ -194,39 +197,41 @@ class FeatureDrafter(Drafter):
         (B, H) and log-probabilities (B, V), `depth` levels, each running the `top_k` best frontier nodes
         through `run(features (B, k, H), tokens (B, k), visible (B, k, n), depth)` -> (out (B, k, H), logp
         (B, k, V)). Returns every candidate's cumulative score, target token, parent candidate (-1: the root)
-        and rank among its siblings, (B, C) each, in depth order (what tree.select_tree takes)."""
+        and rank among its siblings, (B, C) each, in depth order (what tree.select_tree takes).
+
+        Candidates are recorded in draft ids and mapped to target ids once at the end; parents and ranks
+        follow from each level's frontier choice, so a level costs a dozen launches whatever k and B."""
         B, k = root_feature.shape[0], self.top_k
         top = root_logp.topk(k)
-        scores, tokens = [top.values], [self.draft.to_target(top.indices)]
-        parents = [torch.full((B, k), -1, dtype=torch.long, device=self.device)]
-        ranks = [self.slots.expand(B, k)]
-        # the frontier: the k best nodes of the newest depth; each runs on its parent's predicted feature
-        front_scores, front_tokens, front_index = top.values, tokens[0], self.slots.expand(B, k)
+        scores, drafted = [top.values], [top.indices]  # (B, k), then (B, k·k) per level
+        fronts = [self.slots.expand(B, k)]  # each level's frontier, as indices into that level's candidates
+        front_scores, front_ids = top.values, top.indices
         front_features = root_feature[:, None].expand(B, k, root_feature.shape[-1])
         visible = self.own.expand(B, k, k)  # frontier x draft columns so far
-        offset = k  # candidates recorded so far
         for d in range(1, self.depth):
-            out, logp = run(front_features, front_tokens, visible, d)
+            out, logp = run(front_features, self.target_ids[front_ids], visible, d)
             top = logp.topk(k)  # (B, k, k) children of each frontier node
-            child_scores = descend(front_scores, top.values).flatten(1)
-            scores.append(child_scores)
-            tokens.append(self.draft.to_target(top.indices.flatten(1)))
-            parents.append(front_index.repeat_interleave(k, dim=1))
-            ranks.append(self.child_ranks.expand(B, -1))
-            best = child_scores.topk(k).indices  # (B, k)
-            parent_slot = best // k
-            front_scores, front_tokens = child_scores.gather(1, best), tokens[-1].gather(1, best)
-            front_index = offset + best
-            front_features = out.gather(1, parent_slot[..., None].expand(-1, -1, out.shape[-1]))
-            visible = torch.cat(
-                [
-                    visible.gather(1, parent_slot[..., None].expand(-1, -1, visible.shape[-1])),
-                    self.own.expand(B, k, k),
-                ],
-                dim=2,
-            )
-            offset += k * k
-        return tuple(torch.cat(x, dim=1) for x in (scores, tokens, parents, ranks))
+            scores.append(descend(front_scores, top.values, self.neg_inf).flatten(1))
+            drafted.append(top.indices.flatten(1))
+            if d == self.depth - 1:
+                break  # the deepest level is not expanded
+            front_scores, best = scores[-1].topk(k)  # (B, k)
+            fronts.append(best)
+            parent_slot = (best // k)[..., None]
+            front_ids = drafted[-1].gather(1, best)
+            front_features = out.gather(1, parent_slot.expand(-1, -1, out.shape[-1]))
+            shared = visible.gather(1, parent_slot.expand(-1, -1, visible.shape[-1]))
+            visible = torch.cat([shared, self.own.expand(B, k, k)], dim=2)
+        parents = [self.root_parents.expand(B, k)]
+        if len(drafted) > 1:
+            # level d's k·k candidates: child j of frontier slot i is candidate offset_d + i·k + j; its parent
+            # is that slot's node of level d - 1, candidate level_offsets[d - 1] + fronts[d - 1][i]
+            levels = len(drafted) - 1
+            up = torch.stack(fronts[:levels], 1) + self.level_offsets[:levels, None]  # (B, levels, k)
+            parents.append(up[..., None].expand(B, levels, k, k).reshape(B, -1))
+        parents = torch.cat(parents, dim=1)
+        tokens = self.target_ids[torch.cat(drafted, dim=1)]
+        return torch.cat(scores, dim=1), tokens, parents, self.ranks[: parents.shape[1]].expand(B, -1)
 
     def _static(
         self, roots: torch.Tensor, root_feature: torch.Tensor, root_logp: torch.Tensor, run: Callable

@@ -31,6 +31,7 @@ NO_KERNEL = {
     aten.sym_numel.default,
     aten.sym_storage_offset.default,
     aten.is_same_size.default,
+    aten._unsafe_view.default,  # a view autograd does not track as one (matmul reshapes its output by it)
 }
 
 

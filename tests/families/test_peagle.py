@@ -272,7 +272,9 @@ def test_training_teaches_every_depth_and_decoding_stays_exact(arch):
             ref = model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=[])
             assert out.tolist() == ref.tolist()
             taus[name, i] = spec.last_stats.tau
-    assert max(taus.values()) > 1.3, taus  # trained: drafts pass (an untrained drafter stays near 1.0)
+    # trained: drafts pass (an untrained drafter stays at 1.0 here). The margin is for the threads: gpt2
+    # reaches 1.30 or 1.34 depending on the thread pool an earlier test left behind
+    assert max(taus.values()) > 1.25, taus
 
 
 def _args(model_dir, data, out, **extra):
