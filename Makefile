@@ -59,7 +59,8 @@ test: $(VENV)/.installed
 
 # On a GPU machine (build the venv with a CUDA torch: make bench-gpu TORCH_SPEC=torch): the CUDA tests, then the
 # bench in bf16 at batch 1 and 8, eager, compiled and with CUDA graphs (each reports host syncs per step), then
-# the KV bytes a verify forward copies. HEADS: the trained drafters (make demo writes these two).
+# the KV bytes a verify forward copies, then per-step timings of each family on a random Llama-3.1-8B-shaped
+# target against generate (step_bench). HEADS: the trained drafters (make demo writes these two).
 HEADS ?= --heads outputs/medusa-demo --heads outputs/eagle-demo
 bench-gpu: $(VENV)/.installed
 	$(PY) -m pytest -m cuda tests/decoding/test_cuda.py
@@ -69,6 +70,10 @@ bench-gpu: $(VENV)/.installed
 	$(PY) -m selfspec bench $(HEADS) --device cuda --dtype bfloat16 --batch-size 1 8 --compile reduce-overhead \
 		--json outputs/bench-gpu-graphs.json
 	$(PY) -m selfspec.infer.measure.kv_bytes --device cuda --dtype bfloat16 --out outputs/kv-bytes-gpu.json
+	$(PY) -m selfspec.infer.measure.step_bench --device cuda --dtype bfloat16 --batch-size 1 8 \
+		--json outputs/step-bench-gpu.json
+	$(PY) -m selfspec.infer.measure.step_bench --device cuda --dtype bfloat16 --batch-size 1 --compile \
+		--json outputs/step-bench-gpu-compile.json
 
 clean-demo:
 	rm -rf outputs/medusa-demo outputs/eagle-demo outputs/eagle3-demo outputs/bench-demo.json outputs/bench-demo.png
