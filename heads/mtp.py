@@ -160,7 +160,11 @@ class MtpDraft(PretrainedHeads):
         # the pair at position 0 reads no token embedding, as vLLM's and SGLang's MTP layers have it
         # (measured: with it, vLLM 0.32 accepts exactly our drafts; without, a few later drafts differ)
         embeds = embed(input_ids).to(hidden.dtype).masked_fill(position_ids[..., None] == 0, 0)
-        rope = self.rotary(embeds, position_ids=position_ids) if self.rotary is not None else None
+        rope = None
+        if self.rotary is not None:  # per-layer-type RoPE (Mellum): layer 0's type, as MtpModel.forward asks
+            per_type = getattr(self.mtp, "has_per_layer_rope", False)
+            kind = {"layer_type": self.mtp.config.layer_types[0]} if per_type else {}
+            rope = self.rotary(embeds, position_ids=position_ids, **kind)
         parts = [layer.enorm(embeds), layer.hnorm(hidden)]
         if getattr(layer.config, "mtp_hidden_states_first", False):
             parts.reverse()

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from conftest import fit_on_own_continuations
-from mtp_targets import write_mtp_target
+from mtp_targets import tiny_mtp_model, write_mtp_target
 from recipe_args import argv as options
 from recipe_args import short_run
 from selfspec import SpeculativeModel
@@ -57,6 +57,19 @@ def test_greedy_identical_to_generate_with_left_padded_rows(targets, arch, shape
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=2)
     ref = spec.model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=2)
     assert out.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("arch", ["ernie4_5_moe", "mellum", "param2moe", "sarvam_moe"])
+def test_the_other_mtp_architectures_decode_exactly(arch):
+    """Every other transformers architecture with MTP layers that builds as a causal LM here (Mellum's RoPE is
+    per layer type: the MTP layer asks for its own)."""
+    model, draft = tiny_mtp_model(arch)
+    prompt = torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref = model.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=[], pad_token_id=0)
+    for shape in (CHAIN, TREE):
+        spec = SpeculativeModel(model, mtp_proposer(draft, model, dynamic=True, **shape))
+        out = spec.generate(prompt, max_new_tokens=16, eos_token_id=[], pad_token_id=0)
+        assert out.tolist() == ref.tolist(), (arch, shape)
 
 
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
+from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
 
 from selfspec.heads.formats.mtp import published_tensors
 from selfspec.heads.mtp import MtpDraft, mtp_config_for
@@ -80,3 +80,49 @@ def write_mtp_target(out: Path, arch: str = "glm4_moe", layers: int = 1, seed: i
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy2(DEMO / name, out / name)
     return out
+
+
+# the other architectures transformers gives MTP layers, shrunk from their default configs
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    n_routed_experts=4,
+    num_experts=4,
+    moe_num_experts=4,
+    num_experts_per_tok=2,
+    moe_k=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
+    eos_token_id=1,
+    pad_token_id=2,
+    bos_token_id=0,
+)
+
+
+def tiny_mtp_model(model_type: str, seed: int = 0) -> tuple[torch.nn.Module, MtpDraft]:
+    """A random tiny `model_type` target (its default config with the fields of SMALL it has, one MTP layer)
+    and a random MTP drafter for it, in memory."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type)
+    for name, value in SMALL.items():
+        if hasattr(config, name):
+            setattr(config, name, value)
+    config.num_mtp_layers = 1
+    for name in ("layer_types", "mlp_layer_types", "mtp_layer_types", "mtp_mlp_layer_types"):
+        kinds = getattr(config, name, None)
+        if isinstance(kinds, list):  # one per layer
+            count = 1 if name.startswith("mtp") else config.num_hidden_layers
+            setattr(config, name, (kinds * count)[:count])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() > 1:
+                weight.normal_(0, 0.3)
+    return model, MtpDraft(mtp_config_for(model, model_type)).eval()
