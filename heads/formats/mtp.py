@@ -1,9 +1,12 @@
 """MTP layers in the target's own checkpoint: read with transformers' MtpModel loader, written back under the
 key names the published checkpoints use, so that the folder serves as it is (vLLM / SGLang `method: "mtp"`).
 
-The layout written (DeepSeek-V3, GLM-4.5 / 4.6 / 4.7 and the others that store MTP layer k as decoder layer
-num_hidden_layers + k; checked against transformers 5.25's conversion_mapping "MtpModel" entry and vLLM 0.11's
-deepseek_mtp / glm4_moe_mtp loaders):
+Three layouts, by the target's architecture (checked against transformers 5.25's conversion_mapping "MtpModel"
+entry, which reads all three; the first against vLLM 0.11's deepseek_mtp / glm4_moe_mtp loaders, the second
+against vLLM's ernie_mtp loader at vllm-project/vllm 028aedf):
+
+`layers` (DeepSeek-V3, GLM-4.5 / 4.6 / 4.7 and the others that store MTP layer k as decoder layer
+num_hidden_layers + k):
 
     model.layers.{L+k}.enorm.weight, .hnorm.weight, .eh_proj.weight
         the MTP layer's own input norms and projection
@@ -13,6 +16,13 @@ deepseek_mtp / glm4_moe_mtp loaders):
         its decoder block, named as the target's layers
     model.layers.{L+k}.embed_tokens.weight, .shared_head.head.weight
         copies of the target's embedding and lm_head
+
+`ernie` (Ernie-4.5-MoE): model.mtp_emb_norm.{k}, model.mtp_hidden_norm.{k}, model.mtp_linear_proj.{k} and the
+block as model.mtp_block.{k}.*; the output norm is the target's own final norm (model.norm), so none is
+written (and fine-tuning leaves it as the target has it).
+
+`mellum` (Mellum, one MTP layer): mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.fc, mtp.norm and the
+block as mtp.layers.0.*.
 
 The decoder block's tensors go through transformers' own reverse conversions (MoE experts one by one, as the
 target's layers are stored).
@@ -37,6 +47,25 @@ from selfspec.shipped.models import resolve_model
 LAYOUTS = ("mtp",)
 MTP_WEIGHTS = "model-mtp.safetensors"
 INDEX = "model.safetensors.index.json"
+
+
+LAYOUT_BY_TYPE = {
+    "ernie4_5_moe": "ernie",
+    "mellum": "mellum",
+}  # the others: `layers`, where the class says so
+
+
+def checkpoint_layout(target: nn.Module) -> str | None:
+    """The layout the target's checkpoints store MTP layers in (see the module docstring); None: one selfspec
+    does not write."""
+    kind = LAYOUT_BY_TYPE.get(target.config.get_text_config().model_type)
+    return kind or ("layers" if layers_layout(target) else None)
+
+
+def shares_output_norm(target: nn.Module) -> bool:
+    """Whether the target's MTP layers read its final norm as their output norm (Ernie-4.5): the checkpoint
+    holds no norm of theirs, so training must leave it as the target's."""
+    return checkpoint_layout(target) == "ernie"
 
 
 def layers_layout(target: nn.Module) -> bool:
@@ -100,22 +129,68 @@ def load_target_mtp(target: nn.Module, base_model: str, device: str | torch.devi
     return draft.bind(target.get_output_embeddings())
 
 
+def _layers_key(hidden: int, k: int, part: str) -> str | None:
+    if part.startswith("post_norm."):
+        part = "shared_head.norm." + part.removeprefix("post_norm.")
+    return f"model.layers.{hidden + k}.{part.removeprefix('mtp_block.')}"
+
+
+ERNIE_PARTS = {"enorm.": "mtp_emb_norm", "hnorm.": "mtp_hidden_norm", "eh_proj.": "mtp_linear_proj"}
+MELLUM_PARTS = {"enorm.": "pre_fc_norm_embedding.", "hnorm.": "pre_fc_norm_hidden.", "eh_proj.": "fc."}
+
+
+def _ernie_key(hidden: int, k: int, part: str) -> str | None:
+    if part.startswith("post_norm."):
+        return None  # the target's own model.norm
+    if part.startswith("mtp_block."):
+        return f"model.mtp_block.{k}.{part.removeprefix('mtp_block.')}"
+    prefix = next(p for p in ERNIE_PARTS if part.startswith(p))
+    return f"model.{ERNIE_PARTS[prefix]}.{k}.{part.removeprefix(prefix)}"
+
+
+def _mellum_key(hidden: int, k: int, part: str) -> str | None:
+    if k:
+        raise ValueError("Mellum's checkpoint layout holds one MTP layer; this drafter has more")
+    if part.startswith("mtp_block."):
+        return f"mtp.layers.0.{part.removeprefix('mtp_block.')}"
+    if part.startswith("post_norm."):
+        return "mtp.norm." + part.removeprefix("post_norm.")
+    prefix = next(p for p in MELLUM_PARTS if part.startswith(p))
+    return "mtp." + MELLUM_PARTS[prefix] + part.removeprefix(prefix)
+
+
+WRITERS = {"layers": _layers_key, "ernie": _ernie_key, "mellum": _mellum_key}
+
+
 def published_tensors(draft: MtpDraft, target: nn.Module) -> dict[str, torch.Tensor]:
     """The MTP layers' tensors under the target checkpoint's key names (see the module docstring)."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    layout = checkpoint_layout(target)
+    if layout is None:
+        raise ValueError(
+            f"{target.config.model_type} stores its MTP layers in a layout selfspec does not write yet (it "
+            "writes num_hidden_layers + k as DeepSeek-V3 and GLM-4.5 do, Ernie-4.5's and Mellum's)"
+        )
     hidden = target.config.get_text_config().num_hidden_layers
     state: dict[str, torch.Tensor] = {}
     for key, value in draft.mtp.state_dict().items():
         match = re.match(r"layers\.(\d+)\.(.*)", key)
         if match is None:
             raise ValueError(f"the MTP layout has no place for {key!r} (a norm shared by all MTP layers)")
-        k, rest = int(match.group(1)), match.group(2).removeprefix("mtp_block.")
-        if rest.startswith("post_norm."):
-            rest = "shared_head.norm." + rest.removeprefix("post_norm.")
-        state[f"model.layers.{hidden + k}.{rest}"] = value
+        k, part = int(match.group(1)), match.group(2)
+        if layout == "ernie" and part.startswith("post_norm."):
+            final = target.get_decoder().norm.weight
+            if not torch.equal(value.to(final.device, final.dtype), final):
+                raise ValueError(
+                    "Ernie-4.5's MTP layers use the target's final norm (model.norm) as their output norm; "
+                    "this drafter's differs, which its checkpoint cannot hold: train with it frozen"
+                )
+        name = WRITERS[layout](hidden, k, part)
+        if name is not None:
+            state[name] = value
     state = revert_weight_conversion(target, state)
-    for k in range(draft.config.num_layers):
+    for k in range(draft.config.num_layers if layout == "layers" else 0):
         # copies (a tied embedding and lm_head would otherwise be one tensor twice, which safetensors refuses)
         state[f"model.layers.{hidden + k}.embed_tokens.weight"] = (
             target.get_input_embeddings().weight.detach().clone()
@@ -147,11 +222,6 @@ def export_as(
     if weights not in (None, "safetensors"):
         raise ValueError(
             "an MTP export is written as safetensors (what the engines read), not " + str(weights)
-        )
-    if not layers_layout(target):
-        raise ValueError(
-            f"{target.config.model_type} stores its MTP layers in a layout selfspec does not write yet "
-            "(only num_hidden_layers + k, as DeepSeek-V3 and GLM-4.5 do)"
         )
     tensors = published_tensors(draft, target)  # before anything is written: a layout error leaves no folder
     out = Path(out_dir)

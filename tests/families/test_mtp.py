@@ -5,6 +5,7 @@ infer/drafters/mtp.py, train/mtp.py)."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -59,17 +60,80 @@ def test_greedy_identical_to_generate_with_left_padded_rows(targets, arch, shape
     assert out.tolist() == ref.tolist()
 
 
-@pytest.mark.parametrize("arch", ["ernie4_5_moe", "mellum", "param2moe", "sarvam_moe"])
+OTHERS = {
+    "ernie4_5_moe": {},
+    "param2moe": {},
+    "sarvam_moe": {},
+    # Mellum's own MTP layer is sliding-window (refused, below): one of full attention, whose RoPE is still
+    # per layer type (the MTP layer asks for its own)
+    "mellum": {"mtp_layer_types": ["full_attention"]},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(OTHERS))
 def test_the_other_mtp_architectures_decode_exactly(arch):
-    """Every other transformers architecture with MTP layers that builds as a causal LM here (Mellum's RoPE is
-    per layer type: the MTP layer asks for its own)."""
-    model, draft = tiny_mtp_model(arch)
+    """Every other transformers architecture with MTP layers that builds as a causal LM here."""
+    model, draft = tiny_mtp_model(arch, **OTHERS[arch])
     prompt = torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(1))
     ref = model.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=[], pad_token_id=0)
     for shape in (CHAIN, TREE):
         spec = SpeculativeModel(model, mtp_proposer(draft, model, dynamic=True, **shape))
         out = spec.generate(prompt, max_new_tokens=16, eos_token_id=[], pad_token_id=0)
         assert out.tolist() == ref.tolist(), (arch, shape)
+
+
+def test_a_sliding_window_mtp_layer_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="MTP layers of type sliding_attention: not supported yet"):
+        tiny_mtp_model("mellum")  # as published: its MTP layer attends over a sliding window
+
+
+def exported_other(arch: str, out, shared_norm: bool = True):
+    """A tiny `arch` target with random MTP layers (Ernie's output norm kept as the target's final norm, as
+    its checkpoint holds it), exported to `out`."""
+    model, draft = tiny_mtp_model(arch, **OTHERS[arch])
+    with torch.no_grad():
+        for name, weight in draft.mtp.named_parameters():
+            weight.normal_(1.0 if "norm" in name else 0.0, 0.2)
+        if shared_norm and arch == "ernie4_5_moe":
+            draft.mtp.layers[0].post_norm.weight.copy_(model.get_decoder().norm.weight)
+    with warnings.catch_warnings():  # an in-memory target has no tokenizer to copy: said in a warning
+        warnings.simplefilter("ignore", UserWarning)
+        export_as(draft, "mtp", out, target=model, base_model=arch)
+    return model, draft
+
+
+@pytest.mark.parametrize(
+    "arch, names",
+    [
+        ("ernie4_5_moe", ["model.mtp_emb_norm.0.weight", "model.mtp_linear_proj.0.weight"]),
+        ("mellum", ["mtp.fc.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"]),
+    ],
+)
+def test_ernies_and_mellums_layouts_export_and_load_back_identically(arch, names, tmp_path):
+    _, draft = exported_other(arch, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert set(names) <= keys and not any(".layers.2." in k for k in keys), sorted(keys)
+    loaded = load_target_mtp(load(tmp_path), str(tmp_path))  # through transformers' own MTP loader
+    for key, value in draft.mtp.state_dict().items():
+        assert torch.equal(loaded.mtp.state_dict()[key], value), key
+
+
+def test_ernies_output_norm_stays_the_targets(tmp_path):
+    """Ernie-4.5's MTP layers read the target's final norm: an export whose own differs is refused before
+    anything is written, and fine-tuning keeps it frozen."""
+    with pytest.raises(ValueError, match="final norm .* train with it frozen"):
+        exported_other("ernie4_5_moe", tmp_path / "differs", shared_norm=False)
+    assert not (tmp_path / "differs").exists()
+    from types import SimpleNamespace
+
+    from selfspec.train.recipes.mtp import build_drafter
+
+    exported_other("ernie4_5_moe", tmp_path / "export")
+    path = str(tmp_path / "export")
+    draft = build_drafter(SimpleNamespace(new_layers=0, model=path), load(path))
+    frozen = {name for name, p in draft.named_parameters() if not p.requires_grad}
+    assert frozen == {"mtp.layers.0.post_norm.weight"}, frozen
 
 
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])

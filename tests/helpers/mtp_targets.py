@@ -106,15 +106,16 @@ SMALL = dict(
 )
 
 
-def tiny_mtp_model(model_type: str, seed: int = 0) -> tuple[torch.nn.Module, MtpDraft]:
-    """A random tiny `model_type` target (its default config with the fields of SMALL it has, one MTP layer)
-    and a random MTP drafter for it, in memory."""
+def tiny_mtp_model(model_type: str, seed: int = 0, **fields) -> tuple[torch.nn.Module, MtpDraft]:
+    """A random tiny `model_type` target (its default config with one MTP layer, the fields of SMALL it has,
+    then `fields`) and a random MTP drafter for it, in memory."""
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type)
+    config = AutoConfig.for_model(model_type, num_mtp_layers=1)
     for name, value in SMALL.items():
         if hasattr(config, name):
             setattr(config, name, value)
-    config.num_mtp_layers = 1
+    for name, value in fields.items():
+        setattr(config, name, value)
     for name in ("layer_types", "mlp_layer_types", "mtp_layer_types", "mtp_mlp_layer_types"):
         kinds = getattr(config, name, None)
         if isinstance(kinds, list):  # one per layer

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from selfspec.heads.formats.mtp import load_target_mtp
+from selfspec.heads.formats.mtp import load_target_mtp, shares_output_norm
 from selfspec.heads.mtp import MtpDraft, mtp_layer_count
 from selfspec.infer.measure.tune import eagle_grid
 from selfspec.train.loop.config import ConfigError, check_at_least, option
@@ -125,4 +125,7 @@ def build_drafter(cfg: MtpConfig, target) -> MtpDraft:
         1:
     ]:  # kept as the checkpoint has them: drafting runs layer 0 at every depth
         later.requires_grad_(False)
+    if shares_output_norm(target):  # Ernie-4.5: the output norm is the target's final norm, frozen with it
+        for layer in draft.mtp.layers:
+            layer.post_norm.requires_grad_(False)
     return draft.to(torch.float32).bind(target.get_output_embeddings())
