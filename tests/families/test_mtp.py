@@ -67,6 +67,15 @@ OTHERS = {
     # Mellum's own MTP layer is sliding-window (refused, below): one of full attention, whose RoPE is still
     # per layer type (the MTP layer asks for its own)
     "mellum": {"mtp_layer_types": ["full_attention"]},
+    # multi-head latent attention, as DeepSeek-V3's
+    "sarvam_mla": dict(
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        kv_lora_rank=16,
+        head_dim=8,
+        num_key_value_heads=4,
+    ),
 }
 
 
