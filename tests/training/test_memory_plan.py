@@ -17,7 +17,7 @@ import pytest
 
 import selfspec.train.loop.training as loop
 from conftest import TOKENIZER_TEXT
-from live_bytes import measuring_step
+from live_bytes import live_tensor_bytes, measuring_step
 from selfspec.train.loop.config import load_config
 from selfspec.train.parallel.memory_plan import (
     SHIPPED_CONFIGS,
@@ -32,12 +32,14 @@ TOLERANCE = 0.2
 
 def measured_peak(run, cfg, monkeypatch, step: int = 1) -> tuple[int, dict]:
     """Run the recipe `run(cfg)` and return the tensor bytes at the peak of its training step `step` (0-based:
-    the second, when AdamW's states exist), and the run's result."""
+    the second, when AdamW's states exist), and the run's result. Tensors alive before the run (what earlier
+    tests in this process still hold) are not the run's: they are left out."""
     found = {}
     monkeypatch.setattr(loop, "batches_keeping_rng", measuring_step(found, step))
+    before = live_tensor_bytes()
     result = run(cfg)
     assert "peak" in found, "the run ended before the measured step"
-    return found["peak"], result
+    return found["peak"] - before, result
 
 
 @pytest.fixture
