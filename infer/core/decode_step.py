@@ -19,7 +19,7 @@ from selfspec.infer.core.rows import Rows, first_tokens, upload
 from selfspec.infer.core.target import Target
 from selfspec.infer.core.timing import Clock, Mark
 from selfspec.infer.core.tree import Tree, stack_trees
-from selfspec.infer.core.verify import SamplingParams, accept_greedy_rows
+from selfspec.infer.core.verify import SamplingParams, accept_greedy_rows, accept_sampled_rows
 from selfspec.infer.core.verify import accept as accept_tree
 from selfspec.infer.drafters.drafter import Draft, Drafter
 
@@ -240,7 +240,14 @@ class DecodeState:
         on = logits.device
         if self.params.greedy:
             ends, bonus = accept_greedy_rows(logits, tokens.to(on), trees.to(on))
-        else:  # each row on its own tree and generator: its draws never depend on the other rows
+        elif all(d.probs is None for d in proposal.drafts):  # point proposals: every row at once
+            shapes = [
+                None if done else tuple(d.tree.children.shape) for done, d in zip(rows.done, proposal.drafts)
+            ]
+            ends, bonus = accept_sampled_rows(
+                logits, tokens.to(on), trees.to(on), self.params, rows.generators, shapes
+            )
+        else:  # drafts sampled from q (a draft model): each row on its own, its draws from its own generator
             picks = [
                 accept_tree(
                     logits[b, : d.tree.size],

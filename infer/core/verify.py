@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from selfspec.infer.core.tree import Tree
+from selfspec.infer.core.tree import Tree, stack_trees
 
 MIN_TEMPERATURE = 1e-6  # far above where float32 logits / temperature overflow; below it, use 0 (greedy)
 
@@ -98,23 +98,20 @@ def greedy_children(argmax: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> t
     return picked
 
 
-def sampled_children(
-    p: torch.Tensor, tokens: torch.Tensor, tree: Tree, generator: torch.Generator | None
-) -> torch.Tensor:
-    """(N,) bool: the child each node's rejection walk over its children accepts (at most one per node)."""
-    kids = tree.children  # (N, C)
+def sampled_children(p: torch.Tensor, tokens: torch.Tensor, trees: Tree, u: torch.Tensor) -> torch.Tensor:
+    """(B, N) bool: the child each node's rejection walk over its children accepts (at most one per node), for
+    p (B, N, V), tokens (B, N), batched trees and uniforms u (B, N, C) (one per child)."""
+    kids = trees.children  # (B, N, C)
     valid = kids >= 0
-    kid_tokens = tokens[kids.clamp(min=0)]  # (N, C)
-    p_kid = torch.gather(p, 1, kid_tokens) * valid  # (N, C) p(x_j) at the parent
-    used = torch.cumsum(p_kid, dim=1) - p_kid  # mass of the siblings tried before x_j
+    kid_tokens = tokens.gather(1, kids.clamp(min=0).flatten(1)).view_as(kids)
+    p_kid = p.gather(2, kid_tokens) * valid  # (B, N, C) p(x_j) at the parent
+    used = torch.cumsum(p_kid, dim=2) - p_kid  # mass of the siblings tried before x_j
     accept_prob = p_kid / (1.0 - used).clamp(min=1e-12)
-    u = torch.rand(kids.shape, generator=generator, device=p.device)
     accepted = (u < accept_prob) & valid
-    first = accepted.int().argmax(dim=1)  # first accepted sibling, if any
-    has = accepted.any(dim=1)
-    chosen = torch.where(has, kids.gather(1, first[:, None])[:, 0], 0)  # (N,) node index, root if none
-    picked = torch.zeros(tokens.shape, dtype=torch.bool, device=p.device).scatter(0, chosen, has)
-    picked[0] = True
+    has = accepted.any(dim=2)  # the first accepted sibling, if any; the root if none
+    chosen = torch.where(has, kids.gather(2, accepted.int().argmax(dim=2, keepdim=True))[..., 0], 0)
+    picked = torch.zeros(tokens.shape, dtype=torch.bool, device=p.device).scatter(1, chosen, has)
+    picked[:, 0] = True
     return picked
 
 
@@ -159,18 +156,6 @@ def draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     return (p / e).argmax()
 
 
-def residual_sample(
-    p_end: torch.Tensor, kid_tokens: torch.Tensor, valid: torch.Tensor, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Draw the bonus token from p at the last accepted node with its rejected children's tokens removed."""
-    keep = torch.ones_like(p_end).scatter_reduce(0, kid_tokens, (~valid).to(p_end.dtype), reduce="amin")
-    residual = p_end * keep
-    total = residual.sum()
-    # All of p on rejected children has probability zero of happening; fall back to p itself.
-    residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p_end)
-    return draw(residual, generator)
-
-
 def accept(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -188,14 +173,16 @@ def accept(
         argmax = logits.argmax(-1)  # the bonus is the argmax at the end node: computed once
         end = accepted_end(greedy_children(argmax, tokens, tree), tree)
         return end, argmax.index_select(0, end)[0]
-    p = target_probs(logits, params)
     if draft_probs is not None:
-        picked, left = sampled_children_from(p, draft_probs, tokens, tree, generator)
+        picked, left = sampled_children_from(
+            target_probs(logits, params), draft_probs, tokens, tree, generator
+        )
         end = accepted_end(picked, tree)
         return end, draw(left.index_select(0, end)[0], generator)
-    end = accepted_end(sampled_children(p, tokens, tree, generator), tree)
-    kids = tree.children.index_select(0, end)[0]  # (C,) all rejected, since none was picked
-    return end, residual_sample(p.index_select(0, end)[0], tokens[kids.clamp(min=0)], kids >= 0, generator)
+    end, bonus = accept_sampled_rows(  # a batch of one
+        logits[None], tokens[None], stack_trees([tree]), params, [generator], [tree.children.shape]
+    )
+    return end, bonus[0]
 
 
 def accept_greedy_rows(
@@ -206,6 +193,71 @@ def accept_greedy_rows(
     argmax = logits.argmax(-1)  # (B, N); the bonus is the argmax at the end node
     end = accepted_end(greedy_children(argmax, tokens, trees), trees)  # (B, 1)
     return end[:, 0], argmax.gather(1, end)[:, 0]
+
+
+def accept_sampled_rows(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    trees: Tree,
+    params: SamplingParams,
+    generators: list[torch.Generator | None],
+    shapes: list[tuple[int, int] | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled acceptance of point proposals over a batch of trees, in one set of launches: logits (B, N, V),
+    tokens (B, N), batched trees (B, ...) -> each row's end node (B,) and bonus token (B,), as `accept` gives
+    each row alone.
+
+    `shapes[b]`: row b's own tree (nodes, children per node), None for a row that is done (it draws nothing,
+    and what it gets is not used, as with greedy acceptance). A row with a generator draws from it exactly
+    what it would alone (the same shapes, in the same order), so a seeded row's outcome does not depend on
+    its batch; rows without one draw from the global generator, all together where none has one."""
+    B, N, V = logits.shape
+    p = target_probs(logits, params)  # (B, N, V)
+    kids = trees.children  # (B, N, C)
+    u = _uniforms(generators, shapes, kids.shape, p.device)
+    end = accepted_end(sampled_children(p, tokens, trees, u), trees)  # (B, 1)
+    # the bonus: p at the end node without its children's tokens (all rejected, since none was picked)
+    p_end = p.gather(1, end[..., None].expand(B, 1, V))[:, 0]  # (B, V)
+    end_kids = kids.gather(1, end[..., None].expand(B, 1, kids.shape[2]))[:, 0]  # (B, C)
+    rejected = tokens.gather(1, end_kids.clamp(min=0))
+    keep = torch.ones_like(p_end).scatter_reduce(1, rejected, (end_kids < 0).to(p_end.dtype), reduce="amin")
+    residual = p_end * keep
+    total = residual.sum(-1, keepdim=True)
+    # all of p on rejected children has probability zero of happening; fall back to p itself
+    residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p_end)
+    e = _exponentials(generators, [s is not None for s in shapes], residual)
+    return end[:, 0], (residual / e).argmax(-1)  # the bonus drawn as `draw` does
+
+
+def _uniforms(
+    generators: list[torch.Generator | None],
+    shapes: list[tuple[int, ...] | None],
+    size: tuple[int, ...],
+    device: torch.device,
+) -> torch.Tensor:
+    """Uniforms of `size` (B, N, C): row b's corner shapes[b] from its own generator (what it draws alone), or
+    all from the global generator in one draw when no row has one; 1 elsewhere (never below a probability)."""
+    if all(g is None for g in generators):
+        return torch.rand(size, device=device)
+    out = torch.ones(size, device=device)
+    for b, (generator, shape) in enumerate(zip(generators, shapes)):
+        if shape is not None:
+            out[(b, *(slice(n) for n in shape))] = torch.rand(shape, generator=generator, device=device)
+    return out
+
+
+def _exponentials(
+    generators: list[torch.Generator | None], drawing: list[bool], like: torch.Tensor
+) -> torch.Tensor:
+    """Exp(1) draws like `like` (B, V) for the rows `drawing`, each from its own generator, or all from the
+    global one in one draw when no row has one; 1 elsewhere."""
+    if all(g is None for g in generators):
+        return torch.empty_like(like).exponential_(1.0)
+    out = torch.ones_like(like)
+    for b, (generator, on) in enumerate(zip(generators, drawing)):
+        if on:
+            out[b] = torch.empty_like(like[b]).exponential_(1.0, generator=generator)
+    return out
 
 
 def sample_token(

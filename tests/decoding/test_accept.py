@@ -309,9 +309,9 @@ def mutant(fn, old: str, new: str):
 MUTATIONS = {
     # point proposals: the bonus leaves out the root's children's tokens instead of the end node's
     "point_residual_from_root_children": (
-        "accept",
-        "kids = tree.children.index_select(0, end)[0]",
-        "kids = tree.children[0]",
+        "accept_sampled_rows",
+        "end_kids = kids.gather(1, end[..., None].expand(B, 1, kids.shape[2]))[:, 0]",
+        "end_kids = kids[:, 0]",
         "medusa-T1",
     ),
     # sampled proposals: the bonus is drawn from what is left of p at the root, not at the end node

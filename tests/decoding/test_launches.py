@@ -35,11 +35,11 @@ def llama(layers: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def outside_per_step(model, batch: int, drafter=None) -> float:
+def outside_per_step(model, batch: int, drafter=None, **options) -> float:
     prompt = torch.randint(3, 256, (batch, 12), generator=torch.Generator().manual_seed(batch))
     spec = SpeculativeModel(model, drafter or PromptLookupProposer(num_tokens=4, max_ngram=2))
     with LaunchCounter(model).counting() as counter:
-        spec.generate(prompt, max_new_tokens=24, eos_token_id=[], pad_token_id=0)
+        spec.generate(prompt, max_new_tokens=24, eos_token_id=[], pad_token_id=0, **options)
     return counter.outside / spec.last_stats.target_forwards
 
 
@@ -119,21 +119,35 @@ def test_eagle3_and_dflash_steps_on_a_32_layer_target():
         assert per_step[8] <= 1.02 * per_step[1], (drafter.name, per_step)
 
 
-def test_medusa_steps_launch_as_few_as_plain_decoding_plus_a_handful():
-    """The five heads run as one batched matmul per layer and one for their projections (they were four
-    launches a head): a 64-node tree on 32 layers stays within the 60 launches a step outside the forward."""
-    model = llama(32)
+def random_medusa(model: LlamaForCausalLM) -> MedusaProposer:
+    """Five random Medusa heads in a 64-node tree."""
     torch.manual_seed(2)
     heads = MedusaHeads(HeadsConfig(kind="medusa", hidden_size=64, vocab_size=256, num_heads=5))
     with torch.no_grad():
         for weight in heads.parameters():
             torch.nn.init.normal_(weight, std=0.05)
-    choices = default_medusa_choices(5, num_nodes=63)
-    per_step = {
-        batch: outside_per_step(model, batch, MedusaProposer(heads, model.get_output_embeddings(), choices))
-        for batch in (1, 8)
-    }
+    return MedusaProposer(heads, model.get_output_embeddings(), default_medusa_choices(5, num_nodes=63))
+
+
+def test_medusa_steps_launch_as_few_as_plain_decoding_plus_a_handful():
+    """The five heads run as one batched matmul per layer and one for their projections (they were four
+    launches a head): a 64-node tree on 32 layers stays within the 60 launches a step outside the forward."""
+    model = llama(32)
+    per_step = {batch: outside_per_step(model, batch, random_medusa(model)) for batch in (1, 8)}
     assert max(per_step.values()) <= 60, per_step  # was 72 at batch 1, 78 at batch 8
+
+
+def test_sampled_acceptance_launches_do_not_grow_with_the_batch():
+    """Point proposals are accepted by sampling for every row at once (it was one acceptance per row: 432
+    launches a step at batch 8 against 91 at batch 1); a row with a generator of its own adds its two draws
+    (four launches), not a whole acceptance (about 43)."""
+    model = llama(4)
+    sampled = dict(do_sample=True, temperature=1.0)
+    per_step = {batch: outside_per_step(model, batch, random_medusa(model), **sampled) for batch in (1, 8)}
+    assert per_step[8] <= 1.1 * per_step[1], per_step
+    seeded = [torch.Generator().manual_seed(b) for b in range(8)]
+    with_generators = outside_per_step(model, 8, random_medusa(model), generator=seeded, **sampled)
+    assert with_generators <= per_step[1] + 4 * 8 + 8, (with_generators, per_step)
 
 
 def test_plain_steps_move_nothing_in_the_cache(monkeypatch):

@@ -26,16 +26,15 @@ def test_speculative_sampling_matches_target_distribution(params, kind):
 def test_the_distribution_check_catches_lossy_acceptance(monkeypatch):
     """Accepting any drafted child whose p(x) >= 0.05 (a 'typical'-style rule) must fail the same check."""
 
-    def lossy(p, tokens, tree, generator):
-        kids = tree.children
+    def lossy(p, tokens, trees, u):
+        kids = trees.children  # (B, N, C)
         valid = kids >= 0
-        p_kid = torch.gather(p, 1, tokens[kids.clamp(min=0)]) * valid
+        p_kid = p.gather(2, tokens.gather(1, kids.clamp(min=0).flatten(1)).view_as(kids)) * valid
         ok = (p_kid >= 0.05) & valid
-        first = ok.int().argmax(1)
-        has = ok.any(1)
-        chosen = torch.where(has, kids.gather(1, first[:, None])[:, 0], 0)
-        picked = torch.zeros(tokens.shape, dtype=torch.bool).scatter(0, chosen, has)
-        picked[0] = True
+        has = ok.any(2)
+        chosen = torch.where(has, kids.gather(2, ok.int().argmax(2, keepdim=True))[..., 0], 0)
+        picked = torch.zeros(tokens.shape, dtype=torch.bool).scatter(1, chosen, has)
+        picked[:, 0] = True
         return picked
 
     monkeypatch.setattr(verify, "sampled_children", lossy)
