@@ -237,10 +237,11 @@ def signed(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 class DraftRMSNorm(LlamaRMSNorm):
-    """transformers' Llama RMSNorm, bit for bit, through `aten._fused_rms_norm` where the running torch has
-    it and nothing needs its gradient: one kernel on CUDA instead of six (a drafter's norms run several times
-    a decode step); the CPU build composes it from the same six ops. Training (autograd) runs the parent's
-    forward."""
+    """transformers' Llama RMSNorm through `aten._fused_rms_norm` where the running torch has it and nothing
+    needs its gradient: one kernel on CUDA instead of six (a drafter's norms run several times a decode step).
+    On the CPU the op is composed of the same six, bit for bit the parent's (tested); CUDA's kernel may sum
+    the squares in another order, a last-bit difference in the drafts only, never in the output. Training
+    (autograd) runs the parent's forward."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if FUSED_RMS_NORM is None or (

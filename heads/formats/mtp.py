@@ -144,7 +144,7 @@ def _ernie_key(hidden: int, k: int, part: str) -> str | None:
         return None  # the target's own model.norm
     if part.startswith("mtp_block."):
         return f"model.mtp_block.{k}.{part.removeprefix('mtp_block.')}"
-    prefix = next(p for p in ERNIE_PARTS if part.startswith(p))
+    prefix = _part(ERNIE_PARTS, part)
     return f"model.{ERNIE_PARTS[prefix]}.{k}.{part.removeprefix(prefix)}"
 
 
@@ -155,8 +155,16 @@ def _mellum_key(hidden: int, k: int, part: str) -> str | None:
         return f"mtp.layers.0.{part.removeprefix('mtp_block.')}"
     if part.startswith("post_norm."):
         return "mtp.norm." + part.removeprefix("post_norm.")
-    prefix = next(p for p in MELLUM_PARTS if part.startswith(p))
+    prefix = _part(MELLUM_PARTS, part)
     return "mtp." + MELLUM_PARTS[prefix] + part.removeprefix(prefix)
+
+
+def _part(parts: dict[str, str], name: str) -> str:
+    """The MTP layer's own part `name` belongs to (one of `parts`); a one-line error for anything else."""
+    for prefix in parts:
+        if name.startswith(prefix):
+            return prefix
+    raise ValueError(f"the MTP layout has no place for an MTP layer's {name!r}")
 
 
 WRITERS = {"layers": _layers_key, "ernie": _ernie_key, "mellum": _mellum_key}

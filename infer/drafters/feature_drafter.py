@@ -97,7 +97,6 @@ class FeatureDrafter(Drafter):
         # where each level's candidates start: k at the first level, k·k below
         self.level_offsets = torch.tensor([0] + [k + d * k * k for d in range(self.depth - 2)], device=device)
         self.neg_inf = torch.tensor(-torch.inf, device=device)
-        self.levels_below = torch.arange(self.depth, device=device)
         drafted_ids = torch.arange(cfg.draft_vocab_size or cfg.vocab_size, device=device)
         self.target_ids = draft.to_target(drafted_ids)  # draft id -> target id, one lookup
         self.static: Tree | None = None
@@ -112,6 +111,9 @@ class FeatureDrafter(Drafter):
             self.static_width = width
         else:
             self.max_nodes = min(self.total_tokens, self.top_k + (self.depth - 1) * self.top_k**2) + 1
+        # each level's offset from a row's newest position: as deep as the dynamic tree, or the static one
+        levels = len(self.levels) if self.static is not None else self.depth
+        self.levels_below = torch.arange(max(levels, self.depth), device=device)
 
     def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """Predicted features (..., H) -> log-probabilities over the draft vocabulary (..., V), float32, with

@@ -157,6 +157,15 @@ def test_drafter_cache_holds_exactly_the_confirmed_pairs():
 # ---------------------------------------------------------------- lossless decoding
 
 
+def test_a_static_tree_deeper_than_the_drafters_depth_decodes(model):
+    """A static tree of its own depth (a --tree chain of 6 for a drafter of depth 2), not the dynamic tree's:
+    every level gets its position."""
+    chain = [[0] * d for d in range(1, 7)]
+    spec = SpeculativeModel(model, proposer(model, random_draft(model, depth=2), choices=chain))
+    prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    assert spec.generate(prompt, max_new_tokens=20)[0, 5:].tolist() == plain_greedy(model, prompt, 20)
+
+
 @pytest.mark.parametrize("choices", [None, STATIC], ids=["dynamic", "static"])
 def test_greedy_identical_to_generate_with_a_random_drafter(model, choices):
     spec = SpeculativeModel(model, proposer(model, random_draft(model), choices=choices))

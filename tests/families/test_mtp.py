@@ -140,9 +140,15 @@ def test_ernies_output_norm_stays_the_targets(tmp_path):
 
     exported_other("ernie4_5_moe", tmp_path / "export")
     path = str(tmp_path / "export")
-    draft = build_drafter(SimpleNamespace(new_layers=0, model=path), load(path))
-    frozen = {name for name, p in draft.named_parameters() if not p.requires_grad}
-    assert frozen == {"mtp.layers.0.post_norm.weight"}, frozen
+    target = load(path)
+    with torch.no_grad():  # a final norm that is not a new layer's starting one
+        target.get_decoder().norm.weight.normal_(1.0, 0.1)
+    for new in (0, 1):  # its own layer, and a new one (which starts from the target's norm too)
+        cfg = SimpleNamespace(new_layers=new, model=path, target_dtype=torch.float32)
+        draft = build_drafter(cfg, target)
+        frozen = {name for name, p in draft.named_parameters() if not p.requires_grad}
+        assert frozen == {"mtp.layers.0.post_norm.weight"}, frozen
+        assert torch.equal(draft.mtp.layers[0].post_norm.weight, target.get_decoder().norm.weight)
 
 
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])

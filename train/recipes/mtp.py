@@ -126,6 +126,9 @@ def build_drafter(cfg: MtpConfig, target) -> MtpDraft:
     ]:  # kept as the checkpoint has them: drafting runs layer 0 at every depth
         later.requires_grad_(False)
     if shares_output_norm(target):  # Ernie-4.5: the output norm is the target's final norm, frozen with it
+        final = target.get_decoder().norm.weight
         for layer in draft.mtp.layers:
+            with torch.no_grad():  # new layers start from it too (loaded ones read it from the checkpoint)
+                layer.post_norm.weight.copy_(final)
             layer.post_norm.requires_grad_(False)
     return draft.to(torch.float32).bind(target.get_output_embeddings())
