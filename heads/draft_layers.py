@@ -236,6 +236,9 @@ def signed(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
+FUSED_RMS_NORM = getattr(torch.ops.aten, "_fused_rms_norm", None)  # None on a torch without it
+
+
 class DraftRMSNorm(LlamaRMSNorm):
     """transformers' Llama RMSNorm through `aten._fused_rms_norm` where the running torch has it and nothing
     needs its gradient: one kernel on CUDA instead of six (a drafter's norms run several times a decode step).
@@ -253,9 +256,6 @@ class DraftRMSNorm(LlamaRMSNorm):
             return FUSED_RMS_NORM(hidden_states, shape, self.weight, eps)[0]
         normed = FUSED_RMS_NORM(hidden_states.float(), shape, None, eps)[0]  # as the parent: in float32,
         return self.weight * normed.to(hidden_states.dtype)  # cast back, then scaled
-
-
-FUSED_RMS_NORM = getattr(torch.ops.aten, "_fused_rms_norm", None)
 
 
 def use_draft_norms(module: nn.Module) -> None:

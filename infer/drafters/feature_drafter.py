@@ -252,7 +252,7 @@ class FeatureDrafter(Drafter):
         kids = torch.empty(
             B, tree.size, width, dtype=torch.long, device=self.device
         )  # each node's top-`width`
-        kids[:, 0] = self.draft.to_target(root_logp.topk(width).indices)
+        kids[:, 0] = self.target_ids[root_logp.topk(width).indices]
         for d, (start, end) in enumerate(self.levels[1:], start=1):
             parents = tree.parents[start:end]
             tokens[:, start:end] = kids[:, parents].gather(2, tree.ranks[start:end, None].expand(B, -1, 1))[
@@ -262,5 +262,5 @@ class FeatureDrafter(Drafter):
                 break  # the deepest level has no children to draft
             visible = tree.ancestors[start:end, 1:end].expand(B, -1, -1)
             features[:, start:end], logp = run(features[:, parents], tokens[:, start:end], visible, d)
-            kids[:, start:end] = self.draft.to_target(logp.topk(width).indices)
+            kids[:, start:end] = self.target_ids[logp.topk(width).indices]
         return tokens
