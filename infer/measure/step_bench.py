@@ -28,6 +28,7 @@ from selfspec.heads.draft_layers import layer_fields
 from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.heads.fused_draft import default_feature_layers
 from selfspec.heads.medusa import MedusaHeads
+from selfspec.infer.cli.options import at_least
 from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.core.loading import proposer_for
 from selfspec.infer.drafters.drafter import Drafter
@@ -209,9 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--prompt-length", type=int, default=128)
+    p.add_argument("--batch-size", type=at_least(1), nargs="+", default=[1, 8])
+    p.add_argument("--new-tokens", type=at_least(1), default=64)
+    p.add_argument("--prompt-length", type=at_least(1), default=128)
     p.add_argument("--compile", nargs="?", const=True, default=False, help="verify through torch.compile")
     p.add_argument("--drafters", nargs="+", choices=DRAFTERS, default=list(DRAFTERS))
     p.add_argument("--json", type=Path, help="also write the result here")

@@ -31,3 +31,11 @@ def test_a_cuda_device_without_cuda_is_one_line(capsys):
         step_bench.main(["--shape", "tiny", "--device", "cuda"])
     assert exit.value.code == 2
     assert "sees no CUDA device; use --device cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--batch-size", "--new-tokens", "--prompt-length"])
+def test_sizes_below_one_are_one_line(option, capsys):
+    with pytest.raises(SystemExit) as exit:
+        step_bench.main(["--shape", "tiny", "--device", "cpu", option, "0"])
+    assert exit.value.code == 2
+    assert f"{option}: must be an integer >= 1, got 0" in capsys.readouterr().err
