@@ -23,12 +23,15 @@ from selfspec.heads.config import HeadsConfig
 from selfspec.heads.draft_layers import (
     DraftCache,
     Float32RotaryEmbedding,
+    key_values,
     llama_config,
+    project,
     rotate,
     use_draft_norms,
 )
 from selfspec.heads.gqa import grouped_sdpa
 from selfspec.heads.io import PretrainedHeads
+from selfspec.heads.joined import gated_mlp
 from selfspec.heads.projection import apply_head
 
 DEFAULT_FEATURES = 5  # target layers fused (K), fewer for shallow targets
@@ -103,26 +106,17 @@ class DFlashDraft(PretrainedHeads):
     def _project(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (B, T, H) -> rotated q (B, h, T, d), k and v (B, kv, T, d), with Qwen3's per-head norms where
         present."""
-        shape = (*x.shape[:-1], -1, attn.head_dim)
-        q, k, v = (proj(x).view(shape) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-        if self.config.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        qk = rotate(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # q and k rotated together
-        return qk[:, : q.shape[2]], qk[:, q.shape[2] :], v.transpose(1, 2)
+        return project(attn, x, cos, sin, self.config.qk_norm)
 
     def _context_kv(self, attn: nn.Module, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The context's keys and values (B, kv, C, d) for one layer: the k/v projections of the fused
         features."""
-        shape = (*ctx.shape[:-1], -1, attn.head_dim)
-        k, v = attn.k_proj(ctx).view(shape), attn.v_proj(ctx).view(shape)
-        if self.config.qk_norm:
-            k = attn.k_norm(k)
-        k = k.transpose(1, 2)
-        return rotate(k, cos, sin), v.transpose(1, 2)
+        k, v = key_values(attn, ctx, self.config.qk_norm)
+        return rotate(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     def _finish(self, layer: nn.Module, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         h = h + layer.self_attn.o_proj(attended)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h))
 
     # ---------------------------------------------------------------- inference
 

@@ -16,6 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNor
 
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.gqa import grouped_sdpa
+from selfspec.heads.joined import joined, joined_linear, joined_weights
 
 
 def _rope(config: Any) -> dict[str, Any]:
@@ -169,13 +170,46 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None] + x.roll(x.shape[-1] // 2, -1) * sin[:, None]
 
 
-def project(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """x (B, T, in) -> rotated q (B, h, T, d) and k, v (B, kv, T, d), as LlamaAttention computes them (q
-    and k rotated together)."""
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def project(
+    attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qk_norm: bool = False
+):
+    """x (B, T, in) -> rotated q (B, h, T, d) and k, v (B, kv, T, d), as LlamaAttention computes them (with
+    Qwen3's per-head `q_norm`/`k_norm` first where `qk_norm`): q, k and v from one matmul when drafting
+    (`joined_linear`), q and k rotated together."""
     shape = (*x.shape[:-1], -1, attn.head_dim)
-    q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-    qk = rotate(torch.cat([q, k], dim=1), cos, sin)
-    return qk[:, : q.shape[1]], qk[:, q.shape[1] :], v
+    qkv = joined_linear(attn, QKV, x)
+    if qkv is None:
+        q, k, v = (getattr(attn, name)(x) for name in QKV)
+    else:
+        q, k, v = qkv.split([getattr(attn, name).weight.shape[0] for name in QKV], dim=-1)
+    heads = q.shape[-1] // attn.head_dim
+    if qk_norm:
+        qk = torch.cat([attn.q_norm(q.view(shape)), attn.k_norm(k.view(shape))], dim=-2)
+    elif qkv is None:
+        qk = torch.cat([q, k], dim=-1).view(shape)
+    else:  # q and k side by side in the joined output already
+        qk = qkv[..., : q.shape[-1] + k.shape[-1]].view(shape)
+    qk = rotate(qk.transpose(1, 2), cos, sin)
+    return qk[:, :heads], qk[:, heads:], v.view(shape).transpose(1, 2)
+
+
+def key_values(attn: LlamaAttention, x: torch.Tensor, qk_norm: bool = False) -> tuple[torch.Tensor, ...]:
+    """x (B, T, in) -> k (with `k_norm` where `qk_norm`), v (B, T, kv, d), unrotated: from the joined q/k/v
+    weights' k and v rows in one matmul when drafting."""
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    weights = joined_weights(attn, QKV, x)
+    if weights is None:
+        k, v = attn.k_proj(x), attn.v_proj(x)
+    else:
+        rows = attn.q_proj.weight.shape[0]
+        weight, bias = weights
+        kv = nn.functional.linear(x, weight[rows:], None if bias is None else bias[rows:])
+        k, v = kv.split([attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]], dim=-1)
+    k, v = k.view(shape), v.view(shape)
+    return (attn.k_norm(k) if qk_norm else k), v
 
 
 def attend(
@@ -256,6 +290,26 @@ class DraftRMSNorm(LlamaRMSNorm):
             return FUSED_RMS_NORM(hidden_states, shape, self.weight, eps)[0]
         normed = FUSED_RMS_NORM(hidden_states.float(), shape, None, eps)[0]  # as the parent: in float32,
         return self.weight * normed.to(hidden_states.dtype)  # cast back, then scaled
+
+
+def norms_side_by_side(owner: nn.Module, names: tuple[str, ...], inputs: list[torch.Tensor]) -> torch.Tensor:
+    """cat([norm(x) for each of owner's RMSNorms `names` and its input x], -1): when drafting, one norm over
+    the inputs stacked and one multiply by the weights joined (`joined`), where each norm alone is six ops on
+    the CPU and one kernel on CUDA. Bit for bit the norms' own results on the CPU (each row's sum of squares
+    is the same reduction); the norms must share their epsilon and width."""
+    norms = [getattr(owner, name) for name in names]
+    eps, x = norms[0].variance_epsilon, inputs[0]
+    weight = None
+    alike = all(n.variance_epsilon == eps for n in norms) and all(
+        i.shape == x.shape and i.dtype == x.dtype for i in inputs
+    )
+    if FUSED_RMS_NORM is not None and alike:
+        weight = joined(owner, "_".join(names), [n.weight for n in norms], x, stack=True)
+    if weight is None:
+        return torch.cat([norm(i) for norm, i in zip(norms, inputs)], dim=-1)
+    stacked = torch.stack(inputs, dim=-2)  # (..., n, H)
+    normed = FUSED_RMS_NORM(stacked.float(), [x.shape[-1]], None, eps)[0].to(x.dtype)
+    return (weight * normed).flatten(-2)  # as each norm: weight times the normed input in its dtype
 
 
 def use_draft_norms(module: nn.Module) -> None:

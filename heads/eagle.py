@@ -29,6 +29,7 @@ from selfspec.heads.draft_layers import (
     version,
 )
 from selfspec.heads.io import PretrainedHeads
+from selfspec.heads.joined import gated_mlp
 from selfspec.heads.projection import apply_head, is_plain_linear, vocab_logits
 
 
@@ -122,7 +123,7 @@ class EagleDraft(DraftVocabulary, PretrainedHeads):
         cos, sin = self.rotary_emb.at(x, position_ids, cache.capacity if cache is not None else None)
         for i, layer in enumerate(self.layers):  # LlamaDecoderLayer's computation, attention over `cache`
             x = x + attend(layer.self_attn, layer.input_layernorm(x), cos, sin, attention_mask, cache, i)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + gated_mlp(layer.mlp, layer.post_attention_layernorm(x))
         if cache is not None:
             cache.advance(T)
         return x

@@ -32,9 +32,11 @@ from selfspec.heads.draft_layers import (
     attend,
     continue_after,
     llama_config,
+    norms_side_by_side,
     use_draft_norms,
 )
 from selfspec.heads.io import PretrainedHeads
+from selfspec.heads.joined import gated_mlp
 from selfspec.heads.projection import apply_head
 
 
@@ -65,14 +67,15 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(hidden, eps)
 
     def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        """[input_layernorm(embeds); hidden_norm(hidden)] (B, T, 2H)."""
+        return norms_side_by_side(self, ("input_layernorm", "hidden_norm"), [embeds, hidden])
 
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Residual from the un-normed hidden state (norm_before_residual: the normed one), then the MLP
         block."""
         residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden  # (B, T, H)
         hidden = residual + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + gated_mlp(self.mlp, self.post_attention_layernorm(hidden))
 
 
 class FusedDraft(DraftVocabulary, PretrainedHeads):

@@ -20,6 +20,7 @@ from torch import nn
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.errors import disk_full_instead
 from selfspec.heads.hub import WEIGHTS_NAME, model_card, push_to_hub, resolve_heads
+from selfspec.heads.joined import drop_joined
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # a model's or drafter's weight files
 
@@ -108,6 +109,12 @@ class PretrainedHeads(nn.Module):
     source_dir: Path | None = (
         None  # the directory it was loaded from (a Medusa-2 checkpoint's adapter lives there)
     )
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        """A move or cast drops the parameters' joined tensors (heads/joined.py) with the old storage, else
+        `.cpu()` or `.half()` would keep them alive until the next draft."""
+        drop_joined(self)
+        return super()._apply(fn, recurse)
 
     def check_kind(self, config: HeadsConfig) -> None:
         """Refuse a config of another family (a drafter class built from the wrong config.json)."""

@@ -13,6 +13,7 @@ from torch import nn
 
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.io import PretrainedHeads
+from selfspec.heads.joined import rehome
 from selfspec.heads.projection import apply_head
 
 
@@ -46,17 +47,6 @@ class StackedHeads:
     pointers: list[
         int
     ]  # the parameters' data pointers when stacked: a moved or cast module no longer matches
-
-
-def _restack(tensors: list[nn.Parameter]) -> torch.Tensor:
-    """One (K, ...) tensor whose k-th slice each parameter then views: the values move in one at a time, so
-    the peak extra memory is one head's, and none is held twice afterwards."""
-    first = tensors[0]
-    stacked = first.new_empty(len(tensors), *first.shape)
-    for k, parameter in enumerate(tensors):
-        stacked[k].copy_(parameter.data)
-        parameter.data = stacked[k]
-    return stacked
 
 
 class MedusaHeads(PretrainedHeads):
@@ -127,11 +117,13 @@ class MedusaHeads(PretrainedHeads):
             layers = self.config.num_layers
             blocks = []
             for i in range(layers):
-                weight = _restack([head[i].linear.weight for head in self.heads])
-                bias = _restack([head[i].linear.bias for head in self.heads])
+                weight = rehome([head[i].linear.weight for head in self.heads], stack=True)
+                bias = rehome([head[i].linear.bias for head in self.heads], stack=True)
                 blocks.append((weight, bias[:, None, :]))
             projection = (
-                None if self.config.share_lm_head else _restack([head[layers].weight for head in self.heads])
+                None
+                if self.config.share_lm_head
+                else rehome([head[layers].weight for head in self.heads], stack=True)
             )
             return StackedHeads(blocks, projection, [p.data_ptr() for p in self.parameters()])
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from selfspec.heads.dflash import DFlashDraft
 from selfspec.heads.draft_layers import DraftCache
+from selfspec.heads.joined import for_drafting
 from selfspec.infer.core.tree import Tree
 from selfspec.infer.core.verify import SamplingParams
 from selfspec.infer.drafters.drafter import Draft, Drafter, newest_pairs
@@ -48,7 +49,7 @@ class DFlashProposer(Drafter):
         total_tokens: int | None = None,
     ) -> None:
         cfg = draft.config
-        self.draft = draft.eval()
+        self.draft = for_drafting(draft.eval())  # its layers may join their parameters (heads/joined.py)
         self.feature_layers = cfg.feature_layers  # the hidden_states indices the target hands over
         self.block = cfg.block_size
         self.device = self.weights_device = next(

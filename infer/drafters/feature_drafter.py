@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from selfspec.heads.draft_layers import DraftCache
+from selfspec.heads.joined import for_drafting
 from selfspec.infer.core.mask import RowMask
 from selfspec.infer.core.tree import Tree, choices_width, descend, row_trees, select_tree, tree_from_choices
 from selfspec.infer.core.verify import SamplingParams
@@ -59,7 +60,7 @@ class FeatureDrafter(Drafter):
         choices: list[list[int]] | None = None,
     ) -> None:
         cfg = draft.config
-        self.draft = draft.eval()
+        self.draft = for_drafting(draft.eval())  # its layers may join their parameters (heads/joined.py)
         self.name = cfg.kind  # eagle | eagle3 | mtp
         self.feature_layers = (
             cfg.feature_layers

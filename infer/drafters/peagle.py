@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from selfspec.heads.draft_layers import DraftCache
+from selfspec.heads.joined import for_drafting
 from selfspec.heads.peagle import PEagleDraft
 from selfspec.infer.core.mask import RowMask
 from selfspec.infer.core.verify import SamplingParams
@@ -46,7 +47,7 @@ class PEagleProposer(Drafter):
         total_tokens: int | None = None,
     ) -> None:
         cfg = draft.config
-        self.draft = draft.eval()
+        self.draft = for_drafting(draft.eval())  # its layers may join their parameters (heads/joined.py)
         self.feature_layers = cfg.feature_layers  # the hidden_states indices the target hands over
         self.device = self.weights_device = next(
             draft.parameters()

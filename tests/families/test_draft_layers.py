@@ -17,6 +17,8 @@ from selfspec.heads.draft_layers import (
     rotate,
     use_draft_norms,
 )
+from selfspec.heads.joined import for_drafting, gated_mlp
+from selfspec.infer.core.loading import proposer_for
 from selfspec.infer.measure.launches import LaunchCounter
 
 
@@ -88,3 +90,116 @@ def test_a_draft_layer_rotates_q_and_k_in_four_kernels():
     rotation = {op: n for op, n in counter.ops.items() if op.split(".")[0] in ("roll", "neg", "index")}
     assert rotation == {"index.Tensor": 1, "roll.default": 1}, counter.ops
     assert counter.ops["mul.Tensor"] == 2 and counter.ops["add.Tensor"] == 1, counter.ops
+
+
+def grad_path(module: torch.nn.Module, *inputs):
+    """module(*inputs) as training runs it (autograd on: every layer on its own), as a reference."""
+    with torch.enable_grad():
+        return module(*inputs).detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_joined_projections_draw_what_each_layer_does_bit_for_bit(dtype):
+    """When drafting, q/k/v (and gate/up) run as one matmul over weights re-homed as views of one tensor, the
+    two EAGLE-3 input norms as one: the same values as the layers one by one (what training runs), in fewer
+    kernels."""
+    model = tiny_model("llama")
+    draft = for_drafting(eagle3_drafts.random_draft(model).to(dtype))
+    layer, attn = draft.midlayer, draft.midlayer.self_attn
+    gen = torch.Generator().manual_seed(0)
+    H = draft.config.hidden_size
+    embeds, hidden = (torch.randn(2, 5, H, generator=gen).to(dtype) for _ in range(2))
+    want_input = grad_path(lambda e, h: layer.attention_input(e, h), embeds, hidden)
+    want_mlp = grad_path(layer.mlp, hidden)
+    x = want_input
+    cos, sin = draft.rotary_emb.at(x, torch.arange(5)[None].expand(2, 5), 64)
+    with torch.enable_grad():
+        want_qkv = [t.detach() for t in project(attn, x, cos, sin)]
+    with torch.no_grad():
+        assert torch.equal(layer.attention_input(embeds, hidden), want_input)
+        assert torch.equal(gated_mlp(layer.mlp, hidden), want_mlp)
+        for got, want in zip(project(attn, x, cos, sin), want_qkv):
+            assert torch.equal(got, want)
+    storage = attn.q_proj.weight.untyped_storage().data_ptr()  # joined: one storage for q, k and v
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == storage
+    assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == (
+        layer.mlp.gate_proj.weight.untyped_storage().data_ptr()
+    )
+
+
+def test_joined_parameters_keep_names_values_and_training():
+    """Joining keeps every parameter's name, object and value; a cast joins again on the next draft, and a
+    training step on the joined parameters shows in the next draft."""
+    model = tiny_model("llama")
+    draft = for_drafting(eagle3_drafts.random_draft(model))
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    objects = dict(draft.named_parameters())
+    x = torch.randn(1, 3, draft.config.hidden_size)
+    with torch.no_grad():
+        gated_mlp(draft.midlayer.mlp, x)
+    after = draft.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert all(objects[k] is p for k, p in draft.named_parameters())
+    mlp = draft.midlayer.mlp
+    optimizer = torch.optim.SGD(draft.parameters(), lr=0.1)
+    mlp(x).sum().backward()  # training after a draft: gradients reach the joined parameters
+    optimizer.step()
+    assert not torch.equal(mlp.gate_proj.weight, before["midlayer.mlp.gate_proj.weight"])
+    with torch.no_grad():
+        assert torch.equal(gated_mlp(mlp, x), mlp(x))  # the joined tensor holds the new values
+    draft.to(torch.bfloat16)  # new storage: joined again on the next draft
+    xb = x.to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(gated_mlp(mlp, xb), grad_path(mlp, xb))
+    assert mlp.up_proj.weight.dtype == torch.bfloat16
+
+
+def test_parameters_that_are_not_plain_tensors_run_one_by_one():
+    """DeepSpeed ZeRO-3's placeholders (`ds_id`) are never re-homed: the layers run as they are."""
+    model = tiny_model("llama")
+    mlp = for_drafting(eagle3_drafts.random_draft(model)).midlayer.mlp
+    mlp.gate_proj.weight.ds_id = 0
+    x = torch.randn(1, 3, mlp.gate_proj.weight.shape[1])
+    with torch.no_grad():
+        assert torch.equal(gated_mlp(mlp, x), mlp(x))
+    assert (
+        mlp.up_proj.weight.untyped_storage().data_ptr() != mlp.gate_proj.weight.untyped_storage().data_ptr()
+    )
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_dflash_layers_draft_the_same_joined(qk_norm):
+    """DFlash's context keys/values read the k and v rows of the joined q/k/v weights (one group per
+    layer, so nothing re-homes back and forth); with Qwen3's per-head norms too."""
+    model = tiny_model("llama")
+    draft = for_drafting(dflash_drafts.random_draft(model, qk_norm=qk_norm))
+    attn = draft.layers[0].self_attn
+    x = torch.randn(2, 4, draft.config.hidden_size)
+    cos, sin = draft.rotary_emb.at(x, torch.arange(4)[None].expand(2, 4), 64)
+    with torch.enable_grad():
+        want_kv = [t.detach() for t in draft._context_kv(attn, x, cos, sin)]
+        want_qkv = [t.detach() for t in draft._project(attn, x, cos, sin)]
+    with torch.no_grad():
+        for _ in range(2):  # both, twice: the joined weights stay put
+            pointer = attn.q_proj.weight.data_ptr()
+            assert all(torch.equal(a, b) for a, b in zip(draft._context_kv(attn, x, cos, sin), want_kv))
+            assert all(torch.equal(a, b) for a, b in zip(draft._project(attn, x, cos, sin), want_qkv))
+    assert attn.q_proj.weight.data_ptr() == pointer
+
+
+def test_a_module_in_training_never_joins_even_without_autograd():
+    """Validation forwards of a drafter being trained run under no_grad too: its parameters stay where the
+    training wrappers put them (a re-homed parameter would leave DeepSpeed's flat buffers, and a checkpoint
+    saved by safetensors' save_model would drop the views). Only a proposer's drafter joins."""
+    model = tiny_model("llama")
+    draft = eagle3_drafts.random_draft(model)
+    x = torch.randn(1, 3, draft.config.hidden_size)
+    pointers = [p.data_ptr() for p in draft.parameters()]
+    with torch.no_grad():
+        draft.midlayer.finish(x, x)
+        draft.midlayer.attention_input(x, x)
+    assert [p.data_ptr() for p in draft.parameters()] == pointers
+    proposer = proposer_for(draft, model)  # a proposer's drafter joins on its first draft
+    with torch.no_grad():
+        proposer.draft.midlayer.finish(x, x)
+    assert proposer.draft is draft and [p.data_ptr() for p in draft.parameters()] != pointers
