@@ -50,11 +50,11 @@ class RowMask:
             raise ValueError(
                 f"a {q}x{n} block after {at} columns does not fit the mask {tuple(self.buffer.shape)}"
             )
-        values = self.values(block)
         if q > self.buffer.shape[-2]:  # more queries than rows (a drafter fed many confirmed pairs at
             # once): a new mask, the prefix columns from row 0 (every row's prefix is the same between calls)
-            return torch.cat([self.buffer[:, :, :1, :at].expand(-1, -1, q, -1), values[:, None]], dim=-1)
-        self.buffer[:, 0, :q, at : at + n] = values
+            prefix = self.buffer[:, :, :1, :at].expand(-1, -1, q, -1)
+            return torch.cat([prefix, self.values(block)[:, None]], dim=-1)
+        torch.where(block, self.shown, self.hidden, out=self.buffer[:, 0, :q, at : at + n])  # in place
         return self.buffer[:, :, :q] if full else self.buffer[:, :, :q, : at + n]
 
     def values(self, visible: torch.Tensor) -> torch.Tensor:

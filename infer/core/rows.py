@@ -113,13 +113,15 @@ class Rows:
         stands there too, so that its leftover writes stay inside the tree block."""
         at = max(f for f, off in zip(self.filled, self.done) if not off)
         self.filled = [at if off else f for f, off in zip(self.filled, self.done)]
-        self.filled_t = torch.where(self.stopped_t, at, self.filled_t)
+        if any(self.stopped):  # (the device's copy: no launch while every row runs)
+            self.filled_t = torch.where(self.stopped_t, at, self.filled_t)
         return at
 
     def positions(self, depths: torch.Tensor) -> torch.Tensor:
         """Each tree node's position id (B, N); a stopped row's padding tree sits at 0, as its place in the
         cache may be past the model's limit."""
-        return torch.where(self.stopped_t[:, None], depths, (self.filled_t - self.start_t)[:, None] + depths)
+        running = (self.filled_t - self.start_t)[:, None] + depths
+        return torch.where(self.stopped_t[:, None], depths, running) if any(self.stopped) else running
 
     def take(self, host: list[list[int]], tree_sizes: list[int]) -> tuple[list[list[int]], list[int], dict]:
         """Each running row's new tokens from the step's host copy (per row: accepted depth, path tokens,
@@ -150,7 +152,9 @@ class Rows:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Move each row's end past its accepted path; return where the path's columns go (B, W) and which of
         them are kept (the rows that had stopped before this step keep none)."""
-        lengths_t = torch.where(self.stopped_t, 0, end_depths[:, 0] + 1)
+        lengths_t = end_depths[:, 0] + 1
+        if any(self.stopped):
+            lengths_t = lengths_t.masked_fill(self.stopped_t, 0)
         dst = self.filled_t[:, None] + columns
         kept = columns[None] < lengths_t[:, None]
         self.filled = [f + n for f, n in zip(self.filled, lengths)]

@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
+from torch import nn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +37,11 @@ class Tree:
         return self.paths.shape[1] - 1
 
     def row(self, b: int) -> Tree:
-        """Row b of a Tree of batched (B, ...) fields, as views."""
-        return Tree(**{f.name: getattr(self, f.name)[b] for f in dataclasses.fields(self)})
+        """Row b of a Tree of batched (B, ...) fields, as views (which remember it: `stack_trees` of rows
+        0 .. B - 1 in order gives the batched Tree back without a copy)."""
+        row = Tree(**{f.name: getattr(self, f.name)[b] for f in dataclasses.fields(self)})
+        object.__setattr__(row, "batched", (self, b))
+        return row
 
     def to(self, device: torch.device | str) -> Tree:
         return Tree(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
@@ -93,6 +97,11 @@ def stack_trees(trees: Sequence[Tree], size: int = 0) -> Tree:
     """One Tree of batched fields (B, ...) from each row's tree, the smaller ones padded (`pad_tree`) to the
     largest, or to `size` nodes when that is more; the same tree for every row is expanded, not copied."""
     first = trees[0]
+    whole = getattr(first, "batched", (None, 0))[0]
+    rows = [getattr(t, "batched", (None, -1)) for t in trees]
+    in_order = whole is not None and len(trees) == whole.parents.shape[0]
+    if in_order and all(w is whole and i == b for b, (w, i) in enumerate(rows)) and first.size >= size:
+        return whole  # every row of one batched Tree, in order (a drafter's rows): no copy
     if all(t is first for t in trees) and first.size >= size:
         return Tree(
             **{
@@ -119,10 +128,9 @@ def build_tree(parents: torch.Tensor, ranks: torch.Tensor, max_depth: int, width
         return tree.row(0)
     B, n = parents.shape
     idx = torch.arange(n, device=parents.device)
-    # above the root is node n, its own parent: each level up is one gather
-    up_of = torch.cat(
-        [torch.where(parents >= 0, parents, n), parents.new_full((B, 1), n)], dim=1
-    )  # (B, N + 1)
+    # above the root is node n, its own parent: each level up is one gather (-1 mod n + 1 is n)
+    above = parents.remainder(n + 1)  # (B, N)
+    up_of = nn.functional.pad(above, (0, 1), value=n)  # (B, N + 1)
     chain = [idx.expand(B, n)]  # chain[j][b, i]: the j-th ancestor of node i (0: itself), n above the root
     for _ in range(max_depth):
         chain.append(up_of.gather(1, chain[-1]))
@@ -135,9 +143,7 @@ def build_tree(parents: torch.Tensor, ranks: torch.Tensor, max_depth: int, width
         (ranks[:, None, :] == ranks[..., None]) & (idx < idx[:, None])
     )
     slot = ((parents[:, None, :] == parents[..., None]) & before).sum(2)  # (B, N) place among its siblings
-    target = torch.where(
-        idx > 0, parents.clamp(min=0) * width + slot, n * width
-    )  # the extra slot takes the root
+    target = above * width + slot  # the root (the one node above which is n) goes to the extra slot n·width
     children = parents.new_full((B, n * width + 1), -1).scatter(1, target, idx.expand(B, n))[:, :-1]
     return Tree(
         parents=parents,
@@ -174,10 +180,10 @@ def select_tree(
     up = parents.gather(1, chosen)
     # a chosen candidate's parent is chosen too: its tree index is its place in `chosen`, plus the root
     tree_parents = torch.where(up >= 0, torch.searchsorted(chosen, up.clamp(min=0)) + 1, 0)
-    root = torch.full((scores.shape[0], 1), -1, dtype=torch.long, device=scores.device)
+    root_first = nn.functional.pad  # the root in front: parent -1, rank 0
     tree = build_tree(
-        torch.cat([root, tree_parents], 1),
-        torch.cat([root + 1, ranks.gather(1, chosen)], 1),
+        root_first(tree_parents, (1, 0), value=-1),
+        root_first(ranks.gather(1, chosen), (1, 0), value=0),
         max_depth,
         width,
     )

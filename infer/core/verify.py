@@ -92,10 +92,9 @@ def outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def greedy_children(argmax: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
     """(..., N) bool, one tree or a batch of them (leading dims on every argument): node i is its parent's
     pick, i.e. its token is the target's argmax at the parent (`argmax`: the logits' at every node, (..., N)).
-    Padding nodes (no parent, see tree.pad_tree) never are."""
-    picked = (tokens == argmax.gather(-1, tree.parents.clamp(min=0))) & (tree.parents >= 0)
-    picked[..., 0] = True
-    return picked
+    Nodes without a parent (the root; padding, see tree.pad_tree) compare against the root's argmax, a
+    meaningless value `accepted_end` never counts."""
+    return tokens == argmax.gather(-1, tree.parents.clamp(min=0))
 
 
 def sampled_children(p: torch.Tensor, tokens: torch.Tensor, trees: Tree, u: torch.Tensor) -> torch.Tensor:
@@ -144,9 +143,11 @@ def sampled_children_from(
 
 def accepted_end(picked: torch.Tensor, tree: Tree) -> torch.Tensor:
     """The deepest node whose whole root path was picked, as a (..., 1) tensor (index_select-ready, no sync);
-    ties go to the first node (the root, when nothing deeper was picked)."""
-    ok = ~(tree.ancestors & ~picked[..., None, :]).any(dim=-1)  # (..., N)
-    return torch.where(ok, tree.depths, -1).argmax(-1, keepdim=True)
+    ties go to the first node (the root, when nothing deeper was picked). The root's entry of `picked` is not
+    read: a node's path is picked when its picked non-root ancestors (itself included) are as many as its
+    depth, which a padding node (depth 0, seeing itself) never is."""
+    hits = (tree.ancestors[..., 1:] & picked[..., None, 1:]).sum(-1)  # (..., N)
+    return torch.where(hits == tree.depths, tree.depths, -1).argmax(-1, keepdim=True)
 
 
 def draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

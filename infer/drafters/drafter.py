@@ -13,10 +13,13 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
+import itertools
 from typing import Protocol
 
 import torch
+from torch import nn
 
+from selfspec.infer.core.rows import upload
 from selfspec.infer.core.tree import Tree
 from selfspec.infer.core.verify import SamplingParams
 
@@ -133,20 +136,23 @@ def newest_pairs(
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row b's newest counts[b] target features and the tokens they produced (the confirmed pairs a drafter
-    with a cache of its own feeds), right-padded with zeros to the longest row: (B, M, ·) and (B, M). Rows of
-    equal counts (always a batch of one) need no padding: a stack each, or a view for one row."""
+    with a cache of its own feeds), right-padded with zeros to the longest row: (B, M, ·) and (B, M), in
+    launches that do not grow with the batch. Rows of equal counts (always a batch of one) need no padding:
+    a stack each, or a view for one row."""
     M = max(counts)
     if all(m == M for m in counts):
         feats = hiddens[0][None] if len(hiddens) == 1 else torch.stack(hiddens)
         tokens = contexts[0][None, -M:] if len(contexts) == 1 else torch.stack([c[-M:] for c in contexts])
         return feats.to(device, dtype), tokens
-    feats = torch.zeros(len(counts), M, hiddens[0].shape[-1], dtype=dtype, device=device)
-    tokens = torch.zeros(len(counts), M, dtype=torch.long, device=device)
-    for b, m in enumerate(counts):
-        if m:
-            feats[b, :m] = hiddens[b]
-            tokens[b, :m] = contexts[b][-m:]
-    return feats, tokens
+    # every row's pairs one after another, then a zero: row b's padded columns index into it
+    starts = list(itertools.accumulate(counts, initial=0))
+    total = starts[-1]
+    index = [[starts[b] + j if j < m else total for j in range(M)] for b, m in enumerate(counts)]
+    index_t = upload(index, device)
+    pairs = [h[:m] for h, m in zip(hiddens, counts) if m]
+    feats = nn.functional.pad(torch.cat(pairs).to(device, dtype), (0, 0, 0, 1))[index_t]
+    tokens = nn.functional.pad(torch.cat([c[len(c) - m :] for c, m in zip(contexts, counts) if m]), (0, 1))
+    return feats, tokens.to(device)[index_t]
 
 
 def as_drafter(drafter: Drafter | SequenceDrafter) -> Drafter:

@@ -106,17 +106,18 @@ def test_eagle_tree_selection_launches_do_not_grow_with_the_batch():
 
 
 def test_eagle3_and_dflash_steps_on_a_32_layer_target():
-    """The issue's trees on Llama-3.1-8B's structure, batch 1 and 8: DFlash (5 layers, a chain of 15) within
-    its 300 launches a step outside the forward; EAGLE-3 (depth 6, top-k 10, 60 nodes) at its measured 475
-    (was 559: RoPE in four kernels for q and k together, the expansion's parents, ranks and draft-to-target
-    ids made once; the issue's goal is 400, docs/results/launches.md). Batch 8 launches what batch 1 does."""
+    """The issue's trees on Llama-3.1-8B's structure, batch 1 and 8, within the issue's goals of launches a
+    step outside the forward: DFlash (5 layers, a chain of 15) 300, measured 241; EAGLE-3 (depth 6, top-k 10,
+    60 nodes) 400, measured 389 and 398 (was 559, then 475: q/k/v and gate/up as one matmul each, the two
+    input norms as one, the tree built and accepted in fewer kernels; docs/results/launches.md). Batch 8
+    launches what batch 1 does, plus the moves of rows that accepted different lengths (about 10)."""
     model = llama(32)
     eagle3 = proposer_for(random_eagle3(model), model, depth=6, top_k=10, total_tokens=60)
     dflash = proposer_for(dflash_drafts.random_draft(model, block=16, layers=5, qk_norm=False), model)
-    for drafter, bound in ((eagle3, 490), (dflash, 300)):
+    for drafter, bound in ((eagle3, 400), (dflash, 250)):
         per_step = {batch: outside_per_step(model, batch, drafter) for batch in (1, 8)}
         assert max(per_step.values()) <= bound, (drafter.name, per_step)
-        assert per_step[8] <= 1.02 * per_step[1], (drafter.name, per_step)
+        assert per_step[8] <= 1.05 * per_step[1], (drafter.name, per_step)
 
 
 def random_medusa(model: LlamaForCausalLM) -> MedusaProposer:
