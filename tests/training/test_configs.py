@@ -1,5 +1,6 @@
 """Every shipped YAML parses; run configs are valid for the recipe their header command names."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,22 @@ def test_run_config_is_valid_for_its_recipe(path):
 def test_demo_yaml_equals_the_no_argument_defaults(recipe, cls):
     path = next(p for p in CONFIGS if p.name == "demo.yaml" and p.parent.name == recipe)
     assert load_config(cls, ["--config", str(path)]) == cls()
+
+
+@pytest.mark.parametrize("cls", [EagleConfig, DFlashConfig, MtpConfig, PEagleConfig, MedusaConfig])
+def test_a_recipe_declares_only_the_options_it_changes(cls):
+    """An option a recipe shares with its base (TrainConfig, or FeatureRunConfig for the recipes that train on
+    the target's features) is declared again only to change its default: one definition of each meaning."""
+    base = cls.__mro__[1]
+    inherited = {f.name: f for f in dataclasses.fields(base)}
+    for name in cls.__dict__.get("__annotations__", {}):
+        if name in inherited:
+            mine = next(f for f in dataclasses.fields(cls) if f.name == name)
+            theirs = inherited[name]
+            if mine.default_factory is not dataclasses.MISSING:
+                same = theirs.default_factory is not dataclasses.MISSING and (
+                    mine.default_factory() == theirs.default_factory()
+                )
+            else:
+                same = mine.default == theirs.default
+            assert not same, f"{cls.__name__}.{name} repeats {base.__name__}'s default"

@@ -10,16 +10,16 @@ from selfspec.heads.draft_layers import layer_fields
 from selfspec.train.data.examples import Examples
 from selfspec.train.data.vocabulary import choose_mask_token
 from selfspec.train.loop.config import ConfigError, check_at_least, option
-from selfspec.train.loop.train_config import TrainConfig
 from selfspec.train.loop.training import heads_config
 from selfspec.train.methods.dflash_loss import (
     LOSSES,
     WEIGHTINGS,
 )
+from selfspec.train.recipes.feature_run import FeatureRunConfig
 
 
 @dataclasses.dataclass
-class DFlashConfig(TrainConfig):
+class DFlashConfig(FeatureRunConfig):
     """Train a DFlash drafter on a frozen causal LM (defaults: the demo target on CPU, about 20 minutes)."""
 
     kind: ClassVar[str] = "dflash"  # the drafter family this recipe trains (heads/families)
@@ -28,20 +28,7 @@ class DFlashConfig(TrainConfig):
     max_steps: int = option(1200, "optimizer steps")
     max_minutes: float = option(20.0, "stop a slower machine in time")
     learning_rate: float = 6e-4
-    adam_beta2: float = 0.95
-    max_grad_norm: float = 1.0
     warmup_ratio: float = 0.04
-    max_length: int = 192
-    per_device_train_batch_size: int = 8
-    mixed_precision: str = option(
-        "auto",
-        "auto: bf16 on a GPU with bf16 or a CPU with AMX, float32 elsewhere",
-    )
-    self_distill: bool = option(
-        True,
-        "learn what the target itself says (the same self-distilled set as the demos)",
-    )
-    max_train_examples: int = 1024
     eval_steps: int = 200
     eval_batches: int = option(
         4,
@@ -74,28 +61,10 @@ class DFlashConfig(TrainConfig):
     loss_weighting: str = option("decay", "decay: exp(-(j-1)/gamma) per block position | dpace: D-PACE")
     decay_gamma: float | None = option(None, "None: 7 for blocks of 16, in proportion otherwise")
     dpace_alpha: float = 0.5
-    cache_features: bool = option(
-        False,
-        "compute the target's features once and keep them on disk for every epoch",
-    )
-    feature_shard_examples: int = option(
-        0,
-        "with cache_features: examples per shard file (0: about 256 MiB each)",
-    )
-    depth: int = option(
-        0,
-        "the decoding tree stored with the drafter; 0 fits depth, top_k and total_tokens here",
-    )
-    top_k: int = option(0, "children per drafted position (1: the chain)")
-    total_tokens: int = option(0, "drafted nodes kept for verification")
     tune_depths: list[int] | None = option(
         None,
         "depths fitted over (None: block_size // 2 - 1 and block_size - 1)",
     )
-    tune_top_ks: list[int] = option(factory=lambda: [1, 2, 4], help="1 is the chain")
-    tune_totals: list[int] = option(factory=lambda: [16, 32], help="tree sizes fitted over (top_k > 1)")
-    tune_prompts: int = option(6, "validation prompts decoded per setting when fitting")
-    tune_new_tokens: int = 128
 
     def __post_init__(self) -> None:
         super().__post_init__()

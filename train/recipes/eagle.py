@@ -10,13 +10,13 @@ from selfspec.heads.eagle3 import Eagle3Draft
 from selfspec.train.data.examples import Examples
 from selfspec.train.data.vocabulary import draft_vocabulary, init_from_target
 from selfspec.train.loop.config import ConfigError, check_at_least, option
-from selfspec.train.loop.train_config import TrainConfig
 from selfspec.train.loop.training import heads_config
 from selfspec.train.recipes.draft_shape import draft_vocab_size, fused_layers
+from selfspec.train.recipes.feature_run import FeatureRunConfig
 
 
 @dataclasses.dataclass
-class EagleConfig(TrainConfig):
+class EagleConfig(FeatureRunConfig):
     """Train an EAGLE drafter on a frozen causal LM (defaults: the demo target on CPU, under 15 minutes)."""
 
     output_dir: str = "outputs/eagle-demo"
@@ -28,23 +28,9 @@ class EagleConfig(TrainConfig):
         None,
         "stop a slower machine in time (None: 10.5 for EAGLE-1, 20 for EAGLE-3)",
     )
-    learning_rate: float = 1e-3
-    adam_beta2: float = 0.95
     max_grad_norm: float = 0.5
     warmup_ratio: float = 0.02
-    max_length: int = 192
-    per_device_train_batch_size: int = 8
-    mixed_precision: str = option(
-        "auto",
-        "auto: bf16 on a GPU with bf16 or a CPU with AMX, float32 elsewhere",
-    )
-    self_distill: bool = option(
-        True,
-        "learn what the target itself says: the drafter imitates it at decode time",
-    )
-    max_train_examples: int = option(1024, "the same self-distilled set as the Medusa demo (shared cache)")
     eval_steps: int = 250
-    save_steps: int = 500
     num_layers: int = option(1, "draft decoder layers")
     fc_bias: bool | None = option(
         None,
@@ -53,22 +39,8 @@ class EagleConfig(TrainConfig):
     )
     w_cls: float = option(0.1, "weight of the soft-label token loss next to the feature regression")
     noise: float = option(0.1, "uniform U(-noise, noise) added to the input features while training")
-    cache_features: bool = option(
-        False,
-        "compute the target's features once and keep them on disk for every epoch",
-    )
-    feature_shard_examples: int = option(
-        0,
-        "with cache_features: examples per shard file (0: about 256 MiB each)",
-    )
-    depth: int = option(0, "dynamic tree defaults stored with the drafter; 0 fits all three to this machine")
-    top_k: int = option(0, "frontier width and children per expanded node (0: fit here)")
-    total_tokens: int = option(0, "drafted nodes kept for verification (0: fit here)")
     tune_depths: list[int] = option(factory=lambda: [3, 4, 5, 6, 8], help="the grid fitted over")
     tune_top_ks: list[int] = option(factory=lambda: [2, 4, 8], help="top_k values fitted over")
-    tune_totals: list[int] = option(factory=lambda: [16, 32], help="total_tokens values fitted over")
-    tune_prompts: int = option(6, "validation prompts decoded per tree setting when fitting")
-    tune_new_tokens: int = option(128, "as many as the bench: the truncated last step weighs less")
     version: int = option(
         1,
         "1: EAGLE-1/2 (feature regression + soft labels); 3: EAGLE-3 (fused layers, training-time test)",

@@ -38,16 +38,9 @@ class MedusaConfig(TrainConfig):
 
     kind: ClassVar[str] = "medusa"  # the drafter family this recipe trains (heads/families)
 
-    output_dir: str = "outputs/medusa-demo"
     max_steps: int = 400
     max_minutes: float = 7.0
-    learning_rate: float = 1e-3
     max_length: int = 192
-    per_device_train_batch_size: int = 8
-    mixed_precision: str = option(
-        "auto",
-        "auto: bf16 on a GPU with bf16 or a CPU with AMX, float32 elsewhere",
-    )
     num_heads: int = option(4, "heads; head k predicts the token k + 2 positions ahead")
     num_layers: int = option(1, "residual blocks per head")
     head_decay: float = option(0.8, "weight of head k's loss is head_decay ** k")

@@ -11,11 +11,11 @@ from selfspec.heads.formats.mtp import load_target_mtp, shares_output_norm
 from selfspec.heads.mtp import MtpDraft, mtp_layer_count
 from selfspec.infer.measure.tune import eagle_grid
 from selfspec.train.loop.config import ConfigError, check_at_least, option
-from selfspec.train.loop.train_config import TrainConfig
+from selfspec.train.recipes.feature_run import FeatureRunConfig
 
 
 @dataclasses.dataclass
-class MtpConfig(TrainConfig):
+class MtpConfig(FeatureRunConfig):
     """Fine-tune a target's MTP layers, or train new ones (defaults: the demo target, one new layer, CPU)."""
 
     kind: ClassVar[str] = "mtp"  # the drafter family this recipe trains (heads/families)
@@ -28,42 +28,16 @@ class MtpConfig(TrainConfig):
     max_steps: int = option(600, "optimizer steps")
     max_minutes: float = option(20.0, "stop a slower machine in time")
     learning_rate: float = 5e-4
-    adam_beta2: float = 0.95
     max_grad_norm: float = 0.5
     warmup_ratio: float = 0.02
-    max_length: int = 192
-    per_device_train_batch_size: int = 8
-    mixed_precision: str = option(
-        "auto",
-        "auto: bf16 on a GPU with bf16 or a CPU with AMX, float32 elsewhere",
-    )
-    self_distill: bool = option(
-        True,
-        "learn what the target itself says (the demos' shared self-distilled set)",
-    )
-    max_train_examples: int = 1024
     eval_steps: int = 200
     save_steps: int = 400
     ttt_steps: int = option(
         3,
         "draft steps unrolled per sequence (the depths decoding reuses MTP layer 0 for)",
     )
-    cache_features: bool = option(
-        False,
-        "compute the target's features once and keep them on disk for every epoch",
-    )
-    feature_shard_examples: int = option(
-        0,
-        "with cache_features: examples per shard file (0: about 256 MiB each)",
-    )
-    depth: int = option(0, "dynamic tree defaults stored with the drafter; 0 fits all three to this machine")
-    top_k: int = option(0, "frontier width and children per expanded node (0: fit here; 1: the chain)")
-    total_tokens: int = option(0, "drafted nodes kept for verification (0: fit here)")
     tune_depths: list[int] = option(factory=lambda: [2, 3, 4], help="the grid fitted over")
-    tune_top_ks: list[int] = option(factory=lambda: [1, 2, 4], help="1: chains")
     tune_totals: list[int] = option(factory=lambda: [8, 16], help="tree sizes (top_k > 1)")
-    tune_prompts: int = option(6, "validation prompts decoded per tree setting when fitting")
-    tune_new_tokens: int = 128
 
     def __post_init__(self) -> None:
         super().__post_init__()

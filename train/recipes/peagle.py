@@ -12,13 +12,13 @@ from selfspec.heads.peagle import PEagleDraft
 from selfspec.train.data.examples import Examples
 from selfspec.train.data.vocabulary import choose_mask_token, draft_vocabulary, init_from_target
 from selfspec.train.loop.config import ConfigError, check_at_least, option
-from selfspec.train.loop.train_config import TrainConfig
 from selfspec.train.loop.training import heads_config
 from selfspec.train.recipes.draft_shape import draft_vocab_size, fused_layers
+from selfspec.train.recipes.feature_run import FeatureRunConfig
 
 
 @dataclasses.dataclass
-class PEagleConfig(TrainConfig):
+class PEagleConfig(FeatureRunConfig):
     """Train a P-EAGLE drafter on a frozen causal LM (defaults: the demo target on CPU, about 20 minutes)."""
 
     kind: ClassVar[str] = "peagle"  # the drafter family this recipe trains (heads/families)
@@ -26,23 +26,9 @@ class PEagleConfig(TrainConfig):
     output_dir: str = "outputs/peagle-demo"
     max_steps: int = option(800, "optimizer steps")
     max_minutes: float = option(20.0, "stop a slower machine in time")
-    learning_rate: float = 1e-3
-    adam_beta2: float = 0.95
     max_grad_norm: float = 0.5
     warmup_ratio: float = 0.02
-    max_length: int = 192
-    per_device_train_batch_size: int = 8
-    mixed_precision: str = option(
-        "auto",
-        "auto: bf16 on a GPU with bf16 or a CPU with AMX, float32 elsewhere",
-    )
-    self_distill: bool = option(
-        True,
-        "learn what the target itself says (the demos' shared self-distilled set)",
-    )
-    max_train_examples: int = 1024
     eval_steps: int = 250
-    save_steps: int = 500
     depths: int = option(
         6,
         "tokens one drafter forward proposes (vLLM's num_speculative_tokens for the export)",
@@ -69,24 +55,6 @@ class PEagleConfig(TrainConfig):
         None,
         "the token id vLLM feeds the parallel slots (None: one the data never has)",
     )
-    cache_features: bool = option(
-        False,
-        "compute the target's features once and keep them on disk for every epoch",
-    )
-    feature_shard_examples: int = option(
-        0,
-        "with cache_features: examples per shard file (0: about 256 MiB each)",
-    )
-    depth: int = option(
-        0,
-        "the decoding tree stored with the drafter; 0 fits depth, top_k and total_tokens here",
-    )
-    top_k: int = option(0, "children per drafted depth (1: the chain)")
-    total_tokens: int = option(0, "drafted nodes kept for verification")
-    tune_top_ks: list[int] = option(factory=lambda: [1, 2, 4], help="1 is the chain")
-    tune_totals: list[int] = option(factory=lambda: [16, 32], help="tree sizes fitted over (top_k > 1)")
-    tune_prompts: int = option(6, "validation prompts decoded per setting when fitting")
-    tune_new_tokens: int = 128
 
     def __post_init__(self) -> None:
         super().__post_init__()
