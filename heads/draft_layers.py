@@ -301,7 +301,8 @@ def norms_side_by_side(owner: nn.Module, names: tuple[str, ...], inputs: list[to
     eps, x = norms[0].variance_epsilon, inputs[0]
     weight = None
     alike = all(n.variance_epsilon == eps for n in norms) and all(
-        i.shape == x.shape and i.dtype == x.dtype for i in inputs
+        i.shape == x.shape and i.dtype == x.dtype and not (i.requires_grad and torch.is_grad_enabled())
+        for i in inputs
     )
     if FUSED_RMS_NORM is not None and alike:
         weight = joined(owner, "_".join(names), [n.weight for n in norms], x, stack=True)

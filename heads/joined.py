@@ -2,19 +2,21 @@
 single kernel: Medusa's K heads as one batched matmul, a draft layer's q/k/v (and gate/up) projections as one
 matmul, its two input norms' weights as one multiply.
 
-The parameters keep their names, objects and values (each becomes a view of its slice), so nothing held twice,
-training, saving and loading work unchanged. Joining happens on the first draft of a drafter a proposer
-drafts with (`for_drafting`), outside autograd; a move or cast gives the parameters new storage, which
-`Joined` notices and joins again. A module under training is never joined (its validation forwards run
-without autograd too, but its parameters live where DDP, DeepSpeed or FSDP put them). Parameters that are not
-plain tensors (DeepSpeed ZeRO-3's placeholders, FSDP2's DTensors) are never joined: callers run them one by
-one.
+The parameters keep their names, objects and values (each becomes a view of its slice), so nothing is held
+twice. Only a generation joins them: its drafter's modules are marked (`for_drafting`) when it starts and
+`unjoin`ed when it ends, each parameter then back in storage of its own. Between generations a drafter is an
+ordinary module, for training wrappers (DDP, DeepSpeed, FSDP keep parameters in buffers of their own),
+accelerate's save_model (which drops tensors that share storage) and hooks. Joining happens outside autograd,
+on plain tensors only (not ZeRO-3 placeholders, not DTensors, not meta), on layers without hooks; elsewhere
+callers run the layers one by one. A move or cast gives the parameters new storage: they are joined again.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from selfspec.heads.projection import is_plain_linear
 
 
 def rehome(parameters: list[nn.Parameter], stack: bool) -> torch.Tensor:
@@ -34,15 +36,17 @@ def rehome(parameters: list[nn.Parameter], stack: bool) -> torch.Tensor:
     return joined
 
 
-def joinable(parameters: list[torch.Tensor]) -> bool:
-    """Plain, non-empty tensors on one device in one dtype (not ZeRO-3 placeholders, not DTensors)."""
+def joinable(parameters: list[torch.Tensor], stack: bool) -> bool:
+    """Plain, non-empty tensors on one real device in one dtype (not ZeRO-3 placeholders, not DTensors), of
+    one shape (`stack`) or one shape past the first dimension."""
     first = parameters[0]
     return all(
         type(p.data) is torch.Tensor
         and not hasattr(p, "ds_id")
         and p.numel() > 0
-        and p.device == first.device
+        and p.device == first.device != torch.device("meta")
         and p.dtype == first.dtype
+        and (p.shape == first.shape if stack else p.shape[1:] == first.shape[1:])
         for p in parameters
     )
 
@@ -65,7 +69,7 @@ class Joined:
         pointers = [p.data_ptr() for p in self.parameters]
         if self.tensor is None or pointers != self.pointers:
             self.tensor = None
-            if not joinable(self.parameters):
+            if not joinable(self.parameters, self.stack):
                 return None
             # outside inference mode: parameters that became inference tensors could not be trained again
             with torch.inference_mode(False), torch.no_grad():
@@ -74,25 +78,39 @@ class Joined:
         return self.tensor
 
 
-DRAFTING = "_joins_when_drafting"  # set by `for_drafting` on each module of a drafter a proposer drafts with
+DRAFTING = "_joins_when_drafting"  # set by `for_drafting` on each module of a generation's drafter
 
 
 def for_drafting(module: nn.Module) -> nn.Module:
-    """Let `module`'s layers join their parameters (returned as is). Only decoding asks: a module being
-    trained keeps its parameters where DDP, DeepSpeed and FSDP put them, its validation forwards included."""
+    """Let `module`'s layers join their parameters (returned as is) until `unjoin(module)`: a generation
+    starts. A module not marked never joins, its no-grad validation forwards in training included."""
     for child in module.modules():
         child.__dict__[DRAFTING] = True
     return module
 
 
+def unjoin(module: nn.Module) -> None:
+    """A generation ended: each joined parameter inside `module` gets storage of its own again (a copy of its
+    slice), and the marks go."""
+    for child in module.modules():
+        for key in [k for k in child.__dict__ if k.startswith("_joined_")]:
+            group = child.__dict__.pop(key)
+            if group.tensor is not None:
+                with torch.inference_mode(False), torch.no_grad():
+                    for parameter in group.parameters:
+                        parameter.data = parameter.data.clone()
+        child.__dict__.pop(DRAFTING, None)
+
+
 def joined(owner: nn.Module, key: str, parameters: list[nn.Parameter], x: torch.Tensor, stack: bool = False):
     """`parameters` of `owner` joined (`rehome`) for drafting on x, remembered on owner under `key`: the
-    joined tensor, or None under autograd or where they cannot be joined (the caller runs them one by one).
-    A parameter joins one group only: another group of it would re-home it back and forth."""
+    joined tensor, or None under autograd, outside a generation or where they cannot be joined (the caller
+    runs them one by one). A parameter joins one group only: another group of it would re-home it back and
+    forth. A parameter object replaced since (`load_state_dict(assign=True)`) makes the group anew."""
     if not owner.__dict__.get(DRAFTING) or needs_grad(parameters, x):
         return None
     group = owner.__dict__.get("_joined_" + key)
-    if group is None:
+    if group is None or any(a is not b for a, b in zip(group.parameters, parameters, strict=True)):
         group = owner.__dict__["_joined_" + key] = Joined(parameters, stack)
     return group.get()
 
@@ -104,8 +122,8 @@ def joined_weights(
     dimension (see `joined`), for drafting on x; None where they cannot be."""
     linears = [getattr(owner, name) for name in names]
     biases = [linear.bias for linear in linears]
-    if any((b is None) != (biases[0] is None) for b in biases):
-        return None
+    if any((b is None) != (biases[0] is None) for b in biases) or not all(map(is_plain_linear, linears)):
+        return None  # hooks (offloading, quantisation, user's) would not run for a joined matmul
     key = "_".join(names)
     weight = joined(owner, key, [linear.weight for linear in linears], x)
     bias = None if biases[0] is None else joined(owner, key + "_bias", biases, x)
@@ -126,7 +144,8 @@ def joined_linear(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> 
 def gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """transformers' gated MLP (LlamaMLP and its kin: down(act(gate(x)) * up(x))), gate and up as one matmul
     when drafting; any other MLP as it is."""
-    both = joined_linear(mlp, ("gate_proj", "up_proj"), x) if hasattr(mlp, "gate_proj") else None
+    gated = hasattr(mlp, "gate_proj") and not (mlp._forward_hooks or mlp._forward_pre_hooks)
+    both = joined_linear(mlp, ("gate_proj", "up_proj"), x) if gated else None
     if both is None:
         return mlp(x)
     gate, up = both.chunk(2, dim=-1)

@@ -304,6 +304,7 @@ class SpeculativeModel:
                 self._decode_with(state, input_ids, prompts, starts, budgets, eos, generators)
             )
         finally:
+            self.drafter.finish()
             for module in training:
                 module.train()
             if stateful:

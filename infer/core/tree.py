@@ -180,10 +180,9 @@ def select_tree(
     up = parents.gather(1, chosen)
     # a chosen candidate's parent is chosen too: its tree index is its place in `chosen`, plus the root
     tree_parents = torch.where(up >= 0, torch.searchsorted(chosen, up.clamp(min=0)) + 1, 0)
-    root_first = nn.functional.pad  # the root in front: parent -1, rank 0
-    tree = build_tree(
-        root_first(tree_parents, (1, 0), value=-1),
-        root_first(ranks.gather(1, chosen), (1, 0), value=0),
+    tree = build_tree(  # the root in front: parent -1, rank 0
+        nn.functional.pad(tree_parents, (1, 0), value=-1),
+        nn.functional.pad(ranks.gather(1, chosen), (1, 0), value=0),
         max_depth,
         width,
     )

@@ -17,7 +17,7 @@ from torch import nn
 
 from selfspec.heads.dflash import DFlashDraft
 from selfspec.heads.draft_layers import DraftCache
-from selfspec.heads.joined import for_drafting
+from selfspec.heads.joined import for_drafting, unjoin
 from selfspec.infer.core.tree import Tree
 from selfspec.infer.core.verify import SamplingParams
 from selfspec.infer.drafters.drafter import Draft, Drafter, newest_pairs
@@ -49,7 +49,7 @@ class DFlashProposer(Drafter):
         total_tokens: int | None = None,
     ) -> None:
         cfg = draft.config
-        self.draft = for_drafting(draft.eval())  # its layers may join their parameters (heads/joined.py)
+        self.draft = draft.eval()
         self.feature_layers = cfg.feature_layers  # the hidden_states indices the target hands over
         self.block = cfg.block_size
         self.device = self.weights_device = next(
@@ -85,8 +85,12 @@ class DFlashProposer(Drafter):
         """A batch of `rows` sequences starts: one drafter cache, row b's confirmed columns
         0 .. lengths[b] − 1. A call writes each row's new context after its own, the block after that, and
         padding past both."""
+        for_drafting(self.draft)  # its layers join their parameters until `finish` (heads/joined.py)
         self.cache = DraftCache.for_drafter(self.draft, 2 * max_length + self.block, batch=rows)
         self.lengths = [0] * rows
+
+    def finish(self) -> None:
+        unjoin(self.draft)
 
     def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """Go on with rows `keep` only, in that order (`index`: the same on the device)."""

@@ -77,6 +77,10 @@ class Drafter(abc.ABC):
         """The batch goes on with rows `keep` only, in that order (`index`: the same on the drafter's
         device)."""
 
+    def finish(self) -> None:  # noqa: B027 (optional: drafters whose layers join nothing)
+        """The generation ended or was abandoned: let go of what only decoding needs (joined weights,
+        heads/joined.py)."""
+
 
 class SequenceDrafter(Protocol):
     """A drafter of one sequence at a time; `PerRow` makes it a `Drafter`."""

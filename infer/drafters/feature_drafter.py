@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from selfspec.heads.draft_layers import DraftCache
-from selfspec.heads.joined import for_drafting
+from selfspec.heads.joined import for_drafting, unjoin
 from selfspec.infer.core.mask import RowMask
 from selfspec.infer.core.tree import Tree, choices_width, descend, row_trees, select_tree, tree_from_choices
 from selfspec.infer.core.verify import SamplingParams
@@ -60,7 +60,7 @@ class FeatureDrafter(Drafter):
         choices: list[list[int]] | None = None,
     ) -> None:
         cfg = draft.config
-        self.draft = for_drafting(draft.eval())  # its layers may join their parameters (heads/joined.py)
+        self.draft = draft.eval()
         self.name = cfg.kind  # eagle | eagle3 | mtp
         self.feature_layers = (
             cfg.feature_layers
@@ -128,6 +128,7 @@ class FeatureDrafter(Drafter):
         """A batch of `rows` sequences of at most `max_length` tokens starts: one drafter cache for all of
         them. Row b's confirmed pairs sit in columns 0 .. lengths[b] - 1; each call writes at the shared
         column max(lengths), then moves each row's pairs down to its own end, as the target's cache does."""
+        for_drafting(self.draft)  # its layers join their parameters until `finish` (heads/joined.py)
         draft_columns = max(self.max_nodes, self.depth * self.top_k)
         capacity = max_length + draft_columns + self.max_nodes
         self.cache = self.new_cache(capacity, rows)
@@ -143,6 +144,9 @@ class FeatureDrafter(Drafter):
         """The drafter's KV cache for `rows` rows of `capacity` positions: `length`, `keep_rows(src, dst)` and
         `select_rows(keep, index)`, written by the drafter's forward."""
         return DraftCache.for_drafter(self.draft, capacity, batch=rows)
+
+    def finish(self) -> None:
+        unjoin(self.draft)
 
     def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """The batch goes on with rows `keep` only, in that order (the others stopped; `index`: the same on

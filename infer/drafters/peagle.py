@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from selfspec.heads.draft_layers import DraftCache
-from selfspec.heads.joined import for_drafting
+from selfspec.heads.joined import for_drafting, unjoin
 from selfspec.heads.peagle import PEagleDraft
 from selfspec.infer.core.mask import RowMask
 from selfspec.infer.core.verify import SamplingParams
@@ -47,7 +47,7 @@ class PEagleProposer(Drafter):
         total_tokens: int | None = None,
     ) -> None:
         cfg = draft.config
-        self.draft = for_drafting(draft.eval())  # its layers may join their parameters (heads/joined.py)
+        self.draft = draft.eval()
         self.feature_layers = cfg.feature_layers  # the hidden_states indices the target hands over
         self.device = self.weights_device = next(
             draft.parameters()
@@ -87,11 +87,15 @@ class PEagleProposer(Drafter):
         """A batch of `rows` sequences of at most `max_length` tokens starts: row b's confirmed pairs sit in
         columns 0 .. lengths[b] - 1; a call writes at the shared column max(lengths), at most depth + 1 pairs
         and the slots."""
+        for_drafting(self.draft)  # its layers join their parameters until `finish` (heads/joined.py)
         queries = self.depth + 1 + self.slots  # the most a step after the prompt writes
         capacity = max_length + queries + 1
         self.cache = DraftCache.for_drafter(self.draft, capacity, batch=rows)
         self.mask = RowMask(rows, queries, capacity, self.dtype, self.device)
         self.pairs = ConfirmedPairs(self.cache, self.mask, rows)
+
+    def finish(self) -> None:
+        unjoin(self.draft)
 
     def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """Go on with rows `keep` only, in that order (`index`: the same on the device)."""

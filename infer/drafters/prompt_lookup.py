@@ -118,6 +118,9 @@ class LookupFirst(Drafter):
         self.lookup.observe(new)
         self.primary.observe(new)  # most primaries read the device context; a draft model prefills here
 
+    def finish(self) -> None:
+        self.primary.finish()
+
     def keep_rows(self, keep: list[int], index: torch.Tensor) -> None:
         self.primary.keep_rows(keep, index)
         self.lookup.keep_rows(keep, index)

@@ -18,6 +18,7 @@ from selfspec.heads.draft_layers import (
     use_draft_norms,
 )
 from selfspec.heads.joined import for_drafting, gated_mlp
+from selfspec.infer.core.generate import SpeculativeModel
 from selfspec.infer.core.loading import proposer_for
 from selfspec.infer.measure.launches import LaunchCounter
 
@@ -187,19 +188,51 @@ def test_dflash_layers_draft_the_same_joined(qk_norm):
     assert attn.q_proj.weight.data_ptr() == pointer
 
 
-def test_a_module_in_training_never_joins_even_without_autograd():
-    """Validation forwards of a drafter being trained run under no_grad too: its parameters stay where the
-    training wrappers put them (a re-homed parameter would leave DeepSpeed's flat buffers, and a checkpoint
-    saved by safetensors' save_model would drop the views). Only a proposer's drafter joins."""
+def storage(linear: torch.nn.Linear) -> int:
+    return linear.weight.untyped_storage().data_ptr()
+
+
+def test_only_a_generation_joins_and_it_lets_go_at_its_end(tmp_path):
+    """A drafter joins while a generation runs and gets storage of its own back at its end: its no-grad
+    validation forwards in training never join (DeepSpeed's flat buffers keep the parameters), and afterwards
+    accelerate's save_model (which drops tensors that share storage) saves every weight."""
+    from safetensors.torch import load_file, save_model
+
     model = tiny_model("llama")
     draft = eagle3_drafts.random_draft(model)
     x = torch.randn(1, 3, draft.config.hidden_size)
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
     pointers = [p.data_ptr() for p in draft.parameters()]
     with torch.no_grad():
         draft.midlayer.finish(x, x)
         draft.midlayer.attention_input(x, x)
     assert [p.data_ptr() for p in draft.parameters()] == pointers
-    proposer = proposer_for(draft, model)  # a proposer's drafter joins on its first draft
+    proposer = proposer_for(draft, model)
+    shared = []
+    propose = proposer.propose
+
+    def recording(*args):
+        drafts = propose(*args)
+        shared.append(storage(draft.midlayer.self_attn.q_proj) == storage(draft.midlayer.self_attn.v_proj))
+        return drafts
+
+    proposer.propose = recording
+    prompt = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    SpeculativeModel(model, proposer).generate(prompt, max_new_tokens=6, eos_token_id=[], pad_token_id=0)
+    assert shared and all(shared)  # joined while drafting
+    assert storage(draft.midlayer.self_attn.q_proj) != storage(draft.midlayer.self_attn.v_proj)
+    save_model(draft, str(tmp_path / "d.safetensors"))
+    saved = load_file(str(tmp_path / "d.safetensors"))
+    assert saved.keys() == before.keys() and all(torch.equal(saved[k], before[k]) for k in before)
+
+
+def test_a_parameter_replaced_after_joining_is_joined_anew():
+    """load_state_dict(assign=True) puts new parameter objects in: the next draft joins those, not the old."""
+    model = tiny_model("llama")
+    mlp = for_drafting(eagle3_drafts.random_draft(model, seed=0)).midlayer.mlp
+    other = eagle3_drafts.random_draft(model, seed=1).midlayer.mlp
+    x = torch.randn(1, 3, mlp.gate_proj.weight.shape[1])
     with torch.no_grad():
-        proposer.draft.midlayer.finish(x, x)
-    assert proposer.draft is draft and [p.data_ptr() for p in draft.parameters()] != pointers
+        gated_mlp(mlp, x)
+        mlp.load_state_dict(other.state_dict(), assign=True)
+        assert torch.equal(gated_mlp(mlp, x), other(x))
