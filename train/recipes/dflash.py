@@ -15,7 +15,7 @@ from selfspec.train.methods.dflash_loss import (
     LOSSES,
     WEIGHTINGS,
 )
-from selfspec.train.recipes.feature_run import FeatureRunConfig
+from selfspec.train.recipes.feature_config import FeatureRunConfig
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ from selfspec.train.data.vocabulary import draft_vocabulary, init_from_target
 from selfspec.train.loop.config import ConfigError, check_at_least, option
 from selfspec.train.loop.training import heads_config
 from selfspec.train.recipes.draft_shape import draft_vocab_size, fused_layers
-from selfspec.train.recipes.feature_run import FeatureRunConfig
+from selfspec.train.recipes.feature_config import FeatureRunConfig
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ from selfspec.heads.formats.mtp import load_target_mtp, shares_output_norm
 from selfspec.heads.mtp import MtpDraft, mtp_layer_count
 from selfspec.infer.measure.tune import eagle_grid
 from selfspec.train.loop.config import ConfigError, check_at_least, option
-from selfspec.train.recipes.feature_run import FeatureRunConfig
+from selfspec.train.recipes.feature_config import FeatureRunConfig
 
 
 @dataclasses.dataclass

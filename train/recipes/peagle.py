@@ -14,7 +14,7 @@ from selfspec.train.data.vocabulary import choose_mask_token, draft_vocabulary, 
 from selfspec.train.loop.config import ConfigError, check_at_least, option
 from selfspec.train.loop.training import heads_config
 from selfspec.train.recipes.draft_shape import draft_vocab_size, fused_layers
-from selfspec.train.recipes.feature_run import FeatureRunConfig
+from selfspec.train.recipes.feature_config import FeatureRunConfig
 
 
 @dataclasses.dataclass
