@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNor
 
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.gqa import grouped_sdpa
-from selfspec.heads.joined import joined, joined_linear, joined_weights
+from selfspec.heads.joined import joined, joined_linear, joined_weights, needs_grad
 
 
 def _rope(config: Any) -> dict[str, Any]:
@@ -281,9 +281,7 @@ class DraftRMSNorm(LlamaRMSNorm):
     (autograd) runs the parent's forward."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if FUSED_RMS_NORM is None or (
-            torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
-        ):
+        if FUSED_RMS_NORM is None or needs_grad([self.weight], hidden_states):
             return super().forward(hidden_states)
         shape, eps = [hidden_states.shape[-1]], self.variance_epsilon
         if hidden_states.dtype == self.weight.dtype == torch.float32:

@@ -20,7 +20,7 @@ from selfspec.heads.draft_layers import DraftCache
 from selfspec.heads.joined import for_drafting, unjoin
 from selfspec.infer.core.tree import Tree
 from selfspec.infer.core.verify import SamplingParams
-from selfspec.infer.drafters.drafter import Draft, Drafter, newest_pairs
+from selfspec.infer.drafters.drafter import Draft, Drafter, newest_features
 from selfspec.infer.drafters.parallel_tree import ParallelTree
 from selfspec.infer.drafters.proposers import TREE_OPTIONS, embedding_for
 
@@ -108,7 +108,7 @@ class DFlashProposer(Drafter):
         counts = [h.shape[0] if on else 0 for h, on in zip(hiddens, active)]
         M, Bk = max(counts), self.block
         starts = [c.shape[0] - 1 for c in contexts]
-        feats, _ = newest_pairs(contexts, hiddens, counts, self.dtype, self.device)
+        feats = newest_features(hiddens, counts, self.dtype, self.device)
         # host-side layout (no device sync): context j of row b at column n_b + j, the block after it, the
         # padding (j >= m_b) after the block, where no row ever looks
         n = torch.tensor(self.lengths)[:, None]

@@ -132,6 +132,28 @@ class PerRow(Drafter):
         self.rows = [self.rows[i] for i in keep]
 
 
+def right_padded(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """parts[b] (m_b, ...) stacked and right-padded with zeros to the longest, (B, M, ...) on `device`, in
+    launches that do not grow with the batch: a stack when all are as long (a view for one), else one gather
+    from every part in a row followed by a zero."""
+    counts = [p.shape[0] for p in parts]
+    M = max(counts)
+    if all(m == M for m in counts):
+        return (parts[0][None] if len(parts) == 1 else torch.stack(parts)).to(device)
+    starts = list(itertools.accumulate(counts, initial=0))
+    index = [[starts[b] + j if j < m else starts[-1] for j in range(M)] for b, m in enumerate(counts)]
+    flat = torch.cat(parts).to(device)
+    flat = nn.functional.pad(flat, (0, 0) * (flat.dim() - 1) + (0, 1))
+    return flat[upload(index, device)]
+
+
+def newest_features(
+    hiddens: list[torch.Tensor], counts: list[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Row b's newest counts[b] target features, right-padded with zeros to the longest row: (B, M, ·)."""
+    return right_padded([h[:m] for h, m in zip(hiddens, counts)], device).to(dtype)
+
+
 def newest_pairs(
     contexts: list[torch.Tensor],
     hiddens: list[torch.Tensor],
@@ -140,23 +162,9 @@ def newest_pairs(
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row b's newest counts[b] target features and the tokens they produced (the confirmed pairs a drafter
-    with a cache of its own feeds), right-padded with zeros to the longest row: (B, M, ·) and (B, M), in
-    launches that do not grow with the batch. Rows of equal counts (always a batch of one) need no padding:
-    a stack each, or a view for one row."""
-    M = max(counts)
-    if all(m == M for m in counts):
-        feats = hiddens[0][None] if len(hiddens) == 1 else torch.stack(hiddens)
-        tokens = contexts[0][None, -M:] if len(contexts) == 1 else torch.stack([c[-M:] for c in contexts])
-        return feats.to(device, dtype), tokens
-    # every row's pairs one after another, then a zero: row b's padded columns index into it
-    starts = list(itertools.accumulate(counts, initial=0))
-    total = starts[-1]
-    index = [[starts[b] + j if j < m else total for j in range(M)] for b, m in enumerate(counts)]
-    index_t = upload(index, device)
-    pairs = [h[:m] for h, m in zip(hiddens, counts) if m]
-    feats = nn.functional.pad(torch.cat(pairs).to(device, dtype), (0, 0, 0, 1))[index_t]
-    tokens = nn.functional.pad(torch.cat([c[len(c) - m :] for c, m in zip(contexts, counts) if m]), (0, 1))
-    return feats, tokens.to(device)[index_t]
+    with a cache of its own feeds), right-padded with zeros to the longest row: (B, M, ·) and (B, M)."""
+    tokens = right_padded([c[len(c) - m :] for c, m in zip(contexts, counts)], device)
+    return newest_features(hiddens, counts, dtype, device), tokens
 
 
 def as_drafter(drafter: Drafter | SequenceDrafter) -> Drafter:
